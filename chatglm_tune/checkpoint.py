@@ -1,0 +1,227 @@
+"""Safe checkpoint loading and atomic saving for ChatGLM models.
+
+Loads, in this order of preference, from a directory: `model.safetensors.index.json` + shards,
+`*.safetensors`, the official `pytorch_model.bin.index.json` + `pytorch_model-0000N-of-0000M.bin`
+shards, `pytorch_model.bin`, or a single `.pth`/`.pt`/`.bin` file given directly. Torch files are read
+with `torch.load(weights_only=True, mmap=True)`: no pickle code runs.
+
+The model is built on the meta device and every tensor is assigned as it is read, one shard at a time,
+cast to the compute dtype, so loading peaks near one copy of the weights. With `quantize_bits`, each
+block Linear is quantized as soon as its weight and bias are in, so a half-precision checkpoint can be
+loaded as INT8/INT4 without ever holding the whole model in half precision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
+PREFIX_KEY = "transformer.prefix_encoder."
+QUANTIZED_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+TORCH_SUFFIXES = (".bin", ".pth", ".pt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model as configured."""
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint directory (or the file itself), in load order."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint file or directory")
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [n for n in names if not (path / n).exists()]
+            if missing:
+                raise CheckpointError(f"{index}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            return [path / n for n in names]
+    for pattern in ("model*.safetensors", "pytorch_model*.bin"):
+        found = sorted(path.glob(pattern))
+        if found:
+            return found
+    found = [f for f in sorted(path.iterdir()) if f.suffix in (".safetensors", *TORCH_SUFFIXES)]
+    if len(found) == 1:
+        return found
+    if not found:
+        raise CheckpointError(f"{path}: no weights found (model*.safetensors, pytorch_model*.bin or one *.pth)")
+    raise CheckpointError(f"{path}: several weight files and no model*.safetensors or pytorch_model*.bin; pass the file itself")
+
+
+def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of one weight file, read lazily; torch files with weights_only=True."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+        return
+    if file.suffix not in TORCH_SUFFIXES:
+        raise CheckpointError(f"{file}: unknown weight file type {file.suffix!r}")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a truncated file, or one that needs pickle code to load
+        raise CheckpointError(f"{file}: cannot be read as a weights-only torch file ({e})") from e
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a state dict, found {type(state).__name__}")
+    keys = list(state)
+    for key in keys:
+        yield key, state.pop(key)  # drop our reference as we go
+
+
+def load_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    quantize_bits: int = 0,
+    group_size: int = 0,
+    only_prefix: bool = False,
+) -> list[str]:
+    """Assign the tensors of a checkpoint to a (meta or real) model; returns the keys still unset.
+
+    Floating tensors are cast to `dtype`, except the prefix encoder (kept in float32) and the
+    quantization scales; integer tensors keep their type. `only_prefix` accepts nothing but
+    `transformer.prefix_encoder.*` keys (a P-tuning checkpoint on top of a loaded base).
+    """
+    expected = dict(model.named_parameters())
+    expected.update((k, b) for k, b in model.named_buffers() if _is_persistent(model, k))
+    pending_quant: dict[str, set[str]] = {}
+    for file in weight_files(path):
+        for key, tensor in iter_tensors(file):
+            if IGNORED_KEYS.search(key):
+                continue
+            if only_prefix and not key.startswith(PREFIX_KEY):
+                raise CheckpointError(f"{file}: {key} is not a prefix-encoder weight (expected only {PREFIX_KEY}*)")
+            if key not in expected:
+                raise CheckpointError(_unexpected_key_message(model, file, key))
+            target = expected.pop(key)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
+            _assign(model, key, _cast(key, tensor, dtype), target)
+            linear = _quantizable_linear(key) if quantize_bits else None
+            if linear is not None:
+                done = pending_quant.setdefault(linear, set())
+                done.add(key.rsplit(".", 1)[1])
+                if done >= {"weight", "bias"}:
+                    _quantize_one(model, linear, quantize_bits, group_size)
+                    del pending_quant[linear]
+    return sorted(expected)
+
+
+def _is_persistent(model: nn.Module, key: str) -> bool:
+    owner, _, name = key.rpartition(".")
+    return name not in model.get_submodule(owner)._non_persistent_buffers_set
+
+
+def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not tensor.is_floating_point() or key.endswith("weight_scale"):
+        return tensor
+    return tensor.to(torch.float32 if key.startswith(PREFIX_KEY) else dtype)
+
+
+def _assign(model: nn.Module, key: str, value: torch.Tensor, old: torch.Tensor) -> None:
+    owner, _, name = key.rpartition(".")
+    module = model.get_submodule(owner)
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad and value.is_floating_point())
+    else:
+        module._buffers[name] = value
+
+
+def _quantizable_linear(key: str) -> str | None:
+    m = re.match(r"^(transformer\.layers\.\d+\.(?:attention|mlp)\.(\w+))\.(weight|bias)$", key)
+    return m.group(1) if m and m.group(2) in QUANTIZED_LINEARS else None
+
+
+def _quantize_one(model: nn.Module, name: str, bits: int, group_size: int) -> None:
+    from .quantization import QuantizedLinear
+
+    owner, _, attr = name.rpartition(".")
+    parent = model.get_submodule(owner)
+    setattr(parent, attr, QuantizedLinear.from_linear(getattr(parent, attr), bits, group_size))
+
+
+def _prefix_settings(shape, config) -> str:
+    """What pre_seq_len / prefix_projection a prefix embedding of `shape` was trained with."""
+    width = 2 * config.num_layers * config.hidden_size
+    projection = shape[-1] != width
+    return f"pre_seq_len={shape[0]}, prefix_projection={projection}"
+
+
+def _unexpected_key_message(model, file, key) -> str:
+    config = model.config
+    if key.startswith(PREFIX_KEY):
+        return (
+            f"{file}: holds P-tuning weights ({key}) but the model has pre_seq_len={config.pre_seq_len}, "
+            f"prefix_projection={config.prefix_projection}; load it with the pre_seq_len/prefix_projection "
+            "it was trained with"
+        )
+    return f"{file}: unexpected key {key} (not a weight of this ChatGLM config)"
+
+
+def _shape_message(model, file, key, expected, found) -> str:
+    config = model.config
+    msg = f"{file}: {key} has shape {list(found)}, the model expects {list(expected)}"
+    if key == PREFIX_KEY + "embedding.weight":
+        msg += (
+            f"; the checkpoint was trained with {_prefix_settings(found, config)}, the model has "
+            f"pre_seq_len={config.pre_seq_len}, prefix_projection={config.prefix_projection}"
+        )
+    elif not key.startswith(PREFIX_KEY):
+        msg += "; does config.json match these weights?"
+    return msg
+
+
+def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
+    """Write `state` as `model.safetensors` (or shards + index), each file atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in state.items():
+        n = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += n
+    if len(shards) == 1:
+        atomic_write(directory / "model.safetensors", lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        atomic_write(directory / name, lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": weight_map}
+    atomic_write(directory / "model.safetensors.index.json", lambda p: Path(p).write_text(json.dumps(index, indent=2)))
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call `write(tmp_path)` then rename onto `path`: a crash leaves the old file intact."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

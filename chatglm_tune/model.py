@@ -1,0 +1,441 @@
+"""ChatGLM-6B (v1) in plain PyTorch, exact to the official `modeling_chatglm.py` (spec section 3).
+
+Module names equal the official checkpoint keys (`transformer.word_embeddings`,
+`transformer.layers.N.attention.query_key_value`, `.mlp.dense_h_to_4h`, `transformer.final_layernorm`,
+`transformer.prefix_encoder`), so loading is a key-for-key copy.
+
+Layout: the official code is sequence-first ([s, b, h]); this one is batch-first throughout:
+hidden states [b, s, h], attention tensors [b, heads, s, head_dim] (the layout of
+`scaled_dot_product_attention` and of transformers' `DynamicCache`). The numbers are the same.
+
+What keeps the numbers official:
+- residual on the *normalised* input, scaled by alpha = sqrt(2 * 28) whatever the depth;
+- per-head interleaved QKV rows: head h owns rows [3*hd*h, 3*hd*(h+1)) as q | k | v;
+- 2D rotary: first half of each head rotated by the position, second half by the block position, with
+  `inv_freq` rounded to fp16 and the angle tables computed in fp16 when the model runs in fp16;
+- the GLM mask: the context (before `<sop>`) is bidirectional, generation is causal;
+- the tanh GELU written out as the official one; the head tied to the word embeddings.
+Masked scores use -inf through SDPA's boolean mask instead of -10000 * (layer + 1): the same
+probabilities, since exp(-10000) is 0 in every float type.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import checkpoint
+from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
+from .positions import build_position_ids, context_lengths, glm_mask
+from .prefix import PrefixEncoder, prefix_key_values
+
+ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
+# Arguments transformers' Auto classes pass along to from_pretrained; meaningless for a local directory.
+_AUTO_PLUMBING = {"_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
+                  "local_files_only", "proxies", "token", "subfolder", "_commit_hash"}
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """The official tanh GELU, op for op (so fp16 rounds as it does)."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+
+
+def rotary_tables(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, s, 1, head_dim] for 2D positions [b, 2, s]: first half by position, second by block.
+
+    `inv_freq` is rounded to fp16 as the official buffer is. The angles are computed in fp16 when the
+    model runs in fp16 (official GPU numbers) and in fp32 otherwise (official CPU fp32 numbers; for
+    bf16 this avoids bf16 position counters, which cannot count past 256 exactly).
+    """
+    rot = head_dim // 2  # dims rotated by one position channel
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rot, 2, device=position_ids.device).float() / rot))).half()
+    table_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+    angles = position_ids.to(table_dtype)[..., None] * inv_freq.to(table_dtype)  # [b, 2, s, rot/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [b, 2, s, rot]
+    angles = torch.cat([angles[:, 0], angles[:, 1]], dim=-1)  # [b, s, head_dim]
+    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, s, heads, hd]: each half rotated with GPT-NeoX `rotate_half` within that half."""
+    x4 = x.unflatten(-1, (2, 2, x.shape[-1] // 4))  # [..., half, part, hd/4]
+    rotated = torch.stack((-x4[..., 1, :], x4[..., 0, :]), dim=-2).flatten(-3)
+    return x * cos + rotated * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ChatGLMConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x, cos, sin, allowed, cache: Cache | None, prefix_kv):
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, self.num_heads, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # [b, s, nh, hd], per-head interleaved rows
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, nh, s, hd]
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        elif prefix_kv is not None:
+            k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [b, nh, s, hd]
+        return self.dense(ctx.transpose(1, 2).reshape(b, s, -1))
+
+
+class GLU(nn.Module):
+    """The official `GLU`: despite the name, an ungated MLP."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.inner_hidden_size)
+        self.dense_4h_to_h = nn.Linear(config.inner_hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(gelu(self.dense_h_to_4h(x)))
+
+
+class GLMBlock(GradientCheckpointingLayer):
+    """Post-LN with a normalised residual: h = LN(x)*alpha + Attn(LN(x)); out = LN(h)*alpha + MLP(LN(h))."""
+
+    def __init__(self, config: ChatGLMConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attention = SelfAttention(config, layer_idx)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.mlp = GLU(config)
+
+    def forward(self, x, cos, sin, allowed, cache=None, prefix_kv=None):
+        a = self.input_layernorm(x)
+        h = a * ALPHA + self.attention(a, cos, sin, allowed, cache, prefix_kv)
+        m = self.post_attention_layernorm(h)
+        return m * ALPHA + self.mlp(m)
+
+
+class ChatGLMPreTrainedModel(PreTrainedModel):
+    config_class = ChatGLMConfig
+    config: ChatGLMConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GLMBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if getattr(module, "_default_init", False):  # the prefix encoder keeps PyTorch's init, as official
+            module.reset_parameters()
+        elif isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, 0.02)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, 0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+
+
+class ChatGLMModel(ChatGLMPreTrainedModel):
+    """Embeddings -> GLM blocks -> final LayerNorm (the official `transformer`)."""
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__(config)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GLMBlock(config, i) for i in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        if config.pre_seq_len is not None:
+            # P-tuning v2: the trunk is frozen and only the prefix encoder learns (official behaviour).
+            for p in self.parameters():
+                p.requires_grad_(False)
+            self.prefix_encoder = PrefixEncoder(config)
+            for m in self.prefix_encoder.modules():
+                if hasattr(m, "reset_parameters"):
+                    m._default_init = True
+            self.prefix_dropout = nn.Dropout(0.1)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.word_embeddings = value
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=False):
+        """input_ids [b, s] -> (hidden [b, s, h], cache or None). See ChatGLMForConditionalGeneration."""
+        cfg = self.config
+        b, s = input_ids.shape
+        x = self.word_embeddings(input_ids)
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
+        n_prefix = cfg.pre_seq_len or 0
+        prefix = None
+        if n_prefix and (cache is None or cache.get_seq_length() == 0):
+            prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg, b, x.dtype)
+            if cache is not None:  # the prefix becomes the first entries of the cache
+                for layer, (k, v) in enumerate(prefix):
+                    cache.update(k, v, layer)
+                prefix = None
+        past = cache.get_seq_length() - n_prefix if cache is not None else 0  # tokens already cached
+
+        pad_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if position_ids is None:
+            if past:
+                raise ValueError(
+                    "position_ids are required for an incremental step (the GLM positions depend on the whole "
+                    "prompt); use model.generate or chatglm_tune.generate, which track them"
+                )
+            position_ids = build_position_ids(
+                input_ids, bos_token_id=cfg.bos_token_id, gmask_token_id=cfg.gmask_token_id,
+                mask_token_id=cfg.mask_token_id, pad_mask=pad_mask,
+            )
+        allowed = self._sdpa_mask(input_ids, attention_mask, pad_mask, past, n_prefix)
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, allowed, cache, None if prefix is None else prefix[i])
+        return self.final_layernorm(x), (cache if use_cache else None)
+
+    def _sdpa_mask(self, input_ids, attention_mask, pad_mask, past: int, n_prefix: int):
+        """Boolean SDPA mask [b, 1, s, n_prefix + past + s], True = may attend; None when all may."""
+        b, s = input_ids.shape
+        k_len = past + s
+        if attention_mask is not None and attention_mask.dim() == 4:  # official: True = blocked
+            if attention_mask.shape[-2:] != (s, k_len):
+                raise ValueError(
+                    f"a 4D attention_mask must be [b, 1, {s}, {k_len}] (queries, cached + new keys), "
+                    f"got {list(attention_mask.shape)}"
+                )
+            blocked = attention_mask.bool()
+        elif past == 0:
+            c = context_lengths(input_ids, self.config.bos_token_id)
+            blocked = glm_mask(c, s, k_len, past_length=0, pad_mask=pad_mask)
+        elif s == 1 and (pad_mask is None or bool(pad_mask.all())):
+            return None
+        else:  # incremental steps: everything cached is visible, causal within the new chunk
+            blocked = glm_mask(input_ids.new_zeros(b), s, k_len, past_length=past, pad_mask=pad_mask)
+        allowed = ~blocked
+        # A query always sees its own key, so rows of pads are never fully masked (SDPA would give NaN).
+        own_key = torch.arange(s, device=allowed.device)[:, None] + past == torch.arange(k_len, device=allowed.device)
+        allowed = allowed | own_key
+        if n_prefix:
+            allowed = torch.cat([allowed.new_ones(b, 1, s, n_prefix), allowed.expand(b, 1, s, k_len)], dim=-1)
+        return None if bool(allowed.all()) else allowed
+
+
+class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
+    """ChatGLM-6B with its tied LM head, loss, KV cache and generation hooks."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.word_embeddings.weight"}
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__(config)
+        self.transformer = ChatGLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        self.tie_lm_head()
+
+    def tie_lm_head(self):
+        """logits = hidden @ word_embeddings.T, as the official `from_pretrained` ties them."""
+        self.lm_head.weight = self.transformer.word_embeddings.weight
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *,
+        config: ChatGLMConfig | None = None,
+        dtype: torch.dtype | str | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        device: torch.device | str = "cpu",
+        quantization_bit: int | None = None,
+        quantization_group_size: int = 0,
+        **overrides,
+    ) -> "ChatGLMForConditionalGeneration":
+        """Load a local checkpoint (file or directory; see `checkpoint.weight_files`) without a second copy.
+
+        `overrides` set config fields (`pre_seq_len=128, prefix_projection=True`, ...), as transformers
+        does. `dtype` (or `torch_dtype`): the compute dtype; "auto" = config.json's; default float32.
+        `quantization_bit` 4/8 quantizes the block Linears of a half/float checkpoint while loading (the
+        official `model.quantize(bits)`); a checkpoint whose config says `quantization_bit` loads as is.
+        Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start).
+        """
+        for name in [n for n in overrides if n in _AUTO_PLUMBING]:
+            value = overrides.pop(name)
+            if name == "trust_remote_code" and value:
+                raise ValueError("chatglm_tune runs ChatGLM natively: trust_remote_code is never needed")
+        path = Path(pretrained_model_name_or_path)
+        if config is None:
+            config_dir = path if path.is_dir() else path.parent
+            if not (config_dir / "config.json").exists():
+                raise checkpoint.CheckpointError(f"{config_dir}: no config.json beside the weights")
+            config = ChatGLMConfig.from_pretrained(config_dir)
+        unknown = [k for k in overrides if not hasattr(config, k)]
+        if unknown:
+            raise TypeError(f"from_pretrained got unknown arguments: {', '.join(sorted(unknown))}")
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config)
+        stored_bits = config.quantization_bit
+        if quantization_bit and stored_bits and quantization_bit != stored_bits:
+            raise ValueError(f"{path} holds INT{stored_bits} weights; cannot load them as INT{quantization_bit}")
+        with torch.device("meta"):
+            model = cls(config)
+        if stored_bits:
+            from .quantization import quantize_model
+
+            quantize_model(model, stored_bits, config.quantization_group_size, empty_init=True)
+        load_bits = 0 if stored_bits else (quantization_bit or 0)
+        missing = checkpoint.load_weights(model, path, dtype=dtype, quantize_bits=load_bits, group_size=quantization_group_size)
+        not_prefix = [k for k in missing if not k.startswith(checkpoint.PREFIX_KEY)]
+        if not_prefix:
+            shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
+            raise checkpoint.CheckpointError(f"{path}: missing weights: {shown}")
+        if missing:  # a fresh prefix encoder, initialised as the official one is, kept in float32
+            encoder = model.transformer.prefix_encoder.to_empty(device="cpu")
+            for m in encoder.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        if load_bits:
+            config.quantization_bit, config.quantization_group_size = load_bits, quantization_group_size
+        config.dtype = dtype
+        model.tie_lm_head()
+        return model.to(device).eval()
+
+    def save_pretrained(self, save_directory, state_dict: dict | None = None, max_shard_bytes: int = 2 << 30, **unused):
+        """config.json + safetensors (sharded above `max_shard_bytes`); the tied head is stored once.
+
+        `state_dict` restricts what is written (e.g. only the trainable prefix encoder).
+        """
+        if any(v is not None for v in unused.values()):
+            raise TypeError(f"save_pretrained does not support: {', '.join(sorted(unused))}")
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = dict(self.state_dict() if state_dict is None else state_dict)
+        state.pop("lm_head.weight", None)
+        checkpoint.save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)
+        checkpoint.atomic_write(directory / "config.json", self.config.to_json_file)
+
+    def load_prefix(self, path) -> None:
+        """Load a P-tuning v2 checkpoint (`transformer.prefix_encoder.*`, official or ours) onto this model.
+
+        Refuses a checkpoint trained with another `pre_seq_len`/`prefix_projection`, naming both.
+        """
+        cfg = self.config
+        if cfg.pre_seq_len is None:
+            raise ValueError("this model has no prefix encoder: load the base with pre_seq_len (and prefix_projection) set")
+        source = Path(path)
+        saved = source / "config.json"
+        if source.is_dir() and saved.exists():
+            theirs = json.loads(saved.read_text())
+            if (theirs.get("pre_seq_len"), bool(theirs.get("prefix_projection"))) != (cfg.pre_seq_len, cfg.prefix_projection):
+                raise checkpoint.CheckpointError(
+                    f"{source} was trained with pre_seq_len={theirs.get('pre_seq_len')}, "
+                    f"prefix_projection={bool(theirs.get('prefix_projection'))}; this model has "
+                    f"pre_seq_len={cfg.pre_seq_len}, prefix_projection={cfg.prefix_projection}"
+                )
+        missing = checkpoint.load_weights(self, path, dtype=torch.float32, only_prefix=True)
+        missing = [k for k in missing if k.startswith(checkpoint.PREFIX_KEY)]
+        if missing:
+            raise checkpoint.CheckpointError(f"{source}: missing prefix weights: {', '.join(missing)}")
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | None = None,
+        return_dict: bool | None = None,
+        **unsupported,
+    ):
+        """Logits, loss and cache for `input_ids` [b, s].
+
+        position_ids: [b, 2, s] GLM positions; computed from `input_ids` when omitted (prompt steps only).
+        attention_mask: either [b, past + s] with 1 = token, 0 = pad (the usual transformers mask), or
+            the official boolean [b, 1, s, past + s] with True = blocked. Prefix columns are added here.
+        past_key_values: a transformers `Cache`; with P-tuning its first `pre_seq_len` entries are the prefix.
+        labels: [b, s], -100 = ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
+        logits_to_keep: None = all positions without labels and none with labels (the head then runs only
+            on labelled positions, the bulk of a training step's savings); an int N keeps the last N (0 = all).
+        """
+        if any(v is not None and v is not False for v in unsupported.values()):
+            raise TypeError(f"ChatGLM forward does not support: {', '.join(sorted(unsupported))}")
+        use_cache = self.config.use_cache and not self.training if use_cache is None else use_cache
+        hidden, cache = self.transformer(input_ids, position_ids, attention_mask, past_key_values, use_cache)
+        loss = None
+        if labels is not None:
+            shift = labels[:, 1:]
+            picked = shift != -100
+            logits_picked = self.lm_head(hidden[:, :-1][picked]).float()
+            loss = F.cross_entropy(logits_picked, shift[picked])
+        keep = (None if labels is not None else 0) if logits_to_keep is None else logits_to_keep
+        logits = None
+        if keep is not None:
+            logits = self.lm_head(hidden if keep == 0 else hidden[:, -keep:]).float()
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return out if return_dict is not False else out.to_tuple()
+
+    # --- transformers generate() support: positions come from the whole sequence, never incremented.
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, **kwargs):
+        pad_mask = _pad_mask_2d(attention_mask)
+        position_ids = build_position_ids(
+            input_ids, bos_token_id=self.config.bos_token_id, gmask_token_id=self.config.gmask_token_id,
+            mask_token_id=self.config.mask_token_id, pad_mask=pad_mask,
+        )
+        done = 0
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            done = past_key_values.get_seq_length() - (self.config.pre_seq_len or 0)
+        return dict(
+            input_ids=input_ids[:, done:], position_ids=position_ids[..., done:], attention_mask=pad_mask,
+            past_key_values=past_key_values, use_cache=use_cache,
+        )
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
+        model_kwargs.pop("position_ids", None)  # recomputed from the sequence in prepare_inputs_for_generation
+        if model_kwargs.get("attention_mask") is not None:
+            model_kwargs["attention_mask"] = _pad_mask_2d(model_kwargs["attention_mask"])
+        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
+
+
+def _resolve_dtype(dtype, config: ChatGLMConfig) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        dtype = config.dtype or "float32"
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def _pad_mask_2d(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The 2D pad mask (1 = token) of either mask form; the official 4D mask's pad rows see nothing."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        return attention_mask
+    blocked = attention_mask[:, 0].bool()
+    return (~blocked).any(dim=-1).long()  # a real token's row sees at least itself

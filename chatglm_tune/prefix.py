@@ -1,0 +1,58 @@
+"""P-tuning v2 prefix encoder: `pre_seq_len` learned key/value pairs in front of every layer (spec section 4).
+
+Official key names (`transformer.prefix_encoder.embedding.weight`, and `trans.0`/`trans.2` with
+projection), so an official P-tuning checkpoint loads as is. Like the official `ptuning/main.py`, the
+encoder is meant to stay in float32 while the trunk runs in half precision; its output is cast to the
+trunk's dtype. Initialisation is PyTorch's default, as in the official code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ChatGLMConfig
+
+
+class PrefixEncoder(nn.Module):
+    """prefix token index [b, P] -> past keys/values [b, P, 2 * num_layers * hidden_size].
+
+    Without projection: an embedding of that width. With projection:
+    embedding [P, hidden] -> Linear(hidden, hidden) -> Tanh -> Linear(hidden, 2 * num_layers * hidden).
+    """
+
+    def __init__(self, config: ChatGLMConfig):
+        super().__init__()
+        self.prefix_projection = config.prefix_projection
+        width = 2 * config.num_layers * config.hidden_size
+        if self.prefix_projection:
+            self.embedding = nn.Embedding(config.pre_seq_len, config.hidden_size)
+            self.trans = nn.Sequential(
+                nn.Linear(config.hidden_size, config.hidden_size),
+                nn.Tanh(),
+                nn.Linear(config.hidden_size, width),
+            )
+        else:
+            self.embedding = nn.Embedding(config.pre_seq_len, width)
+
+    def forward(self, prefix: torch.Tensor) -> torch.Tensor:
+        out = self.embedding(prefix)
+        return self.trans(out) if self.prefix_projection else out
+
+
+def prefix_key_values(
+    encoder: PrefixEncoder, dropout: nn.Dropout, config: ChatGLMConfig, batch_size: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (key, value), each [b, heads, P, head_dim] in `dtype`; keys are not rotated.
+
+    Channel `((2 * layer + kv) * heads + head) * head_dim + d` of the encoder output is element
+    `d` of head `head` of the key (kv=0) or value (kv=1) of `layer`, as in the official `get_prompt`.
+    One dropout mask covers keys and values alike.
+    """
+    p, nh, hd = config.pre_seq_len, config.num_attention_heads, config.head_dim
+    weight = encoder.embedding.weight
+    tokens = torch.arange(p, device=weight.device).expand(batch_size, p)
+    kv = encoder(tokens).to(dtype)  # [b, P, 2 * L * H]
+    kv = dropout(kv.view(batch_size, p, 2 * config.num_layers, nh, hd))
+    kv = kv.permute(2, 0, 3, 1, 4)  # [2L, b, nh, P, hd]
+    return [(kv[2 * layer], kv[2 * layer + 1]) for layer in range(config.num_layers)]
