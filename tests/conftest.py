@@ -1,0 +1,49 @@
+"""Shared test fixtures: the golden checkpoints of the official implementation.
+
+`model-small-vocab` ships in tests/fixtures (always tested); `model-tiny` (38 MB) is read from the
+`shared/` folder beside the checkout when it is there, and its tests skip cleanly when it is not.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+GOLDEN_DIRS = {
+    "small-vocab": FIXTURES / "model-small-vocab",
+    "tiny": SHARED / "golden" / "model-tiny",
+}
+
+
+class Golden:
+    """One golden checkpoint directory: its cases, expected logits and a loader."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.cases = json.loads((directory / "cases.json").read_text())["cases"]
+        self.logits = load_file(directory / "logits.safetensors")
+
+    def of_kind(self, kind):
+        return [c for c in self.cases if c["kind"] == kind]
+
+    def model(self, **overrides):
+        from chatglm_tune import ChatGLMForConditionalGeneration
+
+        return ChatGLMForConditionalGeneration.from_pretrained(self.dir, **overrides)
+
+
+@pytest.fixture(scope="session", params=sorted(GOLDEN_DIRS))
+def golden(request) -> Golden:
+    directory = GOLDEN_DIRS[request.param]
+    if not (directory / "model.safetensors").exists():
+        pytest.skip(f"{directory} is absent (it lives in shared/ beside the checkout)")
+    return Golden(directory)
+
+
+def left_pad_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """2D mask (1 = token) of a left-padded batch: the leading run of pad ids is padding."""
+    return (input_ids != pad_id).long().cummax(dim=1).values
