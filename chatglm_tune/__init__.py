@@ -4,13 +4,15 @@ Importing the package registers `model_type: chatglm` with transformers' Auto cl
 `AutoModel.from_pretrained(dir)` works without `trust_remote_code`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .config import ChatGLMConfig
 from .model import ChatGLMForConditionalGeneration, ChatGLMModel
+from .tokenizer import ChatGLMTokenizer
 
 AutoConfig.register("chatglm", ChatGLMConfig, exist_ok=True)
 AutoModel.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
 AutoModelForCausalLM.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
+AutoTokenizer.register(ChatGLMConfig, tokenizer_class=ChatGLMTokenizer, exist_ok=True)
 
-__all__ = ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel"]
+__all__ = ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel", "ChatGLMTokenizer"]
