@@ -1,0 +1,417 @@
+"""Weight-only INT8/INT4 quantization of ChatGLM-6B's block Linears, in the official checkpoint layout.
+
+What is quantized: the four Linears of every GLM block (`query_key_value`, `dense`, `dense_h_to_4h`,
+`dense_4h_to_h`); embeddings, LayerNorms, `lm_head` and the P-tuning prefix encoder stay in float.
+
+Format (spec `chatglm-6b.md` section 6), for `W [out, in]`:
+- per-row symmetric scale `weight_scale = (absmax(W, row) / (2**(bits-1) - 1)).half()`, fp16 `[out]`;
+- `q = round(W / weight_scale)`, INT8 in [-127, 127] stored as int8 `weight [out, in]`; INT4 in [-7, 7]
+  packed two per byte, int8 `weight [out, in/2]`, `byte = (q[2j] << 4) | (q[2j+1] & 0xF)` (even column
+  in the HIGH nibble), unpacked with arithmetic shifts (signed);
+- `bias` kept in float.
+Beyond the official format: INT4 with group-wise scales `weight_scale [out, in/group_size]` (the group
+size belongs in the model config, never in a file name).
+
+Matmul paths of `QuantizedLinear` (measured in `/work/shared/notes/cpu-kernels.md`):
+- "int8pack" (CPU): `torch._weight_int8pack_mm`, bf16 activations, per-row scales;
+- "int4pack" (CPU): `aten._weight_int4pack_mm_for_cpu` on a weight repacked once per process (the
+  packed layout depends on the CPU's ISA, so it is never saved);
+- "dequant" (everywhere, CUDA included): dequantize to the activation dtype (in row tiles on CPU) and
+  run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
+Backward always gives the input gradient through the dequantized weight, never a weight gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+# The four Linears of every GLM block (spec section 6).
+TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+
+# Rows of the weight dequantized at a time on CPU: a tile stays cache-friendly and the full float
+# weight never exists. 512 rows was the fastest of 128..4096 at 16384x4096, M = 16..256 (fp32).
+CPU_TILE_ROWS = 512
+
+# Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
+_INT4_KERNEL_GROUPS = (256, 128, 64, 32)
+KERNELS = ("auto", "int8pack", "int4pack", "dequant")
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure primitives
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_format(in_features: int, bits: int, group_size: int) -> None:
+    problems = []
+    if bits not in (4, 8):
+        problems.append(f"bits must be 4 or 8, got {bits}")
+    if bits == 4 and in_features % 2:
+        problems.append(f"INT4 packs two columns per byte: in_features={in_features} must be even")
+    if group_size < 0:
+        problems.append(f"group_size must be >= 0, got {group_size}")
+    if group_size > 0 and bits != 4:
+        problems.append("group-wise scales are an INT4 extension: use group_size=0 with bits=8")
+    if group_size > 0 and in_features % group_size:
+        problems.append(f"in_features={in_features} is not a multiple of group_size={group_size}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def quantize_weight(w: Tensor, bits: int, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Symmetric quantization of `w [out, in]` with the official ChatGLM rule.
+
+    Returns `q` int8 `[out, in]` in [-127, 127] (bits 8) or [-7, 7] (bits 4), unpacked, and
+    `scale` fp16 `[out]` (group_size 0, official) or `[out, in/group_size]` (group-wise INT4).
+
+    Dtypes: for fp16 `w` everything runs in fp16, as the official code does on CUDA (the fp16 absmax
+    divided by 127 or 7 in fp16, then `w / scale` in fp16 before rounding), so the result is
+    bit-identical to it. For fp32 and bf16 `w` the scale is computed in fp32 and rounded to fp16, and
+    `w / scale` runs in fp32 with that fp16 scale: what PyTorch's type promotion does in the official
+    line for fp32 weights (for bf16 weights the official line would round the scale through bf16 first;
+    we do not). Rows whose scale is 0 (all zeros, or an absmax that underflows fp16) give q = 0, never
+    NaN; q is clamped to the symmetric range, a no-op for normal weights.
+    """
+    out_features, in_features = w.shape
+    _check_format(in_features, bits, group_size)
+    qmax = 2 ** (bits - 1) - 1
+    work = torch.float16 if w.dtype == torch.float16 else torch.float32
+    groups = w.to(work).view(out_features, -1, group_size or in_features)  # (out, G, group)
+    scale = (groups.abs().amax(dim=-1) / qmax).half()  # (out, G) fp16
+    divisor = scale.to(work)
+    divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
+    q = torch.div(groups, divisor[..., None]).round_().clamp_(-qmax, qmax)
+    q = q.to(torch.int8).view(out_features, in_features)
+    return q, (scale if group_size else scale.squeeze(1))
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Pack int8 `q [..., in]` with values in [-8, 7] into int8 `[..., in/2]`, even column high."""
+    hi = q[..., 0::2].view(torch.uint8)
+    lo = q[..., 1::2].view(torch.uint8)
+    return ((hi << 4) | (lo & 0xF)).view(torch.int8)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """Unpack int8 `packed [..., in/2]` into signed int8 `[..., in]` (arithmetic shifts)."""
+    hi = packed >> 4  # int8 >> sign-extends the high nibble
+    lo = (packed << 4) >> 4  # (int8)(byte << 4) >> 4
+    return torch.stack((hi, lo), dim=-1).flatten(-2)
+
+
+def dequantize(weight: Tensor, weight_scale: Tensor, bits: int, dtype: torch.dtype = torch.float16) -> Tensor:
+    """Float weight `[out, in]` from a stored `weight` (int8 `[out, in]`, or packed `[out, in/2]` for
+    INT4) and `weight_scale` (`[out]`, or `[out, in/group]`: the group size follows from its shape).
+
+    fp16 output is computed in fp16, exactly as the official kernel (`scale * q` is exact in fp32, so
+    one fp16 rounding); other dtypes are computed in fp32 and rounded once.
+    """
+    q = unpack_int4(weight) if bits == 4 else weight
+    out_features = q.shape[0]
+    work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
+    scale = weight_scale.view(out_features, -1).to(work)  # (out, G)
+    w = q.to(work).view(out_features, scale.shape[1], -1) * scale[..., None]  # (out, G, group)
+    return w.view(out_features, -1).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Matmuls behind QuantizedLinear (x2d is (M, in))
+# ------------------------------------------------------------------------------------------------
+
+
+def _aligned_bf16(x2d: Tensor) -> Tensor:
+    """bf16, contiguous, 64-byte aligned copy of x when needed: the CPU kernels segfault on rows that
+    start mid-vector (a view offset by one element; cpu-kernels.md)."""
+    x2d = x2d.to(torch.bfloat16).contiguous()
+    return x2d.clone() if x2d.data_ptr() % 64 else x2d
+
+
+def _int8pack_mm(x2d: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    """(M, in) @ int8 (out, in).T -> (M, out) in x's dtype, computed in bf16 (the only fast dtype)."""
+    y = torch._weight_int8pack_mm(_aligned_bf16(x2d), weight.contiguous(), weight_scale.to(torch.bfloat16))
+    return y.to(x2d.dtype)
+
+
+def _int4pack_weight(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, int, Tensor]:
+    """Repack an official INT4 weight for `_weight_int4pack_mm_for_cpu`.
+
+    The kernel computes w = (u - 8) * scale + zero for u in [0, 15]; with u = q + 8 and zero = 0 that is
+    exactly q * scale. A scale group of length L (L = in for per-row scales) is expressed as L / gs
+    kernel groups of size gs, each carrying the same scale. Returns (packed uint8, gs,
+    scale_and_zeros bf16 (in/gs, out, 2)).
+    """
+    q = unpack_int4(weight)  # (out, in) in [-7, 7]
+    out_features, in_features = q.shape
+    scale = weight_scale.view(out_features, -1)  # (out, G)
+    group_len = in_features // scale.shape[1]
+    gs = next(g for g in _INT4_KERNEL_GROUPS if group_len % g == 0)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
+    scales = scale.repeat_interleave(group_len // gs, dim=1).t()  # (in/gs, out)
+    scale_and_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16)
+    return packed, gs, scale_and_zeros.contiguous()
+
+
+def _dequant_tiles(
+    layer: QuantizedLinear, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, dequantized weight rows (r, in)) in tiles on CPU; one tile holding all rows elsewhere."""
+    step = CPU_TILE_ROWS if device.type == "cpu" else layer.out_features
+    for start in range(0, layer.out_features, step):
+        rows = slice(start, start + step)
+        yield rows, dequantize(layer.weight[rows], layer.weight_scale[rows], layer.bits, dtype)
+
+
+def _dequant_mm(x2d: Tensor, layer: QuantizedLinear) -> Tensor:
+    """(M, in) @ dequant(W).T -> (M, out), in x's dtype."""
+    y = x2d.new_empty(x2d.shape[0], layer.out_features)
+    for rows, w in _dequant_tiles(layer, x2d.dtype, x2d.device):
+        y[:, rows] = x2d @ w.t()
+    return y
+
+
+def _dequant_mm_grad(grad_y2d: Tensor, layer: QuantizedLinear) -> Tensor:
+    """(M, out) @ dequant(W) -> (M, in): the input gradient, in grad_y's dtype."""
+    grad_x = grad_y2d.new_zeros(grad_y2d.shape[0], layer.in_features)
+    for rows, w in _dequant_tiles(layer, grad_y2d.dtype, grad_y2d.device):
+        grad_x.addmm_(grad_y2d[:, rows], w)
+    return grad_x
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """y = x @ dequant(W).T with a fast forward kernel; backward gives grad_x only."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layer: QuantizedLinear, kernel: str) -> Tensor:
+        ctx.layer = layer
+        x2d = x.reshape(-1, layer.in_features)
+        if kernel == "int8pack":
+            y = _int8pack_mm(x2d, layer.weight, layer.weight_scale)
+        elif kernel == "int4pack":
+            packed, gs, scale_and_zeros = layer._int4pack()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned_bf16(x2d), packed, gs, scale_and_zeros)
+            y = y.to(x.dtype)
+        else:
+            y = _dequant_mm(x2d, layer)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        layer = ctx.layer
+        grad_x = _dequant_mm_grad(grad_y.reshape(-1, layer.out_features), layer)
+        return grad_x.view(*grad_y.shape[:-1], layer.in_features), None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Module
+# ------------------------------------------------------------------------------------------------
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen Linear holding official-layout integer weights: `y = x @ dequant(W).T + bias`.
+
+    Parameters (all `requires_grad=False`), named as the checkpoint keys and the only state_dict
+    entries: `weight` int8 `[out, in]` (bits 8) or `[out, in/2]` (bits 4, packed), `weight_scale` fp16
+    `[out]` or `[out, in/group_size]`, `bias` in the compute dtype (or None). `model.to(dtype)` casts
+    the bias but keeps `weight_scale` fp16 (a cast would round the official scales).
+
+    `kernel` picks the matmul: "auto" (default), or force "int8pack", "int4pack" or "dequant"; a forced
+    kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
+    `last_kernel` records the path that ran. "auto" uses the CPU kernels for at most `max_kernel_rows`
+    rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
+    ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
+    sooner.
+    """
+
+    max_kernel_rows = 32
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int = 0,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float16,
+    ):
+        """Empty (uninitialized) layer of the given format, e.g. on "meta" before loading a checkpoint;
+        `dtype` is the bias (compute) dtype."""
+        super().__init__()
+        _check_format(in_features, bits, group_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        packed_in = in_features // 2 if bits == 4 else in_features
+        scale_shape = (out_features, in_features // group_size) if group_size else (out_features,)
+
+        def frozen(shape, dt):
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+
+        self.weight = frozen((out_features, packed_in), torch.int8)
+        self.weight_scale = frozen(scale_shape, torch.float16)
+        self.bias = frozen((out_features,), dtype) if bias else None
+        self.kernel = "auto"
+        self.last_kernel: str | None = None
+        self._int4_cache: tuple | None = None  # (weight data_ptr, repacked...), never saved
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 0) -> QuantizedLinear:
+        """Quantize `linear.weight` with `quantize_weight`; the bias tensor is reused, not copied."""
+        weight = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, bits, group_size, bias=False, device="meta")
+        q, scale = quantize_weight(weight, bits, group_size)
+        layer.weight = nn.Parameter(pack_int4(q) if bits == 4 else q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, weight={tuple(self.weight.shape)}, "
+            f"weight_scale={tuple(self.weight_scale.shape)}, bias={self.bias is not None}"
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out), in x's dtype."""
+        kernel = self._choose_kernel(x)
+        self.last_kernel = kernel
+        y = _QuantizedMatmul.apply(x, self, kernel)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _choose_kernel(self, x: Tensor) -> str:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        rows = x.numel() // self.in_features
+        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        usable = {
+            # int8pack segfaults for K % 16 != 0 (cpu-kernels.md)
+            "int8pack": self.bits == 8 and self.in_features % 16 == 0,
+            # the int4 kernel needs N % 16 == 0 and scale groups made of 32..256-column kernel groups
+            "int4pack": self.bits == 4
+            and self.out_features % 16 == 0
+            and (self.group_size or self.in_features) % 32 == 0,
+        }
+        if not (on_cpu and x.is_floating_point() and rows > 0):
+            return "dequant"
+        if self.kernel == "auto":
+            fast = "int8pack" if self.bits == 8 else "int4pack"
+            return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
+        return self.kernel if usable.get(self.kernel, True) else "dequant"
+
+    def _int4pack(self) -> tuple[Tensor, int, Tensor]:
+        """The CPU-repacked INT4 weight, built at first use and kept for this process only."""
+        key = (self.weight.data_ptr(), self.weight_scale.data_ptr())
+        if self._int4_cache is None or self._int4_cache[0] != key:
+            self._int4_cache = (key, *_int4pack_weight(self.weight, self.weight_scale))
+        return self._int4_cache[1:]
+
+    def _apply(self, fn, recurse=True):
+        # Move the fp16 scales with the module but never cast them; drop the repacked weight.
+        scale = self.weight_scale.detach()
+        super()._apply(fn, recurse)
+        if self.weight_scale.dtype != scale.dtype:
+            self.weight_scale.data = scale.to(self.weight_scale.device)
+        self._int4_cache = None
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._int4_cache = None  # load_state_dict copies in place: same data_ptr, new values
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Module swaps
+# ------------------------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+
+
+def _target_slots(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, full name) of every target child inside a `layers.N` block, all checked to
+    be plain `nn.Linear` before anything is swapped. Holds parents only, so that a swapped-out Linear
+    is freed at once."""
+    slots, problems = [], []
+    for name, module in model.named_modules():
+        if not _BLOCK.search(name):
+            continue
+        for attr, child in module.named_children():
+            if attr not in targets:
+                continue
+            full = f"{name}.{attr}"
+            if type(child) is not nn.Linear:
+                problems.append(f"{full} is {type(child).__name__}")
+            slots.append((module, attr, full))
+    if problems:
+        raise TypeError(
+            "only plain nn.Linear layers can be swapped; " + ", ".join(problems) + ". A LoRA-wrapped "
+            "Linear would lose its adapter: merge the adapter first, or quantize the base before wrapping."
+        )
+    if not slots:
+        raise ValueError(f"no Linear named one of {targets} inside a `layers.N` block")
+    return slots
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int,
+    group_size: int = 0,
+    *,
+    targets: tuple[str, ...] = TARGETS,
+    empty_init: bool = False,
+) -> nn.Module:
+    """Swap, in place, every `nn.Linear` named in `targets` inside a `layers.N` block for a
+    `QuantizedLinear` (official `model.quantize(bits)`); embeddings, LayerNorms, `lm_head` and the
+    prefix encoder are untouched. Layer by layer: each float weight is freed as soon as its quantized
+    form exists, so peak memory stays about one copy of the model. `empty_init=True` creates empty
+    quantized layers on the Linears' device (use a meta model, then `load_state_dict(assign=True)`).
+    Returns `model`.
+    """
+    for parent, attr, _ in _target_slots(model, targets):
+        linear = getattr(parent, attr)
+        if empty_init:
+            new = QuantizedLinear(
+                linear.in_features, linear.out_features, bits, group_size, bias=linear.bias is not None,
+                device=linear.weight.device, dtype=linear.weight.dtype,
+            )
+        else:
+            new = QuantizedLinear.from_linear(linear, bits, group_size)
+        setattr(parent, attr, new)
+        del linear, new  # the float weight goes now, not at the end of the loop
+    return model
+
+
+def to_bitsandbytes(model: nn.Module, mode: str, *, targets: tuple[str, ...] = TARGETS) -> nn.Module:
+    """Swap, in place, the same Linears as `quantize_model` for bitsandbytes layers (the QLoRA base):
+    `mode="int8"` -> `Linear8bitLt` (LLM.int8(), outlier threshold 6.0), `mode="nf4"` -> `Linear4bit`
+    (NF4, computing in the Linear's dtype). Quantizes on the Linear's device; the bias is kept, frozen.
+    Returns `model`.
+    """
+    if mode not in ("int8", "nf4"):
+        raise ValueError(f"mode must be 'int8' or 'nf4', got {mode!r}")
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError("to_bitsandbytes needs bitsandbytes: pip install 'chatglm_tune[bnb]'") from e
+    for parent, attr, _ in _target_slots(model, targets):
+        linear = getattr(parent, attr)
+        weight, device, has_bias = linear.weight.detach(), linear.weight.device, linear.bias is not None
+        if mode == "int8":
+            new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                      has_fp16_weights=False, threshold=6.0, device="meta")
+            # Int8Params quantizes when moved off the CPU-held float data (bitsandbytes 0.50).
+            new.weight = bnb.nn.Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(device)
+        else:
+            new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
+                                    compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+            new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4").to(device)
+        if has_bias:
+            new.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        setattr(parent, attr, new)
+        del linear, weight, new
+    return model
