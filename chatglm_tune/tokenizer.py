@@ -269,7 +269,11 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
 
 
 def train_tokenizer(
-    texts: Iterable[str], output_dir: str | Path, *, vocab_size: int = DEFAULT_TRAIN_VOCAB_SIZE
+    texts: Iterable[str],
+    output_dir: str | Path,
+    *,
+    vocab_size: int = DEFAULT_TRAIN_VOCAB_SIZE,
+    max_piece_length: int = 16,
 ) -> ChatGLMTokenizer:
     """Train a SentencePiece unigram model on `texts` with the special pieces and normalisation of
     `ice_text.model`, write a tokenizer directory to `output_dir` and return the tokenizer loaded from it.
@@ -279,6 +283,8 @@ def train_tokenizer(
     `config_overrides()` read them from the model. Every character of the corpus gets its own piece
     (sentencepiece raises "Vocabulary size is smaller than required_chars" when `vocab_size` leaves no
     room for them); characters outside the corpus fall back to bytes. Single-threaded, deterministic.
+    `max_piece_length=1` gives a character-level vocabulary: a span is then the same pieces inside a
+    text and inside an answer, which a small model trained from scratch needs to learn to copy.
     """
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -286,6 +292,7 @@ def train_tokenizer(
         model_writer=model,
         model_type="unigram",
         vocab_size=vocab_size,
+        max_sentencepiece_length=max_piece_length,
         hard_vocab_limit=False,
         character_coverage=1.0,
         byte_fallback=True,

@@ -1,0 +1,34 @@
+"""The loss / dev-F1 curve of a run, drawn from its metrics.jsonl into a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_curves(metrics_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(e["step"], e["loss"]) for e in entries if "loss" in e]
+    evals = [(e["step"], e["eval"]["micro"]["f1"], e["eval"]["dev_loss"]) for e in entries if "eval" in e and e["eval"]["micro"]]
+    fig, loss_ax = plt.subplots(figsize=(7, 4))
+    if train:
+        loss_ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    if evals:
+        loss_ax.plot([s for s, _, _ in evals], [l for _, _, l in evals], "o--", label="dev loss", color="tab:cyan")
+        f1_ax = loss_ax.twinx()
+        f1_ax.plot([s for s, _, _ in evals], [f for _, f, _ in evals], "s-", label="dev micro-F1", color="tab:red")
+        f1_ax.set_ylabel("dev micro-F1")
+        f1_ax.set_ylim(0, 1)
+        f1_ax.legend(loc="center right")
+    loss_ax.set_xlabel("optimizer step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_yscale("log")
+    loss_ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,160 @@
+"""Training runs on a tiny model: P-tuning v2 and LoRA learn, save only what they train, resume
+exactly, survive a failed save, and agree across 2 processes (accelerate launch, gloo on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_cli
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
+from chatglm_tune.data import SpecialIds, collate_train, encode_record, read_records
+from chatglm_tune.rundir import load_run
+from chatglm_tune.tokenizer import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_FILE = REPO / "data" / "spo_train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def records():
+    return read_records(TRAIN_FILE)[0][:48]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, records):
+    """A random tiny base model directory with its (character-level) tokenizer."""
+    directory = tmp_path_factory.mktemp("base")
+    tokenizer = train_tokenizer([r.text for r in records] + [r.answer for r in records], directory, max_piece_length=1)
+    torch.manual_seed(0)
+    config = ChatGLMConfig.from_name("tiny", **tokenizer.config_overrides())
+    ChatGLMForConditionalGeneration(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory, records):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": r.text, "answer": r.answer}, ensure_ascii=False) + "\n" for r in records))
+    return path
+
+
+def _run(base_dir, train_file, out, *flags):
+    argv = ["--model", str(base_dir), "--train-file", str(train_file), "--output-dir", str(out),
+            "--batch-size", "8", "--log-every", "1", "--max-len", "160", "--max-src-len", "128", *flags]
+    assert train_cli.main(argv) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(log):
+    return [e["loss"] for e in log if "loss" in e]
+
+
+def _probe_logits(model, tokenizer, records):
+    batch = collate_train([encode_record(r, tokenizer) for r in records[:4]], SpecialIds.from_tokenizer(tokenizer))
+    with torch.no_grad():
+        return model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                     logits_to_keep=0).logits
+
+
+@pytest.mark.parametrize("tuning, flags", [
+    ("ptuning", ["--pre-seq-len", "4", "--prefix-projection", "--lr", "1e-2"]),
+    ("lora", ["--lora-r", "4", "--lr", "1e-2"]),
+])
+def test_short_run_learns_changes_only_trainable_weights_and_reloads(base_dir, train_file, records, tmp_path, tuning, flags):
+    out = tmp_path / tuning
+    log = _run(base_dir, train_file, out, "--tuning", tuning, "--max-steps", "12", *flags)
+    losses = _losses(log)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+    base = ChatGLMForConditionalGeneration.from_pretrained(base_dir).state_dict()
+    saved_files = {p.name for p in out.iterdir()}
+    if tuning == "ptuning":
+        from safetensors.torch import load_file
+
+        saved = load_file(out / "model.safetensors")
+        assert saved and all(k.startswith("transformer.prefix_encoder.") for k in saved)
+    else:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= saved_files
+
+    model, tokenizer = load_run(out)
+    plain = model.get_base_model() if tuning == "lora" else model
+    frozen = {k.replace(".base_layer", ""): v for k, v in plain.state_dict().items() if "lora_" not in k}
+    for key, value in base.items():  # the frozen base is exactly the base
+        assert torch.equal(frozen[key], value), key
+    again, _ = load_run(out)
+    assert torch.equal(_probe_logits(model, tokenizer, records), _probe_logits(again, tokenizer, records))
+
+
+def test_resume_gives_the_same_weights_as_a_straight_run(base_dir, train_file, tmp_path, monkeypatch):
+    flags = ["--tuning", "ptuning", "--pre-seq-len", "4", "--max-steps", "8", "--save-every", "4", "--lr", "1e-2"]
+    straight = _run(base_dir, train_file, tmp_path / "straight", *flags)
+
+    import chatglm_tune.training as training
+
+    real_check = training._check_finite
+
+    def crash_after_step_4(accelerator, loss, progress, output_dir):
+        if progress["step"] == 4:
+            raise KeyboardInterrupt("simulated kill after the step-4 save")
+        real_check(accelerator, loss, progress, output_dir)
+
+    monkeypatch.setattr(training, "_check_finite", crash_after_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        _run(base_dir, train_file, tmp_path / "resumed", *flags)
+    monkeypatch.setattr(training, "_check_finite", real_check)
+    resumed = _run(base_dir, train_file, tmp_path / "resumed", *flags, "--resume")
+
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(straight)[4:] == _losses(resumed)[-4:]
+
+
+def test_failed_save_leaves_the_previous_checkpoint_loadable(base_dir, train_file, records, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _run(base_dir, train_file, out, "--tuning", "full", "--max-steps", "2", "--lr", "1e-3")
+    model, tokenizer = load_run(out)
+    before = _probe_logits(model, tokenizer, records)
+
+    import chatglm_tune.checkpoint as checkpoint
+
+    def broken_save(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        _run(base_dir, train_file, out, "--tuning", "full", "--max-steps", "2", "--lr", "1e-2", "--seed", "7")
+    model, tokenizer = load_run(out)
+    assert torch.equal(_probe_logits(model, tokenizer, records), before)
+
+
+def test_non_finite_loss_stops_with_a_clear_message(base_dir, train_file, tmp_path, capsys):
+    argv = ["--model", str(base_dir), "--train-file", str(train_file), "--output-dir", str(tmp_path / "nan"),
+            "--tuning", "full", "--max-steps", "3", "--lr", "1e30", "--max-grad-norm", "0", "--batch-size", "8"]
+    assert train_cli.main(argv) == 2
+    assert "the loss became" in capsys.readouterr().err
+
+
+def test_two_processes_follow_the_single_process_loss_curve(base_dir, train_file, tmp_path):
+    common = ["--model", str(base_dir), "--train-file", str(train_file), "--tuning", "full", "--max-steps", "4",
+              "--log-every", "1", "--lr", "1e-3", "--max-grad-norm", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py")]
+    subprocess.run(launch + common + ["--batch-size", "4", "--output-dir", str(tmp_path / "two")], env=env, check=True,
+                   cwd=REPO, capture_output=True)
+    subprocess.run([sys.executable, str(REPO / "train.py")] + common + ["--batch-size", "8", "--output-dir", str(tmp_path / "one")],
+                   env=env, check=True, cwd=REPO, capture_output=True)
+    two = _losses([json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()])
+    one = _losses([json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()])
+    assert len(one) == len(two) == 4
+    # DDP averages the two halves' mean losses, one process the mean over all labelled tokens: close, not equal.
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(one, two)), (one, two)
