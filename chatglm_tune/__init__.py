@@ -7,6 +7,7 @@ Importing the package registers `model_type: chatglm` with transformers' Auto cl
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .config import ChatGLMConfig
+from .generation import generate
 from .model import ChatGLMForConditionalGeneration, ChatGLMModel
 from .tokenizer import ChatGLMTokenizer
 
@@ -15,4 +16,4 @@ AutoModel.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True
 AutoModelForCausalLM.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
 AutoTokenizer.register(ChatGLMConfig, tokenizer_class=ChatGLMTokenizer, exist_ok=True)
 
-__all__ = ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel", "ChatGLMTokenizer"]
+__all__ = ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel", "ChatGLMTokenizer", "generate"]

@@ -21,11 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from .checkpoint import atomic_write
-from .model import ChatGLMForConditionalGeneration
-from .tokenizer import ChatGLMTokenizer
 
 RUN_ARGS = "run_args.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -91,41 +87,3 @@ def state_dir(run: Path) -> Path | None:
         if candidate.is_dir():
             return candidate
     return None
-
-
-def load_run(
-    directory,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    quantization_bit: int | None = None,
-):
-    """(model, tokenizer) from a train.py output directory or a plain model directory.
-
-    P-tuning and LoRA runs load their base from `run_args.json`'s `model` (or the given base), then
-    the prefix or the adapter on top; `quantization_bit` quantizes the base while it loads.
-    """
-    directory = Path(directory)
-    args = read_run_args(directory) or {}
-    tuning = args.get("tuning", "full")
-    tokenizer = ChatGLMTokenizer.from_pretrained(directory)
-    if tuning == "full" or not args:
-        model = ChatGLMForConditionalGeneration.from_pretrained(directory, dtype=dtype, quantization_bit=quantization_bit)
-        return model.to(device).eval(), tokenizer
-    base = Path(args["model"])
-    if not base.is_dir():
-        raise FileNotFoundError(f"{directory / RUN_ARGS}: its base model {base} is not a directory here")
-    if tuning == "ptuning":
-        config = json.loads((directory / "config.json").read_text())
-        model = ChatGLMForConditionalGeneration.from_pretrained(
-            base, dtype=dtype, quantization_bit=quantization_bit,
-            pre_seq_len=config["pre_seq_len"], prefix_projection=config["prefix_projection"],
-        )
-        model.load_prefix(directory)
-    elif tuning == "lora":
-        from .lora import load_lora
-
-        model = load_lora(ChatGLMForConditionalGeneration.from_pretrained(base, dtype=dtype, quantization_bit=quantization_bit), directory)
-    else:
-        raise ValueError(f"{directory / RUN_ARGS}: unknown tuning {tuning!r}")
-    return model.to(device).eval(), tokenizer

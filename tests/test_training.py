@@ -13,7 +13,7 @@ import torch
 import train as train_cli
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
 from chatglm_tune.data import SpecialIds, collate_train, encode_record, read_records
-from chatglm_tune.rundir import load_run
+from chatglm_tune.extraction import load_for_inference, resolve_model_source
 from chatglm_tune.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +50,10 @@ def _run(base_dir, train_file, out, *flags):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def load_run(directory):
+    return load_for_inference(resolve_model_source(directory))
+
+
 def _losses(log):
     return [e["loss"] for e in log if "loss" in e]
 
@@ -71,21 +75,21 @@ def test_short_run_learns_changes_only_trainable_weights_and_reloads(base_dir, t
     losses = _losses(log)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
 
-    base = ChatGLMForConditionalGeneration.from_pretrained(base_dir).state_dict()
-    saved_files = {p.name for p in out.iterdir()}
-    if tuning == "ptuning":
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        saved = load_file(out / "model.safetensors")
-        assert saved and all(k.startswith("transformer.prefix_encoder.") for k in saved)
-    else:
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= saved_files
+    saved = load_file(out / "model.safetensors") if tuning == "ptuning" else load_file(out / "adapter_model.safetensors")
+    trained_marker = "prefix_encoder" if tuning == "ptuning" else "lora_"
+    assert saved and all(trained_marker in k for k in saved)
+
+    # The last training state holds every weight: all but the trained ones are exactly the base's.
+    base = ChatGLMForConditionalGeneration.from_pretrained(base_dir).state_dict()
+    final = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+             for k, v in load_file(out / "state" / "model.safetensors").items() if trained_marker not in k}
+    assert final.keys() <= base.keys() and len(final) >= len(base) - 1  # the tied head is stored once
+    for key, value in final.items():
+        assert torch.equal(value, base[key]), key
 
     model, tokenizer = load_run(out)
-    plain = model.get_base_model() if tuning == "lora" else model
-    frozen = {k.replace(".base_layer", ""): v for k, v in plain.state_dict().items() if "lora_" not in k}
-    for key, value in base.items():  # the frozen base is exactly the base
-        assert torch.equal(frozen[key], value), key
     again, _ = load_run(out)
     assert torch.equal(_probe_logits(model, tokenizer, records), _probe_logits(again, tokenizer, records))
 

@@ -1,0 +1,374 @@
+"""Decoding for ChatGLM-6B: small pure samplers and batched KV-cache generation (spec section 7).
+
+Samplers (pure functions on a `[b, V]` float score tensor, applied in this order by `next_tokens`):
+1. `guard_invalid_scores`: a row holding any NaN or +-inf (an fp16 overflow, a broken checkpoint) is
+   replaced by a row that can only pick `fallback_id` (the `<eop>` id in `generate`), so a numerically
+   broken row stops instead of emitting garbage. The official `InvalidScoreLogitsProcessor` instead
+   zeroes the *whole batch* and forces id 5 (`▁`) whenever one value is invalid; ours touches only the
+   broken rows and never invents text.
+2. `limit_vocab`: ids >= `vocab_limit` get -inf. ChatGLM-6B's embedding has 130528 rows but its
+   tokenizer 130344 pieces; ids in between cannot be decoded (the tokenizer raises on them).
+3. greedy (`argmax`) when `do_sample=False` or `temperature == 0`; otherwise temperature, then top-k
+   (ties with the k-th score kept, as transformers' TopKLogitsWarper), then top-p, then a draw. This is
+   the order of transformers 4.27's warpers, which the official `chat()` uses.
+
+Top-p (`top_p_filter`) follows the reference `sample_top_p`: sort descending, cumulative sum, drop the
+tokens whose cumulative mass *before* them already reaches `p`, renormalise, draw with
+`torch.multinomial` from the sorted probabilities. So it keeps exactly the smallest prefix of the sorted
+distribution whose mass reaches `p` (the reference drops only when the mass before exceeds `p`, which
+keeps one token too many on an exact tie). `top_p == 1` keeps everything (no rounding of the
+cumulative sum can then drop a tail token).
+
+Randomness: one `torch.Generator` per row, seeded `seed + i` for row i (or from a list of per-row seeds),
+so a row's sample never depends on the other rows of its batch, on their length or on when they finish
+(`infer.py` seeds each record by its index, which keeps sampled runs resumable).
+
+`generate` returns the new ids of each row. A row that stops on `eos_token_id` ends *with* that id (as
+transformers' and the official generate do, so the caller can tell a finished answer from a cut one; it
+decodes to ""). Decoding: left-padded prompts (2D mask, 1 = token, 0 = left pad), the official 2D
+positions for new tokens (the last prompt position with its block position + 1 per step, i.e.
+`[mask_pos, n]` for the n-th token from `<sop>` on), a transformers `DynamicCache` filled once by the
+prompt (its first `pre_seq_len` entries are the P-tuning prefix, put there by the model) and one token a
+step after. Finished rows leave the batch and the cache (`batch_select_indices`), so they cost nothing.
+`generate_recompute` is the reference script's loop (no cache: the whole sequence and all its logits
+every step) kept for tests and benchmarks.
+
+`chat` is the official `model.chat(tokenizer, query, history)`: its prompt (`tokenizer.chat_prompt`),
+its sampling defaults (`CHAT_SAMPLING`), its `max_length` and its post-processing (`process_response`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .positions import build_position_ids
+from .tokenizer import chat_prompt
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How the next token is chosen; the one place for the defaults of `generate` and `infer.py`.
+
+    do_sample: False = greedy (the default: extraction is scored, and greedy output is reproducible).
+    top_p: 0.95, the reference script's value. temperature: 0.95, the official ChatGLM value (the
+    reference script does not fix one for ChatGLM); 0 means greedy. top_k: None = off.
+    """
+
+    do_sample: bool = False
+    top_p: float = 0.95
+    temperature: float = 0.95
+    top_k: int | None = None
+
+    def __post_init__(self):
+        problems = []
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+        if problems:
+            raise ValueError("invalid sampling options: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+DEFAULT_SAMPLING = SamplingOptions()
+# The official chat(): do_sample, top_p 0.7, temperature 0.95, and transformers' default top_k of 50.
+CHAT_SAMPLING = SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50)
+CHAT_MAX_LENGTH = 2048  # the official chat(): prompt + answer tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers: pure functions of [b, V] scores
+
+
+def guard_invalid_scores(scores: torch.Tensor, fallback_id: int) -> torch.Tensor:
+    """[b, V] -> [b, V]: rows with any NaN/+-inf become 0 at `fallback_id` and -inf elsewhere."""
+    bad = ~torch.isfinite(scores).all(dim=-1)  # [b]
+    if not bool(bad.any()):
+        return scores
+    warnings.warn(f"{int(bad.sum())} row(s) of scores held NaN/inf; they emit token {fallback_id} instead", RuntimeWarning)
+    forced = torch.full_like(scores[0], float("-inf"))
+    forced[fallback_id] = 0.0
+    return torch.where(bad[:, None], forced, scores)
+
+
+def limit_vocab(scores: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """[b, V] -> [b, V] with ids >= `vocab_limit` at -inf (None = keep all)."""
+    if vocab_limit is None or vocab_limit >= scores.shape[-1]:
+        return scores
+    out = scores.clone()
+    out[:, vocab_limit:] = float("-inf")
+    return out
+
+
+def top_k_filter(scores: torch.Tensor, k: int | None) -> torch.Tensor:
+    """[b, V] -> [b, V]: scores below the k-th largest of their row become -inf (ties kept)."""
+    if k is None or k >= scores.shape[-1]:
+        return scores
+    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # [b, 1]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_filter(probs: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [b, V] -> (sorted, renormalised probabilities [b, V], their token ids [b, V]).
+
+    Keeps the smallest prefix of each row, sorted descending, whose mass reaches `p`; the rest are 0.
+    """
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    if p < 1.0:
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [b, V]
+        sorted_probs = sorted_probs.masked_fill(mass_before >= p, 0.0)
+    return sorted_probs / sorted_probs.sum(dim=-1, keepdim=True), sorted_ids
+
+
+def draw(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row [b], drawn from each row's (sorted) distribution with that row's generator."""
+    picks = [torch.multinomial(row, 1, generator=g) for row, g in zip(sorted_probs, generators, strict=True)]
+    return sorted_ids.gather(-1, torch.stack(picks)).squeeze(-1)
+
+
+def next_tokens(
+    scores: torch.Tensor,
+    options: SamplingOptions,
+    generators: Sequence[torch.Generator | None],
+    *,
+    fallback_id: int,
+    vocab_limit: int | None = None,
+) -> torch.Tensor:
+    """The next token of each row, [b] long, from the last-position scores [b, V] (see module docstring)."""
+    scores = limit_vocab(guard_invalid_scores(scores.float(), fallback_id), vocab_limit)
+    if options.greedy:
+        return scores.argmax(dim=-1)
+    scores = top_k_filter(scores / options.temperature, options.top_k)
+    return draw(*top_p_filter(torch.softmax(scores, dim=-1), options.top_p), generators)
+
+
+def row_generators(seed: int | Sequence[int] | None, batch_size: int, device) -> list[torch.Generator | None]:
+    """One generator a row: seeded `seed + i`, or by `seed[i]`; all None (torch's global RNG) without a seed."""
+    if seed is None:
+        return [None] * batch_size
+    seeds = [seed + i for i in range(batch_size)] if isinstance(seed, int) else list(seed)
+    if len(seeds) != batch_size:
+        raise ValueError(f"got {len(seeds)} seeds for a batch of {batch_size} rows")
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched decoding
+
+
+class _UseConfigEos:
+    """Marker: `eos_token_id` defaults to the model config's `<eop>`; None means never stop early."""
+
+    def __repr__(self) -> str:
+        return "<config eos_token_id>"
+
+
+CONFIG_EOS = _UseConfigEos()
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = DEFAULT_SAMPLING.do_sample,
+    top_p: float = DEFAULT_SAMPLING.top_p,
+    temperature: float = DEFAULT_SAMPLING.temperature,
+    top_k: int | None = DEFAULT_SAMPLING.top_k,
+    eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
+    seed: int | Sequence[int] | None = None,
+    vocab_limit: int | None = None,
+) -> list[list[int]]:
+    """New token ids of each row (each ends with `eos_token_id` when it stopped on it), KV-cached.
+
+    input_ids: [b, s] prompts containing `[gMASK] <sop>`, left-padded. attention_mask: [b, s], 1 = token,
+    0 = left pad (None = no padding). The model runs in eval mode for the call. `seed`: see
+    `row_generators`. `vocab_limit`: the tokenizer's vocabulary size; larger ids are never produced.
+    """
+    options = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
+    eos, fallback = _stop_ids(model, eos_token_id)
+    device = _model_device(model)
+    input_ids, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
+    b = input_ids.shape[0]
+    results: list[list[int]] = [[] for _ in range(b)]
+    if max_new_tokens == 0:
+        return results
+    generators = row_generators(seed, b, device)
+    positions = _prompt_positions(model.config, input_ids, mask)  # [b, 2, s]
+    step = torch.tensor([0, 1], device=device)[None, :, None]  # block position + 1 per new token
+    with _eval_mode(model):
+        cache = DynamicCache()
+        out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        live = list(range(b))  # batch row -> index of the prompt it decodes
+        next_pos = positions[:, :, -1:] + step  # [b, 2, 1]
+        for n in range(max_new_tokens):
+            tokens = next_tokens(out.logits[:, -1], options, generators, fallback_id=fallback, vocab_limit=vocab_limit)
+            for row, token in zip(live, tokens.tolist()):
+                results[row].append(token)
+            if n == max_new_tokens - 1:
+                break
+            if eos is not None and bool((tokens == eos).any()):
+                keep = (tokens != eos).nonzero().flatten()  # [live']
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                live = [live[i] for i in keep.tolist()]
+                generators = [generators[i] for i in keep.tolist()]
+                tokens, next_pos = tokens[keep], next_pos[keep]
+                mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
+            out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            next_pos = next_pos + step
+    return results
+
+
+@torch.inference_mode()
+def generate_recompute(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = DEFAULT_SAMPLING.do_sample,
+    top_p: float = DEFAULT_SAMPLING.top_p,
+    temperature: float = DEFAULT_SAMPLING.temperature,
+    top_k: int | None = DEFAULT_SAMPLING.top_k,
+    eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
+    seed: int | Sequence[int] | None = None,
+    vocab_limit: int | None = None,
+) -> list[list[int]]:
+    """`generate` the reference script's way: no cache, the whole batch runs the whole sequence (and the
+    head over every position) each step until every row has stopped. Same arguments, same result."""
+    options = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
+    eos, fallback = _stop_ids(model, eos_token_id)
+    device = _model_device(model)
+    seq, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
+    b = seq.shape[0]
+    results: list[list[int]] = [[] for _ in range(b)]
+    generators = row_generators(seed, b, device) if max_new_tokens else []
+    running = [True] * b
+    with _eval_mode(model):
+        for _ in range(max_new_tokens):
+            positions = _prompt_positions(model.config, seq, mask)
+            logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
+            tokens = next_tokens(logits[:, -1], options, generators, fallback_id=fallback, vocab_limit=vocab_limit)
+            for row, token in enumerate(tokens.tolist()):
+                if running[row]:
+                    results[row].append(token)
+                    running[row] = token != eos
+            if not any(running):
+                break
+            seq = torch.cat([seq, tokens[:, None]], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+    return results
+
+
+def _stop_ids(model, eos_token_id) -> tuple[int | None, int]:
+    """(id that stops a row or None, id a NaN/inf row is forced to: the stop id, else the config's eop)."""
+    eos = model.config.eos_token_id if isinstance(eos_token_id, _UseConfigEos) else eos_token_id
+    return eos, (eos if eos is not None else model.config.eos_token_id)
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device):
+    """Validated (ids [b, s], pad mask [b, s] or None when nothing is padded) on `device`."""
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if vocab_limit is not None and not (isinstance(vocab_limit, int) and vocab_limit >= 1):
+        raise ValueError(f"vocab_limit must be None or an integer >= 1, got {vocab_limit!r}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got {list(input_ids.shape)}")
+    input_ids = input_ids.to(device)
+    if attention_mask is None:
+        return input_ids, None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must be the 2D pad mask [batch, seq] = {list(input_ids.shape)} (1 = token, 0 = left pad), "
+            f"got {list(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(device).long()
+    if not bool(mask[:, -1].all()) or bool((mask.diff(dim=1) < 0).any()):
+        raise ValueError("prompts must be left-padded: each attention_mask row is 0s then 1s, ending with a 1")
+    return input_ids, (None if bool(mask.all()) else mask)
+
+
+def _prompt_positions(config, input_ids, mask) -> torch.Tensor:
+    return build_position_ids(
+        input_ids, bos_token_id=config.bos_token_id, gmask_token_id=config.gmask_token_id,
+        mask_token_id=config.mask_token_id, pad_mask=mask,
+    )
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """Eval mode (no prefix dropout) for the duration, then the caller's mode back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------------------------
+# The official chat()
+
+_PUNCTUATION = ((",", "，"), ("!", "！"), (":", "："), (";", "；"), (r"\?", "？"))
+_CJK = r"[\u4e00-\u9fff]"
+
+
+def process_response(response: str) -> str:
+    """The official post-processing: strip, `[[训练时间]]` -> `2023年`, ASCII `, ! : ; ?` next to a CJK
+    character made full-width."""
+    response = response.strip().replace("[[训练时间]]", "2023年")
+    for ascii_mark, full_width in _PUNCTUATION:
+        response = re.sub(rf"({_CJK}){ascii_mark}", rf"\g<1>{full_width}", response)
+        response = re.sub(rf"{ascii_mark}({_CJK})", rf"{full_width}\g<1>", response)
+    return response
+
+
+def chat(
+    model,
+    tokenizer,
+    query: str,
+    history: Sequence[tuple[str, str]] = (),
+    *,
+    max_length: int = CHAT_MAX_LENGTH,
+    sampling: SamplingOptions = CHAT_SAMPLING,
+    seed: int | None = None,
+) -> tuple[str, list[tuple[str, str]]]:
+    """The official `model.chat(tokenizer, query, history)`: (response, history + [(query, response)]).
+
+    `max_length` counts prompt and answer tokens, as the official default of 2048 does.
+    """
+    ids = tokenizer.encode(chat_prompt(query, history))  # ends [gMASK] <sop>
+    budget = max_length - len(ids)
+    if budget < 1:
+        raise ValueError(f"the prompt has {len(ids)} tokens, no room left under max_length={max_length}")
+    new_ids = generate(
+        model, torch.tensor([ids]), max_new_tokens=budget, do_sample=sampling.do_sample, top_p=sampling.top_p,
+        temperature=sampling.temperature, top_k=sampling.top_k, seed=seed, vocab_limit=len(tokenizer),
+    )[0]
+    response = process_response(tokenizer.decode(new_ids))
+    return response, [*history, (query, response)]

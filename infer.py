@@ -1,0 +1,139 @@
+"""Extract SPO triples with a (fine-tuned) ChatGLM-6B: batched KV-cache decoding over a jsonl/json file.
+
+    python infer.py --model checkpoints/run1 --input data/spo_dev.jsonl --output out.jsonl
+    python infer.py --model BASE --lora ADAPTER --input dev.jsonl --output out.jsonl --resume
+    python infer.py --model checkpoints/run1 --text "故障现象：发动机异响。"
+
+Writes one JSON line per record, in input order, batch by batch (fields: `chatglm_tune.extraction`),
+then prints a summary and saves it as `<output>.summary.json`. `--resume` continues a killed run.
+Test hook: the environment variable CHATGLM_TUNE_INFER_BATCH_DELAY (seconds) sleeps after each batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from chatglm_tune import checkpoint, extraction
+from chatglm_tune.data import SPORecord, read_records
+from chatglm_tune.generation import DEFAULT_SAMPLING, SamplingOptions
+
+DELAY_ENV = "CHATGLM_TUNE_INFER_BATCH_DELAY"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory, or a train.py run directory (it names its base)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--input", type=Path, help="records to extract from (.jsonl or .json; gold answers optional)")
+    what.add_argument("--text", help="extract from this one text and print the result")
+    p.add_argument("--output", type=Path, help="output .jsonl (required with --input)")
+    adapter = p.add_mutually_exclusive_group()
+    adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
+    adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model")
+    p.add_argument("--batch-size", type=int, default=extraction.DEFAULT_BATCH_SIZE, help="prompts decoded together (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, help="generated tokens per record at most (default: the answer budget the "
+                   "model was trained with, max_len - max_src_len of its run, 32 without a run)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
+    mode.add_argument("--do-sample", dest="do_sample", action="store_true", help="sample (temperature, top-k, top-p)")
+    p.set_defaults(do_sample=DEFAULT_SAMPLING.do_sample)
+    p.add_argument("--top-p", type=float, help=f"with --do-sample: nucleus mass in (0, 1] (default {DEFAULT_SAMPLING.top_p})")
+    p.add_argument("--temperature", type=float, help=f"with --do-sample: > 0, or 0 for greedy (default {DEFAULT_SAMPLING.temperature})")
+    p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
+    p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
+    p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
+    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error", help="stop at an unusable record, or skip and count it (default %(default)s)")
+    p.add_argument("--quantization-bit", type=int, choices=(4, 8), help="quantize the block Linears while loading (default: as stored)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
+    args = p.parse_args(argv)
+    given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
+    if given and not args.do_sample:
+        p.error(f"{', '.join(given)} only apply with --do-sample")
+    if args.input is not None and args.output is None:
+        p.error("--input needs --output")
+    if args.text is not None and (args.output is not None or args.resume):
+        p.error("--text prints its result: --output and --resume do not apply")
+    return args
+
+
+def sampling_options(args) -> SamplingOptions:
+    chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
+    return SamplingOptions(do_sample=args.do_sample, **chosen)
+
+
+def load(args, settings):
+    """(model, tokenizer, settings with the prompt/length options the model was trained with)."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = args.dtype or ("float16" if str(device).startswith("cuda") else "float32")
+    source = extraction.resolve_model_source(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
+    print(f"model: {source.describe()} ({dtype}, {device})", file=sys.stderr)
+    model, tokenizer = extraction.load_for_inference(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit)
+    return model, tokenizer, replace(settings, encoding=source.encoding)
+
+
+def run_text(args, settings) -> None:
+    model, tokenizer, settings = load(args, settings)
+    record = SPORecord(text=args.text, triples=None, source="--text")
+    row = next(r for rows in extraction.extract(model, tokenizer, [record], settings) for r in rows)
+    print(row["generated"])
+    for s, p, o in row["triples"]:
+        print(f"  ({s}, {p}, {o})")
+
+
+def run_file(args, settings) -> None:
+    records, bad = read_records(args.input, on_bad_record=args.on_bad_record)
+    if bad.total:
+        print(bad.summary(), file=sys.stderr)
+    if not args.resume and args.output.exists() and args.output.stat().st_size:
+        raise ValueError(f"{args.output} exists: pass --resume to continue it, or remove it")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    rows = extraction.completed_rows(args.output, records) if args.resume else []
+    start = len(rows)
+    if start:
+        print(f"resuming after {start} of {len(records)} records", file=sys.stderr)
+    model, tokenizer, settings = load(args, settings) if start < len(records) else (None, None, settings)
+    delay = float(os.environ.get(DELAY_ENV, "0"))
+    began, tokens = time.perf_counter(), 0
+    with open(args.output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
+        if model is not None:
+            for ready in extraction.extract(model, tokenizer, records, settings, start=start):
+                extraction.append_rows(f, ready)
+                rows.extend(ready)
+                tokens += sum(r["new_tokens"] for r in ready)
+                bar.update(len(ready))
+                if delay:
+                    time.sleep(delay)
+    summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began)
+    summary.update(input=str(args.input), output=str(args.output), bad_records=bad.to_dict(), settings=asdict(settings))
+    path = args.output.with_name(args.output.name + ".summary.json")
+    checkpoint.atomic_write(path, lambda p: Path(p).write_text(json.dumps(summary, ensure_ascii=False, indent=2)))
+    print(extraction.format_summary(summary))
+    print(f"wrote {args.output} and {path}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        settings = extraction.ExtractionSettings(
+            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, sampling=sampling_options(args), seed=args.seed
+        )
+        if args.text is not None:
+            run_text(args, settings)
+        else:
+            run_file(args, settings)
+    except (ValueError, FileNotFoundError) as err:  # bad input, settings or model directory; RecordError included
+        sys.exit(f"infer.py: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""End-to-end tests of infer.py and chatglm_tune.extraction on a tiny random model and a small tokenizer.
+
+The model is random, so the generated text is noise; what is tested is the plumbing: every record
+once, in input order, identical between batch sizes, after a SIGKILL and `--resume`, with adapters
+loaded from the directory layouts `train.py` writes.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
+from chatglm_tune.data import SpecialIds, SPORecord, collate_prompts, prompt_ids, read_records
+from chatglm_tune.extraction import (
+    ExtractionSettings,
+    completed_rows,
+    extract,
+    load_for_inference,
+    resolve_model_source,
+)
+from chatglm_tune.generation import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+INFER = ROOT / "infer.py"
+DEV = ROOT / "data" / "spo_dev.jsonl"
+N_RECORDS = 20
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tokenizer trained on the shipped data, a tiny random model saved with it, an input file."""
+    from chatglm_tune.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("infer")
+    lines = DEV.read_text(encoding="utf-8").splitlines()
+    texts = [t for line in lines for t in json.loads(line).values()]
+    model_dir = root / "model"
+    tokenizer = train_tokenizer(texts, model_dir, vocab_size=1000)
+    torch.manual_seed(0)
+    config = ChatGLMConfig.from_name(
+        "tiny", hidden_size=32, num_layers=2, num_attention_heads=2, inner_hidden_size=64, **tokenizer.config_overrides()
+    )
+    model = ChatGLMForConditionalGeneration(config)
+    records = lines[:N_RECORDS - 1] + [json.dumps({"text": "没有标注的记录：发动机异响。"}, ensure_ascii=False)]
+    (root / "input.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
+    make_some_rows_stop(model, tokenizer, root / "input.jsonl")
+    model.save_pretrained(model_dir)
+    return root
+
+
+def make_some_rows_stop(model, tokenizer, input_file) -> None:
+    """Give a random model's most frequent first answer token the role of <eop>: some rows then stop
+    at once, some later, the rest at max_new_tokens. (A random ChatGLM mostly repeats one token, so the
+    token ids are relabelled: the embedding rows of that token and of <eop> are swapped.)"""
+    with torch.no_grad():
+        for name, p in model.transformer.layers.named_parameters():
+            if p.dim() == 2:
+                p.mul_(20)  # weights large enough that the prompt decides what is generated
+    records, _ = read_records(input_file)
+    batch = collate_prompts([prompt_ids(r, tokenizer) for r in records], SpecialIds.from_tokenizer(tokenizer))
+    out = generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=1, eos_token_id=None, vocab_limit=len(tokenizer))
+    special = set(tokenizer.all_special_ids) | {tokenizer.gmask_token_id}
+    token = Counter(row[0] for row in out if row[0] not in special).most_common(1)[0][0]
+    emb = model.transformer.word_embeddings.weight
+    with torch.no_grad():
+        emb[[token, tokenizer.eos_token_id]] = emb[[tokenizer.eos_token_id, token]]
+
+
+def infer_main(argv):
+    spec = importlib.util.spec_from_file_location("infer_cli", INFER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(a) for a in argv])
+
+
+def run_infer(workdir, output, *extra):
+    infer_main(["--model", workdir / "model", "--input", workdir / "input.jsonl", "--output", output, "--max-new-tokens", 10, *extra])
+    return [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
+
+
+def test_every_record_once_in_order_with_scores(workdir, tmp_path):
+    rows = run_infer(workdir, tmp_path / "out.jsonl", "--batch-size", 3)
+    records, _ = read_records(workdir / "input.jsonl")
+    assert [r["index"] for r in rows] == list(range(N_RECORDS))
+    assert [r["text"] for r in rows] == [r.text for r in records]
+    assert {r["stopped"] for r in rows} == {"eos", "length"}, "the fixture model should stop some rows early"
+    for row, record in zip(rows, records):
+        assert row["answer"] == record.answer
+        assert (row["f1"] is None) == (record.triples is None)
+        assert row["new_tokens"] <= 10
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text(encoding="utf-8"))
+    assert summary["records"] == N_RECORDS and summary["scores"]["scored_records"] == N_RECORDS - 1
+    assert summary["this_run"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    assert set(summary["scores"]) >= {"micro", "sample_f1", "per_relation"}
+
+
+def test_rows_do_not_depend_on_batch_size(workdir, tmp_path):
+    one = run_infer(workdir, tmp_path / "b1.jsonl", "--batch-size", 1)
+    many = run_infer(workdir, tmp_path / "b7.jsonl", "--batch-size", 7)
+    assert one == many
+
+
+def test_rows_equal_direct_generation(workdir):
+    model, tokenizer = load_for_inference(resolve_model_source(workdir / "model"))
+    records, _ = read_records(workdir / "input.jsonl")
+    rows = [r for ready in extract(model, tokenizer, records[:4], ExtractionSettings(batch_size=4, max_new_tokens=10)) for r in ready]
+    for row, record in zip(rows, records):
+        ids = generate(model, torch.tensor([prompt_ids(record, tokenizer)]), max_new_tokens=10, vocab_limit=len(tokenizer))[0]
+        assert row["new_tokens"] == len(ids) and row["generated"] == tokenizer.decode(ids).strip()
+
+
+def test_resume_after_sigkill_gives_the_uninterrupted_file(workdir, tmp_path):
+    reference = tmp_path / "reference.jsonl"
+    run_infer(workdir, reference, "--batch-size", 2)
+    killed = tmp_path / "killed.jsonl"
+    args = [sys.executable, str(INFER), "--model", str(workdir / "model"), "--input", str(workdir / "input.jsonl"),
+            "--output", str(killed), "--max-new-tokens", "10", "--batch-size", "2"]
+    env = {**os.environ, "CHATGLM_TUNE_INFER_BATCH_DELAY": "0.4", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if killed.exists() and killed.read_text(encoding="utf-8").count("\n") >= 3:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "infer.py finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    written = killed.read_text(encoding="utf-8").count("\n")
+    assert 3 <= written < N_RECORDS
+    with open(killed, "a", encoding="utf-8") as f:
+        f.write('{"index": 99, "text": "a torn li')  # a line the kill cut in half
+    run_infer(workdir, killed, "--batch-size", 2, "--resume")
+    assert killed.read_bytes() == reference.read_bytes()
+
+
+def test_resume_of_a_complete_run_changes_nothing(workdir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run_infer(workdir, out, "--batch-size", 4)
+    before = out.read_bytes()
+    run_infer(workdir, out, "--batch-size", 4, "--resume")
+    assert out.read_bytes() == before
+
+
+def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run_infer(workdir, out, "--batch-size", 4)
+    with pytest.raises(SystemExit, match="pass --resume"):
+        run_infer(workdir, out)
+    records, _ = read_records(workdir / "input.jsonl")
+    rows = out.read_text(encoding="utf-8").splitlines()
+    out.write_text("\n".join(rows[1:]) + "\n", encoding="utf-8")  # not a prefix of the input any more
+    with pytest.raises(ValueError, match="expected the row of record 0"):
+        completed_rows(out, records)
+
+
+def test_sampling_flags_need_do_sample(workdir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_infer(workdir, tmp_path / "x.jsonl", "--top-p", "0.5")
+    assert "only apply with --do-sample" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"top_p must be in \(0, 1\]"):
+        run_infer(workdir, tmp_path / "x.jsonl", "--do-sample", "--top-p", "1.5")
+
+
+def test_seeded_sampling_is_resumable(workdir, tmp_path):
+    a = run_infer(workdir, tmp_path / "a.jsonl", "--do-sample", "--seed", "5", "--batch-size", 3)
+    b = run_infer(workdir, tmp_path / "b.jsonl", "--do-sample", "--seed", "5", "--batch-size", 8)
+    assert a == b  # record i samples with seed + i, whatever its batch
+
+
+def test_text_one_off(workdir, capsys):
+    infer_main(["--model", workdir / "model", "--text", "故障现象：发动机异响。", "--max-new-tokens", 6])
+    model, tokenizer = load_for_inference(resolve_model_source(workdir / "model"))
+    row = next(r for ready in extract(model, tokenizer, [SPORecord("故障现象：发动机异响。", None)], ExtractionSettings(max_new_tokens=6)) for r in ready)
+    assert capsys.readouterr().out.splitlines()[0] == row["generated"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Model directories: P-tuning and LoRA runs as train.py writes them, and the adapter flags
+
+
+def write_run_args(run_dir: Path, base: Path, tuning: str) -> None:
+    (run_dir / "run_args.json").write_text(json.dumps({"model": str(base), "tuning": tuning}))
+
+
+def test_ptuning_run_directory_and_flag(workdir, tmp_path):
+    base = workdir / "model"
+    torch.manual_seed(1)
+    tuned = ChatGLMForConditionalGeneration.from_pretrained(base, pre_seq_len=3, prefix_projection=True)
+    run = tmp_path / "ptuning-run"
+    prefix_state = {k: v for k, v in tuned.state_dict().items() if k.startswith("transformer.prefix_encoder.")}
+    tuned.save_pretrained(run, state_dict=prefix_state)
+    write_run_args(run, base, "ptuning")
+
+    source = resolve_model_source(run)
+    assert (source.base, source.prefix_dir, source.pre_seq_len, source.prefix_projection) == (base, run, 3, True)
+    assert source.tokenizer_dir == base  # the run has no tokenizer files of its own
+    model, tokenizer = load_for_inference(source)
+    ids = torch.tensor([tokenizer.encode("发动机异响")])
+    expect = generate(tuned.eval(), ids, max_new_tokens=8, eos_token_id=None)
+    assert generate(model, ids, max_new_tokens=8, eos_token_id=None) == expect
+    flagged, _ = load_for_inference(resolve_model_source(base, ptuning_checkpoint=run))
+    assert generate(flagged, ids, max_new_tokens=8, eos_token_id=None) == expect
+    with pytest.raises(ValueError, match="already holds an adapter"):
+        resolve_model_source(run, ptuning_checkpoint=run)
+
+
+def test_lora_run_directory_is_merged(workdir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = workdir / "model"
+    torch.manual_seed(2)
+    peft_model = get_peft_model(
+        ChatGLMForConditionalGeneration.from_pretrained(base),
+        LoraConfig(target_modules=["query_key_value", "dense_h_to_4h"], r=4, lora_alpha=8, init_lora_weights=False),
+    )
+    run = tmp_path / "lora-run"
+    peft_model.save_pretrained(run)
+    write_run_args(run, base, "lora")
+
+    source = resolve_model_source(run)
+    assert (source.base, source.lora_dir) == (base, run)
+    model, tokenizer = load_for_inference(source)
+    ids = torch.tensor([tokenizer.encode("发动机异响")])
+    with torch.no_grad():
+        expect = peft_model.eval()(input_ids=ids).logits
+        got = model(ids).logits
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    flagged = resolve_model_source(base, lora=run)
+    assert (flagged.base, flagged.lora_dir) == (base, run)
+
+
+def test_run_directory_without_run_args_is_explained(workdir, tmp_path):
+    run = tmp_path / "orphan"
+    run.mkdir()
+    (run / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="run_args.json"):
+        resolve_model_source(run)
+
+
+# ----------------------------------------------------------------------------------------------
+# Directories written by train.py itself
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    """A 2-step full fine-tuning of `--model tiny`, then 2-step P-tuning and LoRA runs on top of it."""
+    root = tmp_path_factory.mktemp("runs")
+    lines = DEV.read_text(encoding="utf-8").splitlines()
+    (root / "train.jsonl").write_text("\n".join(lines[:24]) + "\n", encoding="utf-8")
+    (root / "dev.jsonl").write_text("\n".join(lines[24:30]) + "\n", encoding="utf-8")
+    common = ["--train-file", root / "train.jsonl", "--dev-file", root / "dev.jsonl", "--max-steps", "2",
+              "--batch-size", "8", "--max-src-len", "48", "--max-len", "60", "--prompt", "抽取："]
+    runs = {"full": ["--model", "tiny", "--tuning", "full"],
+            "ptuning": ["--model", root / "full", "--tuning", "ptuning", "--pre-seq-len", "4", "--prefix-projection"],
+            "lora": ["--model", root / "full", "--tuning", "lora"]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, args in runs.items():
+        cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args), *map(str, common), "--output-dir", str(root / name)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return root
+
+
+@pytest.mark.parametrize("tuning", ["full", "ptuning", "lora"])
+def test_a_train_run_directory_is_enough(train_runs, tuning, tmp_path):
+    run = train_runs / tuning
+    source = resolve_model_source(run)
+    assert source.base == (run if tuning == "full" else train_runs / "full")
+    assert (source.encoding.prompt, source.encoding.max_src_len, source.encoding.max_len) == ("抽取：", 48, 60)
+    out = tmp_path / "out.jsonl"
+    infer_main(["--model", run, "--input", train_runs / "dev.jsonl", "--output", out])
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["index"] for r in rows] == list(range(6))
+    assert all(r["new_tokens"] <= 60 - 48 for r in rows)  # the run's answer budget
+    if tuning != "full":  # the same model through the adapter flags on the base
+        flag = "--ptuning-checkpoint" if tuning == "ptuning" else "--lora"
+        flagged = tmp_path / "flagged.jsonl"
+        infer_main(["--model", train_runs / "full", flag, run, "--input", train_runs / "dev.jsonl", "--output", flagged])
+        assert flagged.read_bytes() == out.read_bytes()
