@@ -6,11 +6,11 @@
 """
 
 import argparse
-import dataclasses
 import sys
 
 from chatglm_tune.data import EncodingOptions, RecordError, read_records
 from chatglm_tune.lora import LoraOptions
+from chatglm_tune.rundir import read_run_args
 from chatglm_tune.training import DEFAULT_LR, TINY_DEMO, TUNINGS, TrainingError, TrainOptions, prepare_model, train
 
 D, L, E = TrainOptions(), LoraOptions(), EncodingOptions()
@@ -53,21 +53,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir")
     a("--resume", action="store_true", help="continue the stopped run in --output-dir")
     a("--on-bad-record", choices=("error", "skip"), default="error", help="stop at a bad record, or skip and count it")
-    a("--max-src-len", type=int, default=E.max_src_len, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
-    a("--max-len", type=int, default=E.max_len, help=f"tokens of a whole row (default {E.max_len})")
-    a("--prompt", default=E.prompt, help="instruction put before each text (default: the reference script's)")
+    a("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
+    a("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
+    a("--prompt", help="instruction put before each text (default: the reference script's)")
     return p.parse_args(argv)
 
 
+def _resolve(args, names, preset, defaults) -> dict:
+    """Each option as given on the command line, else the preset's (tiny demo, base run), else the default."""
+    return {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(defaults, k)) for k in names}
+
+
 def options_from(args) -> TrainOptions:
-    chosen = {k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "weight_decay", "warmup_ratio")}
     demo = TINY_DEMO if args.model == "tiny" and args.tuning == "full" else {}
-    unset = {k: demo.get(k, getattr(D, k)) for k, v in chosen.items() if v is None}
+    # Tuning a train.py run: its prompt and lengths are the defaults (the base learned that format).
+    base_run = (read_run_args(args.model) or {}).get("encoding", {}) if args.model != "tiny" else {}
     return TrainOptions(
-        **{**chosen, **unset},
+        **_resolve(args, ("epochs", "batch_size", "lr", "weight_decay", "warmup_ratio"), demo, D),
         tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
         lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target)),
-        encoding=EncodingOptions(prompt=args.prompt, max_src_len=args.max_src_len, max_len=args.max_len),
+        encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run, **demo}, E)),
         max_steps=args.max_steps, grad_accum=args.grad_accum, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,

@@ -30,9 +30,10 @@ from chatglm_tune.training import TrainOptions, evaluate  # noqa: E402
 BASE_RELATIONS = ("部件故障", "组成")
 NEW_RELATIONS = ("性能故障", "检测工具")
 ADAPTATIONS = {
-    "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "16", "--prefix-projection", "--lr", "1e-2", "--epochs", "12"],
+    "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "16", "--prefix-projection", "--lr", "1e-2", "--epochs", "4",
+                "--batch-size", "16"],
     "lora": ["--tuning", "lora", "--lora-r", "16", "--lora-alpha", "32", "--lora-target", "query_key_value",
-             "dense_h_to_4h", "dense_4h_to_h", "dense", "--lr", "2e-3", "--epochs", "12"],
+             "dense_h_to_4h", "dense_4h_to_h", "dense", "--lr", "2e-3", "--epochs", "4", "--batch-size", "16"],
 }
 
 
@@ -40,16 +41,17 @@ def make_data(work: Path) -> dict:
     spec = importlib.util.spec_from_file_location("make_spo", REPO / "data" / "make_spo.py")
     make_spo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_spo)
-    make_spo.write_splits(work, n_train=2000, n_dev=200, seed=11, relations=BASE_RELATIONS, prefix="base")
-    make_spo.write_splits(work, n_train=1000, n_dev=200, seed=12, relations=NEW_RELATIONS, prefix="new")
+    make_spo.write_splits(work, n_train=10000, n_dev=200, seed=11, relations=BASE_RELATIONS, prefix="base")
+    make_spo.write_splits(work, n_train=4000, n_dev=200, seed=12, relations=NEW_RELATIONS, prefix="new")
     return {name: work / f"{name}.jsonl" for name in ("base_train", "base_dev", "new_train", "new_dev")}
 
 
 def dev_f1(run_dir: Path, dev_file: Path) -> float:
-    model, tokenizer = load_for_inference(resolve_model_source(run_dir))
+    source = resolve_model_source(run_dir)
+    model, tokenizer = load_for_inference(source)
     records, _ = read_records(dev_file)
-    with torch.no_grad():
-        scores = evaluate(model, tokenizer, records, TrainOptions(tuning="full"))
+    with torch.no_grad():  # the prompt and lengths the run was trained with
+        scores = evaluate(model, tokenizer, records, TrainOptions(tuning="full", encoding=source.encoding))
     return scores["micro"]["f1"]
 
 

@@ -7,15 +7,25 @@ with `torch.load(weights_only=True, mmap=True)`: no pickle code runs.
 
 The model is built on the meta device and every tensor is assigned as it is read, one shard at a time,
 cast to the compute dtype, so loading peaks near one copy of the weights. With `quantize_bits`, each
-block Linear is quantized as soon as its weight and bias are in, so a half-precision checkpoint can be
-loaded as INT8/INT4 without ever holding the whole model in half precision.
+block Linear weight is quantized as soon as it is read, a few rows at a time, so a half-precision
+checkpoint loads as INT8/INT4 without ever holding a whole float weight, let alone the whole model.
+
+Memory: both file types are read through a private memory map (torch's `mmap=True`, safetensors' own),
+whose pages count in the process's RSS once touched. Every tensor is therefore copied out of the map
+(cast, quantized, or cloned when the dtype already fits), and the file pages it occupied are released
+right away with `madvise(MADV_DONTNEED)` (Linux; only inside a read-only-used map of that very file),
+so at most one tensor's pages are resident beside the loaded weights, and the loaded model never
+depends on the checkpoint file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,8 +111,9 @@ def load_weights(
     """
     expected = dict(model.named_parameters())
     expected.update((k, b) for k, b in model.named_buffers() if _is_persistent(model, k))
-    pending_quant: dict[str, set[str]] = {}
+    pending_quant: dict[str, dict[str, torch.Tensor]] = {}  # linear -> its quantized weight parts / bias so far
     for file in weight_files(path):
+        pages = _FilePages(file)
         for key, tensor in iter_tensors(file):
             if IGNORED_KEYS.search(key):
                 continue
@@ -113,15 +124,121 @@ def load_weights(
             target = expected.pop(key)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
-            _assign(model, key, _cast(key, tensor, dtype), target)
             linear = _quantizable_linear(key) if quantize_bits else None
-            if linear is not None:
-                done = pending_quant.setdefault(linear, set())
-                done.add(key.rsplit(".", 1)[1])
-                if done >= {"weight", "bias"}:
-                    _quantize_one(model, linear, quantize_bits, group_size)
+            if linear is None:
+                _assign(model, key, _owned(_cast(key, tensor, dtype), tensor), target)
+            else:
+                parts = pending_quant.setdefault(linear, {})
+                if key.endswith(".weight"):
+                    parts["weight"], parts["weight_scale"] = _quantize_rows(tensor, dtype, quantize_bits, group_size)
+                    parts["source"] = tensor  # the mapped float weight (pages released below), until the bias comes
+                else:
+                    parts["bias"] = _owned(_cast(key, tensor, dtype), tensor)
+                if "weight" in parts and "bias" in parts:
+                    _install_quantized(model, linear, parts, quantize_bits, group_size)
                     del pending_quant[linear]
+            pages.release(tensor)
+            del tensor
+        pages.close()
+    for linear, parts in pending_quant.items():  # a weight whose bias never came (reported missing): left float
+        if "source" in parts:
+            source = parts.pop("source")
+            _assign(model, linear + ".weight", _owned(_cast(linear + ".weight", source, dtype), source),
+                    model.get_submodule(linear).weight)
     return sorted(expected)
+
+
+def _owned(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`value` in memory of its own: a clone when it still shares the (memory-mapped) source's storage."""
+    if value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return value.clone()
+    return value
+
+
+def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
+    rule is per row, so the result is identical, and no full-size float temporary ever exists."""
+    from .quantization import pack_int4, quantize_weight
+
+    out_features, in_features = weight.shape
+    rows = max(1, (4 << 20) // max(1, in_features))  # ~16 MB float32 temporaries per chunk
+    q_out = torch.empty(out_features, in_features // 2 if bits == 4 else in_features, dtype=torch.int8)
+    scale_out = None
+    for start in range(0, out_features, rows):
+        chunk = weight[start : start + rows]
+        q, scale = quantize_weight(chunk.to(dtype) if chunk.is_floating_point() else chunk, bits, group_size)
+        q_out[start : start + rows] = pack_int4(q) if bits == 4 else q
+        if scale_out is None:
+            scale_out = scale.new_empty((out_features, *scale.shape[1:]))
+        scale_out[start : start + rows] = scale
+    return q_out, scale_out
+
+
+def _install_quantized(model: nn.Module, name: str, parts: dict[str, torch.Tensor], bits: int, group_size: int) -> None:
+    """Swap the (meta) Linear `name` for a QuantizedLinear holding `parts` (what `from_linear` builds)."""
+    from .quantization import QuantizedLinear
+
+    owner, _, attr = name.rpartition(".")
+    parent = model.get_submodule(owner)
+    linear = getattr(parent, attr)
+    layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size, bias=False, device="meta")
+    layer.weight = nn.Parameter(parts["weight"], requires_grad=False)
+    layer.weight_scale = nn.Parameter(parts["weight_scale"], requires_grad=False)
+    layer.bias = nn.Parameter(parts["bias"], requires_grad=False)
+    setattr(parent, attr, layer)
+    parts.clear()
+
+
+class _FilePages:
+    """Releases the pages of one weight file's memory map once a tensor read from it has been copied.
+
+    Only addresses inside a mapping of this very file (per /proc/self/maps, read after the file was
+    opened) are touched: MADV_DONTNEED on such a private, never-written file mapping just drops clean
+    page-cache copies (a later read would fetch them from the file again), never data. No-op off Linux.
+    """
+
+    _libc = None
+
+    def __init__(self, file: Path):
+        self.file = os.path.realpath(file)
+        self.ranges: list[tuple[int, int]] | None = None  # read lazily: the file is mapped by iter_tensors
+
+    def _maps(self) -> list[tuple[int, int]]:
+        if self.ranges is None:
+            self.ranges = []
+            try:
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        fields = line.split(None, 5)
+                        if len(fields) == 6 and fields[5].rstrip("\n") == self.file:
+                            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                            self.ranges.append((lo, hi))
+            except OSError:
+                pass
+        return self.ranges
+
+    def release(self, tensor: torch.Tensor) -> None:
+        if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+            return
+        start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        page = mmap.PAGESIZE
+        start, end = start - start % page, -(-end // page) * page
+        for lo, hi in self._maps():
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                self._madvise(a, b - a)
+
+    @classmethod
+    def _madvise(cls, address: int, length: int) -> None:
+        if cls._libc is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            cls._libc = libc
+        cls._libc.madvise(address, length, mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.ranges = None
 
 
 def _is_persistent(model: nn.Module, key: str) -> bool:
@@ -147,14 +264,6 @@ def _assign(model: nn.Module, key: str, value: torch.Tensor, old: torch.Tensor) 
 def _quantizable_linear(key: str) -> str | None:
     m = re.match(r"^(transformer\.layers\.\d+\.(?:attention|mlp)\.(\w+))\.(weight|bias)$", key)
     return m.group(1) if m and m.group(2) in QUANTIZED_LINEARS else None
-
-
-def _quantize_one(model: nn.Module, name: str, bits: int, group_size: int) -> None:
-    from .quantization import QuantizedLinear
-
-    owner, _, attr = name.rpartition(".")
-    parent = model.get_submodule(owner)
-    setattr(parent, attr, QuantizedLinear.from_linear(getattr(parent, attr), bits, group_size))
 
 
 def _prefix_settings(shape, config) -> str:

@@ -12,7 +12,9 @@ Format (spec `chatglm-6b.md` section 6), for `W [out, in]`:
 Beyond the official format: INT4 with group-wise scales `weight_scale [out, in/group_size]` (the group
 size belongs in the model config, never in a file name).
 
-Matmul paths of `QuantizedLinear` (measured in `/work/shared/notes/cpu-kernels.md`):
+Matmul paths of `QuantizedLinear`. The weight-only kernels run near the memory-bandwidth limit on
+AVX-512/AMX CPUs (shared notes `cpu-kernels.md`); on AVX2-only CPUs they are compute-bound, about
+3-4 G weights/s a core (bench/quant.py), so INT4 decodes no faster than INT8 there.
 - "int8pack" (CPU): `torch._weight_int8pack_mm`, bf16 activations, per-row scales;
 - "int4pack" (CPU): `aten._weight_int4pack_mm_for_cpu` on a weight repacked once per process (the
   packed layout depends on the CPU's ISA, so it is never saved);

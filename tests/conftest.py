@@ -19,6 +19,15 @@ GOLDEN_DIRS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tests run tiny models: one thread beats OpenMP's start-up, and is immune to busy shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Golden:
     """One golden checkpoint directory: its cases, expected logits and a loader."""
 

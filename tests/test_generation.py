@@ -26,14 +26,6 @@ from chatglm_tune.generation import (
 MARGIN = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster than OpenMP's start-up, and immune to busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def reliable_prefix(case) -> int:
     """How many golden ids must match: all, or those before the first step with a margin < 1e-3."""

@@ -35,13 +35,6 @@ DEV = ROOT / "data" / "spo_dev.jsonl"
 N_RECORDS = 20
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

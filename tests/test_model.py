@@ -6,7 +6,6 @@ equal except after a step whose top-1/top-2 margin is below 1e-3.
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
 from chatglm_tune.checkpoint import CheckpointError

@@ -47,13 +47,6 @@ FORMATS = [(8, 0), (4, 0), (4, 32)]  # (bits, group_size)
 SPECIAL = dict(mask_token_id=500, gmask_token_id=501, bos_token_id=504, eos_token_id=505, pad_token_id=3)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # ---------------------------------------------------------------------------------------------- helpers
 
