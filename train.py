@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-batch-size", type=int, default=D.eval_batch_size, help=f"(default {D.eval_batch_size})")
     a("--log-every", type=int, default=D.log_every, help=f"log the loss every N steps (default {D.log_every})")
     a("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir")
+    a("--threads", type=int, help="torch CPU threads (default: torch's; the tiny demo: 1)")
     a("--resume", action="store_true", help="continue the stopped run in --output-dir")
     a("--on-bad-record", choices=("error", "skip"), default="error", help="stop at a bad record, or skip and count it")
     a("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
@@ -69,7 +70,7 @@ def options_from(args) -> TrainOptions:
     # Tuning a train.py run: its prompt and lengths are the defaults (the base learned that format).
     base_run = (read_run_args(args.model) or {}).get("encoding", {}) if args.model != "tiny" else {}
     return TrainOptions(
-        **_resolve(args, ("epochs", "batch_size", "lr", "weight_decay", "warmup_ratio"), demo, D),
+        **_resolve(args, ("epochs", "batch_size", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
         tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
         lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target)),
         encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run, **demo}, E)),

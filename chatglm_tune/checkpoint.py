@@ -126,14 +126,14 @@ def load_weights(
                 raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
             linear = _quantizable_linear(key) if quantize_bits else None
             if linear is None:
-                _assign(model, key, _owned(_cast(key, tensor, dtype), tensor), target)
+                _assign(model, key, _copy_out(key, tensor, dtype, pages), target)
             else:
                 parts = pending_quant.setdefault(linear, {})
                 if key.endswith(".weight"):
-                    parts["weight"], parts["weight_scale"] = _quantize_rows(tensor, dtype, quantize_bits, group_size)
+                    parts["weight"], parts["weight_scale"] = _quantize_rows(tensor, dtype, quantize_bits, group_size, pages)
                     parts["source"] = tensor  # the mapped float weight (pages released below), until the bias comes
                 else:
-                    parts["bias"] = _owned(_cast(key, tensor, dtype), tensor)
+                    parts["bias"] = _copy_out(key, tensor, dtype, pages)
                 if "weight" in parts and "bias" in parts:
                     _install_quantized(model, linear, parts, quantize_bits, group_size)
                     del pending_quant[linear]
@@ -143,25 +143,41 @@ def load_weights(
     for linear, parts in pending_quant.items():  # a weight whose bias never came (reported missing): left float
         if "source" in parts:
             source = parts.pop("source")
-            _assign(model, linear + ".weight", _owned(_cast(linear + ".weight", source, dtype), source),
+            _assign(model, linear + ".weight", _copy_out(linear + ".weight", source, dtype, None),
                     model.get_submodule(linear).weight)
     return sorted(expected)
 
 
-def _owned(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """`value` in memory of its own: a clone when it still shares the (memory-mapped) source's storage."""
-    if value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        return value.clone()
-    return value
+COPY_CHUNK_BYTES = 4 << 20  # a large tensor is copied out of the file map this much at a time
 
 
-def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _copy_out(key: str, tensor: torch.Tensor, dtype: torch.dtype, pages: _FilePages | None) -> torch.Tensor:
+    """`_cast(key, tensor, dtype)` in memory of its own (never a view of the file map), copied a chunk of
+    rows at a time with each chunk's file pages released as soon as it is copied: loading a tensor
+    costs its final size plus one chunk, whatever the source and target dtypes."""
+    target = _cast(key, tensor[:0] if tensor.dim() else tensor, dtype).dtype
+    out = torch.empty(tensor.shape, dtype=target)
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        return out.copy_(tensor)
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    rows = max(1, COPY_CHUNK_BYTES // row_bytes)
+    for start in range(0, tensor.shape[0], rows):
+        chunk = tensor[start : start + rows]
+        out[start : start + rows].copy_(chunk)
+        if pages is not None:
+            pages.release(chunk)
+    return out
+
+
+def _quantize_rows(
+    weight: torch.Tensor, dtype: torch.dtype, bits: int, group_size: int, pages: _FilePages | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
     rule is per row, so the result is identical, and no full-size float temporary ever exists."""
     from .quantization import pack_int4, quantize_weight
 
     out_features, in_features = weight.shape
-    rows = max(1, (4 << 20) // max(1, in_features))  # ~16 MB float32 temporaries per chunk
+    rows = max(1, (1 << 20) // max(1, in_features))  # ~4 MB float32 temporaries per chunk
     q_out = torch.empty(out_features, in_features // 2 if bits == 4 else in_features, dtype=torch.int8)
     scale_out = None
     for start in range(0, out_features, rows):
@@ -171,6 +187,8 @@ def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype, bits: int, group_si
         if scale_out is None:
             scale_out = scale.new_empty((out_features, *scale.shape[1:]))
         scale_out[start : start + rows] = scale
+        if pages is not None:
+            pages.release(chunk)
     return q_out, scale_out
 
 

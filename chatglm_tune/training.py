@@ -66,6 +66,7 @@ class TrainOptions:
     eval_batch_size: int = 32
     log_every: int = 10
     tensorboard: bool = False
+    threads: int | None = None  # torch intra-op threads; None = torch's default
 
     def __post_init__(self):
         problems = []
@@ -93,7 +94,10 @@ class TrainOptions:
 # The from-scratch demo: `--model tiny --tuning full` with no other flag trains with these. Its
 # tokenizer is character-level, so an answer of three triples is ~45 tokens: the answer budget
 # (max_len - max_src_len) is 80 instead of the 32 that suit ChatGLM-6B's word-level vocabulary.
-TINY_DEMO = dict(epochs=5, batch_size=16, lr=3e-3, warmup_ratio=0.03, weight_decay=0.01, max_src_len=160, max_len=240)
+# One thread: the tiny model's matmuls are too small for intra-op parallelism to pay, and OpenMP threads
+# that outnumber free cores slow it down tenfold on a shared machine.
+TINY_DEMO = dict(epochs=5, batch_size=16, lr=3e-3, warmup_ratio=0.03, weight_decay=0.01, max_src_len=160, max_len=240,
+                 threads=1)
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -142,6 +146,8 @@ def build_tiny(train_records, output_dir: Path, options: TrainOptions):
 
 def prepare_model(model_arg: str, train_records, output_dir: Path, options: TrainOptions):
     """(model ready for `options.tuning`, tokenizer) from `--model tiny` or a model directory."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
     set_seed(options.seed)  # fresh weights (tiny model, prefix encoder, LoRA) are seeded too
     if model_arg == "tiny":
         if options.tuning != "full":
