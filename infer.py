@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from chatglm_tune import checkpoint, extraction
+from chatglm_tune import checkpoint, extraction, rundir
 from chatglm_tune.data import SPORecord, read_records
 from chatglm_tune.generation import DEFAULT_SAMPLING, SamplingOptions
 
@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization-bit", type=int, choices=(4, 8), help="quantize the block Linears while loading (default: as stored)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: what the train.py run used, else torch's)")
     args = p.parse_args(argv)
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
     if given and not args.do_sample:
@@ -75,6 +76,9 @@ def load(args, settings):
     """(model, tokenizer, settings with the prompt/length options the model was trained with)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = args.dtype or ("float16" if str(device).startswith("cuda") else "float32")
+    threads = args.threads or (rundir.read_run_args(args.model) or {}).get("threads")
+    if threads:
+        torch.set_num_threads(threads)
     source = extraction.resolve_model_source(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
     print(f"model: {source.describe()} ({dtype}, {device})", file=sys.stderr)
     model, tokenizer = extraction.load_for_inference(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit)
