@@ -107,11 +107,11 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def run_process(cmd: list[str]) -> tuple[str, float, int]:
+def run_process(cmd: list[str], env: dict | None = None) -> tuple[str, float, int]:
     """(stdout, seconds, peak RSS bytes of that process): os.wait4 reports the child's own ru_maxrss."""
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, cwd=ROOT, env=None if env is None else {**os.environ, **env})
         _, status, usage = os.wait4(proc.pid, 0)
         code = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - start
@@ -531,6 +531,15 @@ class Bench:
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items() if not k.startswith("status")}
         print(f"[{name}] {json.dumps(shown)}", flush=True)
 
+    def variant(self) -> tuple[str, dict | None]:
+        """(key suffix, child environment) of the prototype / environment options in effect."""
+        suffix = ("+int4x1" if self.args.int4_single_copy else "") + ("+fp32mm" if self.args.fp32_matmul else "")
+        env = None
+        if self.args.malloc_mmap_threshold is not None:
+            suffix += f"+mmap{self.args.malloc_mmap_threshold // 1024}k"
+            env = {"MALLOC_MMAP_THRESHOLD_": str(self.args.malloc_mmap_threshold)}
+        return suffix, env
+
     def child_cmd(self, *extra) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), "--threads", str(self.args.threads),
                 "--budget-s", str(self.args.budget_s), *extra]
@@ -557,19 +566,22 @@ class Bench:
             bits, source = INFER[name]
             bandwidth = float(run_process(self.child_cmd("--child-bandwidth"))[0].strip().splitlines()[-1])
             flags = (["--int4-single-copy"] if self.args.int4_single_copy else []) + (["--fp32-matmul"] if self.args.fp32_matmul else [])
-            text, seconds, rss = run_process(self.child_cmd("--child-infer", "--bits", str(bits), "--model-dir", str(self.dirs(source)), *flags))
+            suffix, env = self.variant()
+            text, seconds, rss = run_process(self.child_cmd("--child-infer", "--bits", str(bits), "--model-dir", str(self.dirs(source)), *flags), env)
             r = json.loads(text.strip().splitlines()[-1])
             r.update(peak_rss_gb=rss / GB, process_s=round(seconds, 1), copy_gb_s=bandwidth / GB,
                      bound_tok_s=bandwidth / r["weight_bytes_per_token"])
             r["of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
-            self.save(step + ("+int4x1" if self.args.int4_single_copy else "") + ("+fp32mm" if self.args.fp32_matmul else ""), r)
+            r["malloc_mmap_threshold"] = self.args.malloc_mmap_threshold
+            self.save(step + suffix, r)
         elif step.startswith("train-"):
             name = step[len("train-"):]
             flags = ["--fp32-matmul"] if self.args.fp32_matmul else []
-            text, seconds, rss = run_process(self.child_cmd("--child-train", name, "--model-dir", str(self.model_dir), *flags))
+            suffix, env = self.variant()
+            text, seconds, rss = run_process(self.child_cmd("--child-train", name, "--model-dir", str(self.model_dir), *flags), env)
             r = json.loads(text.strip().splitlines()[-1])
-            r.update(peak_rss_gb=rss / GB, process_s=round(seconds, 1))
-            self.save(step + ("+fp32mm" if self.args.fp32_matmul else ""), r)
+            r.update(peak_rss_gb=rss / GB, process_s=round(seconds, 1), malloc_mmap_threshold=self.args.malloc_mmap_threshold)
+            self.save(step + suffix, r)
         elif step == "report":
             report(self)
         else:
@@ -579,54 +591,80 @@ class Bench:
 # ---------------------------------------------------------------------------------------------- report
 
 
+VARIANT_LABELS = {"int4x1": "single-copy INT4 prototype", "fp32mm": "fp32-matmul prototype"}
+
+
+def _variant_label(suffix: str) -> str:
+    """'+fp32mm+mmap64k' -> 'fp32-matmul prototype + MALLOC_MMAP_THRESHOLD_=64 KiB'; '' -> 'as is'."""
+    parts = [p for p in suffix.split("+") if p]
+    if not parts:
+        return "as is"
+    return " + ".join(VARIANT_LABELS.get(p, f"MALLOC_MMAP_THRESHOLD_={p[4:-1]} KiB" if p.startswith("mmap") else p) for p in parts)
+
+
+def _variants(results: dict, step: str) -> list[tuple[str, dict]]:
+    """(suffix, record) of `step` as is and of its prototype / environment variants, as-is first."""
+    out = [(k[len(step):], v) for k, v in results.items() if k == step or k.startswith(step + "+")]
+    return sorted(out, key=lambda kv: (kv[0].count("+"), kv[0]))
+
+
 def summary(results: dict) -> dict:
     """The closing JSON's numbers (None where a step has not run).
 
-    Inference: the toolkit as is; INT8/INT4 RSS is the worse of quantized-at-load and loaded-from-file,
-    decode speed that of the quantize.py file (the deployment path). Training: a complete step as is
-    when it finished inside the budget, else the complete step measured with the fp32-matmul prototype
-    (`training_source` says which); the as-is partial measurements are under `as_is_training`.
+    Top level: the toolkit as is. Inference RSS for INT8/INT4 is the worse of quantized-at-load and
+    loaded-from-file; decode speed is that of the quantize.py file (the deployment path). Training: a
+    complete step as is when one finished inside the budget, else the complete step measured with the
+    fp32-matmul prototype (`training_source` says which; as-is partial measurements under
+    `as_is_training`). `with_proposals`: the same numbers from the runs with every prototype /
+    environment change that was measured (the variant with the most changes).
     """
-    def get(step, key):
-        return results.get(step, {}).get(key)
+    def rec(step, suffixes):
+        for suffix in suffixes:
+            r = results.get(step + suffix)
+            if r is not None and not r.get("partial"):
+                return r, suffix
+        return None, None
+
+    def most_changes(step):
+        complete = [(suf, r) for suf, r in _variants(results, step) if not r.get("partial")]
+        return (complete[-1][1], complete[-1][0]) if complete else (None, None)
 
     def worst(*values):
         values = [v for v in values if v is not None]
         return max(values) if values else None
 
     infer = {"bf16": ["infer-bf16"], "int8": ["infer-int8-load", "infer-int8-file"], "int4": ["infer-int4-load", "infer-int4-file"]}
-    out = {
-        "inference_rss_gb": {k: worst(*(get(s, "peak_rss_gb") for s in steps)) for k, steps in infer.items()},
-        "ptuning_rss_gb": {}, "lora_rss_gb": {},
-        "decode_tok_s": {"bf16": get("infer-bf16", "decode_tok_s"), "int8": get("infer-int8-file", "decode_tok_s"),
-                         "int4": get("infer-int4-file", "decode_tok_s")},
-        "bound_tok_s": {"bf16": get("infer-bf16", "bound_tok_s"), "int8": get("infer-int8-file", "bound_tok_s"),
-                        "int4": get("infer-int4-file", "bound_tok_s")},
-        "step_s": {}, "training_source": {}, "as_is_training": {},
-    }
+    file_step = {"bf16": "infer-bf16", "int8": "infer-int8-file", "int4": "infer-int4-file"}
+
+    def block(choose) -> dict:
+        out = {"inference_rss_gb": {}, "ptuning_rss_gb": {}, "lora_rss_gb": {}, "decode_tok_s": {}, "bound_tok_s": {},
+               "step_s": {}, "training_source": {}}
+        for kind, steps in infer.items():
+            out["inference_rss_gb"][kind] = worst(*((choose(s)[0] or {}).get("peak_rss_gb") for s in steps))
+            r = choose(file_step[kind])[0] or {}
+            out["decode_tok_s"][kind], out["bound_tok_s"][kind] = r.get("decode_tok_s"), r.get("bound_tok_s")
+        for name in TRAIN:
+            tuning, base = name.split("-")
+            r, suffix = choose(f"train-{name}")
+            out[f"{tuning}_rss_gb"][base] = r.get("peak_rss_gb") if r else None
+            out["step_s"][f"{tuning}_{base}"] = r.get("step_s") if r else None
+            out["training_source"][f"{tuning}_{base}"] = _variant_label(suffix) if r else None
+        return out
+
+    out = block(lambda step: rec(step, ["", "+fp32mm"]) if step.startswith("train-") else rec(step, [""]))
+    as_is = {}
     for name in TRAIN:
-        tuning, base = name.split("-")
-        key = f"{tuning}_{base}"
-        as_is, proto = results.get(f"train-{name}"), results.get(f"train-{name}+fp32mm")
-        if as_is is not None and not as_is.get("partial"):
-            chosen, source = as_is, "as is"
-        elif proto is not None and not proto.get("partial"):
-            chosen, source = proto, "fp32-matmul prototype"
-        else:
-            chosen, source = as_is or proto, ("stopped at the budget" if (as_is or proto) else None)
-        out[f"{tuning}_rss_gb"][base] = chosen.get("peak_rss_gb") if chosen else None
-        out["step_s"][key] = chosen.get("step_s") if chosen else None
-        out["training_source"][key] = source
-        if as_is is not None and as_is.get("partial"):
-            out["as_is_training"][key] = {k: as_is.get(k) for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
-                                          if as_is.get(k) is not None}
-    proto4 = [results.get(f"infer-int4-{v}+int4x1") for v in ("load", "file")]
-    if any(proto4):
-        out["int4_single_copy_prototype"] = {
-            "inference_rss_gb": worst(*(r.get("peak_rss_gb") for r in proto4 if r)),
-            "decode_tok_s": (results.get("infer-int4-file+int4x1") or {}).get("decode_tok_s")}
-    if not out["as_is_training"]:
-        del out["as_is_training"]
+        r = results.get(f"train-{name}")
+        if r is not None and r.get("partial"):
+            as_is[name.replace("-", "_")] = {k: r.get(k) for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
+                                              if r.get(k) is not None}
+    if as_is:
+        out["as_is_training"] = as_is
+    best = block(most_changes)
+    best["variants"] = {s: _variant_label(most_changes(s)[1]) for s in
+                        [*(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN)] if most_changes(s)[0] is not None}
+    del best["training_source"]
+    out["with_proposals"] = best
 
     def rounded(d):
         if isinstance(d, dict):
@@ -649,46 +687,44 @@ def report(bench: Bench) -> None:
     lines.append(f"Config: {layers} layers, hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}; "
                  f"random fp16 weights (std 0.02) in the official sharded layout. Generated by `python bench/scale.py"
                  f"{' --quick' if cfg.get('quick') else ' --step ...'}` (see its docstring). GB = 1e9 bytes; RSS = peak "
-                 "`ru_maxrss` of the whole measuring process, a fresh one per row (Python + torch baseline, about 0.4 GB, "
-                 "included). The seed's figures are GPU memory of the official code (Table 18-1).")
+                 "`ru_maxrss` of the whole measuring process, a fresh one per row (Python + torch + transformers baseline, "
+                 "about 0.4 GB, included). The seed's figures are GPU memory of the official code (Table 18-1).")
     lines.append("")
     any_rec = next((v for k, v in results.items() if not k.startswith("_")), {})
     lines.append(f"Machine: {os.cpu_count()} CPUs ({any_rec.get('cpu_capability', '?')}: no native bf16 matmul), torch "
                  f"{any_rec.get('torch', '?')}, {any_rec.get('threads', '?')} torch thread(s) per process; other processes "
                  "share the cores (load average per row), so times vary run to run.")
+    lines.append("")
+    lines.append("`code`: `as is` = the toolkit's code; a prototype is the change proposed for a file this benchmark does "
+                 "not own, patched in by `bench/scale.py` only (`install_fp32_matmul`, `install_int4_single_copy`); "
+                 "`MALLOC_MMAP_THRESHOLD_` is glibc's setting for the measuring process.")
     lines += ["", "## Inference (bf16 compute; batch 1, 64-token prompt, 32 greedy tokens)", "",
               "`-load`: quantized while loading the fp16 checkpoint; `-file`: loaded from the `quantize.py` output. "
               "Bound = copy bandwidth (read + written bytes/s, measured just before) / weight bytes read per token.", "",
-              "| variant | peak RSS GB | target GB | seed GPU GB | load s | prefill s | decode tok/s | bound tok/s | of bound | GB read/token | copy GB/s | load avg |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows = [(n, f"infer-{n}") for n in INFER] + [(f"{n} + single-copy INT4 prototype", f"infer-{n}+int4x1")
-                                                  for n in ("int4-load", "int4-file")]
-    for label, step in rows:
-        r = results.get(step)
-        kind = label.split("-")[0]
-        if r is None:
-            if "+" not in step:
-                lines.append(f"| {label} | not run | {TARGET_GB['inference'][kind]} | {SEED_GPU_GB['inference'][kind]} |" + " |" * 9)
-            continue
-        lines.append(f"| {label} | {r['peak_rss_gb']:.2f} | {TARGET_GB['inference'][kind]} | {SEED_GPU_GB['inference'][kind]} | "
-                     f"{r['load_s']:.0f} | {r['prefill_s']:.1f} | {r['decode_tok_s']:.3f} | {r['bound_tok_s']:.3f} | "
-                     f"{r['of_bound']:.0%} | {r['weight_bytes_per_token'] / GB:.2f} | {r['copy_gb_s']:.1f} | {r['load_average'][0]} |")
+              "| variant | code | peak RSS GB | target GB | seed GPU GB | load s | prefill s | decode tok/s | bound tok/s | of bound | GB read/token | copy GB/s | load avg |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in INFER:
+        kind = name.split("-")[0]
+        found = _variants(results, f"infer-{name}")
+        if not found:
+            lines.append(f"| {name} | | not run | {TARGET_GB['inference'][kind]} | {SEED_GPU_GB['inference'][kind]} |" + " |" * 8)
+        for suffix, r in found:
+            lines.append(f"| {name} | {_variant_label(suffix)} | {r['peak_rss_gb']:.2f} | {TARGET_GB['inference'][kind]} | "
+                         f"{SEED_GPU_GB['inference'][kind]} | {r['load_s']:.0f} | {r['prefill_s']:.1f} | {r['decode_tok_s']:.3f} | "
+                         f"{r['bound_tok_s']:.3f} | {r['of_bound']:.0%} | {r['weight_bytes_per_token'] / GB:.2f} | "
+                         f"{r['copy_gb_s']:.1f} | {r['load_average'][0]} |")
     lines += ["", "## One training step (batch 1 x 256 tokens, 128 labelled; gradient checkpointing; bf16 weights and activations; AdamW)", "",
-              "`as is`: the toolkit's code. `fp32-matmul prototype`: the same step with the change proposed for "
-              "model.py/quantization.py (matmuls of more than 32 rows in fp32 on weight tiles upcast on the fly; "
-              "`install_fp32_matmul`). A row stopped at the budget shows what was measured before the stop.", "",
+              "A row stopped at the budget (the 10-minute command limit) shows what was measured before the stop.", "",
               "| step | code | peak RSS GB | target GB | seed GPU GB | load s | forward s | backward s | step s | trainable | load avg |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in TRAIN:
         tuning, base = name.split("-")
         target = TARGET_GB["ptuning"][base] if tuning == "ptuning" else "-"
         seed = SEED_GPU_GB["ptuning"][base]  # the seed's figure is for parameter-efficient tuning (P-tuning v2)
-        for code, step in (("as is", f"train-{name}"), ("fp32-matmul prototype", f"train-{name}+fp32mm")):
-            r = results.get(step)
-            if r is None:
-                if code == "as is":
-                    lines.append(f"| {name} | {code} | not run | {target} | {seed} |" + " |" * 6)
-                continue
+        found = _variants(results, f"train-{name}")
+        if not found:
+            lines.append(f"| {name} | | not run | {target} | {seed} |" + " |" * 6)
+        for suffix, r in found:
             if r.get("partial"):
                 if r.get("stopped_in") == "backward":
                     bwd = (f"stopped after {r['stopped_after_s'] - r['forward_s']:.0f} s, "
@@ -699,8 +735,8 @@ def report(bench: Bench) -> None:
                 rss = f"{r['peak_rss_gb']:.2f} (at stop)"
             else:
                 bwd, step_s, rss = r["backward_s"], r["step_s"], f"{r['peak_rss_gb']:.2f}"
-            lines.append(f"| {name} | {code} | {rss} | {target} | {seed} | {r.get('load_s', '-')} | {r.get('forward_s', '-')} | "
-                         f"{bwd} | {step_s} | {r.get('trainable_params', 0):,} | {r['load_average'][0]} |")
+            lines.append(f"| {name} | {_variant_label(suffix)} | {rss} | {target} | {seed} | {r.get('load_s', '-')} | "
+                         f"{r.get('forward_s', '-')} | {bwd} | {step_s} | {r.get('trainable_params', 0):,} | {r['load_average'][0]} |")
     extra = []
     if "write" in results:
         w = results["write"]
@@ -712,7 +748,8 @@ def report(bench: Bench) -> None:
             extra.append(f"- quantize.py --bits {b}: {q['seconds']} s, peak RSS {q['peak_rss_gb']:.2f} GB, {q['disk_gb']:.2f} GB on disk")
     if extra:
         lines += ["", "## Preparation", "", *extra]
-    lines += ["", "## Targets", ""] + [f"- {t}" for t in target_lines(s)]
+    lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s)]
+    lines += ["", "## Targets with the measured proposals (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_proposals"])]
     text = "\n".join(lines) + "\n"
     (bench.out / "scale.md").write_text(text)
     chart(bench.out / "scale.png", s, cfg)
@@ -725,14 +762,10 @@ def target_lines(s: dict) -> list[str]:
     for section, key in (("inference", "inference_rss_gb"), ("ptuning", "ptuning_rss_gb")):
         for b, want in TARGET_GB[section].items():
             got = s[key].get(b)
-            note = f" ({s['training_source'].get('ptuning_' + b)})" if section == "ptuning" and got is not None else ""
+            source = (s.get("training_source") or {}).get("ptuning_" + b) if section == "ptuning" else None
+            note = f" ({source})" if source and source != "as is" else ""
             out.append(f"{section} {b} peak RSS {_fmt(got)} GB <= {want}: "
                        + ("not run" if got is None else "met" if got <= want else "MISSED") + note)
-    proto = s.get("int4_single_copy_prototype")
-    if proto and proto.get("inference_rss_gb") is not None:
-        want = TARGET_GB["inference"]["int4"]
-        out.append(f"inference int4 with the single-copy prototype: {proto['inference_rss_gb']:.2f} GB <= {want}: "
-                   + ("met" if proto["inference_rss_gb"] <= want else "MISSED"))
     for b in ("bf16", "int8"):
         got, bound = s["decode_tok_s"].get(b), s["bound_tok_s"].get(b)
         ratio = None if got is None or bound is None else got / bound
@@ -795,6 +828,10 @@ def main(argv=None) -> None:
     p.add_argument("--int4-single-copy", action="store_true",
                    help="infer-* steps: run with the PROTOTYPE of the proposed single-copy INT4 layout (see "
                         "install_int4_single_copy); results are kept under '<step>+int4x1' (default: off)")
+    p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                   help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
+                        "allocations from this size are mmap'd and returned to the system when freed, instead of "
+                        "staying in a fragmented heap); results are kept under '<step>+mmap<K>k' (default: glibc's own)")
     p.add_argument("--child-infer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-train", help=argparse.SUPPRESS)
     p.add_argument("--child-write", action="store_true", help=argparse.SUPPRESS)
