@@ -35,6 +35,14 @@ Steps:
 Peak RSS is the whole measuring process's `ru_maxrss` (from `os.wait4`), the Python + torch baseline
 included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`bench/results/scale.json`
 at full size; with `--quick` everything goes to `--out`, default /tmp/chatglm6b-scale-quick).
+
+Variants (kept beside the as-is numbers, under the step name + a suffix, and shown in their own rows):
+`--fp32-matmul` and `--int4-single-copy` patch in PROTOTYPES of changes proposed for files this
+benchmark does not own (model.py / quantization.py; see `install_fp32_matmul`, `install_int4_single_copy`),
+`--max-kernel-rows N` sets the existing `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B`
+runs the measuring process with glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the
+toolkit as is (training: the fp32-matmul prototype where the as-is step cannot finish within the
+budget, said in `training_source`); `with_proposals` repeats it from the variants with the most changes.
 """
 
 from __future__ import annotations
@@ -534,6 +542,8 @@ class Bench:
     def variant(self) -> tuple[str, dict | None]:
         """(key suffix, child environment) of the prototype / environment options in effect."""
         suffix = ("+int4x1" if self.args.int4_single_copy else "") + ("+fp32mm" if self.args.fp32_matmul else "")
+        if self.args.max_kernel_rows is not None:
+            suffix += f"+kr{self.args.max_kernel_rows}"
         env = None
         if self.args.malloc_mmap_threshold is not None:
             suffix += f"+mmap{self.args.malloc_mmap_threshold // 1024}k"
@@ -541,8 +551,9 @@ class Bench:
         return suffix, env
 
     def child_cmd(self, *extra) -> list[str]:
+        rows = [] if self.args.max_kernel_rows is None else ["--max-kernel-rows", str(self.args.max_kernel_rows)]
         return [sys.executable, str(Path(__file__).resolve()), "--threads", str(self.args.threads),
-                "--budget-s", str(self.args.budget_s), *extra]
+                "--budget-s", str(self.args.budget_s), *rows, *extra]
 
     def run(self, step: str) -> None:
         start = time.perf_counter()
@@ -592,6 +603,7 @@ class Bench:
 
 
 VARIANT_LABELS = {"int4x1": "single-copy INT4 prototype", "fp32mm": "fp32-matmul prototype"}
+# '+kr64' -> QuantizedLinear.max_kernel_rows = 64 (an existing class setting)
 
 
 def _variant_label(suffix: str) -> str:
@@ -599,7 +611,16 @@ def _variant_label(suffix: str) -> str:
     parts = [p for p in suffix.split("+") if p]
     if not parts:
         return "as is"
-    return " + ".join(VARIANT_LABELS.get(p, f"MALLOC_MMAP_THRESHOLD_={p[4:-1]} KiB" if p.startswith("mmap") else p) for p in parts)
+    def label(p):
+        if p in VARIANT_LABELS:
+            return VARIANT_LABELS[p]
+        if p.startswith("mmap"):
+            return f"MALLOC_MMAP_THRESHOLD_={p[4:-1]} KiB"
+        if p.startswith("kr"):
+            return f"max_kernel_rows={p[2:]}"
+        return p
+
+    return " + ".join(label(p) for p in parts)
 
 
 def _variants(results: dict, step: str) -> list[tuple[str, dict]]:
@@ -779,28 +800,36 @@ def target_lines(s: dict) -> list[str]:
 
 
 def chart(path: Path, s: dict, cfg: dict) -> None:
+    """Grouped bars per panel: the seed's GPU figure, our peak RSS as is, and with the measured proposals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("inference", s["inference_rss_gb"], SEED_GPU_GB["inference"], TARGET_GB["inference"]),
-              ("P-tuning v2 step", s["ptuning_rss_gb"], SEED_GPU_GB["ptuning"], TARGET_GB["ptuning"]),
-              ("LoRA step", s["lora_rss_gb"], SEED_GPU_GB["ptuning"], None)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
-    for ax, (title, ours, seed, target) in zip(axes, groups):
-        xs = range(len(BITS))
-        ax.bar([x - 0.2 for x in xs], [seed[b] for b in BITS], 0.4, label="seed: official code, GPU memory", color="#bbbbbb")
-        ax.bar([x + 0.2 for x in xs], [ours.get(b) or 0 for b in BITS], 0.4, label="this toolkit: peak RSS, CPU", color="#3a7bd5")
+    best = s.get("with_proposals", {})
+    groups = [("inference", "inference_rss_gb", SEED_GPU_GB["inference"], TARGET_GB["inference"]),
+              ("P-tuning v2 step", "ptuning_rss_gb", SEED_GPU_GB["ptuning"], TARGET_GB["ptuning"]),
+              ("LoRA step", "lora_rss_gb", SEED_GPU_GB["ptuning"], None)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6), sharey=True)
+    w = 0.27
+    for ax, (title, key, seed, target) in zip(axes, groups):
+        ours, prop = s[key], best.get(key, {})
+        xs = list(range(len(BITS)))
+        ax.bar([x - w for x in xs], [seed[b] for b in BITS], w, label="seed: official code, GPU memory", color="#bbbbbb")
+        ax.bar(xs, [ours.get(b) or 0 for b in BITS], w, color="#3a7bd5",
+               label="this toolkit: peak RSS, CPU (as is; training:\nthe complete step needs the fp32-matmul prototype)")
+        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with the measured proposals", color="#59a14f",
+               hatch="//", edgecolor="white")
         for x, b in zip(xs, BITS):
-            if ours.get(b) is not None:
-                ax.text(x + 0.2, ours[b] + 0.2, f"{ours[b]:.1f}", ha="center", fontsize=8)
+            for dx, v in ((0, ours.get(b)), (w, prop.get(b))):
+                if v:
+                    ax.text(x + dx, v + 0.2, f"{v:.1f}", ha="center", fontsize=7)
             if target:
-                ax.plot([x + 0.0, x + 0.4], [target[b]] * 2, color="#d62728", lw=2, label="target" if x == 0 else None)
-        ax.set_xticks(list(xs), [b.upper() if b != "bf16" else "half (bf16)" for b in BITS])
+                ax.plot([x - 0.5 * w, x + 1.5 * w], [target[b]] * 2, color="#d62728", lw=2, label="target" if x == 0 else None)
+        ax.set_xticks(xs, [b.upper() if b != "bf16" else "half (bf16)" for b in BITS])
         ax.set_title(title)
     axes[0].set_ylabel("GB")
-    axes[0].legend(fontsize=8, loc="upper right")
+    axes[0].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"ChatGLM-6B{' (2-layer slice)' if cfg.get('quick') else ''}: memory beside the seed's GPU figures")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -832,6 +861,9 @@ def main(argv=None) -> None:
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "
                         "staying in a fragmented heap); results are kept under '<step>+mmap<K>k' (default: glibc's own)")
+    p.add_argument("--max-kernel-rows", type=int, metavar="N",
+                   help="infer-*/train-* steps: set QuantizedLinear.max_kernel_rows = N (inputs of up to N rows use the "
+                        "int8pack/int4pack kernels instead of dequantizing); results under '<step>+krN' (default: the class's)")
     p.add_argument("--child-infer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-train", help=argparse.SUPPRESS)
     p.add_argument("--child-write", action="store_true", help=argparse.SUPPRESS)
@@ -848,7 +880,12 @@ def main(argv=None) -> None:
         print(json.dumps(write_checkpoint(args.model_dir, bench_config(args.quick), QUICK_SHARDS if args.quick else FULL_SHARDS)))
         return
     if args.child_infer or args.child_train:
+        if args.max_kernel_rows is not None:
+            from chatglm_tune.quantization import QuantizedLinear
+
+            QuantizedLinear.max_kernel_rows = args.max_kernel_rows
         result = child_infer(args) if args.child_infer else child_train(args)
+        result["max_kernel_rows"] = args.max_kernel_rows
         print(json.dumps(result))
         return
     bench = Bench(args)

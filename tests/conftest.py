@@ -19,13 +19,22 @@ GOLDEN_DIRS = {
 }
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Tests run tiny models: one thread beats OpenMP's start-up, and is immune to busy shared cores."""
+    """Tests run tiny models on one thread: it beats OpenMP's start-up, is immune to busy shared cores,
+    and gives every fixture (module-scoped ones included) the same reduction order as the test that
+    compares against it, so bitwise comparisons hold on any number of cores."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def back_to_one_thread():
+    """A test that asks for more threads (`TrainOptions.threads`, `infer.py --threads`) leaves one."""
+    yield
+    torch.set_num_threads(1)
 
 
 class Golden:
