@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--mixed-precision", choices=("no", "fp16", "bf16"), default=D.mixed_precision, help="autocast (default no)")
     a("--dtype", default=D.dtype, help=f"dtype of the loaded base weights (default {D.dtype})")
     a("--quantization-bit", type=int, choices=(4, 8), help="quantize the base to INT8/INT4 while loading")
+    a("--quantize-embedding", action="store_true", help="hold the frozen tied embedding / head as one INT8 copy")
     a("--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)")
     a("--seed", type=int, default=D.seed, help=f"seed of initialisation, shuffling and dropout (default {D.seed})")
     a("--eval-every", type=int, help="evaluate and checkpoint every N steps (default once an epoch)")
@@ -76,6 +77,7 @@ def options_from(args) -> TrainOptions:
         encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run, **demo}, E)),
         max_steps=args.max_steps, grad_accum=args.grad_accum, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
+        quantize_embedding=args.quantize_embedding,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, eval_batch_size=args.eval_batch_size, log_every=args.log_every,
         tensorboard=args.tensorboard,

@@ -5,7 +5,8 @@
     python bench/quant.py --quick    # smoke run: 2 layers, 8 new tokens
 
 Random weights are written once in fp16 and quantized by `quantize.py` (INT8 and INT4 with per-row
-scales: the official formats). fp32 and bf16 load the fp16 file. Measured:
+scales: the official formats). fp32 and bf16 load the fp16 file. `+e8` variants also hold the tied
+embedding / head as one INT8 copy (`quantize_embedding`, beyond the official format). Measured:
 - disk: the bytes of the weight file each variant loads;
 - RSS to load: each variant loaded alone in a fresh process, which reports its peak resident set
   (VmHWM of /proc/self/status: `ru_maxrss` would also count the parent's peak, inherited over
@@ -44,9 +45,12 @@ from chatglm_tune.generation import generate  # noqa: E402
 MID = dict(hidden_size=2048, num_layers=8, num_attention_heads=16, inner_hidden_size=8192)
 QUICK = dict(num_layers=2, new_tokens=8, rounds=2)
 FULL = dict(new_tokens=32, rounds=3)
-# Variant -> (weights: "fp16" (the source) or "int8"/"int4" (quantize.py --bits), compute dtype).
-VARIANTS = {"fp32": ("fp16", "float32"), "bf16": ("fp16", "bfloat16"), "int8": ("int8", "float32"), "int4": ("int4", "float32")}
-TARGETS = {"int8": 1.6, "int4": 2.0}  # decode tokens/s over bf16
+# Variant -> (weights: "fp16" (the source) or "int8"/"int4" (quantize.py --bits), compute dtype, embedding:
+# "half" as stored (the official format) or "int8" (`from_pretrained(quantize_embedding=True)`: one INT8 copy
+# of the tied embedding / head, whose decode matmul then runs in the int8pack kernel)).
+VARIANTS = {"fp32": ("fp16", "float32", "half"), "bf16": ("fp16", "bfloat16", "half"), "int8": ("int8", "float32", "half"),
+            "int4": ("int4", "float32", "half"), "int8+e8": ("int8", "float32", "int8"), "int4+e8": ("int4", "float32", "int8")}
+TARGETS = {"int8": 1.6, "int4": 2.0, "int8+e8": 1.6, "int4+e8": 2.0}  # decode tokens/s over bf16
 TARGET_INT4_DISK = 0.3  # INT4 bytes / fp16 bytes of the block Linears
 BLOCK_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 OP_GROUPS = {"aten::_weight_int8pack_mm": "int8pack", "aten::_weight_int4pack_mm_for_cpu": "int4pack",
@@ -62,10 +66,14 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def load_child(model_dir: str, dtype: str) -> None:
+def load_variant(model_dir, dtype: str, embedding: str):
+    return ChatGLMForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype), quantize_embedding=embedding == "int8")
+
+
+def load_child(model_dir: str, dtype: str, embedding: str) -> None:
     before = peak_rss()
     start = time.perf_counter()
-    ChatGLMForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    load_variant(model_dir, dtype, embedding)
     print(json.dumps({"seconds": time.perf_counter() - start, "baseline": before, "peak": peak_rss()}))
 
 
@@ -169,7 +177,7 @@ def bench(args, mode: dict) -> dict:
     load = [os.getloadavg()[0]]
     print(f"torch {torch.__version__}, {args.threads} thread(s), load average {load[0]:.2f} on {os.cpu_count()} CPUs; "
           f"hidden {config.hidden_size}, {config.num_layers} layers, inner {config.inner_hidden_size}, vocab {config.vocab_size}")
-    results = {name: {"dtype": dtype, "weights": weights} for name, (weights, dtype) in VARIANTS.items()}
+    results = {name: {"dtype": dtype, "weights": weights, "embedding": emb} for name, (weights, dtype, emb) in VARIANTS.items()}
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
         dirs = {"fp16": Path(tmp) / "fp16", "int8": Path(tmp) / "int8", "int4": Path(tmp) / "int4"}
         start = time.perf_counter()
@@ -181,12 +189,11 @@ def bench(args, mode: dict) -> dict:
             quantize_runs[f"int{bits}"] = {"seconds": round(r["seconds"], 1), "peak_rss_mb": round(r["peak"] / 1e6)}
             print(f"quantize.py --bits {bits}: {r['seconds']:.1f} s, peak RSS {r['peak'] / 1e6:,.0f} MB")
         for name, r in results.items():
-            loaded = run_child(args.threads, "load", str(dirs[r["weights"]]), r["dtype"])
+            loaded = run_child(args.threads, "load", str(dirs[r["weights"]]), r["dtype"], r["embedding"])
             linears, total = layer_bytes(dirs[r["weights"]])
             r.update(disk_bytes=total, disk_linear_bytes=linears, load_s=round(loaded["seconds"], 2),
                      rss_load_mb=round(loaded["peak"] / 1e6), rss_baseline_mb=round(loaded["baseline"] / 1e6))
-        models = {name: ChatGLMForConditionalGeneration.from_pretrained(dirs[r["weights"]], dtype=getattr(torch, r["dtype"]))
-                  for name, r in results.items()}
+        models = {name: load_variant(dirs[r["weights"]], r["dtype"], r["embedding"]) for name, r in results.items()}
         ids = torch.randint(5, 130000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
         ids[0, -2:] = torch.tensor([config.gmask_token_id, config.bos_token_id])
         for model in models.values():
@@ -216,11 +223,11 @@ def report(args, mode: dict, run: dict) -> None:
     bf16, fp32 = results["bf16"]["decode_tok_s"], results["fp32"]["decode_tok_s"]
     for r in results.values():
         r.update(x_bf16=r["decode_tok_s"] / bf16, x_fp32=r["decode_tok_s"] / fp32, of_bound=r["decode_tok_s"] / r["bound_tok_s"])
-    header = (f"{'variant':<8}{'loads':>7}{'disk MB':>9}{'RSS load MB':>12}{'MB read/tok':>12}{'tok/s':>8}"
+    header = (f"{'variant':<8}{'loads':>7}{'embed':>6}{'disk MB':>9}{'RSS load MB':>12}{'MB read/tok':>12}{'tok/s':>8}"
               f"{'x bf16':>8}{'x fp32':>8}{'bound tok/s':>12}{'of bound':>9}")
     print(f"\n{header}\n{'-' * len(header)}")
     for name, r in results.items():
-        print(f"{name:<8}{r['weights']:>7}{r['disk_bytes'] / 1e6:>9,.0f}{r['rss_load_mb']:>12,}{r['weight_bytes_per_token'] / 1e6:>12,.0f}"
+        print(f"{name:<8}{r['weights']:>7}{r['embedding']:>6}{r['disk_bytes'] / 1e6:>9,.0f}{r['rss_load_mb']:>12,}{r['weight_bytes_per_token'] / 1e6:>12,.0f}"
               f"{r['decode_tok_s']:>8.2f}{r['x_bf16']:>8.2f}{r['x_fp32']:>8.2f}{r['bound_tok_s']:>12.2f}{r['of_bound']:>9.0%}")
     linear_ratio = results["int4"]["disk_linear_bytes"] / results["fp32"]["disk_linear_bytes"]
     file_ratio = results["int4"]["disk_bytes"] / results["fp32"]["disk_bytes"]

@@ -18,6 +18,9 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BATCH, SEQ, ANSWER, PRE_SEQ_LEN = 4, 288, 32, 16
 

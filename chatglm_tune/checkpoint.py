@@ -37,6 +37,7 @@ from torch import nn
 
 IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
 PREFIX_KEY = "transformer.prefix_encoder."
+EMBEDDING_KEY = "transformer.word_embeddings.weight"
 QUANTIZED_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TORCH_SUFFIXES = (".bin", ".pth", ".pt")
 
@@ -102,12 +103,15 @@ def load_weights(
     quantize_bits: int = 0,
     group_size: int = 0,
     only_prefix: bool = False,
+    quantize_embedding: bool = False,
 ) -> list[str]:
     """Assign the tensors of a checkpoint to a (meta or real) model; returns the keys still unset.
 
     Floating tensors are cast to `dtype`, except the prefix encoder (kept in float32) and the
     quantization scales; integer tensors keep their type. `only_prefix` accepts nothing but
     `transformer.prefix_encoder.*` keys (a P-tuning checkpoint on top of a loaded base).
+    `quantize_embedding` quantizes the tied embedding to INT8 rows as it is read (no float copy ever
+    exists; `quantization.quantize_embedding` gives the same integers from a loaded model).
     """
     expected = dict(model.named_parameters())
     expected.update((k, b) for k, b in model.named_buffers() if _is_persistent(model, k))
@@ -125,7 +129,11 @@ def load_weights(
             if tuple(target.shape) != tuple(tensor.shape):
                 raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
             linear = _quantizable_linear(key) if quantize_bits else None
-            if linear is None:
+            if quantize_embedding and key == EMBEDDING_KEY:
+                from .quantization import install_int8_embedding
+
+                install_int8_embedding(model, *_quantize_rows(tensor, dtype, 8, 0, pages), dtype)
+            elif linear is None:
                 _assign(model, key, _copy_out(key, tensor, dtype, pages), target)
             else:
                 parts = pending_quant.setdefault(linear, {})

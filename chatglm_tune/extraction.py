@@ -44,7 +44,7 @@ from .generation import DEFAULT_SAMPLING, SamplingOptions, generate
 from .lora import load_lora, merge_lora
 from .metrics import SPOScorer, SPOScores, parse_triples, score_record
 from .model import ChatGLMForConditionalGeneration
-from .quantization import quantize_model
+from .quantization import quantize_embedding as quantize_tied_embedding, quantize_model
 from .tokenizer import VOCAB_FILE, ChatGLMTokenizer
 
 SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many batches
@@ -125,9 +125,11 @@ def resolve_model_source(model_dir, *, ptuning_checkpoint=None, lora=None) -> Mo
 
 
 def load_for_inference(
-    source: ModelSource, *, dtype: torch.dtype | str = torch.float32, device="cpu", quantization_bit: int | None = None
+    source: ModelSource, *, dtype: torch.dtype | str = torch.float32, device="cpu", quantization_bit: int | None = None,
+    quantize_embedding: bool = False,
 ):
-    """(model in eval mode, tokenizer) for `source`; `quantization_bit` 4/8 quantizes the block Linears.
+    """(model in eval mode, tokenizer) for `source`; `quantization_bit` 4/8 quantizes the block Linears,
+    `quantize_embedding` holds the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
 
     A LoRA adapter on a float base is merged into it (then quantized if asked): decoding pays nothing
     for it. On a base stored quantized it runs beside the integer weights (`lora.load_lora`).
@@ -135,7 +137,8 @@ def load_for_inference(
     prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
     if source.lora_dir is None:
         model = ChatGLMForConditionalGeneration.from_pretrained(
-            source.base, dtype=dtype, device=device, quantization_bit=quantization_bit, **prefix
+            source.base, dtype=dtype, device=device, quantization_bit=quantization_bit,
+            quantize_embedding=quantize_embedding, **prefix,
         )
         if source.prefix_dir is not None:
             model.load_prefix(source.prefix_dir)
@@ -150,6 +153,8 @@ def load_for_inference(
             if quantization_bit:
                 quantize_model(model, quantization_bit)
                 model.config.quantization_bit = quantization_bit
+        if quantize_embedding:  # after the merge, which refuses integer weights (LoRA never targets the head)
+            quantize_tied_embedding(model)
     tokenizer = ChatGLMTokenizer.from_pretrained(source.tokenizer_dir)
     check_tokenizer_matches(tokenizer, model.config)
     return model.eval(), tokenizer

@@ -272,6 +272,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         device: torch.device | str = "cpu",
         quantization_bit: int | None = None,
         quantization_group_size: int = 0,
+        quantize_embedding: bool = False,
         **overrides,
     ) -> "ChatGLMForConditionalGeneration":
         """Load a local checkpoint (file or directory; see `checkpoint.weight_files`) without a second copy.
@@ -280,6 +281,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         does. `dtype` (or `torch_dtype`): the compute dtype; "auto" = config.json's; default float32.
         `quantization_bit` 4/8 quantizes the block Linears of a half/float checkpoint while loading (the
         official `model.quantize(bits)`); a checkpoint whose config says `quantization_bit` loads as is.
+        `quantize_embedding` keeps the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
         Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start).
         """
         for name in [n for n in overrides if n in _AUTO_PLUMBING]:
@@ -308,7 +310,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
 
             quantize_model(model, stored_bits, config.quantization_group_size, empty_init=True)
         load_bits = 0 if stored_bits else (quantization_bit or 0)
-        missing = checkpoint.load_weights(model, path, dtype=dtype, quantize_bits=load_bits, group_size=quantization_group_size)
+        missing = checkpoint.load_weights(model, path, dtype=dtype, quantize_bits=load_bits, group_size=quantization_group_size,
+                                          quantize_embedding=quantize_embedding)
         not_prefix = [k for k in missing if not k.startswith(checkpoint.PREFIX_KEY)]
         if not_prefix:
             shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
@@ -334,6 +337,9 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = dict(self.state_dict() if state_dict is None else state_dict)
+        if "transformer.word_embeddings.weight_scale" in state:
+            raise ValueError("this model holds its embedding in INT8 (quantize_embedding), a runtime form with no "
+                             "official layout: save a model loaded without it")
         state.pop("lm_head.weight", None)
         checkpoint.save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)
         checkpoint.atomic_write(directory / "config.json", self.config.to_json_file)

@@ -59,6 +59,7 @@ class TrainOptions:
     mixed_precision: str = "no"
     dtype: str = "float32"
     quantization_bit: int = 0
+    quantize_embedding: bool = False  # the frozen tied embedding / head as one INT8 copy
     gradient_checkpointing: bool = False
     seed: int = 42
     eval_every: int | None = None  # steps; None = once an epoch
@@ -80,6 +81,8 @@ class TrainOptions:
             problems.append(f"quantization_bit must be 0, 4 or 8, got {self.quantization_bit}")
         if self.quantization_bit and self.tuning == "full":
             problems.append("full fine-tuning cannot update INT8/INT4 weights: use ptuning or lora on a quantized base")
+        if self.quantize_embedding and self.tuning == "full":
+            problems.append("full fine-tuning trains the embedding: quantize_embedding is for ptuning or lora")
         for name in ("epochs", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -159,6 +162,7 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
         prefix = dict(pre_seq_len=options.pre_seq_len, prefix_projection=options.prefix_projection)
         model = ChatGLMForConditionalGeneration.from_pretrained(
             model_arg, dtype=options.dtype, quantization_bit=options.quantization_bit or None,
+            quantize_embedding=options.quantize_embedding,
             **(prefix if options.tuning == "ptuning" else {}),
         )
     if options.gradient_checkpointing:

@@ -28,6 +28,7 @@ from chatglm_tune.extraction import (
     resolve_model_source,
 )
 from chatglm_tune.generation import generate
+from chatglm_tune.quantization import QuantizedLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "infer.py"
@@ -165,6 +166,12 @@ def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path
         completed_rows(out, records)
 
 
+def test_int8_embedding_flag_decodes_every_record(workdir, tmp_path):
+    rows = run_infer(workdir, tmp_path / "e8.jsonl", "--batch-size", 4, "--quantize-embedding")
+    assert [r["index"] for r in rows] == list(range(N_RECORDS))
+    assert all(r["new_tokens"] <= 10 for r in rows)
+
+
 def test_sampling_flags_need_do_sample(workdir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_infer(workdir, tmp_path / "x.jsonl", "--top-p", "0.5")
@@ -238,6 +245,10 @@ def test_lora_run_directory_is_merged(workdir, tmp_path):
         got = model(ids).logits
     torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
     assert not any("lora" in name for name, _ in model.named_parameters())
+    int8_embedding, _ = load_for_inference(source, quantize_embedding=True)  # merged, then its head in INT8
+    assert isinstance(int8_embedding.lm_head, QuantizedLinear)
+    with torch.no_grad():
+        assert (int8_embedding(ids).logits - expect).norm() / expect.norm() < 0.02
     flagged = resolve_model_source(base, lora=run)
     assert (flagged.base, flagged.lora_dir) == (base, run)
 

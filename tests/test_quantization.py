@@ -34,7 +34,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    w = dequantize(layer.weight, layer.weight_scale, layer.bits, x.dtype)
+    w = dequantize(layer.state_dict()["weight"], layer.weight_scale, layer.bits, x.dtype)  # official layout
     return F.linear(x, w, layer.bias.to(x.dtype))
 
 
@@ -279,6 +279,50 @@ def test_loading_new_weights_refreshes_the_repacked_int4_weight():
     layer.load_state_dict(other.state_dict())  # in-place copy: same storage, new values
     assert torch.equal(layer(x), other(x))
     assert layer.last_kernel == "int4pack"
+
+
+int4pack_invertible = pytest.mark.skipif(
+    not quantization._int4pack_is_invertible(), reason="this CPU's int4pack layout is not the AVX2 one: both copies are kept"
+)
+
+
+@int4pack_invertible
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, tmp_path):
+    layer, twin = make_layer(4, group_size, out_features=96), make_layer(4, group_size, out_features=96)
+    decode, prefill = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(40, 64)
+    official = layer.state_dict()["weight"].clone()
+    y_decode = layer(decode)
+    assert layer.last_kernel == "int4pack" and layer.holds_int4pack_only
+    assert layer.weight.numel() == 0 and "int4pack layout" in repr(layer)
+    # the dequantize path (prefill, backward) reads the integers from the kernel layout: bit-identical
+    assert torch.equal(layer(prefill), twin(prefill)) and layer.last_kernel == "dequant"
+    assert not twin.holds_int4pack_only and torch.equal(y_decode, twin(decode))
+    x = prefill.clone().requires_grad_()
+    layer(x).sum().backward()
+    x_twin = prefill.clone().requires_grad_()
+    twin.kernel = "dequant"
+    twin(x_twin).sum().backward()
+    assert torch.equal(x.grad, x_twin.grad)
+    # the official weight comes back for saving, loading and moving
+    assert torch.equal(layer.state_dict()["weight"], official)
+    save_file(layer.state_dict(), tmp_path / "layer.safetensors")
+    assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], official)
+    other = make_layer(4, group_size, out_features=96, seed=1)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(decode), other(decode)) and torch.equal(layer.state_dict()["weight"], other.state_dict()["weight"])
+    layer.to(torch.float32)
+    assert not layer.holds_int4pack_only and torch.equal(layer.weight, other.state_dict()["weight"])
+
+
+@int4pack_invertible
+def test_the_kernel_layout_is_read_back_exactly_and_built_in_tiles():
+    q = torch.randint(-7, 8, (128, 96), dtype=torch.int8)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).int(), 1)
+    assert torch.equal(quantization._int4pack_to_int(whole, 96), q)
+    scale = torch.ones(128, dtype=torch.float16)
+    tiled = quantization._int4pack_weight(pack_int4(q), scale, tile_rows=32)[0]
+    assert torch.equal(tiled, whole)
 
 
 def test_casting_the_model_keeps_the_fp16_scales():

@@ -22,6 +22,7 @@ Accuracy bounds (relative Frobenius error, measured with torch 2.13 on CPU, then
 
 import json
 import subprocess
+import weakref
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, rundir
 from chatglm_tune.data import EncodedDataset, EncodingOptions, SpecialIds, collate_train, read_records
 from chatglm_tune.extraction import load_for_inference, resolve_model_source
 from chatglm_tune.lora import LoraOptions, apply_lora, load_lora
-from chatglm_tune.quantization import QuantizedLinear
+from chatglm_tune.quantization import QuantizedEmbedding, QuantizedLinear, quantize_embedding
 from chatglm_tune.training import TrainOptions, prepare_model
 from conftest import GOLDEN_DIRS, Golden
 
@@ -261,6 +262,45 @@ def test_int4_logits_on_the_rescaled_golden_model_and_group_wise_beats_per_row()
     assert sum(errors[4, 32]) < sum(errors[4, 0]), errors
 
 
+# ---------------------------------------------------------------------------------------------- the INT8 embedding
+
+
+def test_int8_embedding_is_one_official_int8_copy_read_by_lookup_and_head(h128):
+    half = ChatGLMForConditionalGeneration.from_pretrained(h128, dtype=torch.float16)
+    float_weight = half.transformer.word_embeddings.weight
+    gone = weakref.ref(float_weight)
+    q, scale = official(float_weight.detach(), 8)
+    del float_weight
+    quantize_embedding(half)
+    assert gone() is None  # the float embedding is freed, not kept beside the INT8 copy
+    embedding, head = half.transformer.word_embeddings, half.lm_head
+    assert isinstance(embedding, QuantizedEmbedding) and isinstance(head, QuantizedLinear) and head.bits == 8
+    assert embedding.weight is head.weight and embedding.weight_scale is head.weight_scale
+    assert torch.equal(head.weight.to(torch.int16), q) and torch.equal(head.weight_scale, scale)
+    ids = torch.tensor([[3, 7, 500, 504]])
+    assert torch.equal(embedding(ids)[0], (q[ids[0]].half() * scale[ids[0], None]))  # the official fp16 dequantization
+    model = half.float()
+    assert embedding(ids).dtype == torch.float32 and head.weight_scale.dtype == torch.float16
+    with pytest.raises(ValueError, match="INT8 .quantize_embedding."):
+        model.save_pretrained(h128.parent / "refused")
+    assert not (h128.parent / "refused" / "model.safetensors").exists()
+    # quantized while loading: the same integers, and no float embedding ever built
+    at_load = ChatGLMForConditionalGeneration.from_pretrained(h128, dtype=torch.float16, quantize_embedding=True)
+    assert at_load.lm_head.weight is at_load.transformer.word_embeddings.weight
+    assert torch.equal(at_load.lm_head.weight, head.weight) and torch.equal(at_load.lm_head.weight_scale, scale)
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_int8_embedding_keeps_logits_and_greedy_tokens_close(bits, h128):
+    """Bound: the INT8 head decodes through int8pack, which computes in bf16 (measured <= 0.009)."""
+    base = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits or None)
+    model = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits or None, quantize_embedding=True)
+    ids = prompts(model.config)
+    for a, b in zip(logits(model, ids), logits(base, ids)):
+        assert a[-1].argmax() == b[-1].argmax()
+        assert rel(a[-1], b[-1]) < 0.02 and rel(a, b) < 0.02, (rel(a[-1], b[-1]), rel(a, b))
+
+
 # ---------------------------------------------------------------------------------------------- (d) training
 
 
@@ -289,17 +329,17 @@ def eval_loss(model, batch) -> float:
 # Learning rates for a handful of steps (the run defaults, 2e-2 and 2e-4, are for thousands): measured
 # eval losses 13.17 -> 11.47 (P-tuning, 4 prefix tokens) and 13.16 -> 6.70 (LoRA r=8 on query_key_value).
 @pytest.mark.parametrize("tuning, lr", [("ptuning", 0.3), ("lora", 1e-2)])
-@pytest.mark.parametrize("base", ["quantized at load", "quantize.py output"])
+@pytest.mark.parametrize("base", ["quantized at load", "quantize.py output", "INT8 embedding too"])
 def test_training_on_an_int4_base_lowers_the_loss_and_keeps_the_integers(base, tuning, lr, train_setup, tmp_path):
     root, records, batch = train_setup
     model_dir = root / "model"
     if base == "quantize.py output":  # what quantize.py tells the user to train on; it carries the tokenizer
         model_dir = tmp_path / "int4"
         run_quantize("--bits", 4, root / "model", model_dir)
-    options = TrainOptions(tuning=tuning, quantization_bit=4, pre_seq_len=4, lr=lr)
+    options = TrainOptions(tuning=tuning, quantization_bit=4, pre_seq_len=4, lr=lr, quantize_embedding=base == "INT8 embedding too")
     model, tokenizer = prepare_model(str(model_dir), records, tmp_path / "run", options)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(quantized) == 4 * model.config.num_layers
+    assert len(quantized) == 4 * model.config.num_layers + options.quantize_embedding  # + the head
     frozen = [(p, p.detach().clone()) for m in quantized for p in (m.weight, m.weight_scale)]
     params = [p for p in model.parameters() if p.requires_grad]
     assert params and all(p.is_floating_point() for p in params)
