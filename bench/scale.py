@@ -37,12 +37,10 @@ included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`b
 at full size; with `--quick` everything goes to `--out`, default /tmp/chatglm6b-scale-quick).
 
 Variants (kept beside the as-is numbers, under the step name + a suffix, and shown in their own rows):
-`--fp32-matmul` and `--int4-single-copy` patch in PROTOTYPES of changes proposed for files this
-benchmark does not own (model.py / quantization.py; see `install_fp32_matmul`, `install_int4_single_copy`),
-`--max-kernel-rows N` sets the existing `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B`
-runs the measuring process with glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the
-toolkit as is (training: the fp32-matmul prototype where the as-is step cannot finish within the
-budget, said in `training_source`); `with_proposals` repeats it from the variants with the most changes.
+`--quantize-embedding` loads with the tied embedding / head as one INT8 copy (`+e8`), `--max-kernel-rows N`
+sets `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B` runs the measuring process with
+glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the toolkit's defaults;
+`with_options` repeats it from the variants with the most options.
 """
 
 from __future__ import annotations
@@ -251,13 +249,10 @@ def child_infer(args) -> dict:
     from chatglm_tune.generation import generate
 
     torch.set_num_threads(args.threads)
-    patched = install_int4_single_copy() if args.int4_single_copy else False
-    if args.fp32_matmul:
-        install_fp32_matmul()
     rss_start = _maxrss()
     start = time.perf_counter()
     model = ChatGLMForConditionalGeneration.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None)
+        args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None, quantize_embedding=args.quantize_embedding)
     load_s, rss_load, status_load = time.perf_counter() - start, _maxrss(), _status()
     config = model.config
     start = time.perf_counter()
@@ -275,7 +270,7 @@ def child_infer(args) -> dict:
         "decode_tok_s": (NEW_TOKENS - 1) / (end - calls[1]), "weight_bytes_per_token": _bytes_read_per_token(model),
         "rss_start_gb": rss_start / GB, "rss_load_gb": rss_load / GB, "rss_warmup_gb": rss_warmup / GB,
         "rss_end_gb": _maxrss() / GB, "status_load_mb": status_load, "status_end_mb": _status(),
-        "distinct_tokens": len(set(out)), "int4_single_copy": patched, "fp32_matmul": args.fp32_matmul,
+        "distinct_tokens": len(set(out)), "quantize_embedding": args.quantize_embedding,
     }
 
 
@@ -289,7 +284,7 @@ def child_train(args) -> dict:
     torch.set_num_threads(args.threads)
     tuning, base = args.child_train.split("-")
     bits = BITS[base]
-    result = {"tuning": tuning, "base": base, "fp32_matmul": args.fp32_matmul, "rss_start_gb": _maxrss() / GB}
+    result = {"tuning": tuning, "base": base, "quantize_embedding": args.quantize_embedding, "rss_start_gb": _maxrss() / GB}
     marks: dict[str, list[float]] = {"forward": [], "backward": []}
     phase = {"name": "load", "t0": None, "t_fwd": None}
     lock = threading.Lock()
@@ -317,12 +312,10 @@ def child_train(args) -> dict:
             os._exit(0)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    if args.fp32_matmul:
-        install_fp32_matmul()
     start = time.perf_counter()
     extra = {"pre_seq_len": PRE_SEQ_LEN, "prefix_projection": False} if tuning == "ptuning" else {}
     model = ChatGLMForConditionalGeneration.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, quantization_bit=bits or None, **extra)
+        args.model_dir, dtype=torch.bfloat16, quantization_bit=bits or None, quantize_embedding=args.quantize_embedding, **extra)
     model.activation_checkpointing_enable()
     model.enable_input_require_grads()
     core = model
@@ -370,142 +363,6 @@ def child_train(args) -> dict:
         return dict(result)
 
 
-def install_fp32_matmul(tile_rows: int = 2048, min_rows: int = 33) -> None:
-    """PROTOTYPE of a change proposed for model.py / quantization.py, used only with --fp32-matmul.
-
-    On a CPU without native bf16 GEMMs (AVX2: `torch.ops.mkldnn._is_mkldnn_bf16_supported()` False),
-    PyTorch runs bf16 matmuls in its fallback `cpublas` kernels: ~11 GFLOP/s for x @ W.T and ~0.3 GFLOP/s
-    for the grad_x = grad @ W of a backward pass, against ~40-60 in fp32. Here a bf16 Linear with more
-    than 32 rows of input (prefill, training) runs in fp32 on 2048-row tiles of the weight upcast on the
-    fly (never a full fp32 copy), forward and backward, and returns bf16; QuantizedLinear's dequantize
-    path does the same (tiles dequantized to fp32 instead of bf16). Decode (1 row) is untouched.
-    """
-    import torch.nn.functional as F
-
-    from chatglm_tune import quantization as Q
-
-    def wanted(x, weight):
-        return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and x.numel() // x.shape[-1] >= min_rows)
-
-    class Fp32Linear(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, bias):
-            ctx.save_for_backward(x if weight.requires_grad else None, weight)
-            ctx.has_bias = bias is not None
-            x2 = x.reshape(-1, x.shape[-1]).float()
-            y = x2.new_empty(x2.shape[0], weight.shape[0])
-            for s in range(0, weight.shape[0], tile_rows):
-                y[:, s : s + tile_rows] = x2 @ weight[s : s + tile_rows].float().t()
-            if bias is not None:
-                y += bias.float()
-            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-        @staticmethod
-        def backward(ctx, grad):
-            x, weight = ctx.saved_tensors
-            g2 = grad.reshape(-1, weight.shape[0]).float()
-            grad_x = grad_w = grad_b = None
-            if ctx.needs_input_grad[0]:
-                gx = g2.new_zeros(g2.shape[0], weight.shape[1])
-                for s in range(0, weight.shape[0], tile_rows):
-                    gx.addmm_(g2[:, s : s + tile_rows], weight[s : s + tile_rows].float())
-                grad_x = gx.to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
-            if ctx.needs_input_grad[1]:
-                grad_w = (g2.t() @ x.reshape(-1, weight.shape[1]).float()).to(weight.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = g2.sum(0).to(grad.dtype)
-            return grad_x, grad_w, grad_b
-
-    original_linear = F.linear
-
-    def linear(x, weight, bias=None):
-        return Fp32Linear.apply(x, weight, bias) if wanted(x, weight) else original_linear(x, weight, bias)
-
-    F.linear = linear
-    original_mm, original_grad = Q._dequant_mm, Q._dequant_mm_grad
-
-    def dequant_mm(x2d, layer):
-        if x2d.dtype != torch.bfloat16 or x2d.device.type != "cpu":
-            return original_mm(x2d, layer)
-        xf = x2d.float()
-        y = xf.new_empty(xf.shape[0], layer.out_features)
-        for rows, w in Q._dequant_tiles(layer, torch.float32, x2d.device):
-            y[:, rows] = xf @ w.t()
-        return y.to(x2d.dtype)
-
-    def dequant_mm_grad(grad_y2d, layer):
-        if grad_y2d.dtype != torch.bfloat16 or grad_y2d.device.type != "cpu":
-            return original_grad(grad_y2d, layer)
-        gf = grad_y2d.float()
-        grad_x = gf.new_zeros(gf.shape[0], layer.in_features)
-        for rows, w in Q._dequant_tiles(layer, torch.float32, grad_y2d.device):
-            grad_x.addmm_(gf[:, rows], w)
-        return grad_x.to(grad_y2d.dtype)
-
-    Q._dequant_mm, Q._dequant_mm_grad = dequant_mm, dequant_mm_grad
-
-
-def install_int4_single_copy(tile_rows: int = 1024) -> bool:
-    """PROTOTYPE of a change proposed for quantization.py, used only with --int4-single-copy.
-
-    `QuantizedLinear._int4pack` keeps the CPU kernel layout of an INT4 weight *beside* the official
-    packed weight: two resident copies (2 x 2.8 GB at full size), and builds it through a full-size int32
-    temporary. Here the kernel layout is built 1024 rows at a time (rows of a 32/64-row block stay
-    together, so the bytes are identical), the official weight's memory is then released, and the
-    dequantize path (prefill, backward) unpacks its row tiles from the kernel layout instead. Only for the
-    AVX2 layout (32-row blocks; aten/src/ATen/native/cpu/int4mm_kernel.cpp `weight_to_int4pack_kernel`),
-    checked by a round trip at install; returns False (nothing patched) elsewhere. state_dict is not
-    handled by this prototype (the proposal rebuilds the official layout there).
-    """
-    from chatglm_tune import quantization as Q
-
-    def unpack(packed, rows, in_features):  # kernel layout of `rows` rows -> unsigned nibbles [rows, in]
-        b = packed.view(torch.uint8).reshape(rows // 32, in_features, 16)
-        return torch.cat([b & 15, b >> 4], dim=2).permute(0, 2, 1).reshape(rows, in_features)
-
-    probe = torch.randint(0, 16, (96, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    if not torch.equal(unpack(torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1), 96, 64).int(), probe):
-        return False
-
-    def int4pack(self):
-        if self._int4_cache is None:
-            out_features, in_features = self.out_features, self.in_features
-            scale = self.weight_scale.view(out_features, -1)
-            group_len = in_features // scale.shape[1]
-            gs = next(g for g in Q._INT4_KERNEL_GROUPS if group_len % g == 0)
-            packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
-            for start in range(0, out_features, tile_rows):
-                q = Q.unpack_int4(self.weight[start : start + tile_rows])
-                packed[start : start + tile_rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
-            scales = scale.repeat_interleave(group_len // gs, dim=1).t()
-            scale_and_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16).contiguous()
-            self._int4_cache = ("single-copy", packed, gs, scale_and_zeros)
-            self.weight.data = torch.empty(0, dtype=torch.int8)  # the official layout's memory goes
-        return self._int4_cache[1:]
-
-    original_tiles = Q._dequant_tiles
-
-    def dequant_tiles(layer, dtype, device):
-        cache = getattr(layer, "_int4_cache", None)
-        if not (layer.bits == 4 and cache is not None and cache[0] == "single-copy"):
-            yield from original_tiles(layer, dtype, device)
-            return
-        packed = cache[1]
-        work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
-        for start in range(0, layer.out_features, Q.CPU_TILE_ROWS):
-            rows = slice(start, start + Q.CPU_TILE_ROWS)
-            n = min(Q.CPU_TILE_ROWS, layer.out_features - start)
-            q = unpack(packed[rows], n, layer.in_features).to(work) - 8
-            scale = layer.weight_scale[rows].view(n, -1).to(work)
-            w = q.view(n, scale.shape[1], -1) * scale[..., None]
-            yield rows, w.view(n, -1).to(dtype)
-
-    Q.QuantizedLinear._int4pack = int4pack
-    Q._dequant_tiles = dequant_tiles
-    return True
-
-
 # ---------------------------------------------------------------------------------------------- parent steps
 
 
@@ -540,8 +397,8 @@ class Bench:
         print(f"[{name}] {json.dumps(shown)}", flush=True)
 
     def variant(self) -> tuple[str, dict | None]:
-        """(key suffix, child environment) of the prototype / environment options in effect."""
-        suffix = ("+int4x1" if self.args.int4_single_copy else "") + ("+fp32mm" if self.args.fp32_matmul else "")
+        """(key suffix, child environment) of the variant options in effect."""
+        suffix = "+e8" if self.args.quantize_embedding else ""
         if self.args.max_kernel_rows is not None:
             suffix += f"+kr{self.args.max_kernel_rows}"
         env = None
@@ -552,8 +409,9 @@ class Bench:
 
     def child_cmd(self, *extra) -> list[str]:
         rows = [] if self.args.max_kernel_rows is None else ["--max-kernel-rows", str(self.args.max_kernel_rows)]
+        e8 = ["--quantize-embedding"] if self.args.quantize_embedding else []
         return [sys.executable, str(Path(__file__).resolve()), "--threads", str(self.args.threads),
-                "--budget-s", str(self.args.budget_s), *rows, *extra]
+                "--budget-s", str(self.args.budget_s), *rows, *e8, *extra]
 
     def run(self, step: str) -> None:
         start = time.perf_counter()
@@ -576,9 +434,8 @@ class Bench:
             name = step[len("infer-"):]
             bits, source = INFER[name]
             bandwidth = float(run_process(self.child_cmd("--child-bandwidth"))[0].strip().splitlines()[-1])
-            flags = (["--int4-single-copy"] if self.args.int4_single_copy else []) + (["--fp32-matmul"] if self.args.fp32_matmul else [])
             suffix, env = self.variant()
-            text, seconds, rss = run_process(self.child_cmd("--child-infer", "--bits", str(bits), "--model-dir", str(self.dirs(source)), *flags), env)
+            text, seconds, rss = run_process(self.child_cmd("--child-infer", "--bits", str(bits), "--model-dir", str(self.dirs(source))), env)
             r = json.loads(text.strip().splitlines()[-1])
             r.update(peak_rss_gb=rss / GB, process_s=round(seconds, 1), copy_gb_s=bandwidth / GB,
                      bound_tok_s=bandwidth / r["weight_bytes_per_token"])
@@ -587,9 +444,8 @@ class Bench:
             self.save(step + suffix, r)
         elif step.startswith("train-"):
             name = step[len("train-"):]
-            flags = ["--fp32-matmul"] if self.args.fp32_matmul else []
             suffix, env = self.variant()
-            text, seconds, rss = run_process(self.child_cmd("--child-train", name, "--model-dir", str(self.model_dir), *flags), env)
+            text, seconds, rss = run_process(self.child_cmd("--child-train", name, "--model-dir", str(self.model_dir)), env)
             r = json.loads(text.strip().splitlines()[-1])
             r.update(peak_rss_gb=rss / GB, process_s=round(seconds, 1), malloc_mmap_threshold=self.args.malloc_mmap_threshold)
             self.save(step + suffix, r)
@@ -602,12 +458,12 @@ class Bench:
 # ---------------------------------------------------------------------------------------------- report
 
 
-VARIANT_LABELS = {"int4x1": "single-copy INT4 prototype", "fp32mm": "fp32-matmul prototype"}
+VARIANT_LABELS = {"e8": "INT8 embedding"}
 # '+kr64' -> QuantizedLinear.max_kernel_rows = 64 (an existing class setting)
 
 
 def _variant_label(suffix: str) -> str:
-    """'+fp32mm+mmap64k' -> 'fp32-matmul prototype + MALLOC_MMAP_THRESHOLD_=64 KiB'; '' -> 'as is'."""
+    """'+e8+mmap64k' -> 'INT8 embedding + MALLOC_MMAP_THRESHOLD_=64 KiB'; '' -> 'as is'."""
     parts = [p for p in suffix.split("+") if p]
     if not parts:
         return "as is"
@@ -624,7 +480,7 @@ def _variant_label(suffix: str) -> str:
 
 
 def _variants(results: dict, step: str) -> list[tuple[str, dict]]:
-    """(suffix, record) of `step` as is and of its prototype / environment variants, as-is first."""
+    """(suffix, record) of `step` as is and of its variants, as-is first."""
     out = [(k[len(step):], v) for k, v in results.items() if k == step or k.startswith(step + "+")]
     return sorted(out, key=lambda kv: (kv[0].count("+"), kv[0]))
 
@@ -632,12 +488,11 @@ def _variants(results: dict, step: str) -> list[tuple[str, dict]]:
 def summary(results: dict) -> dict:
     """The closing JSON's numbers (None where a step has not run).
 
-    Top level: the toolkit as is. Inference RSS for INT8/INT4 is the worse of quantized-at-load and
-    loaded-from-file; decode speed is that of the quantize.py file (the deployment path). Training: a
-    complete step as is when one finished inside the budget, else the complete step measured with the
-    fp32-matmul prototype (`training_source` says which; as-is partial measurements under
-    `as_is_training`). `with_proposals`: the same numbers from the runs with every prototype /
-    environment change that was measured (the variant with the most changes).
+    Top level: the toolkit's defaults (the official formats). Inference RSS for INT8/INT4 is the worse of
+    quantized-at-load and loaded-from-file; decode speed is that of the quantize.py file (the deployment
+    path). Training: a complete step (partial measurements of a step stopped at the budget under
+    `as_is_training`). `with_options`: the same numbers from the runs with the most options measured
+    (`--quantize-embedding`, environment settings), the options named under `variants`.
     """
     def rec(step, suffixes):
         for suffix in suffixes:
@@ -672,7 +527,7 @@ def summary(results: dict) -> dict:
             out["training_source"][f"{tuning}_{base}"] = _variant_label(suffix) if r else None
         return out
 
-    out = block(lambda step: rec(step, ["", "+fp32mm"]) if step.startswith("train-") else rec(step, [""]))
+    out = block(lambda step: rec(step, [""]))
     as_is = {}
     for name in TRAIN:
         r = results.get(f"train-{name}")
@@ -685,7 +540,7 @@ def summary(results: dict) -> dict:
     best["variants"] = {s: _variant_label(most_changes(s)[1]) for s in
                         [*(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN)] if most_changes(s)[0] is not None}
     del best["training_source"]
-    out["with_proposals"] = best
+    out["with_options"] = best
 
     def rounded(d):
         if isinstance(d, dict):
@@ -716,8 +571,8 @@ def report(bench: Bench) -> None:
                  f"{any_rec.get('torch', '?')}, {any_rec.get('threads', '?')} torch thread(s) per process; other processes "
                  "share the cores (load average per row), so times vary run to run.")
     lines.append("")
-    lines.append("`code`: `as is` = the toolkit's code; a prototype is the change proposed for a file this benchmark does "
-                 "not own, patched in by `bench/scale.py` only (`install_fp32_matmul`, `install_int4_single_copy`); "
+    lines.append("`code`: `as is` = the toolkit's defaults (official formats); `INT8 embedding` = `from_pretrained("
+                 "quantize_embedding=True)` (`--quantize-embedding`: the tied embedding / head as one INT8 copy); "
                  "`MALLOC_MMAP_THRESHOLD_` is glibc's setting for the measuring process.")
     lines += ["", "## Inference (bf16 compute; batch 1, 64-token prompt, 32 greedy tokens)", "",
               "`-load`: quantized while loading the fp16 checkpoint; `-file`: loaded from the `quantize.py` output. "
@@ -770,7 +625,7 @@ def report(bench: Bench) -> None:
     if extra:
         lines += ["", "## Preparation", "", *extra]
     lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s)]
-    lines += ["", "## Targets with the measured proposals (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_proposals"])]
+    lines += ["", "## Targets with the measured options (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_options"])]
     text = "\n".join(lines) + "\n"
     (bench.out / "scale.md").write_text(text)
     chart(bench.out / "scale.png", s, cfg)
@@ -800,13 +655,13 @@ def target_lines(s: dict) -> list[str]:
 
 
 def chart(path: Path, s: dict, cfg: dict) -> None:
-    """Grouped bars per panel: the seed's GPU figure, our peak RSS as is, and with the measured proposals."""
+    """Grouped bars per panel: the seed's GPU figure, our peak RSS as is, and with the measured options."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = s.get("with_proposals", {})
+    best = s.get("with_options", {})
     groups = [("inference", "inference_rss_gb", SEED_GPU_GB["inference"], TARGET_GB["inference"]),
               ("P-tuning v2 step", "ptuning_rss_gb", SEED_GPU_GB["ptuning"], TARGET_GB["ptuning"]),
               ("LoRA step", "lora_rss_gb", SEED_GPU_GB["ptuning"], None)]
@@ -817,8 +672,8 @@ def chart(path: Path, s: dict, cfg: dict) -> None:
         xs = list(range(len(BITS)))
         ax.bar([x - w for x in xs], [seed[b] for b in BITS], w, label="seed: official code, GPU memory", color="#bbbbbb")
         ax.bar(xs, [ours.get(b) or 0 for b in BITS], w, color="#3a7bd5",
-               label="this toolkit: peak RSS, CPU (as is; training:\nthe complete step needs the fp32-matmul prototype)")
-        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with the measured proposals", color="#59a14f",
+               label="this toolkit: peak RSS, CPU (defaults)")
+        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with --quantize-embedding", color="#59a14f",
                hatch="//", edgecolor="white")
         for x, b in zip(xs, BITS):
             for dx, v in ((0, ours.get(b)), (w, prop.get(b))):
@@ -851,12 +706,9 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="a training process stops its step after this many seconds from its start and extrapolates "
                         "(default 540: under the 10-minute command limit; --quick 90)")
-    p.add_argument("--fp32-matmul", action="store_true",
-                   help="train-* and infer-* steps: run with the PROTOTYPE of the proposed fp32-matmul change (see install_fp32_matmul); "
-                        "results are kept under '<step>+fp32mm' beside the as-is ones (default: off)")
-    p.add_argument("--int4-single-copy", action="store_true",
-                   help="infer-* steps: run with the PROTOTYPE of the proposed single-copy INT4 layout (see "
-                        "install_int4_single_copy); results are kept under '<step>+int4x1' (default: off)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="infer-*/train-* steps: load with the tied embedding / head as one INT8 copy; results are kept "
+                        "under '<step>+e8' beside the as-is ones (default: off)")
     p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "

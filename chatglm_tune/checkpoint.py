@@ -35,6 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from . import heap
+
 IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
 PREFIX_KEY = "transformer.prefix_encoder."
 EMBEDDING_KEY = "transformer.word_embeddings.weight"
@@ -145,11 +147,11 @@ def load_weights(
                 if "weight" in parts and "bias" in parts:
                     _install_quantized(model, linear, parts, quantize_bits, group_size)
                     del pending_quant[linear]
-                    _trim_heap()  # the quantization temporaries interleave with small kept tensors
+                    heap.trim()  # the quantization temporaries interleave with small kept tensors
             pages.release(tensor)
             del tensor
         pages.close()
-        _trim_heap()
+        heap.trim()
     for linear, parts in pending_quant.items():  # a weight whose bias never came (reported missing): left float
         if "source" in parts:
             source = parts.pop("source")
@@ -215,27 +217,6 @@ def _install_quantized(model: nn.Module, name: str, parts: dict[str, torch.Tenso
     layer.bias = nn.Parameter(parts["bias"], requires_grad=False)
     setattr(parent, attr, layer)
     parts.clear()
-
-
-_MALLOC_TRIM = None
-
-
-def _trim_heap() -> None:
-    """glibc: give the free parts of the heap back to the system (`malloc_trim(0)`). Loading frees many
-    megabyte-sized temporaries between small tensors that stay (scales, biases); glibc keeps such
-    fragmented free memory resident (hundreds of MB at 6B size) unless asked. No-op elsewhere."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        _MALLOC_TRIM = False
-        if sys.platform.startswith("linux"):
-            try:
-                trim = ctypes.CDLL(None).malloc_trim
-                trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-                _MALLOC_TRIM = trim
-            except (OSError, AttributeError):  # not glibc (e.g. musl)
-                pass
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
 
 
 class _FilePages:

@@ -34,6 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import checkpoint
+from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .positions import build_position_ids, context_lengths, glm_mask
 from .prefix import PrefixEncoder, prefix_key_values
@@ -82,8 +83,8 @@ class SelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x, cos, sin, allowed, cache: Cache | None, prefix_kv):
         b, s, _ = x.shape
@@ -104,8 +105,8 @@ class GLU(nn.Module):
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.inner_hidden_size)
-        self.dense_4h_to_h = nn.Linear(config.inner_hidden_size, config.hidden_size)
+        self.dense_h_to_4h = Linear(config.hidden_size, config.inner_hidden_size)
+        self.dense_4h_to_h = Linear(config.inner_hidden_size, config.hidden_size)
 
     def forward(self, x):
         return self.dense_4h_to_h(gelu(self.dense_h_to_4h(x)))
@@ -250,7 +251,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
     def __init__(self, config: ChatGLMConfig):
         super().__init__(config)
         self.transformer = ChatGLMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         self.tie_lm_head()
 

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from . import cpu_matmul, heap
+
 # The four Linears of every GLM block (spec section 6).
 TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
@@ -119,7 +121,7 @@ def dequantize(weight: Tensor, weight_scale: Tensor, bits: int, dtype: torch.dty
     out_features = q.shape[0]
     work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
     scale = weight_scale.view(out_features, -1).to(work)  # (out, G)
-    w = q.to(work).view(out_features, scale.shape[1], -1) * scale[..., None]  # (out, G, group)
+    w = q.to(work).view(out_features, scale.shape[1], -1).mul_(scale[..., None])  # (out, G, group), no second copy
     return w.view(out_features, -1).to(dtype)
 
 
@@ -204,20 +206,29 @@ def _dequant_tiles(
             yield rows, dequantize(layer.weight[rows], layer.weight_scale[rows], layer.bits, dtype)
 
 
+def _work_dtype(x2d: Tensor) -> torch.dtype:
+    """x's dtype, or fp32 for bf16 where bf16 GEMMs are slow (`cpu_matmul`)."""
+    return torch.float32 if x2d.dtype == torch.bfloat16 and cpu_matmul.slow_bf16(x2d) else x2d.dtype
+
+
 def _dequant_mm(x2d: Tensor, layer: QuantizedLinear) -> Tensor:
     """(M, in) @ dequant(W).T -> (M, out), in x's dtype."""
-    y = x2d.new_empty(x2d.shape[0], layer.out_features)
-    for rows, w in _dequant_tiles(layer, x2d.dtype, x2d.device):
-        y[:, rows] = x2d @ w.t()
-    return y
+    work = _work_dtype(x2d)
+    xw = x2d.to(work)
+    y = xw.new_empty(x2d.shape[0], layer.out_features)
+    for rows, w in _dequant_tiles(layer, work, x2d.device):
+        y[:, rows] = xw @ w.t()
+    return y.to(x2d.dtype)
 
 
 def _dequant_mm_grad(grad_y2d: Tensor, layer: QuantizedLinear) -> Tensor:
     """(M, out) @ dequant(W) -> (M, in): the input gradient, in grad_y's dtype."""
-    grad_x = grad_y2d.new_zeros(grad_y2d.shape[0], layer.in_features)
-    for rows, w in _dequant_tiles(layer, grad_y2d.dtype, grad_y2d.device):
-        grad_x.addmm_(grad_y2d[:, rows], w)
-    return grad_x
+    work = _work_dtype(grad_y2d)
+    gw = grad_y2d.to(work)
+    grad_x = gw.new_zeros(grad_y2d.shape[0], layer.in_features)
+    for rows, w in _dequant_tiles(layer, work, grad_y2d.device):
+        grad_x.addmm_(gw[:, rows], w)
+    return grad_x.to(grad_y2d.dtype)
 
 
 class _QuantizedMatmul(torch.autograd.Function):
@@ -365,6 +376,7 @@ class QuantizedLinear(nn.Module):
             self._int4_cache = (None if release else self.weight.data_ptr(), packed, gs, scale_and_zeros)
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)
+                heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
         return self._int4_cache[1:]
 
     def _official_weight(self) -> Tensor:
@@ -482,7 +494,7 @@ def _target_slots(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[nn.M
             if attr not in targets:
                 continue
             full = f"{name}.{attr}"
-            if type(child) is not nn.Linear:
+            if type(child) not in (nn.Linear, cpu_matmul.Linear):
                 problems.append(f"{full} is {type(child).__name__}")
             slots.append((module, attr, full))
     if problems:

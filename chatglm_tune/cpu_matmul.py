@@ -1,0 +1,94 @@
+"""bf16 matmuls on CPUs without native bf16 GEMMs (AVX2 only: no AVX-512 BF16, no AMX).
+
+There PyTorch runs a bf16 `x @ W.T` in its fallback kernels: about 11 GFLOP/s, and about 0.3 GFLOP/s
+for the input gradient `grad @ W` of a backward pass, against 40-60 GFLOP/s in fp32 on the same core
+(measured by bench/scale.py on an AMD EPYC). `linear` runs such matmuls in fp32 instead, on row tiles
+of the weight upcast on the fly (a full fp32 copy never exists), and returns bf16: faster by 4x
+forward and by two orders of magnitude backward, and more exact. It applies to inputs of at least
+`MIN_ROWS` rows (prefill, training); decoding (a few rows) keeps the bf16 GEMV, which is bound by
+memory bandwidth and reads half the bytes. Under `torch.autocast("cpu", dtype=torch.bfloat16)` the
+same matmuls likewise run in fp32 and return bf16, as autocast would. On CPUs with native bf16 GEMMs,
+on CUDA and for every other dtype, `linear` is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MIN_ROWS = 33  # as QuantizedLinear.max_kernel_rows + 1: the GEMV side of the same measured crossover
+TILE_ELEMENTS = 1 << 22  # weight elements upcast at a time: 16 MB of fp32 (1024 rows at ChatGLM-6B's 4096)
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """Whether this CPU runs bf16 GEMMs natively (oneDNN with AVX-512 BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def slow_bf16(x: Tensor) -> bool:
+    """True when a bf16 matmul over `x`'s rows would take PyTorch's slow fallback path on this CPU."""
+    return x.device.type == "cpu" and x.numel() >= MIN_ROWS * x.shape[-1] and not native_bf16_gemm()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)`, in fp32 where a bf16 GEMM would be slow (module docstring)."""
+    if slow_bf16(x):
+        if x.dtype == weight.dtype == torch.bfloat16:
+            return _Fp32TiledLinear.apply(x, weight, bias)
+        if _bf16_autocast() and weight.dtype == torch.float32 and x.is_floating_point():
+            with torch.autocast("cpu", enabled=False):
+                return F.linear(x.float(), weight, bias).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+def _bf16_autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+class _Fp32TiledLinear(torch.autograd.Function):
+    """y = x @ W.T + b for bf16 x and W, computed in fp32 on row tiles of W (TILE_ELEMENTS each); bf16 out."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.has_bias = bias is not None
+        x2d = x.reshape(-1, x.shape[-1]).float()
+        y = x2d.new_empty(x2d.shape[0], weight.shape[0])
+        step = _tile_rows(weight)
+        for start in range(0, weight.shape[0], step):
+            y[:, start : start + step] = x2d @ weight[start : start + step].float().t()
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        g2d = grad.reshape(-1, weight.shape[0]).float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gx = g2d.new_zeros(g2d.shape[0], weight.shape[1])
+            step = _tile_rows(weight)
+            for start in range(0, weight.shape[0], step):
+                gx.addmm_(g2d[:, start : start + step], weight[start : start + step].float())
+            grad_x = gx.to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (g2d.t() @ x.reshape(-1, weight.shape[1]).float()).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2d.sum(0).to(grad.dtype)
+        return grad_x, grad_w, grad_b
+
+
+def _tile_rows(weight: Tensor) -> int:
+    return max(1, TILE_ELEMENTS // weight.shape[1])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward is `linear` above: the model's block Linears and head."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

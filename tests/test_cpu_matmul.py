@@ -1,0 +1,93 @@
+"""cpu_matmul: bf16 matmuls in fp32 tiles on CPUs without native bf16 GEMMs, exact to an fp32 matmul
+rounded once to bf16, forward and backward; decode-sized inputs and native CPUs keep F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, cpu_matmul
+
+
+@pytest.fixture
+def slow_cpu(monkeypatch):
+    """Behave as on an AVX2-only CPU whatever this one is."""
+    monkeypatch.setattr(cpu_matmul, "native_bf16_gemm", lambda: False)
+
+
+def operands(rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows // 2, 64, generator=g).bfloat16()
+    w = torch.randn(80, 64, generator=g).bfloat16()
+    b = torch.randn(80, generator=g).bfloat16()
+    return x, w, b
+
+
+def fp32_reference(x, w, b):
+    """Forward and all three gradients computed in fp32 from the bf16 values, each rounded once."""
+    xf, wf, bf = (t.float().requires_grad_() for t in (x, w, b))
+    y = F.linear(xf, wf, bf)
+    grad = torch.linspace(-1, 1, y.numel()).view_as(y)
+    y.backward(grad.bfloat16().float())
+    return y.bfloat16(), grad.bfloat16(), (xf.grad.bfloat16(), wf.grad.bfloat16(), bf.grad.bfloat16())
+
+
+@pytest.mark.parametrize("tile_elements", [cpu_matmul.TILE_ELEMENTS, 16 * 64])
+def test_bf16_rows_run_in_fp32_and_round_once(slow_cpu, monkeypatch, tile_elements):
+    monkeypatch.setattr(cpu_matmul, "TILE_ELEMENTS", tile_elements)  # 16 * 64: five 16-row tiles of the 80-row weight
+    x, w, b = operands(rows=40)
+    expect, grad, expect_grads = fp32_reference(x, w, b)
+    calls = []
+    original = cpu_matmul._Fp32TiledLinear.apply
+    monkeypatch.setattr(cpu_matmul._Fp32TiledLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
+    y = cpu_matmul.linear(x, w, b)
+    assert calls and y.dtype == torch.bfloat16
+    y.backward(grad)
+    # one rounding to bf16 of an fp32 result: equal up to a last-bit flip where BLAS orders sums differently
+    for got, want in zip((y, x.grad, w.grad, b.grad), (expect, *expect_grads)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2**-8, atol=0)
+
+
+def test_decode_sized_inputs_and_native_cpus_keep_f_linear(slow_cpu, monkeypatch):
+    x, w, b = operands(rows=cpu_matmul.MIN_ROWS - 1)
+    assert not cpu_matmul.slow_bf16(x)
+    assert torch.equal(cpu_matmul.linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.setattr(cpu_matmul, "native_bf16_gemm", lambda: True)
+    x, w, b = operands(rows=40)
+    assert torch.equal(cpu_matmul.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(cpu_matmul.linear(x.float(), w.float(), b.float()), F.linear(x.float(), w.float(), b.float()))
+
+
+def test_bf16_autocast_runs_fp32_weights_in_fp32_and_returns_bf16(slow_cpu):
+    x, w, b = operands(rows=40)
+    w, b = w.float().requires_grad_(), b.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = cpu_matmul.linear(x.float(), w, b)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, F.linear(x.float(), w, b).bfloat16())
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and torch.allclose(w.grad, x.float().reshape(-1, 64).sum(0).expand(80, 64))
+
+
+def test_a_bf16_model_on_a_slow_cpu_stays_close_to_fp32_and_trains(slow_cpu):
+    torch.manual_seed(0)
+    config = ChatGLMConfig.from_name("tiny", vocab_size=512, mask_token_id=500, gmask_token_id=501, bos_token_id=504,
+                                     eos_token_id=505, pad_token_id=3)
+    model = ChatGLMForConditionalGeneration(config)
+    ids = torch.randint(5, 400, (2, 24))
+    ids[:, -2:] = torch.tensor([501, 504])
+    with torch.no_grad():
+        full = model(ids).logits
+        half = model.to(torch.bfloat16)(ids).logits
+    assert ((half - full).norm() / full.norm()).item() < 0.02
+    labels = ids.clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(3):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
