@@ -8,6 +8,7 @@
 import argparse
 import sys
 
+from chatglm_tune import heap
 from chatglm_tune.data import EncodingOptions, RecordError, read_records
 from chatglm_tune.lora import LoraOptions
 from chatglm_tune.rundir import read_run_args
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
             if report is not None and report.total:
                 print(report.summary(), file=sys.stderr)
         model, tokenizer = prepare_model(args.model, train_records, args.output_dir, options)
+        heap.mmap_large_blocks(model)
         bad_records = {"train": bad.to_dict(), "dev": dev_bad.to_dict() if dev_bad else None}
         summary = train(model, tokenizer, train_records, dev_records, args.output_dir, options,
                         model_arg=args.model, resume=args.resume, bad_records=bad_records)

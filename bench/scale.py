@@ -245,7 +245,7 @@ def _bytes_read_per_token(model) -> int:
 
 
 def child_infer(args) -> dict:
-    from chatglm_tune import ChatGLMForConditionalGeneration
+    from chatglm_tune import ChatGLMForConditionalGeneration, heap
     from chatglm_tune.generation import generate
 
     torch.set_num_threads(args.threads)
@@ -254,6 +254,7 @@ def child_infer(args) -> dict:
     model = ChatGLMForConditionalGeneration.from_pretrained(
         args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None, quantize_embedding=args.quantize_embedding)
     load_s, rss_load, status_load = time.perf_counter() - start, _maxrss(), _status()
+    heap.mmap_large_blocks(model)  # as infer.py does
     config = model.config
     start = time.perf_counter()
     generate(model, _prompt(config, WARMUP_PROMPT, 1), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
@@ -277,7 +278,7 @@ def child_infer(args) -> dict:
 def child_train(args) -> dict:
     import threading
 
-    from chatglm_tune import ChatGLMForConditionalGeneration
+    from chatglm_tune import ChatGLMForConditionalGeneration, heap
     from chatglm_tune.lora import LoraOptions, apply_lora
 
     deadline = time.perf_counter() + args.budget_s
@@ -318,6 +319,7 @@ def child_train(args) -> dict:
         args.model_dir, dtype=torch.bfloat16, quantization_bit=bits or None, quantize_embedding=args.quantize_embedding, **extra)
     model.activation_checkpointing_enable()
     model.enable_input_require_grads()
+    heap.mmap_large_blocks(model)  # as train.py does
     core = model
     if tuning == "lora":
         model = apply_lora(model, LoraOptions(r=LORA_R))

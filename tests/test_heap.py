@@ -1,0 +1,48 @@
+"""heap: glibc's heap handed back to the system; the large-model guard of `mmap_large_blocks`."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from torch import nn
+
+from chatglm_tune import heap
+
+GLIBC = heap._glibc("mallopt") is not None
+
+
+def test_small_models_keep_the_default_allocator():
+    assert heap.mmap_large_blocks(nn.Linear(64, 64)) is False
+    heap.trim()  # callable anywhere; a no-op off glibc
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc only")
+def test_freed_large_blocks_leave_the_process_for_a_large_model():
+    # A fresh process, as the setting is process-wide, that loads heap.py alone: importing transformers
+    # first changes glibc's heap history. After a 16 MB block is freed, glibc serves blocks below 16 MB
+    # from the heap, where freed ones stay resident between kept small tensors; with the setting they are
+    # mmap'd and leave when freed.
+    code = textwrap.dedent(f"""
+        import importlib.util, sys, torch
+        from torch import nn
+        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
+        heap = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(heap)
+        def rss_mb():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+        if sys.argv[1] == "large":
+            heap.LARGE_MODEL_BYTES = 0
+            assert heap.mmap_large_blocks(nn.Linear(8, 8))
+        block = torch.ones(4 << 20)  # 16 MB, mmap'd; freeing it raises glibc's dynamic threshold to 16 MB
+        del block
+        before, kept, big = rss_mb(), [], []
+        for _ in range(64):
+            big.append(torch.ones(2 << 18))  # 2 MB, touched
+            kept.append(torch.ones(64))
+        del big
+        print(rss_mb() - before)
+    """)
+    grown = {kind: float(subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, check=True).stdout)
+             for kind in ("default", "large")}
+    assert grown["large"] < 16 < grown["default"], grown
