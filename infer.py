@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from chatglm_tune import checkpoint, extraction, heap, rundir
+from chatglm_tune import checkpoint, extraction, rundir
 from chatglm_tune.data import SPORecord, read_records
 from chatglm_tune.generation import DEFAULT_SAMPLING, SamplingOptions
 
@@ -86,7 +86,6 @@ def load(args, settings):
     print(f"model: {source.describe()} ({dtype}, {device})", file=sys.stderr)
     model, tokenizer = extraction.load_for_inference(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
                                                       quantize_embedding=args.quantize_embedding)
-    heap.mmap_large_blocks(model)
     return model, tokenizer, replace(settings, encoding=source.encoding)
 
 

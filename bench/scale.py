@@ -26,9 +26,10 @@ Steps:
   answer tokens), gradient checkpointing on (`activation_checkpointing_enable` +
   `enable_input_require_grads`), bf16 compute; P-tuning v2: pre_seq_len 128, no projection, lr 2e-2;
   LoRA: r 8 on query_key_value (`LoraOptions`), lr 2e-4. INT8/INT4 bases are quantized at load (what
-  `train.py --quantization-bit` does). A step that would not finish inside `--budget-s` (the 10-minute
-  command limit) is stopped at the budget: the forward pass and the backward of the layers done are
-  measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
+  `train.py --quantization-bit` does), and glibc's large blocks are mmap'd as train.py has them
+  (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s` (the 10-minute command
+  limit) is stopped at the budget: the forward pass and the backward of the layers done are measured,
+  the rest of the backward is extrapolated per layer, and the result says `partial`.
 - `report`: the table (also `scale.md`, beside the seed's GPU figures), a bar chart (`scale.png`), and
   the closing JSON line.
 
@@ -245,7 +246,7 @@ def _bytes_read_per_token(model) -> int:
 
 
 def child_infer(args) -> dict:
-    from chatglm_tune import ChatGLMForConditionalGeneration, heap
+    from chatglm_tune import ChatGLMForConditionalGeneration
     from chatglm_tune.generation import generate
 
     torch.set_num_threads(args.threads)
@@ -254,7 +255,6 @@ def child_infer(args) -> dict:
     model = ChatGLMForConditionalGeneration.from_pretrained(
         args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None, quantize_embedding=args.quantize_embedding)
     load_s, rss_load, status_load = time.perf_counter() - start, _maxrss(), _status()
-    heap.mmap_large_blocks(model)  # as infer.py does
     config = model.config
     start = time.perf_counter()
     generate(model, _prompt(config, WARMUP_PROMPT, 1), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)

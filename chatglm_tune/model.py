@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import checkpoint
+from . import checkpoint, cpu_matmul
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .positions import build_position_ids, context_lengths, glm_mask
@@ -96,7 +96,7 @@ class SelfAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)
         elif prefix_kv is not None:
             k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [b, nh, s, hd]
+        ctx = cpu_matmul.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [b, nh, s, hd]
         return self.dense(ctx.transpose(1, 2).reshape(b, s, -1))
 
 

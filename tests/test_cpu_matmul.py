@@ -91,3 +91,20 @@ def test_a_bf16_model_on_a_slow_cpu_stays_close_to_fp32_and_trains(slow_cpu):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_bf16_attention_over_many_queries_runs_in_fp32(slow_cpu):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    mask = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
+    out = cpu_matmul.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expect = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expect.bfloat16(), rtol=2**-8, atol=1e-6)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = cpu_matmul.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert auto.dtype == torch.bfloat16 and torch.equal(auto, expect.detach().bfloat16())
+    decode = [t.detach()[:, :, -1:] for t in (q, k, v)]  # one query: PyTorch's own kernel
+    assert torch.equal(cpu_matmul.scaled_dot_product_attention(*decode), F.scaled_dot_product_attention(*decode))
