@@ -398,11 +398,7 @@ class QuantizedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # Move the fp16 scales with the module but never cast them; drop the repacked weight.
         self._restore_official_weight()
-        scale = self.weight_scale.detach()
-        super()._apply(fn, recurse)
-        if self.weight_scale.dtype != scale.dtype:
-            self.weight_scale.data = scale.to(self.weight_scale.device)
-        return self
+        return _apply_keeping_scale_dtype(self, super()._apply, fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
         # load_state_dict copies in place (same data_ptr, new values): drop the repacked weight
@@ -431,12 +427,18 @@ class QuantizedEmbedding(nn.Module):
         rows = dequantize(self.weight[ids], self.weight_scale[ids], 8, self._dtype.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
-    def _apply(self, fn, recurse=True):  # never cast the shared fp16 scales (see QuantizedLinear._apply)
-        scale = self.weight_scale.detach()
-        super()._apply(fn, recurse)
-        if self.weight_scale.dtype != scale.dtype:
-            self.weight_scale.data = scale.to(self.weight_scale.device)
-        return self
+    def _apply(self, fn, recurse=True):  # the shared fp16 scales move but are never cast
+        return _apply_keeping_scale_dtype(self, super()._apply, fn, recurse)
+
+
+def _apply_keeping_scale_dtype(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
+    """`apply(fn, recurse)` (nn.Module._apply), then `module.weight_scale` back in its own dtype, on the
+    new device: `model.to(dtype)` must not round the official fp16 scales."""
+    scale = module.weight_scale.detach()
+    apply(fn, recurse)
+    if module.weight_scale.dtype != scale.dtype:
+        module.weight_scale.data = scale.to(module.weight_scale.device)
+    return module
 
 
 EMBEDDING_TILE_ROWS = 8192  # rows of the float embedding quantized at a time (no full fp32 temporary)
