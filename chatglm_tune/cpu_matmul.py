@@ -11,18 +11,29 @@ same matmuls likewise run in fp32 and return bf16, as autocast would. `scaled_do
 does the same for attention over at least `MIN_ROWS` queries: PyTorch's bf16 flash-attention backward
 there is about 8x slower than its fp32 one (3.4 s against 0.4 s in a mid-size P-tuning step). On CPUs
 with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions.
+
+`tiled_mm` and `tiled_mm_grad` are the tile loops that these fp32 matmuls and the dequantizing matmuls
+of `quantization` share: weight tiles and partial products go to reusable per-thread buffers
+(`workspace`), not fresh allocations. Fresh megabyte-sized tiles cost page faults where glibc maps them
+and fragment the heap where it does not (0.1-0.25 GB of peak RSS in a 6B prefill).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import threading
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 MIN_ROWS = 33  # as QuantizedLinear.max_kernel_rows + 1: the GEMV side of the same measured crossover
-TILE_ELEMENTS = 1 << 22  # weight elements upcast at a time: 16 MB of fp32 (1024 rows at ChatGLM-6B's 4096)
+# Weight elements upcast or dequantized at a time: 16 MB of fp32 (1024 rows at ChatGLM-6B's 4096 columns,
+# 256 at 16384). Tiles of 8-32 MB ran within 10% of one another for 64-256 rows of activations (INT8/INT4
+# dequantize at 4096x16384); the smaller, the leaner.
+TILE_ELEMENTS = 1 << 22
 
 
 @functools.cache
@@ -69,11 +80,7 @@ class _Fp32TiledLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
-        x2d = x.reshape(-1, x.shape[-1]).float()
-        y = x2d.new_empty(x2d.shape[0], weight.shape[0])
-        step = _tile_rows(weight)
-        for start in range(0, weight.shape[0], step):
-            y[:, start : start + step] = x2d @ weight[start : start + step].float().t()
+        y = tiled_mm(x.reshape(-1, x.shape[-1]).float(), _upcast_tiles(weight), weight.shape[0])
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -84,10 +91,7 @@ class _Fp32TiledLinear(torch.autograd.Function):
         g2d = grad.reshape(-1, weight.shape[0]).float()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gx = g2d.new_zeros(g2d.shape[0], weight.shape[1])
-            step = _tile_rows(weight)
-            for start in range(0, weight.shape[0], step):
-                gx.addmm_(g2d[:, start : start + step], weight[start : start + step].float())
+            gx = tiled_mm_grad(g2d, _upcast_tiles(weight), weight.shape[1])
             grad_x = gx.to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             grad_w = (g2d.t() @ x.reshape(-1, weight.shape[1]).float()).to(weight.dtype)
@@ -96,8 +100,55 @@ class _Fp32TiledLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _tile_rows(weight: Tensor) -> int:
-    return max(1, TILE_ELEMENTS // weight.shape[1])
+def _upcast_tiles(weight: Tensor) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, fp32 copy of those rows of `weight`), `tile_rows` at a time, in the workspace."""
+    step = tile_rows(weight.shape[1])
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start : start + step]
+        yield slice(start, start + step), workspace("weight", rows.shape, torch.float32).copy_(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile loops and their buffers
+# ------------------------------------------------------------------------------------------------
+
+_buffers = threading.local()
+
+
+def tile_rows(in_features: int) -> int:
+    """Weight rows a CPU tile loop takes at a time: TILE_ELEMENTS of them (a 16 MB fp32 tile)."""
+    return max(1, TILE_ELEMENTS // in_features)
+
+
+def workspace(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    """A CPU buffer of `shape` for this thread, reused by every call with the same name and dtype (grown
+    when too small, never freed): its contents last until the next call that asks for it."""
+    numel, key = math.prod(shape), (name, dtype)
+    buffer = _buffers.__dict__.get(key)
+    if buffer is None or buffer.numel() < numel:
+        _buffers.__dict__[key] = None  # free the old one before the new one is allocated
+        buffer = _buffers.__dict__[key] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+def tiled_mm(x2d: Tensor, tiles: Iterable[tuple[slice, Tensor]], out_features: int) -> Tensor:
+    """(M, in) @ W.T -> (M, out), W given as (rows, W[rows]) tiles in x2d's dtype. On CPU the partial
+    products go through the workspace; each tile is used before the next is asked for."""
+    y = x2d.new_empty(x2d.shape[0], out_features)
+    for rows, w in tiles:
+        if x2d.device.type == "cpu":
+            y[:, rows] = torch.mm(x2d, w.t(), out=workspace("product", (x2d.shape[0], w.shape[0]), x2d.dtype))
+        else:
+            y[:, rows] = x2d @ w.t()
+    return y
+
+
+def tiled_mm_grad(g2d: Tensor, tiles: Iterable[tuple[slice, Tensor]], in_features: int) -> Tensor:
+    """(M, out) @ W -> (M, in): the input gradient of `tiled_mm`, over the same tiles."""
+    grad_x = g2d.new_zeros(g2d.shape[0], in_features)
+    for rows, w in tiles:
+        grad_x.addmm_(g2d[:, rows], w)
+    return grad_x
 
 
 class Linear(nn.Linear):

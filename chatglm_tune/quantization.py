@@ -39,10 +39,6 @@ from . import cpu_matmul, heap
 # The four Linears of every GLM block (spec section 6).
 TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
-# Rows of the weight dequantized at a time on CPU: a tile stays cache-friendly and the full float
-# weight never exists. 512 rows was the fastest of 128..4096 at 16384x4096, M = 16..256 (fp32).
-CPU_TILE_ROWS = 512
-
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 KERNELS = ("auto", "int8pack", "int4pack", "dequant")
@@ -110,18 +106,22 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((hi, lo), dim=-1).flatten(-2)
 
 
-def dequantize(weight: Tensor, weight_scale: Tensor, bits: int, dtype: torch.dtype = torch.float16) -> Tensor:
+def dequantize(
+    weight: Tensor, weight_scale: Tensor, bits: int, dtype: torch.dtype = torch.float16, out: Tensor | None = None
+) -> Tensor:
     """Float weight `[out, in]` from a stored `weight` (int8 `[out, in]`, or packed `[out, in/2]` for
     INT4) and `weight_scale` (`[out]`, or `[out, in/group]`: the group size follows from its shape).
 
     fp16 output is computed in fp16, exactly as the official kernel (`scale * q` is exact in fp32, so
-    one fp16 rounding); other dtypes are computed in fp32 and rounded once.
+    one fp16 rounding); other dtypes are computed in fp32 and rounded once. `out`, an fp16 or fp32
+    tensor `[out, in]` of `dtype`, receives the result instead of a new tensor.
     """
     q = unpack_int4(weight) if bits == 4 else weight
     out_features = q.shape[0]
     work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
     scale = weight_scale.view(out_features, -1).to(work)  # (out, G)
-    w = q.to(work).view(out_features, scale.shape[1], -1).mul_(scale[..., None])  # (out, G, group), no second copy
+    w = out.copy_(q) if out is not None and work == dtype else q.to(work)
+    w = w.view(out_features, scale.shape[1], -1).mul_(scale[..., None])  # (out, G, group), no second copy
     return w.view(out_features, -1).to(dtype)
 
 
@@ -143,14 +143,15 @@ def _int8pack_mm(x2d: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     return y.to(x2d.dtype)
 
 
-def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 1024) -> tuple[Tensor, int, Tensor]:
+def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) -> tuple[Tensor, int, Tensor]:
     """Repack an official INT4 weight for `_weight_int4pack_mm_for_cpu`.
 
     The kernel computes w = (u - 8) * scale + zero for u in [0, 15]; with u = q + 8 and zero = 0 that is
     exactly q * scale. A scale group of length L (L = in for per-row scales) is expressed as L / gs
     kernel groups of size gs, each carrying the same scale. Returns (packed uint8, gs,
     scale_and_zeros bf16 (in/gs, out, 2)). Built `tile_rows` rows at a time (a multiple of the kernel's
-    row blocks, so the bytes equal a whole-matrix conversion): no full-size int32 temporary.
+    row blocks, so the bytes equal a whole-matrix conversion): no full-size int32 temporary; 128 rows
+    are 8 MB of int32 at ChatGLM-6B's widest layer (1024 rows added ~0.15 GB to the peak RSS of a load).
     """
     out_features, in_features = weight.shape[0], weight.shape[1] * 2
     scale = weight_scale.view(out_features, -1)  # (out, G)
@@ -171,12 +172,16 @@ def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 1024
 _INT4PACK_BLOCK_ROWS = 32
 
 
-def _int4pack_to_int(packed: Tensor, in_features: int) -> Tensor:
-    """Signed int8 `[rows, in]` in [-8, 7] from rows of the AVX2 int4pack layout (rows % 32 == 0)."""
+def _int4pack_to_int(packed: Tensor, in_features: int, out: Tensor | None = None) -> Tensor:
+    """Signed int8 `[rows, in]` in [-8, 7] from rows of the AVX2 int4pack layout (rows % 32 == 0), into
+    `out` (int8 `[rows, in]`) when given."""
     rows = packed.shape[0]
-    b = packed.view(torch.uint8).reshape(rows // _INT4PACK_BLOCK_ROWS, in_features, 16)
-    nibbles = torch.cat((b & 15, b >> 4), dim=2).permute(0, 2, 1).reshape(rows, in_features)
-    return nibbles.view(torch.int8) - 8
+    b = packed.view(torch.uint8).reshape(rows // _INT4PACK_BLOCK_ROWS, in_features, 16).permute(0, 2, 1)
+    nibbles = torch.empty(rows, in_features, dtype=torch.uint8) if out is None else out.view(torch.uint8)
+    blocks = nibbles.view(rows // _INT4PACK_BLOCK_ROWS, _INT4PACK_BLOCK_ROWS, in_features)
+    torch.bitwise_and(b, 15, out=blocks[:, :16])  # rows r of a block: low nibbles; rows r + 16: high ones
+    torch.bitwise_right_shift(b, 4, out=blocks[:, 16:])
+    return nibbles.view(torch.int8).sub_(8)
 
 
 @functools.cache
@@ -193,17 +198,23 @@ def _int4pack_is_invertible() -> bool:
 def _dequant_tiles(
     layer: QuantizedLinear, dtype: torch.dtype, device: torch.device
 ) -> Iterator[tuple[slice, Tensor]]:
-    """(rows, dequantized weight rows (r, in)) in tiles on CPU; one tile holding all rows elsewhere."""
-    step = CPU_TILE_ROWS if device.type == "cpu" else layer.out_features
+    """(rows, dequantized weight rows (r, in)): on CPU in tiles, written into `cpu_matmul.workspace`
+    buffers (valid until the next tile); elsewhere one new tile holding all rows."""
+    on_cpu = device.type == "cpu"
+    reuse = on_cpu and dtype in (torch.float16, torch.float32)  # the dtypes `dequantize` writes into `out`
+    step = cpu_matmul.tile_rows(layer.in_features) if on_cpu else layer.out_features
     if layer.holds_int4pack_only:  # whole blocks of the kernel layout
         step = -(-step // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
     for start in range(0, layer.out_features, step):
         rows = slice(start, start + step)
+        n = min(step, layer.out_features - start)
+        out = cpu_matmul.workspace("weight", (n, layer.in_features), dtype) if reuse else None
         if layer.holds_int4pack_only:  # integers from the kernel layout; `dequantize` of int8 is q * scale
-            q = _int4pack_to_int(layer._int4_cache[1][rows], layer.in_features)
-            yield rows, dequantize(q, layer.weight_scale[rows], 8, dtype)
+            ints = cpu_matmul.workspace("int4", (n, layer.in_features), torch.int8) if on_cpu else None
+            q = _int4pack_to_int(layer._int4_cache[1][rows], layer.in_features, out=ints)
+            yield rows, dequantize(q, layer.weight_scale[rows], 8, dtype, out=out)
         else:
-            yield rows, dequantize(layer.weight[rows], layer.weight_scale[rows], layer.bits, dtype)
+            yield rows, dequantize(layer.weight[rows], layer.weight_scale[rows], layer.bits, dtype, out=out)
 
 
 def _work_dtype(x2d: Tensor) -> torch.dtype:
@@ -213,21 +224,14 @@ def _work_dtype(x2d: Tensor) -> torch.dtype:
 
 def _dequant_mm(x2d: Tensor, layer: QuantizedLinear) -> Tensor:
     """(M, in) @ dequant(W).T -> (M, out), in x's dtype."""
-    work = _work_dtype(x2d)
-    xw = x2d.to(work)
-    y = xw.new_empty(x2d.shape[0], layer.out_features)
-    for rows, w in _dequant_tiles(layer, work, x2d.device):
-        y[:, rows] = xw @ w.t()
-    return y.to(x2d.dtype)
+    xw = x2d.to(_work_dtype(x2d))
+    return cpu_matmul.tiled_mm(xw, _dequant_tiles(layer, xw.dtype, x2d.device), layer.out_features).to(x2d.dtype)
 
 
 def _dequant_mm_grad(grad_y2d: Tensor, layer: QuantizedLinear) -> Tensor:
     """(M, out) @ dequant(W) -> (M, in): the input gradient, in grad_y's dtype."""
-    work = _work_dtype(grad_y2d)
-    gw = grad_y2d.to(work)
-    grad_x = gw.new_zeros(grad_y2d.shape[0], layer.in_features)
-    for rows, w in _dequant_tiles(layer, work, grad_y2d.device):
-        grad_x.addmm_(gw[:, rows], w)
+    gw = grad_y2d.to(_work_dtype(grad_y2d))
+    grad_x = cpu_matmul.tiled_mm_grad(gw, _dequant_tiles(layer, gw.dtype, grad_y2d.device), layer.in_features)
     return grad_x.to(grad_y2d.dtype)
 
 
@@ -382,8 +386,9 @@ class QuantizedLinear(nn.Module):
     def _official_weight(self) -> Tensor:
         """The official packed INT4 weight `[out, in/2]`, rebuilt (tile by tile) from the kernel layout."""
         packed = self._int4_cache[1]
-        tiles = range(0, self.out_features, CPU_TILE_ROWS)
-        return torch.cat([pack_int4(_int4pack_to_int(packed[s : s + CPU_TILE_ROWS], self.in_features)) for s in tiles])
+        step = -(-cpu_matmul.tile_rows(self.in_features) // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
+        tiles = range(0, self.out_features, step)
+        return torch.cat([pack_int4(_int4pack_to_int(packed[s : s + step], self.in_features)) for s in tiles])
 
     def _restore_official_weight(self) -> None:
         if self.holds_int4pack_only:

@@ -108,3 +108,19 @@ def test_bf16_attention_over_many_queries_runs_in_fp32(slow_cpu):
     assert auto.dtype == torch.bfloat16 and torch.equal(auto, expect.detach().bfloat16())
     decode = [t.detach()[:, :, -1:] for t in (q, k, v)]  # one query: PyTorch's own kernel
     assert torch.equal(cpu_matmul.scaled_dot_product_attention(*decode), F.scaled_dot_product_attention(*decode))
+
+
+def test_workspace_is_one_buffer_per_name_and_dtype_grown_when_too_small():
+    a = cpu_matmul.workspace("test", (4, 8), torch.float32)
+    assert cpu_matmul.workspace("test", (2, 8), torch.float32).data_ptr() == a.data_ptr()
+    assert cpu_matmul.workspace("test", (4, 8), torch.int8).data_ptr() != a.data_ptr()  # per dtype
+    big = cpu_matmul.workspace("test", (64, 64), torch.float32)
+    assert big.shape == (64, 64) and cpu_matmul.workspace("test", (4, 8), torch.float32).data_ptr() == big.data_ptr()
+
+
+def test_upcast_tiles_all_live_in_the_workspace(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "TILE_ELEMENTS", 16 * 64)
+    _, w, _ = operands(rows=40)
+    tiles = list((rows, t.data_ptr(), t.clone()) for rows, t in cpu_matmul._upcast_tiles(w))
+    assert len(tiles) == 5 and len({ptr for _, ptr, _ in tiles}) == 1
+    assert torch.equal(torch.cat([t for _, _, t in tiles]), w.float())

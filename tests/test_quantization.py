@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from chatglm_tune import quantization
+from chatglm_tune import cpu_matmul, quantization
 from chatglm_tune.quantization import (
     QuantizedLinear,
     dequantize,
@@ -175,11 +175,35 @@ def test_auto_uses_the_kernel_for_decode_and_dequant_for_prefill(bits):
 
 
 def test_dequant_tiles_cover_every_row(monkeypatch):
-    monkeypatch.setattr(quantization, "CPU_TILE_ROWS", 16)  # 48 rows -> 3 tiles
+    monkeypatch.setattr(cpu_matmul, "TILE_ELEMENTS", 16 * 64)  # 16 rows of 64: 48 rows -> 3 tiles
     layer = make_layer(4, 32)
     layer.kernel = "dequant"
     x = torch.randn(5, 64)
     assert rel_err(layer(x), reference(layer, x)) < TOL[torch.float32]
+
+
+def test_dequant_tiles_reuse_one_buffer_across_layers_and_calls(monkeypatch):
+    """Prefill and backward write every tile into the same workspace; interleaved layers of other
+    shapes and formats neither corrupt one another nor allocate a new tile each time."""
+    monkeypatch.setattr(cpu_matmul, "TILE_ELEMENTS", 16 * 64)
+    layers = [make_layer(4, 32, out_features=64), make_layer(8, 0, out_features=96, seed=1),
+              make_layer(4, 0, out_features=64, seed=2)]
+    x = torch.randn(7, 64)
+    want = [reference(layer, x) for layer in layers]
+    for layer in layers:
+        layer.kernel = "dequant"
+        if layer.bits == 4:
+            layer._int4pack()  # held in the kernel layout (32-row tiles) where this CPU's layout is known
+    seen = set()
+    for _ in range(2):
+        for layer, expect in zip(layers, want):
+            xg = x.clone().requires_grad_()
+            y = layer(xg)
+            assert rel_err(y, expect) < TOL[torch.float32]
+            y.backward(torch.ones_like(y))
+            tiles = {w.data_ptr() for _, w in quantization._dequant_tiles(layer, torch.float32, x.device)}
+            seen |= tiles | {cpu_matmul.workspace("weight", (1,), torch.float32).data_ptr()}
+    assert len(seen) == 1  # every tile of every layer, in the one buffer
 
 
 def test_kernel_guards_fall_back_instead_of_crashing():
@@ -320,6 +344,8 @@ def test_the_kernel_layout_is_read_back_exactly_and_built_in_tiles():
     q = torch.randint(-7, 8, (128, 96), dtype=torch.int8)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).int(), 1)
     assert torch.equal(quantization._int4pack_to_int(whole, 96), q)
+    into = torch.full((128, 96), 99, dtype=torch.int8)
+    assert torch.equal(quantization._int4pack_to_int(whole, 96, out=into), q) and torch.equal(into, q)
     scale = torch.ones(128, dtype=torch.float16)
     tiled = quantization._int4pack_weight(pack_int4(q), scale, tile_rows=32)[0]
     assert torch.equal(tiled, whole)
