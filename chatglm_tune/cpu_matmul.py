@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 MIN_ROWS = 33  # as QuantizedLinear.max_kernel_rows + 1: the GEMV side of the same measured crossover
-# Weight elements upcast or dequantized at a time: 16 MB of fp32 (1024 rows at ChatGLM-6B's 4096 columns,
-# 256 at 16384). Tiles of 8-32 MB ran within 10% of one another for 64-256 rows of activations (INT8/INT4
-# dequantize at 4096x16384); the smaller, the leaner.
-TILE_ELEMENTS = 1 << 22
+# Weight elements upcast or dequantized at a time: 8 MB of fp32 (512 rows at ChatGLM-6B's 4096 columns,
+# 128 at 16384). Tiles of 8-32 MB ran within 10% of one another for 64-256 rows of activations (INT8/INT4
+# dequantize at 4096x16384; 8 MB the fastest at 64 rows); the smaller, the leaner.
+TILE_ELEMENTS = 1 << 21
 
 
 @functools.cache
@@ -80,10 +80,9 @@ class _Fp32TiledLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x if weight.requires_grad else None, weight)
         ctx.has_bias = bias is not None
-        y = tiled_mm(x.reshape(-1, x.shape[-1]).float(), _upcast_tiles(weight), weight.shape[0])
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        bias32 = None if bias is None else bias.float()
+        y = tiled_mm(x.reshape(-1, x.shape[-1]).float(), _upcast_tiles(weight), weight.shape[0], bias32, x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -116,7 +115,7 @@ _buffers = threading.local()
 
 
 def tile_rows(in_features: int) -> int:
-    """Weight rows a CPU tile loop takes at a time: TILE_ELEMENTS of them (a 16 MB fp32 tile)."""
+    """Weight rows a CPU tile loop takes at a time: TILE_ELEMENTS of them (an 8 MB fp32 tile)."""
     return max(1, TILE_ELEMENTS // in_features)
 
 
@@ -131,15 +130,22 @@ def workspace(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
     return buffer[:numel].view(shape)
 
 
-def tiled_mm(x2d: Tensor, tiles: Iterable[tuple[slice, Tensor]], out_features: int) -> Tensor:
-    """(M, in) @ W.T -> (M, out), W given as (rows, W[rows]) tiles in x2d's dtype. On CPU the partial
-    products go through the workspace; each tile is used before the next is asked for."""
-    y = x2d.new_empty(x2d.shape[0], out_features)
+def tiled_mm(
+    x2d: Tensor, tiles: Iterable[tuple[slice, Tensor]], out_features: int, bias: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """(M, in) @ W.T (+ bias) -> (M, out), W given as (rows, W[rows]) tiles in x2d's dtype, as is the
+    bias; the result is rounded once into `out_dtype` (default x2d's). On CPU the partial products go
+    through the workspace; each tile is used before the next is asked for."""
+    y = x2d.new_empty(x2d.shape[0], out_features, dtype=out_dtype)
     for rows, w in tiles:
         if x2d.device.type == "cpu":
-            y[:, rows] = torch.mm(x2d, w.t(), out=workspace("product", (x2d.shape[0], w.shape[0]), x2d.dtype))
+            part = torch.mm(x2d, w.t(), out=workspace("product", (x2d.shape[0], w.shape[0]), x2d.dtype))
         else:
-            y[:, rows] = x2d @ w.t()
+            part = x2d @ w.t()
+        if bias is not None:
+            part += bias[rows]
+        y[:, rows] = part
     return y
 
 

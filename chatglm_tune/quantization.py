@@ -225,7 +225,8 @@ def _work_dtype(x2d: Tensor) -> torch.dtype:
 def _dequant_mm(x2d: Tensor, layer: QuantizedLinear) -> Tensor:
     """(M, in) @ dequant(W).T -> (M, out), in x's dtype."""
     xw = x2d.to(_work_dtype(x2d))
-    return cpu_matmul.tiled_mm(xw, _dequant_tiles(layer, xw.dtype, x2d.device), layer.out_features).to(x2d.dtype)
+    tiles = _dequant_tiles(layer, xw.dtype, x2d.device)
+    return cpu_matmul.tiled_mm(xw, tiles, layer.out_features, out_dtype=x2d.dtype)
 
 
 def _dequant_mm_grad(grad_y2d: Tensor, layer: QuantizedLinear) -> Tensor:
