@@ -65,12 +65,13 @@ BASE_FLAGS = ["--tuning", "full", "--batch-size", str(TINY_DEMO["batch_size"]),
               "--max-len", str(TINY_DEMO["max_len"])]
 ADAPTATIONS = {
     # Prefix only (the trunk and the tied LM head stay frozen): the official width (128) with the MLP
-    # reparameterisation. Best of the settings tried (see below), and still short of the target: dev F1
-    # ~0.27 (组成 ~0.43, 性能故障 0). The states (性能故障's objects) are mostly characters the base never
-    # emitted (36 of the 44 state characters are in none of its answers): a prefix on the frozen 4-layer,
-    # 128-wide trunk learns fixed new characters of the relation names (能, 成) but not to copy these from
-    # the text (dev loss ~4 nats a state character), which LoRA does. Tried: 64 no projection lr 3e-2
-    # 10 epochs (0.14), 64 projection lr 1e-2 10 epochs (0.18), 128 projection lr 2e-2 (diverged, stopped).
+    # reparameterisation. Without pretraining, best of the settings tried: dev F1 0.27 (组成 0.43,
+    # 性能故障 0): the base had never written 36 of the 44 characters of the state words. Tried: 64 no
+    # projection lr 3e-2 10 epochs (0.14), 64 projection lr 1e-2 10 epochs (0.18), 128 projection lr 2e-2
+    # (diverged). With the copy pretraining (2026-11-22 run, stopped before LoRA): base 0.991 on its own
+    # relations; P-tuning 0.486 at best (组成 0.69). 性能故障 stays at 0: the prefix writes 格能故障 /
+    # 给能故障, because 性 occurs in no text, so the base never wrote it, and a frozen tied head cannot
+    # learn to. Next: put the relation names into the pretraining texts.
     "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "128", "--prefix-projection", "--lr", "1e-2", "--epochs", "20",
                 "--batch-size", "16"],
     "lora": ["--tuning", "lora", "--lora-r", "16", "--lora-alpha", "32", "--lora-target", "query_key_value",
