@@ -184,6 +184,11 @@ def _int4pack_to_int(packed: Tensor, in_features: int, out: Tensor | None = None
     return nibbles.view(torch.int8).sub_(8)
 
 
+def _whole_int4pack_blocks(rows: int) -> int:
+    """`rows` rounded up to whole 32-row blocks of the kernel layout (the unit `_int4pack_to_int` reads)."""
+    return -(-rows // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
+
+
 @functools.cache
 def _int4pack_is_invertible() -> bool:
     """Whether this CPU's int4pack layout is the one `_int4pack_to_int` reads (checked once, on 3 blocks)."""
@@ -203,8 +208,8 @@ def _dequant_tiles(
     on_cpu = device.type == "cpu"
     reuse = on_cpu and dtype in (torch.float16, torch.float32)  # the dtypes `dequantize` writes into `out`
     step = cpu_matmul.tile_rows(layer.in_features) if on_cpu else layer.out_features
-    if layer.holds_int4pack_only:  # whole blocks of the kernel layout
-        step = -(-step // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
+    if layer.holds_int4pack_only:
+        step = _whole_int4pack_blocks(step)
     for start in range(0, layer.out_features, step):
         rows = slice(start, start + step)
         n = min(step, layer.out_features - start)
@@ -387,7 +392,7 @@ class QuantizedLinear(nn.Module):
     def _official_weight(self) -> Tensor:
         """The official packed INT4 weight `[out, in/2]`, rebuilt (tile by tile) from the kernel layout."""
         packed = self._int4_cache[1]
-        step = -(-cpu_matmul.tile_rows(self.in_features) // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
+        step = _whole_int4pack_blocks(cpu_matmul.tile_rows(self.in_features))
         tiles = range(0, self.out_features, step)
         return torch.cat([pack_int4(_int4pack_to_int(packed[s : s + step], self.in_features)) for s in tiles])
 
