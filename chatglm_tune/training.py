@@ -137,16 +137,25 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a non-finite loss); the last good checkpoint stays in place."""
 
 
-def build_tiny(train_records, output_dir: Path, options: TrainOptions):
-    """A tokenizer trained on the training texts, answers and prompt, and a random tiny model for it."""
+def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), **config_overrides):
+    """A tokenizer trained on the prompt, `extra_texts` and the training texts and answers, and a random
+    tiny model (the preset, with `config_overrides`) for it."""
     tokenizer_dir = Path(output_dir)
     if (tokenizer_dir / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
         tokenizer = ChatGLMTokenizer.from_pretrained(tokenizer_dir)
     else:
-        corpus = [options.encoding.prompt] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
+        corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
         tokenizer = train_tokenizer(corpus, tokenizer_dir, max_piece_length=1)  # character-level: see train_tokenizer
-    config = ChatGLMConfig.from_name("tiny", **tokenizer.config_overrides())
+    config = ChatGLMConfig.from_name("tiny", **config_overrides, **tokenizer.config_overrides())
     return ChatGLMForConditionalGeneration(config), tokenizer
+
+
+def optimizer_and_schedule(params, options: TrainOptions, total_steps: int):
+    """AdamW over `params` and its warmup-then-decay schedule (`options.schedule`) over `total_steps`."""
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
+    scheduler = get_scheduler(options.schedule, optimizer, num_warmup_steps=int(options.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    return optimizer, scheduler
 
 
 def prepare_model(model_arg: str, train_records, output_dir: Path, options: TrainOptions):
@@ -194,11 +203,9 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     loader = DataLoader(dataset, batch_size=options.batch_size, sampler=sampler, collate_fn=partial(collate_train, special=special),
                         generator=torch.Generator().manual_seed(options.seed))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
     steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes / options.grad_accum)
     total_steps = options.max_steps or options.epochs * steps_per_epoch
-    scheduler = get_scheduler(options.schedule, optimizer, num_warmup_steps=int(options.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    optimizer, scheduler = optimizer_and_schedule(params, options, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     run_args = {"model": model_arg if model_arg == "tiny" else str(Path(model_arg).resolve()), **_plain(options)}

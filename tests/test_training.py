@@ -15,6 +15,7 @@ from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
 from chatglm_tune.data import SpecialIds, collate_train, encode_record, read_records
 from chatglm_tune.extraction import load_for_inference, resolve_model_source
 from chatglm_tune.tokenizer import train_tokenizer
+from chatglm_tune.training import TrainOptions, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / "data" / "spo_train.jsonl"
@@ -52,6 +53,18 @@ def _run(base_dir, train_file, out, *flags):
 
 def load_run(directory):
     return load_for_inference(resolve_model_source(directory))
+
+
+def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_path):
+    options = TrainOptions(tuning="full")
+    plain_model, plain = build_tiny(records, tmp_path / "plain", options)
+    model, tokenizer = build_tiny(records, tmp_path / "extra", options, extra_texts=("鑫淼",), num_layers=3)
+    def pieces(tok, text):
+        return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
+
+    assert "鑫" not in pieces(plain, "鑫")  # in no record: byte pieces
+    assert pieces(tokenizer, "鑫淼") == ["▁", "鑫", "淼"]  # one piece a character
+    assert (plain_model.config.num_layers, model.config.num_layers) == (2, 3)
 
 
 def _losses(log):
