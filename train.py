@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-batch-size", type=int, default=D.eval_batch_size, help=f"(default {D.eval_batch_size})")
     a("--log-every", type=int, default=D.log_every, help=f"log the loss every N steps (default {D.log_every})")
     a("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir")
-    a("--threads", type=int, help="torch CPU threads (default: torch's; the tiny demo: 2)")
+    a("--threads", type=int, help=f"torch CPU threads (default: torch's; the tiny demo: {TINY_DEMO['threads']})")
     a("--resume", action="store_true", help="continue the stopped run in --output-dir")
     a("--on-bad-record", choices=("error", "skip"), default="error", help="stop at a bad record, or skip and count it")
     a("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 import train as train_cli  # noqa: E402
 from chatglm_tune import ChatGLMForConditionalGeneration  # noqa: E402
-from chatglm_tune.data import IGNORE_INDEX, EncodedExample, SpecialIds, collate_train, read_records  # noqa: E402
+from chatglm_tune.data import SpecialIds, collate_train, read_records, training_example  # noqa: E402
 from chatglm_tune.extraction import load_for_inference, resolve_model_source  # noqa: E402
 from chatglm_tune.tokenizer import ChatGLMTokenizer  # noqa: E402
 from chatglm_tune.training import TINY_DEMO, LengthGroupedSampler, TrainOptions, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
@@ -123,10 +123,7 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     rows, prompt_tokens = [], len(tokenizer.encode(COPY_PROMPT, add_special_tokens=False))
     for text in texts:
         source = tokenizer.encode(COPY_PROMPT + text, add_special_tokens=False)[: prompt_tokens + COPY_TOKENS]
-        copy = tokenizer.encode(text, add_special_tokens=False)[:COPY_TOKENS]
-        ids = source + [special.gmask_token_id, special.bos_token_id] + copy + [special.eos_token_id]
-        labels = [IGNORE_INDEX] * (len(source) + 1) + ids[len(source) + 1 :]
-        rows.append(EncodedExample(tuple(ids), tuple(labels), False, False))
+        rows.append(training_example(source, tokenizer.encode(text, add_special_tokens=False)[:COPY_TOKENS], tokenizer))
     batch_size = TINY_DEMO["batch_size"]
     sampler = LengthGroupedSampler([len(r.input_ids) for r in rows], batch_size, seed=SEED)
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=sampler,
@@ -141,7 +138,7 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
             for batch in loader:
                 loss = model(**batch).loss
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()

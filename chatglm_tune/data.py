@@ -424,10 +424,17 @@ def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = Encod
     answer = tokenizer.encode(answer_text(record.triples), add_special_tokens=False)
     answer_cut = len(answer) > options.max_answer_tokens
     answer = answer[: options.max_answer_tokens]
+    return training_example(source, answer, tokenizer, source_truncated=source_cut, answer_truncated=answer_cut,
+                            origin=record.source)
+
+
+def training_example(source: list[int], answer: list[int], tokenizer, *, source_truncated: bool = False,
+                     answer_truncated: bool = False, origin: str = "") -> EncodedExample:
+    """The row `source [gMASK] <sop> answer <eop>` of already truncated ids, labelled from `<sop>` on."""
     input_ids = source + [tokenizer.gmask_token_id, tokenizer.bos_token_id] + answer + [tokenizer.eos_token_id]
     context = len(source) + 1  # source + [gMASK]: no loss; <sop> is the first labelled position
     labels = [IGNORE_INDEX] * context + input_ids[context:]
-    return EncodedExample(tuple(input_ids), tuple(labels), source_cut, answer_cut, record.source)
+    return EncodedExample(tuple(input_ids), tuple(labels), source_truncated, answer_truncated, origin)
 
 
 class EncodedDataset(torch.utils.data.Dataset):

@@ -1,8 +1,9 @@
 """Tests of chatglm_tune.generation: golden greedy ids, batching, cache, samplers, stopping, chat().
 
 The golden checkpoints come from conftest's `golden` fixture (`model-small-vocab` always, `model-tiny`
-when the shared golden folder beside the checkout is there). Ids are compared up to the first step whose golden top-1/top-2 margin is
-below 1e-3 (where another float summation order may legitimately pick the other token).
+when the shared golden folder beside the checkout is there). Ids are compared up to the first step
+whose golden top-1/top-2 margin is below 1e-3 (where another float summation order may legitimately
+pick the other token).
 """
 
 import pytest

@@ -59,6 +59,7 @@ def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_p
     options = TrainOptions(tuning="full")
     plain_model, plain = build_tiny(records, tmp_path / "plain", options)
     model, tokenizer = build_tiny(records, tmp_path / "extra", options, extra_texts=("鑫淼",), num_layers=3)
+
     def pieces(tok, text):
         return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
 
