@@ -1,0 +1,349 @@
+"""ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B on transformers 5's own `GlmForCausalLM`, plus P-tuning v2.
+
+The three share one architecture (RMSNorm pre-norm blocks, grouped-query attention with a fused
+biased `query_key_value`, rotary on half of each head with interleaved pairs, SwiGLU with a fused
+`dense_h_to_4h`, untied head), which is transformers' `GlmForCausalLM` with the config of
+glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this module adds:
+- `GlmForCausalLMWithPrefix`: the official P-tuning v2 prefix (glm_prefix.py) as the first
+  `pre_seq_len` cache entries, real positions from 0 after it, the mask `[ones(P), attention_mask]`;
+  positions from `attention_mask` when none are given (cumsum - 1, 0 on pads: a left-padded batch
+  gives the official numbers without the tokenizer's `position_ids`);
+- `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, glm_weights.py) and
+  the glm-4-9b-chat-hf form, built on the meta device and filled tensor by tensor (no second copy,
+  no pickle, no trust_remote_code);
+- `save_official`: the official key layout and config.json, so an official directory round-trips;
+- `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the seam of DESIGN.md).
+Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
+References: ../shared/golden/README-glm.md; the official code (ChatGLM2 `syjjhl/chatglm2-6b`,
+ChatGLM3 `czk1997/chatglm3-copy`); transformers `models/glm/modeling_glm.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import GlmConfig, GlmForCausalLM
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
+
+from . import checkpoint
+from .checkpoint import CheckpointError
+from .glm_config import detect_version, glm_config, official_config, read_config_file
+from .glm_prefix import PREFIX_DROPOUT, GlmPrefixEncoder, PrefixCache, fill_cache, prefix_key_values, prefix_width
+from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
+
+
+def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) -> torch.Tensor:
+    """Position ids [b, length] of the newest `length` tokens: cumsum(mask) - 1, 0 on (left) pads.
+
+    attention_mask: [b, past + length], 1 = token, over the real tokens only (no prefix columns).
+    """
+    if attention_mask.shape[-1] != past + length:
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[-1]} tokens; expected the {past} cached + {length} new "
+            "(the mask of the whole sequence so far, without prefix columns)"
+        )
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+
+
+class GlmForCausalLMWithPrefix(GlmForCausalLM):
+    """`GlmForCausalLM` that also owns the P-tuning v2 prefix encoder when `config.pre_seq_len` is set.
+
+    Nothing is frozen here: which parameters train is the training code's decision.
+    """
+
+    def __init__(self, config: GlmConfig):
+        super().__init__(config)
+        # The official embedding has no padding_idx: the pad row gets gradients in full fine-tuning too.
+        self.model.embed_tokens.padding_idx = None
+        self.prefix_encoder = GlmPrefixEncoder(config) if getattr(config, "pre_seq_len", None) else None
+        self.prefix_dropout = nn.Dropout(PREFIX_DROPOUT)
+        for layer in self.model.layers:
+            # Checkpointed layers keep the cache they are given; forward only gives them a read-only
+            # PrefixCache while checkpointing (see glm_prefix.PrefixCache), never a cache they write.
+            layer._can_checkpoint_with_cache = True
+
+    @property
+    def pre_seq_len(self) -> int:
+        return getattr(self.config, "pre_seq_len", None) or 0
+
+    def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (key, value) [b, G, P, D] of the prefix (dropout applies in training mode)."""
+        return prefix_key_values(self.prefix_encoder, self.prefix_dropout, self.config, batch_size, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        """Logits [b, s, V] (and loss, cache) for input_ids [b, s].
+
+        attention_mask: [b, past + s], 1 = token, over real tokens (prefix columns are added here); a 4D
+            mask is passed through as is and must then cover the prefix itself.
+        position_ids: [b, s]; default from attention_mask (cumsum - 1, continuing after the cached real
+            tokens), else past .. past + s - 1. The prefix has no position.
+        past_key_values: a `Cache`; with a prefix its first `pre_seq_len` entries are the prefix, written on
+            the first call (empty cache). Without a cache (use_cache=False, training) the prefix rides in a
+            read-only `PrefixCache` that is not returned.
+        labels: [b, s], -100 ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
+        """
+        ref = input_ids if input_ids is not None else inputs_embeds
+        b, s = ref.shape[:2]
+        checkpointing = self.training and any(layer.gradient_checkpointing for layer in self.model.layers)
+        if checkpointing:
+            if past_key_values is not None:
+                raise ValueError("gradient checkpointing in training takes no past_key_values (the prefix is built here)")
+            if self.pre_seq_len and any(_reentrant(layer) for layer in self.model.layers):
+                # Reentrant checkpointing only differentiates its positional inputs: the prefix, held in
+                # the cache, would be backpropagated once per layer through one shared graph.
+                raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
+            use_cache = False
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache, keep_cache = past_key_values, True
+        if cache is None and use_cache:
+            cache = DynamicCache(config=self.config)
+        p = self.pre_seq_len
+        if p and (cache is None or cache.get_seq_length() == 0):
+            dtype = self.model.norm.weight.dtype  # the compute dtype (RMSNorm weights are never quantized)
+            pairs = self.prefix_key_values(b, dtype)
+            if cache is None:
+                cache, keep_cache = PrefixCache(pairs), False
+            else:
+                fill_cache(cache, pairs)
+        past = cache.get_seq_length() - p if cache is not None else 0  # real tokens already cached
+        mask = attention_mask
+        if mask is not None and mask.dim() == 2:
+            if position_ids is None:
+                position_ids = positions_from_mask(mask, past, s)
+            if p:
+                mask = torch.cat([mask.new_ones(b, p), mask], dim=-1)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=ref.device).expand(b, s)
+        out = super().forward(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+        )
+        if not keep_cache or not use_cache:
+            out.past_key_values = None
+        return out
+
+    def load_prefix(self, path: str | Path) -> None:
+        """Load an official P-tuning v2 checkpoint (`transformer.prefix_encoder.*`; a file, or a directory
+        with config.json + weights) onto this model.
+
+        A model built without `pre_seq_len` takes the checkpoint's settings (read from its tensors);
+        one built with other settings refuses it, naming both.
+        """
+        source = Path(path)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in checkpoint.weight_files(source):
+            for key, tensor in checkpoint.iter_tensors(file):
+                if not key.startswith(OFFICIAL_PREFIX_ENCODER):
+                    raise CheckpointError(f"{file}: {key} is not a prefix-encoder weight (expected only {OFFICIAL_PREFIX_ENCODER}*)")
+                tensors[key.removeprefix(OFFICIAL_PREFIX_ENCODER)] = tensor
+        if "embedding.weight" not in tensors:
+            raise CheckpointError(f"{source}: no {OFFICIAL_PREFIX_ENCODER}embedding.weight")
+        theirs = (tensors["embedding.weight"].shape[0], any(k.startswith("trans.") for k in tensors))
+        if source.is_dir() and (source / "config.json").exists():
+            saved = json.loads((source / "config.json").read_text())
+            if "pre_seq_len" in saved and (saved["pre_seq_len"], bool(saved.get("prefix_projection"))) != theirs:
+                raise CheckpointError(f"{source}: config.json says pre_seq_len={saved['pre_seq_len']}, prefix_projection="
+                                      f"{bool(saved.get('prefix_projection'))}, its weights pre_seq_len={theirs[0]}, "
+                                      f"prefix_projection={theirs[1]}")
+        encoder = self.prefix_encoder
+        if encoder is None:  # built aside, and kept only once the checkpoint fits it
+            settings = copy.copy(self.config)
+            settings.pre_seq_len, settings.prefix_projection = theirs
+            encoder = GlmPrefixEncoder(settings)
+        ours = (encoder.embedding.num_embeddings, encoder.prefix_projection)
+        if ours != theirs:
+            raise CheckpointError(f"{source} was trained with pre_seq_len={theirs[0]}, prefix_projection={theirs[1]}; "
+                                  f"this model has pre_seq_len={ours[0]}, prefix_projection={ours[1]}")
+        expected = encoder.state_dict()
+        if set(tensors) != set(expected):
+            raise CheckpointError(f"{source}: prefix keys {sorted(tensors)}, expected {sorted(expected)}")
+        for key, tensor in tensors.items():
+            if tensor.shape != expected[key].shape:
+                raise CheckpointError(f"{source}: {OFFICIAL_PREFIX_ENCODER}{key} has shape {list(tensor.shape)}, this model "
+                                      f"expects {list(expected[key].shape)} (prefix width {prefix_width(self.config)})")
+        encoder.load_state_dict({k: t.float() for k, t in tensors.items()})  # kept in float32
+        if self.prefix_encoder is None:
+            self.config.pre_seq_len, self.config.prefix_projection = theirs
+            self.prefix_encoder = encoder.to(self.model.norm.weight.device)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "GlmForCausalLMWithPrefix":
+        """`load_glm` (transformers' own loader knows neither the official keys nor the prefix)."""
+        return load_glm(pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory, state_dict: dict | None = None, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int = 2 << 30, **unused) -> None:
+        """`save_official`: official keys and config.json (transformers' saving options are not supported)."""
+        if any(v is not None for v in unused.values()):
+            raise TypeError(f"save_pretrained does not support: {', '.join(sorted(unused))}")
+        save_official(self, save_directory, state_dict=state_dict, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def load_glm(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    pre_seq_len: int | None = None,
+    prefix_projection: bool | None = None,
+) -> GlmForCausalLMWithPrefix:
+    """A ChatGLM2/3 or GLM-4 model from a local directory (or weights file beside its config.json).
+
+    dtype: the compute dtype (default float32; "auto" = config.json's `torch_dtype`); the prefix encoder
+        stays float32. pre_seq_len / prefix_projection: P-tuning v2 settings, overriding config.json's.
+    Prefix-encoder weights may be absent (a fresh P-tuning start, PyTorch's init); any other missing,
+    unexpected or wrong-shaped tensor raises `CheckpointError` naming the file and key.
+    """
+    raw = read_config_file(path)
+    version = detect_version(raw, path)
+    if version == "chatglm":
+        raise CheckpointError(f"{path}: a ChatGLM-6B (v1) checkpoint; load it with ChatGLMForConditionalGeneration")
+    if raw.get("quantization_bit"):
+        raise CheckpointError(f"{path}: an INT{raw['quantization_bit']} checkpoint; this loader reads float weights")
+    config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
+    dtype = _resolve_dtype(dtype, raw)
+    with torch.device("meta"):
+        model = GlmForCausalLMWithPrefix(config)
+    official_keys = raw.get("model_type") != "glm"
+    rows = qkv_rows(config)
+    expected = dict(model.named_parameters())
+    for file in checkpoint.weight_files(path):
+        for key, tensor in checkpoint.iter_tensors(file):
+            if official_keys or key.startswith(OFFICIAL_PREFIX_ENCODER):
+                try:
+                    pairs = to_transformers(key, tensor, rows)
+                except ValueError as e:  # a fused tensor whose rows do not add up to q | k | v
+                    raise CheckpointError(f"{file}: {key} has shape {list(tensor.shape)}: {e}; does config.json match "
+                                          "these weights?") from e
+            else:
+                pairs = [] if key.endswith("rotary_emb.inv_freq") else [(key, tensor)]
+            if pairs is None:
+                raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
+            for name, part in pairs:
+                if name not in expected:
+                    raise CheckpointError(_unexpected(file, key, name, config))
+                target = expected.pop(name)
+                if tuple(part.shape) != tuple(target.shape):
+                    raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
+                                          f"{list(target.shape)}; does config.json match these weights?")
+                cast = torch.float32 if name.startswith(PREFIX_ENCODER) or not part.is_floating_point() else dtype
+                value = torch.empty(part.shape, dtype=cast).copy_(part)  # owned memory, never a view of the file
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+            del tensor, pairs
+    not_prefix = [k for k in expected if not k.startswith(PREFIX_ENCODER)]
+    if not_prefix:
+        shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
+        raise CheckpointError(f"{path}: missing weights: {shown}")
+    if expected:  # a fresh prefix encoder, initialised as the official one is
+        model.prefix_encoder = GlmPrefixEncoder(config)
+    model.model.rotary_emb = GlmRotaryEmbedding(config=config)  # its buffer was built on the meta device
+    config.dtype = dtype
+    return model.to(device).eval()
+
+
+def save_official(
+    model: GlmForCausalLMWithPrefix,
+    directory: str | Path,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 << 30,
+) -> None:
+    """Write `model` as an official checkpoint: config.json + safetensors under the official keys.
+
+    state_dict: what to write, in transformers names (default: everything; pass e.g. only the
+        `prefix_encoder.*` entries for an official P-tuning checkpoint). dtype: cast floating weights
+        (not the prefix encoder, kept float32 as the official P-tuning saves it); config.json's
+        `torch_dtype` says the trunk's dtype.
+    """
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() and not k.startswith(PREFIX_ENCODER) else v) for k, v in state.items()}
+    official = to_official(state)
+    trunk = next((v.dtype for k, v in state.items() if not k.startswith(PREFIX_ENCODER) and v.is_floating_point()), None)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint.save_state_dict(official, directory, max_shard_bytes=max_shard_bytes)
+    text = json.dumps(official_config(model.config, trunk or model.dtype), indent=2) + "\n"
+    checkpoint.atomic_write(directory / "config.json", lambda p: Path(p).write_text(text))
+
+
+@dataclass(frozen=True)
+class GlmFamily:
+    """What the toolkit asks one version of this family (DESIGN.md's seam); the model is the same for all.
+
+    stop_tokens: special tokens that end a reply besides config.json's `eos_token_id` (the tokenizer
+    resolves them to ids). lora_targets / quantizable_linears: transformers module names.
+    """
+
+    name: str
+    stop_tokens: tuple[str, ...]
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    quantizable_linears: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def read_config(self, raw: dict, **prefix_settings) -> GlmConfig:
+        return glm_config(raw, version=self.name, **prefix_settings)
+
+    def load(self, path, **kwargs) -> GlmForCausalLMWithPrefix:
+        return load_glm(path, **kwargs)
+
+    prefix_width = staticmethod(prefix_width)
+    to_transformers = staticmethod(to_transformers)
+    to_official = staticmethod(to_official)
+    save = staticmethod(save_official)
+
+
+FAMILIES = {
+    "chatglm2": GlmFamily("chatglm2", stop_tokens=()),  # eos 2 only
+    "chatglm3": GlmFamily("chatglm3", stop_tokens=("<|user|>", "<|observation|>")),
+    "glm4": GlmFamily("glm4", stop_tokens=("<|user|>", "<|observation|>")),  # also in its eos list
+}
+
+
+def family_of(path: str | Path) -> GlmFamily | None:
+    """The family member of a model directory, or None for ChatGLM-6B (v1)."""
+    version = detect_version(read_config_file(path), path)
+    return FAMILIES.get(version)
+
+
+def _reentrant(layer: nn.Module) -> bool:
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return bool(getattr(func, "keywords", {}).get("use_reentrant", False))
+
+
+def _resolve_dtype(dtype, raw: dict) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def _unexpected(file, key: str, name: str, config) -> str:
+    if name.startswith(PREFIX_ENCODER):
+        return (f"{file}: holds P-tuning weights ({key}) but the model has pre_seq_len={getattr(config, 'pre_seq_len', None)}, "
+                f"prefix_projection={getattr(config, 'prefix_projection', False)}; load with the settings it was trained "
+                "with, or load the base and call load_prefix")
+    return f"{file}: unexpected key {key} (not a weight of this config)"

@@ -1,0 +1,350 @@
+"""The GLM-4-9B tokenizer: byte-level BPE from its tiktoken rank file, exact to the official one.
+
+Reproduces the official `ChatGLM4Tokenizer` (THUDM glm-4-9b-chat `tokenization_chatglm.py`) as run
+under transformers 4.44.2; golden outputs in `tests/fixtures/tokenizer-glm.json` (`glm4`):
+
+- the vocabulary is `tokenizer.model`, a tiktoken BPE file (base64 token, rank per line; 151329
+  ranks), plus the special tokens of `tokenizer_config.json` after it (`<|endoftext|>` 151329 = eos
+  and pad, `[gMASK]` 151331, `<sop>` 151333, `<|user|>` 151336, ...);
+- text is split on special-token text first (transformers' added-token splitting: `"<|user|>"` typed
+  in a string IS the special token, as officially), then each piece is pre-tokenized with GLM-4's
+  regex and byte-level BPE-encoded; `encode` puts `[gMASK] <sop>` first;
+- `decode` joins runs of text bytes (UTF-8, invalid bytes replaced) and the special tokens with a
+  space between them (`spaces_between_special_tokens`): `"[gMASK] <sop> 你好"`;
+- padding is on the left with `<|endoftext|>`, and returns `attention_mask` and `position_ids`
+  (0 on pads, 0..n-1 on tokens) as the official `_pad`;
+- `apply_chat_template` is transformers' own (its `tojson` keeps non-ASCII text, as the official).
+
+Record text is data: `encode_text`, `build_single_message` and `encode_chat` never turn text into a
+special token (`encode_chat` is the chat template with only the template's own tokens special).
+
+Why no tiktoken: the BPE runs in `tokenizers` (Rust, already a transformers dependency). The rank
+file is read here (it is just base64 + rank) and turned into a BPE by transformers'
+`TikTokenConverter` (whose only use of tiktoken is that file reader): every split of a token into
+two tokens becomes a merge ranked by the token, and `ignore_merges` takes whole-vocabulary words
+directly as tiktoken does, so the lowest-rank-first merging is tiktoken's. The same code serves the
+released `glm-4-9b-chat-hf` directories (their `tokenizer.json` is that BPE), and `save_pretrained`
+writes `tokenizer.json`, so a run directory loads without converting again.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizer
+from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+from transformers.utils import PaddingStrategy
+
+from chatglm_tune.glm_tokenizer import left_pad
+
+TIKTOKEN_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.json"
+# The pre-tokenizer regex of the official ChatGLM4Tokenizer (= TikTokenConverter's default).
+GLM4_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+EOS_TOKEN = "<|endoftext|>"
+ROLES = ("system", "user", "assistant", "observation")
+# Special tokens the toolkit relies on; their ids are read from the tokenizer files.
+REQUIRED_SPECIALS = (EOS_TOKEN, "[gMASK]", "<sop>", *(f"<|{role}|>" for role in ROLES))
+# Private-use characters that mark special-token text inside data strings in `encode_chat`.
+DATA_OPEN, DATA_CLOSE = "\ue0f1", "\ue0f2"
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
+    """A tiktoken BPE file (one `base64(token) rank` per line) as {token bytes: rank}."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            fields = line.split()
+            if len(fields) != 2 or not fields[1].isdigit():
+                raise ValueError(f"{path} line {number}: expected 'base64-token rank', got {line[:80]!r}")
+            ranks[base64.b64decode(fields[0], validate=True)] = int(fields[1])
+    return ranks
+
+
+def is_tiktoken_file(path: str | Path) -> bool:
+    """True when `path` starts like a tiktoken rank file (a SentencePiece model is binary protobuf)."""
+    with open(path, "rb") as f:
+        first = f.readline(256).split()
+    try:
+        return len(first) == 2 and first[1].isdigit() and bool(base64.b64decode(first[0], validate=True))
+    except ValueError:
+        return False
+
+
+class _RankFileConverter(TikTokenConverter):
+    """transformers' converter, reading the rank file here instead of through tiktoken."""
+
+    @staticmethod
+    def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+        return read_tiktoken_ranks(tiktoken_url)
+
+
+def convert_tiktoken_file(path: str | Path, specials: dict[int, str]) -> Tokenizer:
+    """The BPE of a tiktoken rank file as a `tokenizers.Tokenizer`, with `specials` ({id: text}) added
+    as special tokens right after the ranks (they must be numbered on from the last rank)."""
+    with open(path, "rb") as f:
+        n_ranks = sum(1 for line in f if line.strip())
+    expected = list(range(n_ranks, n_ranks + len(specials)))
+    if sorted(specials) != expected:
+        raise ValueError(f"special token ids {sorted(specials)} of {path} do not follow its {n_ranks} ranks")
+    names = [specials[i] for i in expected]
+    converter = _RankFileConverter(str(path), pattern=GLM4_PATTERN, extra_special_tokens=names)
+    return converter.converted()
+
+
+def added_tokens_of(tokenizer: Tokenizer) -> dict[int, str]:
+    """{id: text} of the special tokens a `tokenizers.Tokenizer` carries."""
+    return {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
+class GLM4Tokenizer(PreTrainedTokenizer):
+    """GLM-4 tokenizer over a tiktoken rank file (`vocab_file`) or a `tokenizer.json` (`tokenizer_file`).
+
+    With a rank file, the special tokens come from `added_tokens_decoder` (the official
+    tokenizer_config.json); a `tokenizer.json` carries its own. Padding is on the left.
+    """
+
+    vocab_files_names = {"vocab_file": TIKTOKEN_FILE, "tokenizer_file": TOKENIZER_FILE}
+    model_input_names = ["input_ids", "attention_mask", "position_ids"]
+    padding_side = "left"
+
+    def __init__(
+        self,
+        vocab_file: str | None = None,
+        tokenizer_file: str | None = None,
+        padding_side: str = "left",
+        clean_up_tokenization_spaces: bool = False,
+        eos_token: str = EOS_TOKEN,
+        pad_token: str = EOS_TOKEN,
+        **kwargs,
+    ) -> None:
+        if padding_side != "left":
+            raise ValueError(f"GLM-4 prompts must be left-padded, got padding_side={padding_side!r}")
+        for key in ("auto_map", "additional_special_tokens", "extra_special_tokens", "tokenizer_object"):
+            kwargs.pop(key, None)  # the remote-code pointer; the specials are read from the files below
+        for key, expected in {"do_lower_case": False, "remove_space": False}.items():
+            if kwargs.pop(key, expected) != expected:
+                raise ValueError(f"GLM4Tokenizer supports only {key}={expected}")
+        declared = {int(i): _token_text(t) for i, t in (kwargs.get("added_tokens_decoder") or {}).items()}
+        if tokenizer_file is not None and Path(tokenizer_file).is_file():
+            backend = Tokenizer.from_file(str(tokenizer_file))
+            source = tokenizer_file
+        elif vocab_file is not None and Path(vocab_file).is_file():
+            backend = convert_tiktoken_file(vocab_file, declared)
+            source = vocab_file
+        else:
+            raise ValueError(f"GLM4Tokenizer needs a {TIKTOKEN_FILE} rank file or a {TOKENIZER_FILE}, got "
+                             f"vocab_file={vocab_file!r}, tokenizer_file={tokenizer_file!r}")
+        specials = added_tokens_of(backend)
+        missing = [t for t in REQUIRED_SPECIALS if t not in specials.values()]
+        clash = {i: t for i, t in declared.items() if specials.get(i) != t}
+        if missing or clash:
+            raise ValueError(f"{source} is not a GLM-4 tokenizer: special tokens missing {missing}, "
+                             f"or at other ids than tokenizer_config.json says {clash}")
+        # `backend` (with the specials) is what save_pretrained writes; `_bpe` is the same BPE without them,
+        # for the text between special tokens and for data text.
+        self._backend = backend
+        self._bpe = Tokenizer(backend.model)
+        self._bpe.normalizer = backend.normalizer
+        self._bpe.pre_tokenizer = backend.pre_tokenizer
+        self._vocab = {t: i for t, i in backend.get_vocab(with_added_tokens=False).items() if i not in specials}
+        self._tokens = {i: t for t, i in self._vocab.items()}
+        self._special_texts = {t: i for i, t in specials.items()}
+        self._special_re = re.compile("|".join(map(re.escape, sorted(self._special_texts, key=len, reverse=True))))
+        self.vocab_file = vocab_file
+        kwargs["added_tokens_decoder"] = {i: t for i, t in backend.get_added_tokens_decoder().items()}
+        super().__init__(
+            padding_side=padding_side,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+            eos_token=eos_token,
+            pad_token=pad_token,
+            extra_special_tokens=[t for t in specials.values() if t not in (eos_token, pad_token)],
+            **kwargs,
+        )
+
+    # ----- vocabulary -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """The BPE ranks (151329 for GLM-4), without the special tokens after them (official)."""
+        return len(self._vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**self._vocab, **self._special_texts}
+
+    def get_command(self, token: str) -> int:
+        """The id of a special token by its text (`"[gMASK]"`, `"<|user|>"`)."""
+        if token not in self._special_texts:
+            raise KeyError(f"{token!r} is not a special token of this GLM-4 tokenizer")
+        return self._special_texts[token]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(self._special_texts.values())
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The official chat stops on `<|endoftext|>`, `<|user|>` and `<|observation|>`."""
+        return [self.get_command(t) for t in (EOS_TOKEN, "<|user|>", "<|observation|>")]
+
+    def _tokenize(self, text: str, **kwargs) -> list[str]:
+        return self._bpe.encode(text, add_special_tokens=False).tokens
+
+    def _convert_token_to_id(self, token: str) -> int:
+        if token in self._special_texts:
+            return self._special_texts[token]
+        if token not in self._vocab:
+            raise KeyError(f"{token!r} is not in the GLM-4 vocabulary")
+        return self._vocab[token]
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self._tokens.get(index, "")
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        data = bytes(_BYTE_OF_CHAR[c] for token in tokens for c in token)
+        return data.decode("utf-8", errors="replace")
+
+    # ----- encoding ---------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as data: BPE ids with no prefix, special-token text staying text."""
+        return self._bpe.encode(text, add_special_tokens=False).ids
+
+    def build_inputs_with_special_tokens(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
+        """`[gMASK] <sop> a`, or `[gMASK] <sop> a b <|endoftext|>` for a pair."""
+        ids = [self.get_command("[gMASK]"), self.get_command("<sop>"), *token_ids_0]
+        if token_ids_1 is not None:
+            ids += [*token_ids_1, self.eos_token_id]
+        return ids
+
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
+        if already_has_special_tokens:
+            return [int(i in self.special_token_ids) for i in token_ids_0]
+        mask = [1, 1] + [0] * len(token_ids_0)
+        return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
+
+    def build_single_message(self, role: str, metadata: str, message: str, tokenize: bool = True) -> list[int] | str:
+        """The official one-message block: `<|role|>` then `metadata + "\\n"` and the message as data text."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not tokenize:
+            return f"<|{role}|>{metadata}\n{message}"
+        return [self.get_command(f"<|{role}|>"), *self.encode_text(f"{metadata}\n"), *self.encode_text(message)]
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The chat template's ids with every string of `messages` and `tools` as data (only the template's
+        own special tokens are special). Equals `apply_chat_template(messages, tokenize=True)` when no
+        string holds special-token text; where one does, that text is BPE-encoded with its neighbours as
+        plain text. Roles must be official (the template builds `<|role|>` from them)."""
+        for message in messages:
+            if message.get("role") not in ROLES:
+                raise ValueError(f"role must be one of {ROLES}, got {message.get('role')!r}")
+        rendered = self.apply_chat_template(
+            _mark_specials(messages, self._special_re), add_generation_prompt=add_generation_prompt,
+            tools=_mark_specials(tools, self._special_re), tokenize=False,
+        )
+        ids, start = [], 0
+        # Only unmarked special-token text (written by the template) splits the string.
+        for match in re.finditer(f"{DATA_OPEN}[^{DATA_CLOSE}]*{DATA_CLOSE}|{self._special_re.pattern}", rendered):
+            if match.group().startswith(DATA_OPEN):
+                continue
+            ids += self.encode_text(_unmark(rendered[start:match.start()]))
+            ids.append(self._special_texts[match.group()])
+            start = match.end()
+        return ids + self.encode_text(_unmark(rendered[start:]))
+
+    # ----- decoding and padding ---------------------------------------------------------------------
+    def _decode(
+        self,
+        token_ids,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        spaces_between_special_tokens: bool = True,
+        **kwargs,
+    ) -> str:
+        """Runs of text tokens decode together; special tokens render as their text, joined to the runs
+        with a space (official, transformers 4.44's slow `_decode`)."""
+        ids = [int(token_ids)] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        parts, run = [], []
+        for i in ids:
+            if i in self.special_token_ids:
+                if skip_special_tokens:
+                    continue
+                if run:
+                    parts.append(self.convert_tokens_to_string(run))
+                    run = []
+                parts.append(self._backend.id_to_token(i))
+            elif i in self._tokens:
+                run.append(self._tokens[i])
+            # ids past the vocabulary (the model pads it to 151552) decode to nothing
+        if run:
+            parts.append(self.convert_tokens_to_string(run))
+        text = (" " if spaces_between_special_tokens else "").join(parts)
+        clean = clean_up_tokenization_spaces
+        if clean is None:
+            clean = self.clean_up_tokenization_spaces
+        return self.clean_up_tokenization(text) if clean else text
+
+    def _pad(
+        self,
+        encoded_inputs,
+        max_length: int | None = None,
+        padding_strategy: PaddingStrategy = PaddingStrategy.DO_NOT_PAD,
+        pad_to_multiple_of: int | None = None,
+        padding_side: str | None = None,
+        return_attention_mask: bool | None = None,
+    ) -> dict:
+        return left_pad(
+            encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side
+        )
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
+        path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + TOKENIZER_FILE)
+        self._backend.save(str(path))
+        return (str(path),)
+
+
+def _token_text(token) -> str:
+    """The text of an added token as tokenizer_config.json (a dict) or transformers (AddedToken) holds it."""
+    return str(token["content"] if isinstance(token, dict) else getattr(token, "content", token))
+
+
+def _mark_specials(value, special_re: re.Pattern):
+    """Every string inside `value` with its special-token text wrapped in DATA_OPEN/DATA_CLOSE."""
+    if isinstance(value, str):
+        if DATA_OPEN in value or DATA_CLOSE in value:
+            raise ValueError(f"text holds the private-use marker characters U+E0F1/U+E0F2: {value[:80]!r}")
+        return special_re.sub(lambda m: f"{DATA_OPEN}{m.group()}{DATA_CLOSE}", value)
+    if isinstance(value, dict):
+        return {key: _mark_specials(v, special_re) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_specials(v, special_re) for v in value]
+    return value
+
+
+def _unmark(text: str) -> str:
+    return text.replace(DATA_OPEN, "").replace(DATA_CLOSE, "")
+
+
+def glm4_config_kwargs(directory: Path) -> dict:
+    """tokenizer_config.json's fields for `GLM4Tokenizer` (chat template included, from
+    chat_template.jinja when the template was saved apart)."""
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    template = directory / "chat_template.jinja"
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text(encoding="utf-8")
+    for key in ("tokenizer_class", "name_or_path", "model_input_names", "tokenizer_file", "vocab_file"):
+        config.pop(key, None)
+    return config

@@ -1,0 +1,218 @@
+"""ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B config.json <-> transformers' `GlmConfig`, and which version a config is.
+
+The official `configuration_chatglm.py` of all three names its fields Megatron-style (`num_layers`,
+`padded_vocab_size`, `kv_channels`, `multi_query_group_num`, `ffn_hidden_size`, `layernorm_epsilon`,
+`seq_length`, GLM-4's `rope_ratio`); the architecture is transformers 5's own `GlmForCausalLM` with
+rotary on half of each head (`partial_rotary_factor` 0.5), `head_dim = kv_channels`,
+`num_key_value_heads = multi_query_group_num`, a bias on q/k/v only and
+`rope_theta = 10000 * rope_ratio` (absent = 1). References: ../shared/golden/README-glm.md, the
+official `modeling_chatglm.py` (ChatGLM2 `syjjhl/chatglm2-6b`, ChatGLM3 `czk1997/chatglm3-copy`).
+transformers' own converter reads `rope_ratio` from the wrong place and always gets 1: here it is read
+from the config.json itself.
+
+The official config.json a model was read from is kept as `config.official_config` (a dict) so that
+saving writes it back field for field; `config.chatglm_version` names the version, and
+`config.pre_seq_len` / `config.prefix_projection` are the P-tuning v2 settings (None / False = none).
+The released `glm-4-9b-chat-hf` form (`model_type: glm`, transformers' own fields) is read as is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import GlmConfig
+
+from .checkpoint import CheckpointError
+
+ROPE_BASE = 10000.0
+V1_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")  # ChatGLM-6B only
+FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only
+GLM4_VOCAB = 151552
+# Official architecture switches this model supports, with the only value it supports.
+_FIXED = {"rmsnorm": True, "post_layer_norm": True, "add_bias_linear": False,
+          "apply_residual_connection_post_layernorm": False}
+# What an official config.json holds when it has to be written from scratch (a -hf model saved officially).
+_OFFICIAL_TEMPLATE = {
+    "model_type": "chatglm",
+    "architectures": ["ChatGLMModel"],
+    "add_bias_linear": False,
+    "add_qkv_bias": True,
+    "apply_query_key_layer_scaling": True,
+    "apply_residual_connection_post_layernorm": False,
+    "attention_dropout": 0.0,
+    "attention_softmax_in_fp32": True,
+    "bias_dropout_fusion": True,
+    "fp32_residual_connection": False,
+    "hidden_dropout": 0.0,
+    "multi_query_attention": True,
+    "original_rope": True,
+    "post_layer_norm": True,
+    "rmsnorm": True,
+    "use_cache": True,
+    "tie_word_embeddings": False,
+}
+
+
+def read_config_file(directory: str | Path) -> dict:
+    """The config.json of a model directory (or of the directory holding a weights file)."""
+    path = Path(directory)
+    if path.is_file():
+        path = path.parent
+    file = path / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"{path}: no config.json beside the weights")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+
+
+def detect_version(raw: dict, directory: str | Path | None = None) -> str:
+    """"chatglm" (v1), "chatglm2", "chatglm3" or "glm4" for a config.json dict (and its directory).
+
+    All say `model_type: chatglm`, so the fields decide: v1 has `position_encoding_2d` /
+    `inner_hidden_size` / `gmask_token_id`, the others `multi_query_group_num` / `kv_channels`; a
+    `model_type: glm` config is the glm-4-9b-chat-hf form. GLM-4 has a list of eos ids and a 151552 vocab.
+    ChatGLM2 and ChatGLM3 are one architecture with one SentencePiece model, and their config.json files
+    differ only in `_name_or_path`, `seq_length` and `transformers_version`; they are told apart, in this
+    order, by: an explicit `chatglm_version` field; `_name_or_path` (config.json, then
+    tokenizer_config.json's `name_or_path`); the shipped `tokenization_chatglm.py` (only ChatGLM3's has
+    `build_chat_input`); and last `transformers_version` (THUDM wrote ChatGLM2-6B's with 4.27.1, ChatGLM3's
+    with 4.30 and later). Only the prompt format depends on the answer; the model is the same.
+    """
+    if raw.get("model_type") == "glm":
+        return "glm4"
+    if raw.get("model_type") not in (None, "chatglm"):
+        raise CheckpointError(f"model_type {raw.get('model_type')!r} is not a ChatGLM / GLM-4 config")
+    if any(k in raw for k in V1_FIELDS):
+        return "chatglm"
+    if not all(k in raw for k in FAMILY_FIELDS):
+        raise CheckpointError(
+            "config.json has neither ChatGLM-6B fields (position_encoding_2d, inner_hidden_size) nor "
+            "ChatGLM2/3/GLM-4 fields (multi_query_group_num, kv_channels)"
+        )
+    if raw.get("chatglm_version") in ("chatglm2", "chatglm3", "glm4"):
+        return raw["chatglm_version"]
+    if isinstance(raw.get("eos_token_id"), list) or raw.get("padded_vocab_size") == GLM4_VOCAB:
+        return "glm4"
+    names = [raw.get("_name_or_path", "")]
+    folder = Path(directory) if directory is not None else None
+    if folder is not None and folder.is_file():
+        folder = folder.parent
+    if folder is not None and (folder / "tokenizer_config.json").exists():
+        try:
+            names.append(json.loads((folder / "tokenizer_config.json").read_text()).get("name_or_path", ""))
+        except json.JSONDecodeError:
+            pass
+    for name in (str(n).lower() for n in names):
+        for version, needles in (("glm4", ("glm-4", "glm4")), ("chatglm3", ("chatglm3",)), ("chatglm2", ("chatglm2",))):
+            if any(n in name for n in needles):
+                return version
+    code = folder / "tokenization_chatglm.py" if folder is not None else None
+    if code is not None and code.exists():  # read as text, never imported
+        return "chatglm3" if "build_chat_input" in code.read_text(errors="replace") else "chatglm2"
+    written_with = tuple(int(p) for p in str(raw.get("transformers_version", "4.30")).split(".")[:2] if p.isdigit())
+    return "chatglm2" if written_with < (4, 30) else "chatglm3"
+
+
+def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
+    """transformers' `GlmConfig` for an official (or -hf) config.json dict of `version`.
+
+    `pre_seq_len` / `prefix_projection` override the config.json's (None = keep them).
+    """
+    if version == "chatglm":
+        raise CheckpointError("this is a ChatGLM-6B (v1) config: load it with chatglm_tune.model")
+    if raw.get("model_type") == "glm":
+        return _hf_config(raw, pre_seq_len, prefix_projection)
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "multi_query_group_num",
+                           "ffn_hidden_size", "padded_vocab_size") if k not in raw]
+    if missing:
+        raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+    unsupported = [f"{k}={raw[k]}" for k, v in _FIXED.items() if k in raw and raw[k] != v]
+    if unsupported:
+        raise CheckpointError(f"config.json has {', '.join(unsupported)}: not the ChatGLM2/3/GLM-4 architecture")
+    heads = raw["num_attention_heads"]
+    groups = raw["multi_query_group_num"] if raw.get("multi_query_attention", True) else heads
+    rope_ratio = raw.get("rope_ratio") or 1
+    return GlmConfig(
+        vocab_size=raw["padded_vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["ffn_hidden_size"],
+        num_hidden_layers=raw["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=raw["kv_channels"],
+        hidden_act="silu",
+        attention_dropout=raw.get("attention_dropout", 0.0),
+        max_position_embeddings=raw.get("seq_length", 8192),
+        rms_norm_eps=raw.get("layernorm_epsilon", 1e-5),
+        use_cache=raw.get("use_cache", True),
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE * rope_ratio, "partial_rotary_factor": 0.5},
+        pad_token_id=raw.get("pad_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        bos_token_id=None,
+        attention_bias=raw.get("add_qkv_bias", True),
+        pre_seq_len=raw.get("pre_seq_len") if pre_seq_len is None else pre_seq_len,
+        prefix_projection=bool(raw.get("prefix_projection", False) if prefix_projection is None else prefix_projection),
+        chatglm_version=version,
+        official_config=dict(raw),
+    )
+
+
+def _hf_config(raw: dict, pre_seq_len: int | None, prefix_projection: bool | None) -> GlmConfig:
+    """The glm-4-9b-chat-hf form: transformers' own fields, plus our P-tuning settings."""
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "model_type")}
+    fields["pre_seq_len"] = fields.get("pre_seq_len") if pre_seq_len is None else pre_seq_len
+    fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None else prefix_projection)
+    fields["chatglm_version"] = "glm4"
+    fields["official_config"] = None
+    fields.pop("torch_dtype", None)  # the compute dtype is the loader's choice
+    fields.pop("dtype", None)
+    config = GlmConfig(**fields)
+    if config.tie_word_embeddings:
+        raise CheckpointError("config.json ties the embeddings to the head: GLM-4 never does")
+    return config
+
+
+def official_config(config: GlmConfig, dtype: torch.dtype | None = None) -> dict:
+    """The official config.json dict for `config` (the one it was read from, updated; or built afresh).
+
+    `dtype`: the dtype the saved weights are in (written as `torch_dtype`).
+    """
+    out = dict(getattr(config, "official_config", None) or _OFFICIAL_TEMPLATE)
+    theta = config.rope_parameters["rope_theta"]
+    if config.rope_parameters.get("partial_rotary_factor", 0.5) != 0.5 or config.rope_parameters["rope_type"] != "default":
+        raise ValueError(f"rope {config.rope_parameters} has no official ChatGLM equivalent")
+    out.update(
+        model_type="chatglm",
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        kv_channels=config.head_dim,
+        # groups == heads is plain multi-head attention, which the official code spells either way
+        multi_query_attention=config.num_key_value_heads != config.num_attention_heads or bool(out.get("multi_query_attention", True)),
+        multi_query_group_num=config.num_key_value_heads,
+        padded_vocab_size=config.vocab_size,
+        layernorm_epsilon=config.rms_norm_eps,
+        add_qkv_bias=config.attention_bias,
+        seq_length=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    ratio = theta / ROPE_BASE
+    if ratio != 1 or "rope_ratio" in out:
+        out["rope_ratio"] = int(ratio) if float(ratio).is_integer() else ratio
+    if "num_hidden_layers" in out or getattr(config, "chatglm_version", None) == "glm4":  # GLM-4 writes both
+        out["num_hidden_layers"] = config.num_hidden_layers
+    pre_seq_len = getattr(config, "pre_seq_len", None)
+    if pre_seq_len or "pre_seq_len" in out:
+        out["pre_seq_len"] = pre_seq_len
+        out["prefix_projection"] = bool(getattr(config, "prefix_projection", False))
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return out
