@@ -6,31 +6,21 @@
 
 Writes one JSON line per record, in input order, batch by batch (fields: `chatglm_tune.extraction`),
 then prints a summary and saves it as `<output>.summary.json`. `--resume` continues a killed run.
-Test hook: the environment variable CHATGLM_TUNE_INFER_BATCH_DELAY (seconds) sleeps after each batch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+from chatglm_tune.options import BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings
 
-from chatglm_tune import checkpoint, extraction, rundir
-from chatglm_tune.data import SPORecord, read_records
-from chatglm_tune.generation import DEFAULT_SAMPLING, SamplingOptions
-
-DELAY_ENV = "CHATGLM_TUNE_INFER_BATCH_DELAY"
+DEFAULT_SETTINGS = ExtractionSettings()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory, or a train.py run directory (it names its base)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", type=Path, help="records to extract from (.jsonl or .json; gold answers optional)")
@@ -39,9 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     adapter = p.add_mutually_exclusive_group()
     adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
     adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model")
-    p.add_argument("--batch-size", type=int, default=extraction.DEFAULT_BATCH_SIZE, help="prompts decoded together (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_SETTINGS.batch_size, help="prompts decoded together (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, help="generated tokens per record at most (default: the answer budget the "
-                   "model was trained with, max_len - max_src_len of its run, 32 without a run)")
+                   "model was trained with, max_len - max_src_len of its run)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
     mode.add_argument("--do-sample", dest="do_sample", action="store_true", help="sample (temperature, top-k, top-p)")
@@ -51,18 +41,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
-    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error", help="stop at an unusable record, or skip and count it (default %(default)s)")
-    p.add_argument("--quantization-bit", type=int, choices=(4, 8), help="quantize the block Linears while loading (default: as stored)")
-    p.add_argument("--quantize-embedding", action="store_true",
+    p.add_argument("--on-bad-record", choices=BAD_RECORD_MODES, default=BAD_RECORD_MODES[0],
+                   help="stop at an unusable record, or skip and count it (default %(default)s)")
+    p.add_argument("--quantization-bit", type=int, choices=QUANTIZATION_BITS,
+                   help="INT8/INT4 block Linears (default: as the model was trained: as stored, or quantized at load "
+                        "as the run's base was)")
+    p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction,
                    help="hold the tied embedding / output head as one INT8 copy: half its memory and the fastest "
-                        "CPU head, for a small logit error (beyond the official format)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
+                        "CPU head, for a small logit error (beyond the official format; default: as the run trained)")
+    p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
+                   help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: what the train.py run used, else torch's)")
     args = p.parse_args(argv)
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
     if given and not args.do_sample:
-        p.error(f"{', '.join(given)} only apply with --do-sample")
+        p.error(f"{', '.join(given)} apply only with --do-sample")
     if args.input is not None and args.output is None:
         p.error("--input needs --output")
     if args.text is not None and (args.output is not None or args.resume):
@@ -70,27 +64,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sampling_options(args) -> SamplingOptions:
+def settings_from(args) -> ExtractionSettings:
+    from chatglm_tune.options import SamplingOptions
+
     chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
-    return SamplingOptions(do_sample=args.do_sample, **chosen)
+    return ExtractionSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                              sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed)
 
 
-def load(args, settings):
-    """(model, tokenizer, settings with the prompt/length options the model was trained with)."""
+def load(args, source):
+    """(model, tokenizer) of `source` on the asked device, dtype and quantization."""
+    import torch
+
+    from chatglm_tune import rundir
+
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = args.dtype or ("float16" if str(device).startswith("cuda") else "float32")
-    threads = args.threads or (rundir.read_run_args(args.model) or {}).get("threads")
-    if threads:
-        torch.set_num_threads(threads)
-    source = extraction.resolve_model_source(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
-    print(f"model: {source.describe()} ({dtype}, {device})", file=sys.stderr)
-    model, tokenizer = extraction.load_for_inference(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
-                                                      quantize_embedding=args.quantize_embedding)
-    return model, tokenizer, replace(settings, encoding=source.encoding)
+    if args.threads or source.threads:
+        torch.set_num_threads(args.threads or source.threads)
+    model, tokenizer = rundir.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
+                                       quantize_embedding=args.quantize_embedding)
+    bits = model.config.quantization_bit
+    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device})", file=sys.stderr)
+    return model, tokenizer
 
 
-def run_text(args, settings) -> None:
-    model, tokenizer, settings = load(args, settings)
+def run_text(args, settings, source) -> None:
+    from chatglm_tune import extraction
+    from chatglm_tune.data import SPORecord
+
+    model, tokenizer = load(args, source)
     record = SPORecord(text=args.text, triples=None, source="--text")
     row = next(r for rows in extraction.extract(model, tokenizer, [record], settings) for r in rows)
     print(row["generated"])
@@ -98,19 +101,27 @@ def run_text(args, settings) -> None:
         print(f"  ({s}, {p}, {o})")
 
 
-def run_file(args, settings) -> None:
+def run_file(args, settings, source) -> None:
+    import json
+    import time
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from chatglm_tune import extraction
+    from chatglm_tune.checkpoint import atomic_write
+    from chatglm_tune.data import read_records
+
     records, bad = read_records(args.input, on_bad_record=args.on_bad_record)
     if bad.total:
         print(bad.summary(), file=sys.stderr)
-    if not args.resume and args.output.exists() and args.output.stat().st_size:
-        raise ValueError(f"{args.output} exists: pass --resume to continue it, or remove it")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    rows = extraction.completed_rows(args.output, records) if args.resume else []
+    identity = source.identity(args.quantization_bit, args.quantize_embedding)
+    rows = extraction.rows_to_resume(args.output, records, identity, resume=args.resume)
     start = len(rows)
     if start:
         print(f"resuming after {start} of {len(records)} records", file=sys.stderr)
-    model, tokenizer, settings = load(args, settings) if start < len(records) else (None, None, settings)
-    delay = float(os.environ.get(DELAY_ENV, "0"))
+    model, tokenizer = load(args, source) if start < len(records) else (None, None)
     began, tokens = time.perf_counter(), 0
     with open(args.output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
         if model is not None:
@@ -119,26 +130,28 @@ def run_file(args, settings) -> None:
                 rows.extend(ready)
                 tokens += sum(r["new_tokens"] for r in ready)
                 bar.update(len(ready))
-                if delay:
-                    time.sleep(delay)
     summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began)
-    summary.update(input=str(args.input), output=str(args.output), bad_records=bad.to_dict(), settings=asdict(settings))
+    summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
+                   settings=asdict(settings))
     path = args.output.with_name(args.output.name + ".summary.json")
-    checkpoint.atomic_write(path, lambda p: Path(p).write_text(json.dumps(summary, ensure_ascii=False, indent=2)))
+    atomic_write(path, lambda p: Path(p).write_text(json.dumps(summary, ensure_ascii=False, indent=2)))
     print(extraction.format_summary(summary))
     print(f"wrote {args.output} and {path}")
 
 
 def main(argv=None) -> None:
+    from dataclasses import replace
+
     args = parse_args(argv)
     try:
-        settings = extraction.ExtractionSettings(
-            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, sampling=sampling_options(args), seed=args.seed
-        )
+        from chatglm_tune import rundir
+
+        source = rundir.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
+        settings = replace(settings_from(args), encoding=source.encoding)  # the prompt and budget it was trained with
         if args.text is not None:
-            run_text(args, settings)
+            run_text(args, settings, source)
         else:
-            run_file(args, settings)
+            run_file(args, settings, source)
     except (ValueError, FileNotFoundError) as err:  # bad input, settings or model directory; RecordError included
         sys.exit(f"infer.py: error: {err}")
 

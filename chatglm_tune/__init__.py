@@ -1,19 +1,25 @@
 """chatglm_tune: fine-tune ChatGLM-6B with P-tuning v2 or LoRA, run it in half precision, INT8 and INT4.
 
-Importing the package registers `model_type: chatglm` with transformers' Auto classes, so
-`AutoModel.from_pretrained(dir)` works without `trust_remote_code`.
+Importing the package registers `model_type: chatglm` with transformers' Auto classes (`auto`), so
+`AutoModel.from_pretrained(dir)` works without `trust_remote_code`. The public names below are imported
+when first used: `import chatglm_tune` (and every command's `--help`) stays light.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+import importlib
 
-from .config import ChatGLMConfig
-from .generation import generate
-from .model import ChatGLMForConditionalGeneration, ChatGLMModel
-from .tokenizer import ChatGLMTokenizer
+from . import auto  # noqa: F401  (registers with the Auto classes)
 
-AutoConfig.register("chatglm", ChatGLMConfig, exist_ok=True)
-AutoModel.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
-AutoModelForCausalLM.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
-AutoTokenizer.register(ChatGLMConfig, tokenizer_class=ChatGLMTokenizer, exist_ok=True)
+_PUBLIC = {
+    "ChatGLMConfig": ".config",
+    "ChatGLMForConditionalGeneration": ".model",
+    "ChatGLMModel": ".model",
+    "ChatGLMTokenizer": ".tokenizer",
+    "generate": ".generation",
+}
+__all__ = sorted(_PUBLIC)
 
-__all__ = ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel", "ChatGLMTokenizer", "generate"]
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name], __name__), name)

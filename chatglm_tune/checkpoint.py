@@ -6,9 +6,10 @@ shards, `pytorch_model.bin`, or a single `.pth`/`.pt`/`.bin` file given directly
 with `torch.load(weights_only=True, mmap=True)`: no pickle code runs.
 
 The model is built on the meta device and every tensor is assigned as it is read, one shard at a time,
-cast to the compute dtype, so loading peaks near one copy of the weights. With `quantize_bits`, each
-block Linear weight is quantized as soon as it is read, a few rows at a time, so a half-precision
-checkpoint loads as INT8/INT4 without ever holding a whole float weight, let alone the whole model.
+cast to the compute dtype, so loading peaks near one copy of the weights. A caller may hand each tensor
+to a placement function of its own first (`place`): quantizing while loading
+(`quantization.QuantizeOnLoad`) turns each block Linear weight into INT8/INT4 as soon as it is read, a
+few rows at a time, without ever holding a whole float weight, let alone the whole model.
 
 Memory: both file types are read through a private memory map (torch's `mmap=True`, safetensors' own),
 whose pages count in the process's RSS once touched. Every tensor is therefore copied out of the map
@@ -27,7 +28,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,8 +40,6 @@ from . import heap
 
 IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
 PREFIX_KEY = "transformer.prefix_encoder."
-EMBEDDING_KEY = "transformer.word_embeddings.weight"
-QUANTIZED_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TORCH_SUFFIXES = (".bin", ".pth", ".pt")
 
 
@@ -97,27 +96,29 @@ def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield key, state.pop(key)  # drop our reference as we go
 
 
+# place(key, tensor, pages) -> True when it put `tensor` into the model itself (reading rows of it and
+# releasing their file pages through `pages.release`); False leaves it to the plain copy.
+Placement = Callable[[str, torch.Tensor, "_FilePages"], bool]
+
+
 def load_weights(
     model: nn.Module,
     path: str | os.PathLike,
     *,
     dtype: torch.dtype,
-    quantize_bits: int = 0,
-    group_size: int = 0,
     only_prefix: bool = False,
-    quantize_embedding: bool = False,
+    place: Placement | None = None,
 ) -> list[str]:
     """Assign the tensors of a checkpoint to a (meta or real) model; returns the keys still unset.
 
-    Floating tensors are cast to `dtype`, except the prefix encoder (kept in float32) and the
-    quantization scales; integer tensors keep their type. `only_prefix` accepts nothing but
-    `transformer.prefix_encoder.*` keys (a P-tuning checkpoint on top of a loaded base).
-    `quantize_embedding` quantizes the tied embedding to INT8 rows as it is read (no float copy ever
-    exists; `quantization.quantize_embedding` gives the same integers from a loaded model).
+    Every key is checked against the model (known, same shape) before anything is placed. Floating
+    tensors are cast to `dtype`, except the prefix encoder (kept in float32) and the quantization
+    scales; integer tensors keep their type. `only_prefix` accepts nothing but
+    `transformer.prefix_encoder.*` keys (a P-tuning checkpoint on top of a loaded base). `place` (see
+    `Placement`) is offered each tensor first.
     """
     expected = dict(model.named_parameters())
     expected.update((k, b) for k, b in model.named_buffers() if _is_persistent(model, k))
-    pending_quant: dict[str, dict[str, torch.Tensor]] = {}  # linear -> its quantized weight parts / bias so far
     for file in weight_files(path):
         pages = _FilePages(file)
         for key, tensor in iter_tensors(file):
@@ -130,33 +131,12 @@ def load_weights(
             target = expected.pop(key)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
-            linear = _quantizable_linear(key) if quantize_bits else None
-            if quantize_embedding and key == EMBEDDING_KEY:
-                from .quantization import install_int8_embedding
-
-                install_int8_embedding(model, *_quantize_rows(tensor, dtype, 8, 0, pages), dtype)
-            elif linear is None:
-                _assign(model, key, _copy_out(key, tensor, dtype, pages), target)
-            else:
-                parts = pending_quant.setdefault(linear, {})
-                if key.endswith(".weight"):
-                    parts["weight"], parts["weight_scale"] = _quantize_rows(tensor, dtype, quantize_bits, group_size, pages)
-                    parts["source"] = tensor  # the mapped float weight (pages released below), until the bias comes
-                else:
-                    parts["bias"] = _copy_out(key, tensor, dtype, pages)
-                if "weight" in parts and "bias" in parts:
-                    _install_quantized(model, linear, parts, quantize_bits, group_size)
-                    del pending_quant[linear]
-                    heap.trim()  # the quantization temporaries interleave with small kept tensors
+            if place is None or not place(key, tensor, pages):
+                _assign(model, key, _copy_out(key, tensor, dtype, pages))
             pages.release(tensor)
             del tensor
         pages.close()
         heap.trim()
-    for linear, parts in pending_quant.items():  # a weight whose bias never came (reported missing): left float
-        if "source" in parts:
-            source = parts.pop("source")
-            _assign(model, linear + ".weight", _copy_out(linear + ".weight", source, dtype, None),
-                    model.get_submodule(linear).weight)
     return sorted(expected)
 
 
@@ -179,44 +159,6 @@ def _copy_out(key: str, tensor: torch.Tensor, dtype: torch.dtype, pages: _FilePa
         if pages is not None:
             pages.release(chunk)
     return out
-
-
-def _quantize_rows(
-    weight: torch.Tensor, dtype: torch.dtype, bits: int, group_size: int, pages: _FilePages | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
-    rule is per row, so the result is identical, and no full-size float temporary ever exists."""
-    from .quantization import pack_int4, quantize_weight
-
-    out_features, in_features = weight.shape
-    rows = max(1, (1 << 20) // max(1, in_features))  # ~4 MB float32 temporaries per chunk
-    q_out = torch.empty(out_features, in_features // 2 if bits == 4 else in_features, dtype=torch.int8)
-    scale_out = None
-    for start in range(0, out_features, rows):
-        chunk = weight[start : start + rows]
-        q, scale = quantize_weight(chunk.to(dtype) if chunk.is_floating_point() else chunk, bits, group_size)
-        q_out[start : start + rows] = pack_int4(q) if bits == 4 else q
-        if scale_out is None:
-            scale_out = scale.new_empty((out_features, *scale.shape[1:]))
-        scale_out[start : start + rows] = scale
-        if pages is not None:
-            pages.release(chunk)
-    return q_out, scale_out
-
-
-def _install_quantized(model: nn.Module, name: str, parts: dict[str, torch.Tensor], bits: int, group_size: int) -> None:
-    """Swap the (meta) Linear `name` for a QuantizedLinear holding `parts` (what `from_linear` builds)."""
-    from .quantization import QuantizedLinear
-
-    owner, _, attr = name.rpartition(".")
-    parent = model.get_submodule(owner)
-    linear = getattr(parent, attr)
-    layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size, bias=False, device="meta")
-    layer.weight = nn.Parameter(parts["weight"], requires_grad=False)
-    layer.weight_scale = nn.Parameter(parts["weight_scale"], requires_grad=False)
-    layer.bias = nn.Parameter(parts["bias"], requires_grad=False)
-    setattr(parent, attr, layer)
-    parts.clear()
 
 
 class _FilePages:
@@ -282,18 +224,16 @@ def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(torch.float32 if key.startswith(PREFIX_KEY) else dtype)
 
 
-def _assign(model: nn.Module, key: str, value: torch.Tensor, old: torch.Tensor) -> None:
+def _assign(model: nn.Module, key: str, value: torch.Tensor) -> None:
+    """Make `value` the model's tensor `key`, a Parameter as trainable as the one it replaces (a swapped-in
+    quantized layer's are frozen) when it is floating point."""
     owner, _, name = key.rpartition(".")
     module = model.get_submodule(owner)
     if name in module._parameters:
-        module._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad and value.is_floating_point())
+        trainable = module._parameters[name].requires_grad and value.is_floating_point()
+        module._parameters[name] = nn.Parameter(value, requires_grad=trainable)
     else:
         module._buffers[name] = value
-
-
-def _quantizable_linear(key: str) -> str | None:
-    m = re.match(r"^(transformer\.layers\.\d+\.(?:attention|mlp)\.(\w+))\.(weight|bias)$", key)
-    return m.group(1) if m and m.group(2) in QUANTIZED_LINEARS else None
 
 
 def _prefix_settings(shape, config) -> str:

@@ -25,7 +25,7 @@ max_len - max_src_len):
 
 So the context ([gMASK] included) holds at most `max_src_len` tokens and `<sop> answer <eop>` at
 most `max_len - max_src_len`; the `[gMASK]` position is trained to predict `<sop>`. Special ids come
-from the tokenizer (`SpecialIds.from_tokenizer`) or the model config, never from constants here.
+from the tokenizer or the model config (`SpecialIds.of`), never from constants here.
 
 Collating. `collate_train` right-pads a batch to its longest row; `collate_prompts` left-pads
 inference prompts. Both return the 2D `attention_mask` (1 = token, 0 = pad) and the official 2D
@@ -42,6 +42,7 @@ from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 
+from .options import EncodingOptions
 from .positions import build_position_ids
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch CrossEntropyLoss default)
@@ -332,37 +333,6 @@ def _type_name(value: object) -> str:
 
 
 @dataclass(frozen=True)
-class EncodingOptions:
-    """The prompt and the length budget (the one place for their defaults; CLIs read them from here).
-
-    `max_src_len`: tokens of the context, `prompt + text` plus `[gMASK]`. `max_len`: the whole row,
-    so `<sop> answer <eop>` gets `max_len - max_src_len` tokens.
-    """
-
-    prompt: str = "按给定的格式抽取文本信息。\n文本："
-    max_src_len: int = 256
-    max_len: int = 288
-
-    def __post_init__(self):
-        if self.max_src_len < 2:
-            raise ValueError(f"max_src_len must be >= 2 (at least one source token and [gMASK]), got {self.max_src_len}")
-        if self.max_len - self.max_src_len < 2:
-            raise ValueError(
-                f"max_len ({self.max_len}) must exceed max_src_len ({self.max_src_len}) by at least 2 (<sop> and <eop>)"
-            )
-
-    @property
-    def max_source_tokens(self) -> int:
-        """Tokens kept of `prompt + text` (before `[gMASK] <sop>`)."""
-        return self.max_src_len - 1
-
-    @property
-    def max_answer_tokens(self) -> int:
-        """Tokens kept of the answer (between `<sop>` and `<eop>`)."""
-        return self.max_len - self.max_src_len - 2
-
-
-@dataclass(frozen=True)
 class SpecialIds:
     """The special token ids the encoding and the collators need (read from a tokenizer or a config)."""
 
@@ -373,24 +343,9 @@ class SpecialIds:
     mask_token_id: int
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "SpecialIds":
-        return cls(
-            gmask_token_id=tokenizer.gmask_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            mask_token_id=tokenizer.mask_token_id,
-        )
-
-    @classmethod
-    def from_config(cls, config) -> "SpecialIds":
-        return cls(
-            gmask_token_id=config.gmask_token_id,
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=config.pad_token_id,
-            mask_token_id=config.mask_token_id,
-        )
+    def of(cls, source) -> "SpecialIds":
+        """The ids of a tokenizer or a model config (both name them alike)."""
+        return cls(**{name: getattr(source, name) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

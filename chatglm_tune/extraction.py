@@ -1,25 +1,18 @@
-"""Triple extraction over SPO records: load a model (+ adapter) for inference, run it, resume, score.
+"""Triple extraction over SPO records: prompts in, rows and scores out (what `infer.py` does, as a library).
 
-What `infer.py` does, as a library:
-
-- `resolve_model_source` / `load_for_inference`: a `--model` directory is a model directory
-  (config.json + weights: official, merged, quantized, or a full fine-tuning run), or a P-tuning or
-  LoRA run written by `train.py` (`rundir`): its `run_args.json` says the `tuning` and names the base
-  `model`; the run holds the prefix weights or the peft adapter. `--ptuning-checkpoint DIR` (official
-  or ours: config.json with `pre_seq_len`/`prefix_projection`, prefix weights) or `--lora DIR` (a peft
-  adapter) add an adapter to a model directory. The tokenizer comes from the tuned directory when it
-  holds one, else from the base, and its special ids must equal the model config's. The prompt and
-  length budget (`EncodingOptions`) are the run's `encoding` when the tuned directory is a run, so
-  inference prompts are built exactly as the training ones were.
 - `extract`: records -> output rows, in input order. Prompts are built as in training
   (`data.prompt_ids`); the records are taken `SORT_WINDOW_BATCHES * batch_size` at a time in input
   order, sorted by prompt length (longest first) inside that window to cut padding, decoded in
   left-padded batches, and released as soon as every earlier record is done. So rows come out batch
   by batch, in input order, and a killed run has written a prefix of the input.
-- `completed_rows`: the rows an earlier (possibly killed) run wrote; a torn last line is cut off. The
-  output must be a prefix of this input (same index and text per row), or resuming refuses.
+- `rows_to_resume`: whether and where an output file continues. A new run refuses an output that
+  holds rows; `--resume` takes the rows an earlier (possibly killed) run wrote, a torn last line cut
+  off, and checks that they are a prefix of this input (same index and text per row) written by the
+  same model (recorded beside the output in `<output>.model.json`).
 - `summarize`: micro P/R/F1, per-sample average F1 and per-relation F1 over every row of the
   output (resumed ones included), plus this run's records/s and tokens/s.
+
+Loading the model a `--model` directory describes is `rundir.load_run`'s job.
 
 A row: `index` (0-based, among the records read), `source` (file:line), `text`, `answer` (the gold
 answer text, or null), `generated` (decoded, stripped), `triples` ([[s, p, o], ...]), `malformed`
@@ -33,170 +26,19 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-from . import rundir
-from .data import EncodingOptions, SpecialIds, SPORecord, collate_prompts, prompt_ids
-from .generation import DEFAULT_SAMPLING, SamplingOptions, generate
-from .lora import load_lora, merge_lora
+from .checkpoint import atomic_write
+from .data import SpecialIds, SPORecord, collate_prompts, prompt_ids
+from .generation import generate
 from .metrics import SPOScorer, SPOScores, parse_triples, score_record
-from .model import ChatGLMForConditionalGeneration
-from .quantization import quantize_embedding as quantize_tied_embedding, quantize_model
-from .tokenizer import VOCAB_FILE, ChatGLMTokenizer
+from .options import ExtractionSettings
 
 SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many batches
-DEFAULT_BATCH_SIZE = 8
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """What to load: a base directory, optionally a P-tuning prefix or a LoRA adapter, the tokenizer,
-    and the prompt/length settings the model was trained with (the run's, else the defaults)."""
-
-    base: Path
-    tokenizer_dir: Path
-    encoding: EncodingOptions = field(default_factory=EncodingOptions)
-    pre_seq_len: int | None = None
-    prefix_projection: bool = False
-    prefix_dir: Path | None = None
-    lora_dir: Path | None = None
-
-    def describe(self) -> str:
-        if self.prefix_dir is not None:
-            adapter = f" + P-tuning prefix {self.prefix_dir} (pre_seq_len={self.pre_seq_len}, projection={self.prefix_projection})"
-        elif self.lora_dir is not None:
-            adapter = f" + LoRA {self.lora_dir}"
-        else:
-            adapter = ""
-        return f"{self.base}{adapter}"
-
-
-def resolve_model_source(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource:
-    """Work out base, adapter, tokenizer and encoding from `--model` (+ `--ptuning-checkpoint` / `--lora`)."""
-    model_dir = Path(model_dir)
-    if ptuning_checkpoint is not None and lora is not None:
-        raise ValueError("pass at most one of --ptuning-checkpoint and --lora")
-    run_args = rundir.read_run_args(model_dir)
-    tuning = (run_args or {}).get("tuning", "full")
-    if tuning == "full" and (model_dir / rundir.ADAPTER_CONFIG).exists():
-        raise FileNotFoundError(
-            f"{model_dir} is a LoRA adapter without a {rundir.RUN_ARGS} naming its base: pass the base with --model "
-            "and this directory with --lora"
-        )
-    if tuning == "full" and not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
-    base, prefix_dir, lora_dir = model_dir, None, None
-    if tuning != "full":
-        base = Path(run_args["model"])
-        if not (base / "config.json").exists():
-            raise FileNotFoundError(f"{model_dir / rundir.RUN_ARGS} names base model {base}, which is not a model directory here")
-        prefix_dir, lora_dir = (model_dir, None) if tuning == "ptuning" else (None, model_dir)
-    if (ptuning_checkpoint is not None or lora is not None) and tuning != "full":
-        raise ValueError(f"{model_dir} already holds an adapter (a {tuning} run); do not add another")
-    if ptuning_checkpoint is not None:
-        prefix_dir = Path(ptuning_checkpoint)
-        if not (prefix_dir / "config.json").exists():
-            raise FileNotFoundError(f"{prefix_dir}: a P-tuning checkpoint needs its config.json (pre_seq_len, prefix_projection)")
-    if lora is not None:
-        lora_dir = Path(lora)
-        if not (lora_dir / rundir.ADAPTER_CONFIG).exists():
-            raise FileNotFoundError(f"{lora_dir}: not a peft adapter directory (no {rundir.ADAPTER_CONFIG})")
-    pre_seq_len, projection = None, False
-    if prefix_dir is not None:
-        prefix_config = json.loads((prefix_dir / "config.json").read_text(encoding="utf-8"))
-        pre_seq_len, projection = prefix_config.get("pre_seq_len"), bool(prefix_config.get("prefix_projection"))
-        if not pre_seq_len:
-            raise ValueError(f"{prefix_dir}/config.json has no pre_seq_len: not a P-tuning checkpoint")
-    tuned = prefix_dir or lora_dir or model_dir  # the directory that was trained last
-    candidates = list(dict.fromkeys([tuned, model_dir, base]))
-    tokenizer_dir = next((d for d in candidates if (d / VOCAB_FILE).exists()), None)
-    if tokenizer_dir is None:
-        raise FileNotFoundError(f"no tokenizer ({VOCAB_FILE}) in {', '.join(map(str, candidates))}")
-    trained_with = (rundir.read_run_args(tuned) or {}).get("encoding")
-    encoding = EncodingOptions(**trained_with) if trained_with else EncodingOptions()
-    return ModelSource(base, tokenizer_dir, encoding, pre_seq_len, projection, prefix_dir, lora_dir)
-
-
-def load_for_inference(
-    source: ModelSource, *, dtype: torch.dtype | str = torch.float32, device="cpu", quantization_bit: int | None = None,
-    quantize_embedding: bool = False,
-):
-    """(model in eval mode, tokenizer) for `source`; `quantization_bit` 4/8 quantizes the block Linears,
-    `quantize_embedding` holds the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
-
-    A LoRA adapter on a float base is merged into it (then quantized if asked): decoding pays nothing
-    for it. On a base stored quantized it runs beside the integer weights (`lora.load_lora`).
-    """
-    prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
-    if source.lora_dir is None:
-        model = ChatGLMForConditionalGeneration.from_pretrained(
-            source.base, dtype=dtype, device=device, quantization_bit=quantization_bit,
-            quantize_embedding=quantize_embedding, **prefix,
-        )
-        if source.prefix_dir is not None:
-            model.load_prefix(source.prefix_dir)
-    else:
-        model = ChatGLMForConditionalGeneration.from_pretrained(source.base, dtype=dtype, device=device)
-        stored_bits = model.config.quantization_bit
-        if quantization_bit and stored_bits and quantization_bit != stored_bits:
-            raise ValueError(f"{source.base} holds INT{stored_bits} weights; cannot load them as INT{quantization_bit}")
-        model = load_lora(model, source.lora_dir)
-        if not stored_bits:
-            model = merge_lora(model)
-            if quantization_bit:
-                quantize_model(model, quantization_bit)
-                model.config.quantization_bit = quantization_bit
-        if quantize_embedding:  # after the merge, which refuses integer weights (LoRA never targets the head)
-            quantize_tied_embedding(model)
-    tokenizer = ChatGLMTokenizer.from_pretrained(source.tokenizer_dir)
-    check_tokenizer_matches(tokenizer, model.config)
-    return model.eval(), tokenizer
-
-
-def check_tokenizer_matches(tokenizer, config) -> None:
-    """ValueError unless the tokenizer's special ids equal the config's and its vocabulary fits the model."""
-    ours, theirs = SpecialIds.from_tokenizer(tokenizer), SpecialIds.from_config(config)
-    problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
-    if len(tokenizer) > config.vocab_size:
-        problems.append(f"vocabulary: tokenizer {len(tokenizer)} tokens, model {config.vocab_size} rows")
-    if problems:
-        raise ValueError("the tokenizer does not belong to this model: " + "; ".join(problems))
 
 
 # ----------------------------------------------------------------------------------------------
 # Running
-
-
-@dataclass(frozen=True)
-class ExtractionSettings:
-    """Batching, length, sampling and prompt of an extraction run (defaults are infer.py's).
-
-    `max_new_tokens` None: the answer budget the model was trained with, `encoding.max_len -
-    encoding.max_src_len` (`<sop>`'s successors up to `<eop>`, as train.py's dev evaluation generates).
-    """
-
-    batch_size: int = DEFAULT_BATCH_SIZE
-    max_new_tokens: int | None = None
-    sampling: SamplingOptions = DEFAULT_SAMPLING
-    seed: int | None = None  # record i samples with seed + i
-    encoding: EncodingOptions = field(default_factory=EncodingOptions)
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def new_tokens(self) -> int:
-        return self.max_new_tokens or self.encoding.max_len - self.encoding.max_src_len
 
 
 def extract(
@@ -222,7 +64,7 @@ def extract(
 
 
 def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int], settings: ExtractionSettings) -> list[list[int]]:
-    batch = collate_prompts(prompts, SpecialIds.from_tokenizer(tokenizer))
+    batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
     s = settings.sampling
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(
@@ -257,7 +99,29 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int]) -> di
 # Resuming and scoring
 
 
-def completed_rows(output: Path, records: Sequence[SPORecord]) -> list[dict]:
+def rows_to_resume(output: Path, records: Sequence[SPORecord], model: str, *, resume: bool) -> list[dict]:
+    """The rows `output` already holds for this run to keep (none for a new file), after the checks in
+    the module docstring; records `model` (a description of the model) beside a new output."""
+    output = Path(output)
+    identity = output.with_name(output.name + ".model.json")
+    if not resume:
+        if output.exists() and output.stat().st_size:
+            raise ValueError(f"{output} exists: pass --resume to continue it, or remove it")
+        atomic_write(identity, lambda p: Path(p).write_text(json.dumps({"model": model}, ensure_ascii=False)))
+        return []
+    if identity.exists():
+        earlier = json.loads(identity.read_text(encoding="utf-8"))["model"]
+        if earlier != model:
+            raise ValueError(f"{output} was written by {earlier}; this run's model is {model}: resume it with the same "
+                             "model, or choose another --output")
+    elif output.exists() and output.stat().st_size:
+        raise ValueError(f"{output} does not say which model wrote it (no {identity.name}): cannot resume it")
+    else:
+        atomic_write(identity, lambda p: Path(p).write_text(json.dumps({"model": model}, ensure_ascii=False)))
+    return _completed_rows(output, records)
+
+
+def _completed_rows(output: Path, records: Sequence[SPORecord]) -> list[dict]:
     """Rows already in `output` (a prefix of `records`); a torn last line (a killed write) is cut off."""
     if not output.exists():
         return []

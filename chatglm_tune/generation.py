@@ -40,53 +40,16 @@ its sampling defaults (`CHAT_SAMPLING`), its `max_length` and its post-processin
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, SamplingOptions
 from .positions import build_position_ids
 from .tokenizer import chat_prompt
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How the next token is chosen; the one place for the defaults of `generate` and `infer.py`.
-
-    do_sample: False = greedy (the default: extraction is scored, and greedy output is reproducible).
-    top_p: 0.95, the reference script's value. temperature: 0.95, the official ChatGLM value (the
-    reference script does not fix one for ChatGLM); 0 means greedy. top_k: None = off.
-    """
-
-    do_sample: bool = False
-    top_p: float = 0.95
-    temperature: float = 0.95
-    top_k: int | None = None
-
-    def __post_init__(self):
-        problems = []
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
-            problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if problems:
-            raise ValueError("invalid sampling options: " + "; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
-
-
-DEFAULT_SAMPLING = SamplingOptions()
-# The official chat(): do_sample, top_p 0.7, temperature 0.95, and transformers' default top_k of 50.
-CHAT_SAMPLING = SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50)
-CHAT_MAX_LENGTH = 2048  # the official chat(): prompt + answer tokens
 
 
 # ----------------------------------------------------------------------------------------------

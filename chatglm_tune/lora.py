@@ -8,46 +8,51 @@ Reference: peft `tuners/lora`; litgpt `lora.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import warnings
 
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
+from .options import LoraOptions
+from .quantization import QuantizedLinear
 
-@dataclass(frozen=True)
-class LoraOptions:
-    """LoRA hyper-parameters (the one place for their defaults; train.py reads them from here)."""
 
-    r: int = 8
-    alpha: int = 32
-    dropout: float = 0.1
-    target: tuple[str, ...] = ("query_key_value",)
+def peft_config(options: LoraOptions) -> LoraConfig:
+    """peft's LoraConfig for `options`, told to wrap our integer `QuantizedLinear` layers too."""
+    config = LoraConfig(
+        task_type="CAUSAL_LM", r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
+        target_modules=list(options.target),
+    )
+    # peft wraps nn.Linear by itself; our integer layers expose in/out_features and take the same wrapper.
+    config._register_custom_module({QuantizedLinear: LoraLinear})
+    return config
 
-    def peft_config(self) -> LoraConfig:
-        config = LoraConfig(
-            task_type="CAUSAL_LM", r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-            target_modules=list(self.target),
-        )
-        from .quantization import QuantizedLinear
 
-        # peft wraps nn.Linear by itself; our integer layers expose in/out_features and take the same wrapper.
-        config._register_custom_module({QuantizedLinear: LoraLinear})
-        return config
+@contextlib.contextmanager
+def _quiet_peft():
+    """Silence what peft says that is not the user's business: its warning on our registered
+    `QuantizedLinear` (it warns on every custom layer, registered or not) and transformers' deprecation
+    of the `is_gradient_checkpointing` attribute that peft still reads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*QuantizedLinear", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def apply_lora(model: nn.Module, options: LoraOptions = LoraOptions()) -> PeftModel:
     """Freeze `model` and add trainable LoRA adapters on `options.target` Linears."""
-    return get_peft_model(model, options.peft_config())
+    with _quiet_peft():
+        return get_peft_model(model, peft_config(options))
 
 
 def load_lora(model: nn.Module, adapter_dir, *, trainable: bool = False) -> PeftModel:
     """Attach a saved adapter to `model` (frozen unless `trainable`)."""
-    from .quantization import QuantizedLinear
-
     config = LoraConfig.from_pretrained(adapter_dir)
     config._register_custom_module({QuantizedLinear: LoraLinear})
-    return PeftModel.from_pretrained(model, adapter_dir, config=config, is_trainable=trainable)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(model, adapter_dir, config=config, is_trainable=trainable)
 
 
 def merge_lora(model: PeftModel) -> nn.Module:
@@ -55,8 +60,6 @@ def merge_lora(model: PeftModel) -> nn.Module:
 
     A quantized base cannot absorb a float update: merge on the half/float model, then quantize.
     """
-    from .quantization import QuantizedLinear
-
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError("cannot merge LoRA into INT8/INT4 weights: merge on the float model, then run quantize.py")
     return model.merge_and_unload()

@@ -33,11 +33,11 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import checkpoint, cpu_matmul
+from . import checkpoint, cpu_matmul, quantization
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .positions import build_position_ids, context_lengths, glm_mask
-from .prefix import PrefixEncoder, prefix_key_values
+from .prefix import PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
 
 ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
 # Arguments transformers' Auto classes pass along to from_pretrained; meaningless for a local directory.
@@ -86,16 +86,14 @@ class SelfAttention(nn.Module):
         self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
         self.dense = Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x, cos, sin, allowed, cache: Cache | None, prefix_kv):
+    def forward(self, x, cos, sin, allowed, cache):
         b, s, _ = x.shape
         qkv = self.query_key_value(x).view(b, s, self.num_heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # [b, s, nh, hd], per-head interleaved rows
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, nh, s, hd]
-        if cache is not None:
+        if cache is not None:  # the cached keys (the P-tuning prefix first) before the new ones
             k, v = cache.update(k, v, self.layer_idx)
-        elif prefix_kv is not None:
-            k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
         ctx = cpu_matmul.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [b, nh, s, hd]
         return self.dense(ctx.transpose(1, 2).reshape(b, s, -1))
 
@@ -122,9 +120,9 @@ class GLMBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = GLU(config)
 
-    def forward(self, x, cos, sin, allowed, cache=None, prefix_kv=None):
+    def forward(self, x, cos, sin, allowed, cache=None):
         a = self.input_layernorm(x)
-        h = a * ALPHA + self.attention(a, cos, sin, allowed, cache, prefix_kv)
+        h = a * ALPHA + self.attention(a, cos, sin, allowed, cache)
         m = self.post_attention_layernorm(h)
         return m * ALPHA + self.mlp(m)
 
@@ -162,10 +160,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GLMBlock(config, i) for i in range(config.num_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        if config.pre_seq_len is not None:
-            # P-tuning v2: the trunk is frozen and only the prefix encoder learns (official behaviour).
-            for p in self.parameters():
-                p.requires_grad_(False)
+        if config.pre_seq_len is not None:  # P-tuning v2 (what trains is `training.set_trainable`'s decision)
             self.prefix_encoder = PrefixEncoder(config)
             for m in self.prefix_encoder.modules():
                 if hasattr(m, "reset_parameters"):
@@ -185,19 +180,18 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         b, s = input_ids.shape
         x = self.word_embeddings(input_ids)
         cache = past_key_values
-        if cache is None and use_cache:
-            cache = DynamicCache()
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
         n_prefix = cfg.pre_seq_len or 0
-        prefix = None
         if n_prefix and (cache is None or cache.get_seq_length() == 0):
             prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg, b, x.dtype)
-            if cache is not None:  # the prefix becomes the first entries of the cache
-                for layer, (k, v) in enumerate(prefix):
-                    cache.update(k, v, layer)
-                prefix = None
-        past = cache.get_seq_length() - n_prefix if cache is not None else 0  # tokens already cached
+            if cache is None and not use_cache:  # a training forward: the prefix, and nothing kept
+                cache = PrefixCache(prefix)
+            else:
+                cache = seed_cache(DynamicCache() if cache is None else cache, prefix)
+        elif cache is None and use_cache:
+            cache = DynamicCache()
+        past = cached_tokens(cache, cfg)
 
         pad_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if position_ids is None:
@@ -212,8 +206,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             )
         allowed = self._sdpa_mask(input_ids, attention_mask, pad_mask, past, n_prefix)
         cos, sin = rotary_tables(position_ids, cfg.head_dim, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, allowed, cache, None if prefix is None else prefix[i])
+        for layer in self.layers:
+            x = layer(x, cos, sin, allowed, cache)
         return self.final_layernorm(x), (cache if use_cache else None)
 
     def _sdpa_mask(self, input_ids, attention_mask, pad_mask, past: int, n_prefix: int):
@@ -302,17 +296,14 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
             setattr(config, key, value)
         dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config)
         stored_bits = config.quantization_bit
-        if quantization_bit and stored_bits and quantization_bit != stored_bits:
-            raise ValueError(f"{path} holds INT{stored_bits} weights; cannot load them as INT{quantization_bit}")
+        quantization.check_bits(stored_bits, quantization_bit, path)
         with torch.device("meta"):
             model = cls(config)
         if stored_bits:
-            from .quantization import quantize_model
-
-            quantize_model(model, stored_bits, config.quantization_group_size, empty_init=True)
+            quantization.quantize_model(model, stored_bits, config.quantization_group_size, empty_init=True)
         load_bits = 0 if stored_bits else (quantization_bit or 0)
-        missing = checkpoint.load_weights(model, path, dtype=dtype, quantize_bits=load_bits, group_size=quantization_group_size,
-                                          quantize_embedding=quantize_embedding)
+        place = quantization.QuantizeOnLoad(model, dtype, load_bits, quantization_group_size, embedding=quantize_embedding)
+        missing = checkpoint.load_weights(model, path, dtype=dtype, place=place)
         not_prefix = [k for k in missing if not k.startswith(checkpoint.PREFIX_KEY)]
         if not_prefix:
             shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
@@ -322,8 +313,6 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
             for m in encoder.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
-        if load_bits:
-            config.quantization_bit, config.quantization_group_size = load_bits, quantization_group_size
         config.dtype = dtype
         model.tie_lm_head()
         return model.to(device).eval()
@@ -417,9 +406,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
             input_ids, bos_token_id=self.config.bos_token_id, gmask_token_id=self.config.gmask_token_id,
             mask_token_id=self.config.mask_token_id, pad_mask=pad_mask,
         )
-        done = 0
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            done = past_key_values.get_seq_length() - (self.config.pre_seq_len or 0)
+        done = cached_tokens(past_key_values, self.config) if past_key_values is not None and past_key_values.get_seq_length() else 0
         return dict(
             input_ids=input_ids[:, done:], position_ids=position_ids[..., done:], attention_mask=pad_mask,
             past_key_values=past_key_values, use_cache=use_cache,
@@ -430,6 +417,11 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         if model_kwargs.get("attention_mask") is not None:
             model_kwargs["attention_mask"] = _pad_mask_2d(model_kwargs["attention_mask"])
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
+
+
+def cached_tokens(cache: Cache | None, config: ChatGLMConfig) -> int:
+    """Tokens of the sequence already in `cache`: its length less the P-tuning prefix it starts with."""
+    return 0 if cache is None else cache.get_seq_length() - (config.pre_seq_len or 0)
 
 
 def _resolve_dtype(dtype, config: ChatGLMConfig) -> torch.dtype:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from .config import ChatGLMConfig
 
@@ -56,3 +57,27 @@ def prefix_key_values(
     kv = dropout(kv.view(batch_size, p, 2 * config.num_layers, nh, hd))
     kv = kv.permute(2, 0, 3, 1, 4)  # [2L, b, nh, P, hd]
     return [(kv[2 * layer], kv[2 * layer + 1]) for layer in range(config.num_layers)]
+
+
+def seed_cache(cache: Cache, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+    """`cache` (empty) with the prefix as its first `pre_seq_len` entries of every layer."""
+    for layer, (k, v) in enumerate(prefix):
+        cache.update(k, v, layer)
+    return cache
+
+
+class PrefixCache(Cache):
+    """The prefix as a cache that keeps nothing new: a training forward (no `use_cache`) sees the prefix
+    as every layer's first cached entries, exactly as decoding does, and `update` stores nothing, so a
+    layer recomputed by gradient checkpointing sees the same keys and values the second time."""
+
+    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__(layers=[])
+        self.prefix = prefix
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k, v = self.prefix[layer_idx]
+        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix[layer_idx][0].shape[2]

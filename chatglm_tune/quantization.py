@@ -320,16 +320,22 @@ class QuantizedLinear(nn.Module):
         self._int4_cache: tuple | None = None  # never saved
 
     @classmethod
+    def from_parts(cls, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, bits: int, group_size: int = 0) -> QuantizedLinear:
+        """A layer holding these tensors as they are (the stored layout: `weight` packed for INT4); `bias`
+        None for none, or a meta tensor for one assigned later (by a checkpoint loader)."""
+        in_features = weight.shape[1] * (2 if bits == 4 else 1)
+        layer = cls(in_features, weight.shape[0], bits, group_size, bias=False, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return layer
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 0) -> QuantizedLinear:
         """Quantize `linear.weight` with `quantize_weight`; the bias tensor is reused, not copied."""
-        weight = linear.weight.detach()
-        layer = cls(linear.in_features, linear.out_features, bits, group_size, bias=False, device="meta")
-        q, scale = quantize_weight(weight, bits, group_size)
-        layer.weight = nn.Parameter(pack_int4(q) if bits == 4 else q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-        return layer
+        q, scale = quantize_weight(linear.weight.detach(), bits, group_size)
+        return cls.from_parts(pack_int4(q) if bits == 4 else q, scale, linear.bias, bits, group_size)
 
     def extra_repr(self) -> str:
         packed_in = self.in_features // 2 if self.bits == 4 else self.in_features
@@ -452,9 +458,6 @@ def _apply_keeping_scale_dtype(module: nn.Module, apply, fn, recurse: bool) -> n
     return module
 
 
-EMBEDDING_TILE_ROWS = 8192  # rows of the float embedding quantized at a time (no full fp32 temporary)
-
-
 def quantize_embedding(model: nn.Module) -> nn.Module:
     """Replace, in place, the tied word embedding and `lm_head` of a ChatGLM model by one INT8 copy
     (per-row scales, the official rule): the head becomes a `QuantizedLinear` (its decode matmul the
@@ -467,11 +470,7 @@ def quantize_embedding(model: nn.Module) -> nn.Module:
     if not isinstance(embedding, nn.Embedding) or model.get_output_embeddings().weight is not embedding.weight:
         raise TypeError("quantize_embedding needs the float nn.Embedding tied to lm_head (a fresh ChatGLM model)")
     weight = embedding.weight.detach()
-    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(weight.shape[0], dtype=torch.float16, device=weight.device)
-    for start in range(0, weight.shape[0], EMBEDDING_TILE_ROWS):
-        rows = slice(start, start + EMBEDDING_TILE_ROWS)
-        q[rows], scale[rows] = quantize_weight(weight[rows], 8)
+    q, scale = quantize_rows(weight, weight.dtype, 8, 0)
     dtype = weight.dtype
     del weight, embedding
     install_int8_embedding(model, q, scale, dtype)  # the float weight is then unreferenced and freed
@@ -481,9 +480,7 @@ def quantize_embedding(model: nn.Module) -> nn.Module:
 def install_int8_embedding(model: nn.Module, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> None:
     """Make INT8 rows `weight [vocab, hidden]` with fp16 `weight_scale [vocab]` the model's tied head and
     input embedding (computing in `dtype`); also used by the loader, which quantizes them while reading."""
-    head = QuantizedLinear(weight.shape[1], weight.shape[0], 8, bias=False, device="meta")
-    head.weight = nn.Parameter(weight, requires_grad=False)
-    head.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+    head = QuantizedLinear.from_parts(weight, weight_scale, None, 8)
     model.set_input_embeddings(QuantizedEmbedding(head, dtype))
     model.set_output_embeddings(head)
 
@@ -533,8 +530,10 @@ def quantize_model(
     prefix encoder are untouched. Layer by layer: each float weight is freed as soon as its quantized
     form exists, so peak memory stays about one copy of the model. `empty_init=True` creates empty
     quantized layers on the Linears' device (use a meta model, then `load_state_dict(assign=True)`).
+    The model's config (when it has one) records `quantization_bit` and `quantization_group_size`.
     Returns `model`.
     """
+    _record_format(model, bits, group_size)
     for parent, attr, _ in _target_slots(model, targets):
         linear = getattr(parent, attr)
         if empty_init:
@@ -547,6 +546,68 @@ def quantize_model(
         setattr(parent, attr, new)
         del linear, new  # the float weight goes now, not at the end of the loop
     return model
+
+
+def _record_format(model: nn.Module, bits: int, group_size: int) -> None:
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.quantization_bit, config.quantization_group_size = bits, group_size
+
+
+def check_bits(stored: int, requested: int | None, where) -> None:
+    """ValueError when weights stored as INT`stored` are asked for as another width."""
+    if requested and stored and requested != stored:
+        raise ValueError(f"{where} holds INT{stored} weights; cannot load them as INT{requested}")
+
+
+class QuantizeOnLoad:
+    """A checkpoint placement (`checkpoint.Placement`) that quantizes while loading: each block Linear
+    weight named in `targets` becomes INT`bits` rows as it is read (its layer swapped for a
+    `QuantizedLinear` whose bias the loader then assigns), and with `embedding` the tied word
+    embedding becomes one INT8 copy (`install_int8_embedding`). No whole float weight ever exists:
+    `quantize_rows` reads a few rows at a time and releases their file pages."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, bits: int = 0, group_size: int = 0, *, embedding: bool = False,
+                 embedding_key: str = "transformer.word_embeddings.weight", targets: tuple[str, ...] = TARGETS):
+        self.model, self.dtype, self.bits, self.group_size = model, dtype, bits, group_size
+        self.embedding_key = embedding_key if embedding else None
+        self.linears = {f"{name}.weight": name for _, _, name in _target_slots(model, targets)} if bits else {}
+        if bits:
+            _record_format(model, bits, group_size)
+
+    def __call__(self, key: str, tensor: Tensor, pages) -> bool:
+        if key == self.embedding_key:
+            install_int8_embedding(self.model, *quantize_rows(tensor, self.dtype, 8, 0, pages.release), self.dtype)
+        elif key in self.linears:
+            owner, _, attr = self.linears[key].rpartition(".")
+            parent = self.model.get_submodule(owner)
+            bias = getattr(parent, attr).bias  # meta: the loader assigns the real one when it reads it
+            q, scale = quantize_rows(tensor, self.dtype, self.bits, self.group_size, pages.release)
+            setattr(parent, attr, QuantizedLinear.from_parts(q, scale, bias, self.bits, self.group_size))
+            heap.trim()  # the quantization temporaries interleave with small kept tensors
+        else:
+            return False
+        return True
+
+
+def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int, release=None) -> tuple[Tensor, Tensor]:
+    """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
+    rule is per row, so the result is identical, and no full-size float temporary ever exists.
+    `release(chunk)` is called on each chunk of `weight` once it is read (a file map's pages)."""
+    out_features, in_features = weight.shape
+    rows = max(1, (1 << 20) // max(1, in_features))  # ~4 MB float32 temporaries per chunk
+    q_out = torch.empty(out_features, in_features // 2 if bits == 4 else in_features, dtype=torch.int8, device=weight.device)
+    scale_out = None
+    for start in range(0, out_features, rows):
+        chunk = weight[start : start + rows]
+        q, scale = quantize_weight(chunk.to(dtype) if chunk.is_floating_point() else chunk, bits, group_size)
+        q_out[start : start + rows] = pack_int4(q) if bits == 4 else q
+        if scale_out is None:
+            scale_out = scale.new_empty((out_features, *scale.shape[1:]))
+        scale_out[start : start + rows] = scale
+        if release is not None:
+            release(chunk)
+    return q_out, scale_out
 
 
 def to_bitsandbytes(model: nn.Module, mode: str, *, targets: tuple[str, ...] = TARGETS) -> nn.Module:

@@ -2,16 +2,22 @@
 
     <run>/config.json, model.safetensors         full fine-tuning: the whole model
     <run>/config.json, model.safetensors         P-tuning v2: config with pre_seq_len, prefix weights only
-    <run>/adapter_config.json, adapter_model.*   LoRA: a peft adapter directory
+    <run>/adapter_config.json, adapter_model.*   LoRA: a peft adapter directory (it names its base)
     <run>/ice_text.model, tokenizer_config.json  the tokenizer
     <run>/run_args.json                          the run's options; `model` names the base it tuned
     <run>/metrics.jsonl, loss_curve.png          training log
-    <run>/state/                                 full training state (accelerate) for --resume
+    <run>/state/                                 what --resume needs: trained weights, optimizer, RNG
 
 The model files at the top are the best checkpoint by dev F1 (the last one without a dev file). Each
 file is written to a temporary directory first and renamed into place, so a crash while saving
-leaves the previous checkpoint loadable. `load_run` turns such a directory (or a plain model
-directory) into a model ready for inference.
+leaves the previous checkpoint loadable.
+
+Loading. `resolve_run` reads a `--model` directory: a model directory (config.json + weights:
+official, merged, quantized, or a full fine-tuning run), or a P-tuning or LoRA run whose
+`run_args.json` names the base; `--ptuning-checkpoint` / `--lora` add an adapter to a model directory.
+The result, a `ModelSource`, also carries what the run was trained with: its prompt and length
+budget (`EncodingOptions`), and the quantization of its base (a QLoRA run trained on INT4 weights is
+run on INT4 weights). `load_run` turns a source into a model and its tokenizer.
 """
 
 from __future__ import annotations
@@ -19,13 +25,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checkpoint import atomic_write
+from .options import EncodingOptions
+from .tokenizer import VOCAB_FILE
 
 RUN_ARGS = "run_args.json"
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_DIR = "state"
+CONFIG = "config.json"
+
+
+class RunDirectoryError(ValueError):
+    """A directory that is not what it was given as (no model, no base, an adapter on an adapter...)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
 
 
 def write_run_args(directory: Path, args: dict) -> None:
@@ -34,7 +52,31 @@ def write_run_args(directory: Path, args: dict) -> None:
 
 def read_run_args(directory: Path) -> dict | None:
     path = Path(directory) / RUN_ARGS
-    return json.loads(path.read_text()) if path.exists() else None
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a directory that holds something (a model, another run) unless `resume`, or
+    `overwrite` of a run directory, which is then emptied; never into the base being tuned."""
+    output_dir = Path(output_dir)
+    if base is not None and output_dir.resolve() == Path(base).resolve():
+        raise RunDirectoryError(f"--output-dir {output_dir} is the base model being tuned: choose another directory")
+    if resume or not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise RunDirectoryError(f"--output-dir {output_dir} exists and is not a directory")
+    if not any(output_dir.iterdir()):
+        return
+    if not overwrite:
+        raise RunDirectoryError(
+            f"--output-dir {output_dir} is not empty: pass --resume to continue its run, --overwrite to replace it, "
+            "or choose a new directory"
+        )
+    if read_run_args(output_dir) is None:
+        raise RunDirectoryError(f"--overwrite: {output_dir} is not a train.py run directory (no {RUN_ARGS}); "
+                                "remove it yourself if it should go")
+    for entry in output_dir.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def publish(write, directory: Path) -> None:
@@ -50,12 +92,11 @@ def publish(write, directory: Path) -> None:
 
 
 def save_trained(model, tokenizer, directory: Path, tuning: str) -> None:
-    """Publish what `tuning` trained: the whole model, the prefix encoder, or the LoRA adapter."""
+    """Publish what `tuning` trained: the prefix encoder (P-tuning), or the whole model or the LoRA
+    adapter (`save_pretrained` of either writes what it trains)."""
 
     def write(tmp: Path) -> None:
-        if tuning == "lora":
-            model.save_pretrained(tmp)
-        elif tuning == "ptuning":
+        if tuning == "ptuning":
             prefix = {k: v for k, v in model.state_dict().items() if k.startswith("transformer.prefix_encoder.")}
             model.save_pretrained(tmp, state_dict=prefix)
         else:
@@ -87,3 +128,202 @@ def state_dir(run: Path) -> Path | None:
         if candidate.is_dir():
             return candidate
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What to load: a base directory, optionally a P-tuning prefix or a LoRA adapter, the tokenizer,
+    and what the model was trained with (the run's prompt/length settings and base quantization)."""
+
+    base: Path
+    tokenizer_dir: Path | None  # None: no tokenizer beside the weights
+    encoding: EncodingOptions = field(default_factory=EncodingOptions)
+    pre_seq_len: int | None = None
+    prefix_projection: bool = False
+    prefix_dir: Path | None = None
+    lora_dir: Path | None = None
+    quantization_bit: int = 0  # the base was quantized to INT8/INT4 at load when the run trained on it
+    quantize_embedding: bool = False
+    threads: int | None = None  # the run's torch threads
+
+    def describe(self) -> str:
+        if self.prefix_dir is not None:
+            adapter = f" + P-tuning prefix {self.prefix_dir} (pre_seq_len={self.pre_seq_len}, projection={self.prefix_projection})"
+        elif self.lora_dir is not None:
+            adapter = f" + LoRA {self.lora_dir}"
+        else:
+            adapter = ""
+        return f"{self.base}{adapter}"
+
+    def identity(self, quantization_bit: int | None = None, quantize_embedding: bool | None = None) -> str:
+        """Which model this is, with absolute paths and the weights' form (`load_run`'s arguments), to
+        tell whether two runs used the same one."""
+        bits = self.quantization_bit if quantization_bit is None else quantization_bit
+        embedding = self.quantize_embedding if quantize_embedding is None else quantize_embedding
+        adapter = self.prefix_dir or self.lora_dir
+        parts = [str(self.base.resolve()), *([f"adapter {adapter.resolve()}"] if adapter else []),
+                 f"INT{bits}" if bits else "weights as stored", *(["INT8 embedding"] if embedding else [])]
+        return ", ".join(parts)
+
+
+def is_model_dir(directory: Path) -> bool:
+    return (Path(directory) / CONFIG).is_file()
+
+
+def require_model_dir(directory: Path) -> Path:
+    """`directory` when it holds a model (config.json); a clear error otherwise (also for a LoRA adapter)."""
+    directory = Path(directory)
+    if is_model_dir(directory):
+        return directory
+    if (directory / ADAPTER_CONFIG).exists():
+        raise RunDirectoryError(f"{directory} is a LoRA adapter, not a model: pass its base model, and --lora {directory}")
+    what = "no such directory" if not directory.exists() else f"not a model directory (no {CONFIG})"
+    raise RunDirectoryError(f"{directory}: {what}")
+
+
+def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource:
+    """Work out base, adapter, tokenizer and training settings from `--model` (+ `--ptuning-checkpoint` / `--lora`)."""
+    model_dir = Path(model_dir)
+    if ptuning_checkpoint is not None and lora is not None:
+        raise RunDirectoryError("pass at most one of --ptuning-checkpoint and --lora")
+    run_args = read_run_args(model_dir) or {}
+    tuning = run_args.get("tuning", "full")
+    if tuning == "full" and (model_dir / ADAPTER_CONFIG).exists():
+        raise RunDirectoryError(
+            f"{model_dir} is a LoRA adapter without a {RUN_ARGS} naming its base: pass the base with --model "
+            "and this directory with --lora"
+        )
+    if tuning == "full":
+        base, prefix_dir, lora_dir = require_model_dir(model_dir), None, None
+    else:
+        base = Path(run_args["model"])
+        if not is_model_dir(base):
+            raise RunDirectoryError(f"{model_dir / RUN_ARGS} names base model {base}, which is not a model directory here")
+        prefix_dir, lora_dir = (model_dir, None) if tuning == "ptuning" else (None, model_dir)
+    if (ptuning_checkpoint is not None or lora is not None) and tuning != "full":
+        raise RunDirectoryError(f"{model_dir} already holds an adapter (a {tuning} run); do not add another")
+    if ptuning_checkpoint is not None:
+        prefix_dir = Path(ptuning_checkpoint)
+        if not is_model_dir(prefix_dir):
+            raise RunDirectoryError(f"{prefix_dir}: a P-tuning checkpoint needs its {CONFIG} (pre_seq_len, prefix_projection)")
+    if lora is not None:
+        lora_dir = Path(lora)
+        if not (lora_dir / ADAPTER_CONFIG).exists():
+            raise RunDirectoryError(f"{lora_dir}: not a peft adapter directory (no {ADAPTER_CONFIG})")
+    pre_seq_len, projection = None, False
+    if prefix_dir is not None:
+        prefix_config = json.loads((prefix_dir / CONFIG).read_text(encoding="utf-8"))
+        pre_seq_len, projection = prefix_config.get("pre_seq_len"), bool(prefix_config.get("prefix_projection"))
+        if not pre_seq_len:
+            raise RunDirectoryError(f"{prefix_dir}/{CONFIG} has no pre_seq_len: not a P-tuning checkpoint")
+    tuned = prefix_dir or lora_dir or model_dir  # the directory that was trained last
+    candidates = list(dict.fromkeys([tuned, model_dir, base]))
+    tokenizer_dir = next((d for d in candidates if (d / VOCAB_FILE).exists()), None)
+    trained = read_run_args(tuned) or {}
+    encoding = EncodingOptions(**trained["encoding"]) if trained.get("encoding") else EncodingOptions()
+    # A run trained on a base quantized at load runs on that base (not on the float one beneath it).
+    adapter_run = trained if trained.get("tuning") in ("ptuning", "lora") else {}
+    return ModelSource(base, tokenizer_dir, encoding, pre_seq_len, projection, prefix_dir, lora_dir,
+                       quantization_bit=adapter_run.get("quantization_bit") or 0,
+                       quantize_embedding=bool(adapter_run.get("quantize_embedding")), threads=run_args.get("threads"))
+
+
+def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization_bit: int | None = None,
+             quantize_embedding: bool | None = None):
+    """(model in eval mode, tokenizer) for `source` (`load_model`, `load_tokenizer`); the tokenizer's
+    special ids must equal the model config's."""
+    model = load_model(source, dtype=dtype, device=device, quantization_bit=quantization_bit,
+                       quantize_embedding=quantize_embedding)
+    tokenizer = load_tokenizer(source)
+    check_tokenizer_matches(tokenizer, model.config)
+    return model, tokenizer
+
+
+def load_tokenizer(source: ModelSource):
+    from .tokenizer import ChatGLMTokenizer
+
+    if source.tokenizer_dir is None:
+        places = ", ".join(map(str, dict.fromkeys(d for d in (source.prefix_dir, source.lora_dir, source.base) if d)))
+        raise RunDirectoryError(f"no tokenizer ({VOCAB_FILE}) in {places}")
+    return ChatGLMTokenizer.from_pretrained(source.tokenizer_dir)
+
+
+def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantization_bit: int | None = None,
+               group_size: int = 0, quantize_embedding: bool | None = None):
+    """The model `source` describes, in eval mode.
+
+    `quantization_bit` None runs the model as it was trained: the base as stored, or quantized at load
+    as the run's base was (QLoRA, P-tuning on INT4), with a LoRA adapter beside the integer weights.
+    4 or 8 asks for INT4/INT8 block Linears: a LoRA adapter is then merged into the float base first
+    (`merge_lora_and_quantize`), as it is always merged into a float base, where decoding pays nothing
+    for it. `quantize_embedding` None follows the run; True holds the tied embedding / head as one
+    INT8 copy.
+    """
+    from .model import ChatGLMForConditionalGeneration
+
+    follow_run = quantization_bit is None
+    bits = source.quantization_bit if follow_run else quantization_bit
+    embedding = source.quantize_embedding if quantize_embedding is None else quantize_embedding
+    prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
+    if source.lora_dir is None or (follow_run and bits):
+        model = ChatGLMForConditionalGeneration.from_pretrained(
+            source.base, dtype=dtype, device=device, quantization_bit=bits or None, quantization_group_size=group_size,
+            quantize_embedding=embedding, **prefix,
+        )
+        if source.prefix_dir is not None:
+            model.load_prefix(source.prefix_dir)
+        if source.lora_dir is not None:
+            from .lora import load_lora
+
+            model = load_lora(model, source.lora_dir)
+    else:
+        model = ChatGLMForConditionalGeneration.from_pretrained(source.base, dtype=dtype, device=device)
+        model = merge_lora_and_quantize(model, source.lora_dir, bits, group_size, source.base)
+        if embedding:  # after the merge, which refuses integer weights (LoRA never targets the head)
+            from .quantization import quantize_embedding as quantize_tied_embedding
+
+            quantize_tied_embedding(model)
+    return model.eval()
+
+
+def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size: int = 0, base: Path | None = None):
+    """`model` with the LoRA adapter in `lora_dir` folded into its weights, then (bits 4/8) its block
+    Linears quantized. On a base stored quantized the adapter cannot be merged: it runs beside the
+    integer weights (and `bits` must be the stored ones)."""
+    from .lora import load_lora, merge_lora
+    from .quantization import check_bits, quantize_model
+
+    stored = model.config.quantization_bit
+    check_bits(stored, bits, base or "the base")
+    try:
+        model = load_lora(model, lora_dir)
+    except RuntimeError as err:  # peft's load_state_dict size mismatches
+        raise RunDirectoryError(f"{lora_dir}: the adapter does not fit {base or 'the base'}: {err}") from err
+    if stored:
+        return model
+    model = merge_lora(model)
+    return quantize_model(model, bits, group_size) if bits else model
+
+
+def check_tokenizer_matches(tokenizer, config) -> None:
+    """ValueError unless the tokenizer's special ids equal the config's and its vocabulary fits the model."""
+    from .data import SpecialIds
+
+    ours, theirs = SpecialIds.of(tokenizer), SpecialIds.of(config)
+    problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
+    if len(tokenizer) > config.vocab_size:
+        problems.append(f"vocabulary: tokenizer {len(tokenizer)} tokens, model {config.vocab_size} rows")
+    if problems:
+        raise ValueError("the tokenizer does not belong to this model: " + "; ".join(problems))
+
+
+def derived_run_args(source: ModelSource, **changes) -> dict:
+    """The `run_args.json` of a directory made from `source` (a merged or quantized copy): the run's
+    own settings (prompt, lengths, threads), loaded as a whole model from now on."""
+    tuned = source.prefix_dir or source.lora_dir or source.base
+    args = dict(read_run_args(tuned) or {})
+    return {**args, "tuning": "full", "derived_from": source.describe(), **changes}

@@ -3,8 +3,8 @@
 The loop is written out (no Trainer): AdamW, warmup then cosine or linear decay, gradient accumulation
 through `accelerator.accumulate`, clipping, mixed precision, evaluation (dev loss and triple P/R/F1
 from greedy generation) every epoch or every N steps, the best checkpoint by dev F1 published into
-the run directory (`rundir`), and the full state (optimizer, scheduler, RNG, step, data position)
-saved through `accelerator.save_state` so `resume=True` continues a stopped run exactly.
+the run directory (`rundir`), and the state (trainable weights, optimizer, scheduler, RNG, step, data
+position) saved through `accelerator.save_state` so `resume=True` continues a stopped run exactly.
 Distribution is accelerate's (`accelerate launch`, DDP, DeepSpeed, FSDP): nothing here is home-made.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -26,84 +26,13 @@ from transformers import get_scheduler
 
 from . import rundir
 from .config import ChatGLMConfig
-from .data import EncodedDataset, EncodingOptions, SpecialIds, collate_prompts, collate_train, prompt_ids
+from .data import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
 from .generation import generate
-from .lora import LoraOptions, apply_lora
+from .lora import apply_lora
 from .metrics import SPOScorer
 from .model import ChatGLMForConditionalGeneration
+from .options import DEFAULT_LR, TINY_DEMO, TUNINGS, TrainOptions  # noqa: F401  (the names train.py and benches read here)
 from .tokenizer import ChatGLMTokenizer, train_tokenizer
-
-TUNINGS = ("ptuning", "lora", "full")
-# Learning rates: P-tuning v2 as the official train.sh, full fine-tuning as its DeepSpeed script.
-DEFAULT_LR = {"ptuning": 2e-2, "lora": 2e-4, "full": 1e-4}
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """Every training option and its default (train.py builds its flags from this class)."""
-
-    tuning: str = "ptuning"
-    pre_seq_len: int = 128
-    prefix_projection: bool = False
-    lora: LoraOptions = field(default_factory=LoraOptions)
-    encoding: EncodingOptions = field(default_factory=EncodingOptions)
-    epochs: int = 3
-    max_steps: int | None = None
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float | None = None  # None: DEFAULT_LR of the tuning
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.05
-    schedule: str = "cosine"
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
-    dtype: str = "float32"
-    quantization_bit: int = 0
-    quantize_embedding: bool = False  # the frozen tied embedding / head as one INT8 copy
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    eval_every: int | None = None  # steps; None = once an epoch
-    save_every: int | None = None  # steps; the state is also saved at each evaluation and at the end
-    eval_batch_size: int = 32
-    log_every: int = 10
-    tensorboard: bool = False
-    threads: int | None = None  # torch intra-op threads; None = torch's default
-
-    def __post_init__(self):
-        problems = []
-        if self.tuning not in TUNINGS:
-            problems.append(f"tuning must be one of {', '.join(TUNINGS)}, got {self.tuning!r}")
-        if self.schedule not in ("cosine", "linear"):
-            problems.append(f"schedule must be cosine or linear, got {self.schedule!r}")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
-            problems.append(f"mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
-        if self.quantization_bit not in (0, 4, 8):
-            problems.append(f"quantization_bit must be 0, 4 or 8, got {self.quantization_bit}")
-        if self.quantization_bit and self.tuning == "full":
-            problems.append("full fine-tuning cannot update INT8/INT4 weights: use ptuning or lora on a quantized base")
-        if self.quantize_embedding and self.tuning == "full":
-            problems.append("full fine-tuning trains the embedding: quantize_embedding is for ptuning or lora")
-        for name in ("epochs", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    @property
-    def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR[self.tuning]
-
-
-# The from-scratch demo: `--model tiny --tuning full` with no other flag trains with these. Its
-# tokenizer is character-level, so an answer of three triples is ~45 tokens: the answer budget
-# (max_len - max_src_len) is 80 instead of the 32 that suit ChatGLM-6B's word-level vocabulary.
-# lr 2e-3: dev F1 0.935 / 0.926 for seeds 42 / 43, against 0.906 / 0.939 at 3e-3 (0.877 on two threads)
-# and 0.80 at 5e-3: the steadier rate. Two threads: 255 s of training on the two cores of a quiet
-# machine, against ~300 s on one (on a shared machine, --threads 1: OpenMP threads that outnumber the
-# free cores slow the tiny model down tenfold).
-TINY_DEMO = dict(epochs=5, batch_size=16, lr=2e-3, warmup_ratio=0.03, weight_decay=0.01, max_src_len=160, max_len=240,
-                 threads=2)
-
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
     """A shuffled order whose consecutive runs of `batch_size` rows have similar lengths.
@@ -169,6 +98,7 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
                              "then P-tune or LoRA-tune the result with --model <that run>")
         model, tokenizer = build_tiny(train_records, output_dir, options)
     else:
+        rundir.require_model_dir(model_arg)
         tokenizer = ChatGLMTokenizer.from_pretrained(model_arg)
         prefix = dict(pre_seq_len=options.pre_seq_len, prefix_projection=options.prefix_projection)
         model = ChatGLMForConditionalGeneration.from_pretrained(
@@ -179,52 +109,78 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
     if options.gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
+    return set_trainable(model, options), tokenizer
+
+
+def set_trainable(model, options: TrainOptions):
+    """The model with only what `options.tuning` trains left trainable: the prefix encoder (P-tuning v2,
+    the official behaviour), LoRA adapters (returned wrapped by peft), or every weight (full)."""
     if options.tuning == "lora":
-        model = apply_lora(model, options.lora)
-    elif options.tuning == "full":
-        model.requires_grad_(True)
-    return model, tokenizer
+        return apply_lora(model, options.lora)
+    model.requires_grad_(options.tuning == "full")
+    if options.tuning == "ptuning":
+        model.transformer.prefix_encoder.requires_grad_(True)
+    return model
 
 
 def train(model, tokenizer, train_records, dev_records, output_dir, options: TrainOptions, *,
           model_arg: str, resume: bool = False, bad_records: dict | None = None) -> dict:
     """Run the loop; returns the final summary (also in metrics.jsonl). See the module docstring."""
     output_dir = Path(output_dir)
+    if not train_records:
+        raise TrainingError("no training records: nothing to train on")
     accelerator = Accelerator(
         mixed_precision=options.mixed_precision, gradient_accumulation_steps=options.grad_accum,
         log_with="tensorboard" if options.tensorboard else None, project_dir=str(output_dir),
     )
     set_seed(options.seed)
-    special = SpecialIds.from_tokenizer(tokenizer)
     dataset = EncodedDataset.from_records(train_records, tokenizer, options.encoding)
-    sampler = LengthGroupedSampler([len(e.input_ids) for e in dataset], options.batch_size, options.seed)
-    # Its own generator: creating an iterator then draws no number from the global RNG (dropout's),
-    # so a resumed run, which creates one more iterator, keeps the same dropout masks.
-    loader = DataLoader(dataset, batch_size=options.batch_size, sampler=sampler, collate_fn=partial(collate_train, special=special),
-                        generator=torch.Generator().manual_seed(options.seed))
+    loader = _train_loader(dataset, SpecialIds.of(tokenizer), options)
     params = [p for p in model.parameters() if p.requires_grad]
     steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes / options.grad_accum)
     total_steps = options.max_steps or options.epochs * steps_per_epoch
     optimizer, scheduler = optimizer_and_schedule(params, options, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    _keep_only_trainable_in_state(accelerator)
 
     run_args = {"model": model_arg if model_arg == "tiny" else str(Path(model_arg).resolve()), **_plain(options)}
-    progress = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "best_f1": None}
     if resume:
         progress = _resume(accelerator, output_dir, run_args)
-    elif accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").write_text("")
-        rundir.write_run_args(output_dir, run_args)
-        report = {"truncation": dataset.truncation_counts(), "bad_records": bad_records or {}}
-        (output_dir / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        progress = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "best_f1": None}
+        _start_run(accelerator, output_dir, run_args, dataset, bad_records)
+    accelerator.print(start_summary(accelerator.unwrap_model(model), dataset, dev_records, bad_records, options,
+                                    total_steps, steps_per_epoch * accelerator.num_processes * options.grad_accum))
     if options.tensorboard:
         accelerator.init_trackers("tensorboard")
+    started = time.time()
+    _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
+          total_steps, steps_per_epoch, output_dir)
+    summary = {"step": progress["step"], "best_f1": progress["best_f1"], "seconds": round(time.time() - started, 1)}
+    _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
+    if accelerator.is_main_process:
+        from .curves import plot_curves
 
+        plot_curves(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
+    accelerator.end_training()
+    return summary
+
+
+def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLoader:
+    sampler = LengthGroupedSampler([len(e.input_ids) for e in dataset], options.batch_size, options.seed)
+    # Its own generator: creating an iterator then draws no number from the global RNG (dropout's),
+    # so a resumed run, which creates one more iterator, keeps the same dropout masks.
+    return DataLoader(dataset, batch_size=options.batch_size, sampler=sampler, collate_fn=partial(collate_train, special=special),
+                      generator=torch.Generator().manual_seed(options.seed))
+
+
+def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
+          total_steps, steps_per_epoch, output_dir) -> None:
+    """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
     bar = tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train")
     eval_due = options.eval_every or steps_per_epoch
-    window, started = [], time.time()
+    window = []  # micro-batch losses since the last log line
     model.train()
     while progress["step"] < total_steps:
         batches = loader
@@ -250,12 +206,12 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
             bar.update(1)
             if step % options.log_every == 0 or step == total_steps:
                 mean = accelerator.gather(torch.stack(window).mean()[None]).mean().item()
+                window.clear()
                 lr = scheduler.get_last_lr()[0]
                 bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
                 log.write({"step": step, "epoch": progress["epoch"], "loss": mean, "lr": lr})
-            window.clear()
             if step % eval_due == 0 or step == total_steps:
-                _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir)
+                _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
                 model.train()
             elif options.save_every and step % options.save_every == 0:
                 _save_state(accelerator, output_dir, progress)
@@ -265,20 +221,42 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
             progress["epoch"] += 1
             progress["batches_in_epoch"] = 0
     bar.close()
-    summary = {"step": progress["step"], "best_f1": progress["best_f1"], "seconds": round(time.time() - started, 1)}
-    log.write({"final": summary})
-    if accelerator.is_main_process:
-        from .curves import plot_curves
 
-        plot_curves(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
-    accelerator.end_training()
-    return summary
+
+def _start_run(accelerator, output_dir: Path, run_args: dict, dataset, bad_records) -> None:
+    """A new run directory: an empty log, the run's arguments and its data report."""
+    if not accelerator.is_main_process:
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.jsonl").write_text("")
+    rundir.write_run_args(output_dir, run_args)
+    report = {"truncation": dataset.truncation_counts(), "bad_records": bad_records or {}}
+    (output_dir / "data_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+
+
+def start_summary(model, dataset, dev_records, bad_records: dict | None, options: TrainOptions, total_steps: int,
+                  batches_per_epoch: int) -> str:
+    """The lines printed before the first step: data, truncation, trainable parameters, steps."""
+    skipped = {k: (v or {}).get("skipped", 0) for k, v in (bad_records or {}).items()}
+    cut = dataset.truncation_counts()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    epochs = total_steps * options.grad_accum * options.batch_size / max(len(dataset), 1)
+    return "\n".join([
+        f"data: {len(dataset)} training records ({skipped.get('train', 0)} skipped), {len(dev_records)} dev records "
+        f"({skipped.get('dev', 0)} skipped)",
+        f"truncated: {cut['source_truncated']} texts longer than max_src_len={options.encoding.max_src_len}, "
+        f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}",
+        f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable",
+        f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches of {options.batch_size}), "
+        f"lr {options.learning_rate:g} {options.schedule}",
+    ])
 
 
 def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Accelerator | None = None) -> dict:
     """Dev loss and triple P/R/F1 of greedy generations (records split over the processes)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    special = SpecialIds.from_tokenizer(tokenizer)
+    special = SpecialIds.of(tokenizer)
     mine = records[rank::world]
     enc = options.encoding
     losses, generated = [], []
@@ -290,7 +268,7 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
             device = next(model.parameters()).device
             losses.append(model(**{k: v.to(device) for k, v in batch.items()}).loss.item() * len(chunk))
             prompts = collate_prompts([prompt_ids(r, tokenizer, enc) for r in chunk], special)
-            new = generate(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=enc.max_len - enc.max_src_len,
+            new = generate(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=enc.answer_budget,
                            vocab_limit=len(tokenizer))
             generated += [tokenizer.decode(ids) for ids in new]
     indexed = list(zip(range(rank, len(records), world), generated))
@@ -306,7 +284,7 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
     return {"dev_loss": loss_sum / max(len(records), 1), **scorer.result().to_dict()}
 
 
-def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir):
+def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar):
     unwrapped = accelerator.unwrap_model(model)
     improved = True
     if dev_records:
@@ -316,8 +294,9 @@ def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, p
         if improved:
             progress["best_f1"] = f1
         log.write({"step": progress["step"], "epoch": progress["epoch"], "eval": scores})
-        accelerator.print(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, "
-                          f"P/R/F1 {scores['micro']['precision']:.3f}/{scores['micro']['recall']:.3f}/{f1:.3f}")
+        if accelerator.is_local_main_process:  # on its own line above the progress bar
+            bar.write(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, "
+                      f"P/R/F1 {scores['micro']['precision']:.3f}/{scores['micro']['recall']:.3f}/{f1:.3f}")
     if improved and accelerator.is_main_process:
         rundir.save_trained(unwrapped, tokenizer, output_dir, options.tuning)
     _save_state(accelerator, output_dir, progress)
@@ -339,6 +318,35 @@ def _save_state(accelerator, output_dir, progress) -> None:
     if accelerator.is_main_process:
         rundir.replace_dir(lambda t: tmp.rename(t), output_dir / rundir.STATE_DIR)
     accelerator.wait_for_everyone()
+
+
+def _keep_only_trainable_in_state(accelerator) -> None:
+    """accelerate's `save_state` writes every weight of the model: at 6B, the whole frozen base at every
+    evaluation of a P-tuning or LoRA run. Keep only the trainable weights in `state/` (the rest is the
+    base, which --resume loads again), and load them back checking that exactly those came back.
+    FSDP and DeepSpeed save their own shards (`weights` is then empty) and are left to accelerate."""
+
+    def trainable_names(model) -> set[str]:
+        return {name for name, p in model.named_parameters() if p.requires_grad}
+
+    def save(models, weights, output_dir) -> None:
+        for i, (model, state) in enumerate(zip(models, weights)):
+            keep = trainable_names(model)
+            weights[i] = {k: v for k, v in state.items() if k in keep}
+
+    def load(models, input_dir) -> None:
+        from safetensors.torch import load_file
+
+        for i, model in enumerate(models):
+            file = Path(input_dir) / (f"model_{i}.safetensors" if i else "model.safetensors")
+            state = load_file(file, device=str(next(model.parameters()).device))
+            if set(state) != trainable_names(model):
+                raise TrainingError(f"{file} does not hold this run's trainable weights: the model was built otherwise")
+            model.load_state_dict(state, strict=False)
+        models.clear()  # loaded: accelerate must not look for whole-model files
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
 
 
 def _resume(accelerator, output_dir, run_args) -> dict:

@@ -43,7 +43,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def special(tok):
-    return SpecialIds.from_tokenizer(tok)
+    return SpecialIds.of(tok)
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -280,9 +280,9 @@ def test_collate_prompts_pads_left_and_keeps_each_rows_positions(tok, special):
 def test_special_ids_come_from_the_tokenizer_or_config(tok):
     from chatglm_tune.config import ChatGLMConfig
 
-    assert SpecialIds.from_tokenizer(tok).gmask_token_id == tok.gmask_token_id != 130001
+    assert SpecialIds.of(tok).gmask_token_id == tok.gmask_token_id != 130001
     config = ChatGLMConfig.from_name("tiny", **tok.config_overrides())
-    assert SpecialIds.from_config(config) == SpecialIds.from_tokenizer(tok)
+    assert SpecialIds.of(config) == SpecialIds.of(tok)
 
 
 def test_collators_refuse_an_empty_batch(special):

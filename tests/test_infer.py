@@ -20,15 +20,11 @@ import torch
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
 from chatglm_tune.data import SpecialIds, SPORecord, collate_prompts, prompt_ids, read_records
-from chatglm_tune.extraction import (
-    ExtractionSettings,
-    completed_rows,
-    extract,
-    load_for_inference,
-    resolve_model_source,
-)
+from chatglm_tune.extraction import extract, rows_to_resume
 from chatglm_tune.generation import generate
+from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.quantization import QuantizedLinear
+from chatglm_tune.rundir import RunDirectoryError, load_run, resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "infer.py"
@@ -68,7 +64,7 @@ def make_some_rows_stop(model, tokenizer, input_file) -> None:
             if p.dim() == 2:
                 p.mul_(20)  # weights large enough that the prompt decides what is generated
     records, _ = read_records(input_file)
-    batch = collate_prompts([prompt_ids(r, tokenizer) for r in records], SpecialIds.from_tokenizer(tokenizer))
+    batch = collate_prompts([prompt_ids(r, tokenizer) for r in records], SpecialIds.of(tokenizer))
     out = generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=1, eos_token_id=None, vocab_limit=len(tokenizer))
     special = set(tokenizer.all_special_ids) | {tokenizer.gmask_token_id}
     token = Counter(row[0] for row in out if row[0] not in special).most_common(1)[0][0]
@@ -112,7 +108,7 @@ def test_rows_do_not_depend_on_batch_size(workdir, tmp_path):
 
 
 def test_rows_equal_direct_generation(workdir):
-    model, tokenizer = load_for_inference(resolve_model_source(workdir / "model"))
+    model, tokenizer = load_run(resolve_run(workdir / "model"))
     records, _ = read_records(workdir / "input.jsonl")
     rows = [r for ready in extract(model, tokenizer, records[:4], ExtractionSettings(batch_size=4, max_new_tokens=10)) for r in ready]
     for row, record in zip(rows, records):
@@ -124,10 +120,15 @@ def test_resume_after_sigkill_gives_the_uninterrupted_file(workdir, tmp_path):
     reference = tmp_path / "reference.jsonl"
     run_infer(workdir, reference, "--batch-size", 2)
     killed = tmp_path / "killed.jsonl"
-    args = [sys.executable, str(INFER), "--model", str(workdir / "model"), "--input", str(workdir / "input.jsonl"),
-            "--output", str(killed), "--max-new-tokens", "10", "--batch-size", "2"]
-    env = {**os.environ, "CHATGLM_TUNE_INFER_BATCH_DELAY": "0.4", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["--model", str(workdir / "model"), "--input", str(workdir / "input.jsonl"), "--output", str(killed),
+            "--max-new-tokens", "10", "--batch-size", "2"]
+    slow_infer = (  # infer.py with a pause after each batch it writes, so that it can be killed mid-run
+        "import runpy, sys, time; import chatglm_tune.extraction as e; write = e.append_rows; "
+        "e.append_rows = lambda f, rows: (write(f, rows), time.sleep(0.4)); "
+        f"sys.argv = [{str(INFER)!r}, *{args!r}]; runpy.run_path({str(INFER)!r}, run_name='__main__')"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", slow_infer], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -163,7 +164,16 @@ def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path
     rows = out.read_text(encoding="utf-8").splitlines()
     out.write_text("\n".join(rows[1:]) + "\n", encoding="utf-8")  # not a prefix of the input any more
     with pytest.raises(ValueError, match="expected the row of record 0"):
-        completed_rows(out, records)
+        rows_to_resume(out, records, resolve_run(workdir / "model").identity(), resume=True)
+
+
+def test_resume_with_another_model_is_refused_naming_both(workdir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    run_infer(workdir, out, "--batch-size", 4)
+    before = out.read_bytes()
+    with pytest.raises(SystemExit, match=r"written by .*model, weights as stored; this run's model is .*model, INT8"):
+        run_infer(workdir, out, "--batch-size", 4, "--resume", "--quantization-bit", "8")
+    assert out.read_bytes() == before
 
 
 def test_int8_embedding_flag_decodes_every_record(workdir, tmp_path):
@@ -175,7 +185,7 @@ def test_int8_embedding_flag_decodes_every_record(workdir, tmp_path):
 def test_sampling_flags_need_do_sample(workdir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_infer(workdir, tmp_path / "x.jsonl", "--top-p", "0.5")
-    assert "only apply with --do-sample" in capsys.readouterr().err
+    assert "apply only with --do-sample" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"top_p must be in \(0, 1\]"):
         run_infer(workdir, tmp_path / "x.jsonl", "--do-sample", "--top-p", "1.5")
 
@@ -188,7 +198,7 @@ def test_seeded_sampling_is_resumable(workdir, tmp_path):
 
 def test_text_one_off(workdir, capsys):
     infer_main(["--model", workdir / "model", "--text", "故障现象：发动机异响。", "--max-new-tokens", 6])
-    model, tokenizer = load_for_inference(resolve_model_source(workdir / "model"))
+    model, tokenizer = load_run(resolve_run(workdir / "model"))
     row = next(r for ready in extract(model, tokenizer, [SPORecord("故障现象：发动机异响。", None)], ExtractionSettings(max_new_tokens=6)) for r in ready)
     assert capsys.readouterr().out.splitlines()[0] == row["generated"]
 
@@ -210,17 +220,17 @@ def test_ptuning_run_directory_and_flag(workdir, tmp_path):
     tuned.save_pretrained(run, state_dict=prefix_state)
     write_run_args(run, base, "ptuning")
 
-    source = resolve_model_source(run)
+    source = resolve_run(run)
     assert (source.base, source.prefix_dir, source.pre_seq_len, source.prefix_projection) == (base, run, 3, True)
     assert source.tokenizer_dir == base  # the run has no tokenizer files of its own
-    model, tokenizer = load_for_inference(source)
+    model, tokenizer = load_run(source)
     ids = torch.tensor([tokenizer.encode("发动机异响")])
     expect = generate(tuned.eval(), ids, max_new_tokens=8, eos_token_id=None)
     assert generate(model, ids, max_new_tokens=8, eos_token_id=None) == expect
-    flagged, _ = load_for_inference(resolve_model_source(base, ptuning_checkpoint=run))
+    flagged, _ = load_run(resolve_run(base, ptuning_checkpoint=run))
     assert generate(flagged, ids, max_new_tokens=8, eos_token_id=None) == expect
     with pytest.raises(ValueError, match="already holds an adapter"):
-        resolve_model_source(run, ptuning_checkpoint=run)
+        resolve_run(run, ptuning_checkpoint=run)
 
 
 def test_lora_run_directory_is_merged(workdir, tmp_path):
@@ -236,20 +246,20 @@ def test_lora_run_directory_is_merged(workdir, tmp_path):
     peft_model.save_pretrained(run)
     write_run_args(run, base, "lora")
 
-    source = resolve_model_source(run)
+    source = resolve_run(run)
     assert (source.base, source.lora_dir) == (base, run)
-    model, tokenizer = load_for_inference(source)
+    model, tokenizer = load_run(source)
     ids = torch.tensor([tokenizer.encode("发动机异响")])
     with torch.no_grad():
         expect = peft_model.eval()(input_ids=ids).logits
         got = model(ids).logits
     torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
     assert not any("lora" in name for name, _ in model.named_parameters())
-    int8_embedding, _ = load_for_inference(source, quantize_embedding=True)  # merged, then its head in INT8
+    int8_embedding, _ = load_run(source, quantize_embedding=True)  # merged, then its head in INT8
     assert isinstance(int8_embedding.lm_head, QuantizedLinear)
     with torch.no_grad():
         assert (int8_embedding(ids).logits - expect).norm() / expect.norm() < 0.02
-    flagged = resolve_model_source(base, lora=run)
+    flagged = resolve_run(base, lora=run)
     assert (flagged.base, flagged.lora_dir) == (base, run)
 
 
@@ -257,8 +267,8 @@ def test_run_directory_without_run_args_is_explained(workdir, tmp_path):
     run = tmp_path / "orphan"
     run.mkdir()
     (run / "adapter_config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="run_args.json"):
-        resolve_model_source(run)
+    with pytest.raises(RunDirectoryError, match="run_args.json"):
+        resolve_run(run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,7 +298,7 @@ def train_runs(tmp_path_factory):
 @pytest.mark.parametrize("tuning", ["full", "ptuning", "lora"])
 def test_a_train_run_directory_is_enough(train_runs, tuning, tmp_path):
     run = train_runs / tuning
-    source = resolve_model_source(run)
+    source = resolve_run(run)
     assert source.base == (run if tuning == "full" else train_runs / "full")
     assert (source.encoding.prompt, source.encoding.max_src_len, source.encoding.max_len) == ("抽取：", 48, 60)
     out = tmp_path / "out.jsonl"

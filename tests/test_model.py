@@ -125,7 +125,12 @@ def test_prefix_checkpoint_round_trip_and_mismatch_messages(golden, tmp_path):
 
 
 def test_ptuning_backward_updates_only_the_prefix_encoder(golden):
+    from chatglm_tune.options import TrainOptions
+    from chatglm_tune.training import set_trainable
+
     model = golden.model(pre_seq_len=3).train()
+    assert all(p.requires_grad for p in model.parameters())  # building a model decides nothing about training
+    model = set_trainable(model, TrainOptions(tuning="ptuning"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith("transformer.prefix_encoder.") for n in trainable)
     case = golden.of_kind("loss")[0]

@@ -34,7 +34,7 @@ from torch import nn
 import quantize
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, rundir
 from chatglm_tune.data import EncodedDataset, EncodingOptions, SpecialIds, collate_train, read_records
-from chatglm_tune.extraction import load_for_inference, resolve_model_source
+from chatglm_tune.rundir import load_run, resolve_run
 from chatglm_tune.lora import LoraOptions, apply_lora, load_lora
 from chatglm_tune.quantization import QuantizedEmbedding, QuantizedLinear, quantize_embedding
 from chatglm_tune.training import TrainOptions, prepare_model
@@ -316,7 +316,7 @@ def train_setup(tmp_path_factory):
     # embeddings N(0, 0.1): logits of std ~1, a loss near ln(vocab) that a few steps can lower
     make_model_dir(root / "model", embedding_std=0.1, **tokenizer.config_overrides())
     encoding = EncodingOptions(max_src_len=48, max_len=80)
-    batch = collate_train(EncodedDataset.from_records(records, tokenizer, encoding).examples, SpecialIds.from_tokenizer(tokenizer))
+    batch = collate_train(EncodedDataset.from_records(records, tokenizer, encoding).examples, SpecialIds.of(tokenizer))
     return root, records, batch
 
 
@@ -357,7 +357,7 @@ def test_training_on_an_int4_base_lowers_the_loss_and_keeps_the_integers(base, t
         assert torch.equal(p, saved) and not p.requires_grad and p.grad is None
     if (base, tuning) == ("quantize.py output", "ptuning"):  # quantize.py's advice: infer.py --model OUT --ptuning-checkpoint RUN
         rundir.save_trained(model, tokenizer, tmp_path / "run", "ptuning")
-        reloaded, _ = load_for_inference(resolve_model_source(model_dir, ptuning_checkpoint=tmp_path / "run"))
+        reloaded, _ = load_run(resolve_run(model_dir, ptuning_checkpoint=tmp_path / "run"))
         assert reloaded.config.quantization_bit == 4
         assert reloaded.transformer.prefix_encoder.embedding.weight.dtype == torch.float32
         assert eval_loss(reloaded, batch) == pytest.approx(after, rel=1e-5)
@@ -435,7 +435,7 @@ def cli_error(capsys, *args) -> str:
 
 def test_cli_errors_are_clear_messages_with_exit_code_2(capsys, h128, tmp_path):
     out = tmp_path / "out"
-    assert "no config.json" in cli_error(capsys, "--bits", 4, tmp_path / "missing", out)
+    assert "no such directory" in cli_error(capsys, "--bits", 4, tmp_path / "missing", out)
     run_quantize("--bits", 4, h128, tmp_path / "int4")
     capsys.readouterr()
     assert "already INT4" in cli_error(capsys, "--bits", 8, tmp_path / "int4", out)
@@ -452,4 +452,4 @@ def test_cli_error_as_a_process_prints_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--bits", "4", str(tmp_path / "missing"), str(tmp_path / "o")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"quantize.py: error: {tmp_path / 'missing'}: not a model directory (no config.json)"]
+    assert done.stderr.strip().splitlines() == [f"quantize.py: error: {tmp_path / 'missing'}: no such directory"]
