@@ -50,9 +50,10 @@ sys.path.insert(0, str(REPO))
 import train as train_cli  # noqa: E402
 from chatglm_tune import ChatGLMForConditionalGeneration  # noqa: E402
 from chatglm_tune.data import SpecialIds, collate_train, read_records, training_example  # noqa: E402
-from chatglm_tune.extraction import load_for_inference, resolve_model_source  # noqa: E402
+from chatglm_tune import rundir  # noqa: E402
 from chatglm_tune.tokenizer import ChatGLMTokenizer  # noqa: E402
-from chatglm_tune.training import TINY_DEMO, LengthGroupedSampler, TrainOptions, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
+from chatglm_tune.options import TINY_DEMO, TrainOptions  # noqa: E402
+from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "data"))
 import make_spo  # noqa: E402
@@ -148,8 +149,8 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
 
 
 def dev_f1(run_dir: Path, dev_file: Path) -> dict:
-    source = resolve_model_source(run_dir)
-    model, tokenizer = load_for_inference(source)
+    source = rundir.resolve_run(run_dir)
+    model, tokenizer = rundir.load_run(source)
     records, _ = read_records(dev_file)
     with torch.no_grad():  # the prompt and lengths the run was trained with
         scores = evaluate(model, tokenizer, records, TrainOptions(tuning="full", encoding=source.encoding))

@@ -14,8 +14,9 @@ wall time of the whole call, prompt included. The recompute loop is measured ove
 (`--recompute-tokens`); its step cost grows with the sequence, so that rate overstates its rate over
 the cached run's length. `recompute~` rows estimate the recompute loop over the cached run's full
 length from one timed step at its shortest and one at its longest sequence (cost linear in length);
-the headline speedup uses that estimate. Peak memory: the highest resident set size sampled (every
-5 ms) during each measurement. The last line is JSON.
+the headline speedup uses that estimate. Peak memory: this process's highest resident set during each
+measured call (`measure.PeakRSS`: the high-water mark reset before the call, read after). The last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
 from chatglm_tune.data import SpecialIds, collate_prompts  # noqa: E402
 from chatglm_tune.generation import generate, generate_recompute  # noqa: E402
+from measure import PeakRSS, median_seconds  # noqa: E402
 
 # Special ids inside the tiny preset's 2048-token vocabulary (the preset leaves them to a tokenizer).
 TINY_SPECIAL = dict(mask_token_id=2040, gmask_token_id=2041, bos_token_id=2044, eos_token_id=2045, pad_token_id=3)
@@ -57,40 +57,18 @@ def random_prompts(config: ChatGLMConfig, batch: int, prompt_len: int, seed: int
     return collate_prompts(rows, SpecialIds.from_config(config))
 
 
-class PeakRSS:
-    """Highest resident set size (MiB) seen by a sampling thread while the block runs."""
-
-    def __enter__(self):
-        self.peak, self._stop = _rss_mib(), threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss_mib())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mib())
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def timed(model, method: str, prompts: dict, new_tokens: int) -> tuple[float, float]:
     """(seconds, peak RSS MiB) of one decoding call; every row generates `new_tokens` tokens."""
     run = generate if method == "kv-cache" else generate_recompute
-    run(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=1, eos_token_id=None)  # warm-up
+
+    def call(n: int):
+        out = run(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=n, eos_token_id=None)
+        assert sum(map(len, out)) == len(out) * n
+
+    call(1)  # warm-up: one token, so that a slow loop is not run twice over its full length
     with PeakRSS() as rss:
-        start = time.perf_counter()
-        out = run(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=new_tokens, eos_token_id=None)
-        seconds = time.perf_counter() - start
-    assert sum(map(len, out)) == len(out) * new_tokens
-    return seconds, rss.peak
+        seconds = median_seconds(lambda: call(new_tokens), repeats=1, warmup=0)
+    return seconds, rss.peak / 2**20
 
 
 def measure(model, method: str, batch: int, new_tokens: int, prompt_len: int) -> dict:

@@ -8,17 +8,18 @@ Random weights are written once in fp16 and quantized by `quantize.py` (INT8 and
 scales: the official formats). fp32 and bf16 load the fp16 file. `+e8` variants also hold the tied
 embedding / head as one INT8 copy (`quantize_embedding`, beyond the official format). Measured:
 - disk: the bytes of the weight file each variant loads;
-- RSS to load: each variant loaded alone in a fresh process, which reports its peak resident set
-  (VmHWM of /proc/self/status: `ru_maxrss` would also count the parent's peak, inherited over
-  fork + exec); the Python + torch baseline of such a process is printed beside it;
+- RSS to load: each variant loaded alone in a fresh process, its own peak resident set
+  (`measure.run`); the Python + torch baseline of such a process (its peak before loading) is printed
+  beside it;
 - decode tokens/s at batch 1: `generation.generate`, greedy, a 16-token prompt, no stop on <eop>,
   (new - 1) / (time(new tokens) - time(1 token)) so the prompt step is excluded. All four models are
   held in this process and measured in interleaved rounds (the median is kept), so a change of load
   on the shared machine hits every variant alike;
 - ratios to bf16, to fp32 and to the memory-bandwidth bound: copy bandwidth / weight bytes read per
-  token, with the copy bandwidth = (read + written) bytes / s of a 512 MiB tensor copy measured in the
-  same rounds and the bytes per token = the block and final-LayerNorm parameters plus the head (tied
-  to the embedding). A GEMV only reads, so it can run slightly above that bound.
+  token, with the copy bandwidth = (read + written) bytes / s of a 512 MiB tensor copy (the best of 3,
+  `measure.copy_bandwidth`) measured in the same rounds and the bytes per token = the block and
+  final-LayerNorm parameters plus the head (tied to the embedding). A GEMV only reads, so it can run
+  slightly above that bound.
 A torch.profiler pass per variant says where decode time goes. The last line is JSON.
 """
 
@@ -28,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
 from chatglm_tune.generation import generate  # noqa: E402
+from chatglm_tune.quantization import TARGETS  # noqa: E402
+from measure import copy_bandwidth, median_seconds, peak_rss, run_python  # noqa: E402
 
 MID = dict(hidden_size=2048, num_layers=8, num_attention_heads=16, inner_hidden_size=8192)
 QUICK = dict(num_layers=2, new_tokens=8, rounds=2)
@@ -52,7 +54,6 @@ VARIANTS = {"fp32": ("fp16", "float32", "half"), "bf16": ("fp16", "bfloat16", "h
             "int4": ("int4", "float32", "half"), "int8+e8": ("int8", "float32", "int8"), "int4+e8": ("int4", "float32", "int8")}
 TARGETS = {"int8": 1.6, "int4": 2.0, "int8+e8": 1.6, "int4+e8": 2.0}  # decode tokens/s over bf16
 TARGET_INT4_DISK = 0.3  # INT4 bytes / fp16 bytes of the block Linears
-BLOCK_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 OP_GROUPS = {"aten::_weight_int8pack_mm": "int8pack", "aten::_weight_int4pack_mm_for_cpu": "int4pack",
              "aten::mm": "dense matmul", "aten::addmm": "dense matmul", "aten::bmm": "dense matmul"}
 
@@ -60,38 +61,25 @@ OP_GROUPS = {"aten::_weight_int8pack_mm": "int8pack", "aten::_weight_int4pack_mm
 # ---------------------------------------------------------------------------------------------- children
 
 
-def peak_rss() -> int:
-    """This process's peak resident set in bytes (the high-water mark of its own address space)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def load_variant(model_dir, dtype: str, embedding: str):
     return ChatGLMForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype), quantize_embedding=embedding == "int8")
 
 
 def load_child(model_dir: str, dtype: str, embedding: str) -> None:
+    """Load one variant (this process is measured from outside); its baseline peak and load time."""
     before = peak_rss()
     start = time.perf_counter()
     load_variant(model_dir, dtype, embedding)
-    print(json.dumps({"seconds": time.perf_counter() - start, "baseline": before, "peak": peak_rss()}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "baseline": before}))
 
 
 def quantize_child(argv: list[str]) -> None:
+    """Run quantize.py's main (this process is measured from outside); its time, imports excluded."""
     import quantize
 
     start = time.perf_counter()
     quantize.main(argv)
-    print(json.dumps({"seconds": time.perf_counter() - start, "peak": peak_rss()}))
-
-
-def run_child(threads: int, *args: str) -> dict:
-    """The JSON last line of `bench/quant.py --child ...` run in a fresh process."""
-    cmd = [sys.executable, __file__, "--threads", str(threads), "--child", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
-        raise RuntimeError(f"child {args} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps({"seconds": time.perf_counter() - start}))
 
 
 # ---------------------------------------------------------------------------------------------- measurements
@@ -108,25 +96,16 @@ def write_source(directory: Path, config: ChatGLMConfig) -> None:
         torch.set_default_dtype(default)
 
 
-def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int = 3) -> float:
-    """(read + written) bytes / s of the fastest of `repeats` copies."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
-
-
 def decode_rate(model, ids: torch.Tensor, new_tokens: int) -> float:
-    """Greedy decode tokens/s, the prompt step excluded."""
-    times = []
-    for n in (1, new_tokens):
-        start = time.perf_counter()
-        out = generate(model, ids, max_new_tokens=n, eos_token_id=None)
-        times.append(time.perf_counter() - start)
-        assert len(out[0]) == n
-    return (new_tokens - 1) / (times[1] - times[0])
+    """Greedy decode tokens/s, the prompt step excluded (the warm-up was done once for all rounds)."""
+    def seconds(n: int) -> float:
+        def call():
+            assert len(generate(model, ids, max_new_tokens=n, eos_token_id=None)[0]) == n
+
+        return median_seconds(call, repeats=1, warmup=0)
+
+    one = seconds(1)
+    return (new_tokens - 1) / (seconds(new_tokens) - one)
 
 
 def bytes_per_token(model) -> int:
@@ -164,7 +143,7 @@ def layer_bytes(directory: Path) -> tuple[int, int]:
                 s = f.get_slice(key)
                 n = torch.Size(s.get_shape()).numel() * size[s.get_dtype()]
                 total += n
-                linears += n if key.split(".")[-2] in BLOCK_LINEARS else 0
+                linears += n if key.split(".")[-2] in TARGETS else 0
     return linears, total
 
 
@@ -185,29 +164,30 @@ def bench(args, mode: dict) -> dict:
         print(f"random fp16 weights written in {time.perf_counter() - start:.1f} s")
         quantize_runs = {}
         for bits in (8, 4):
-            r = run_child(args.threads, "quantize", "--bits", str(bits), str(dirs["fp16"]), str(dirs[f"int{bits}"]))
-            quantize_runs[f"int{bits}"] = {"seconds": round(r["seconds"], 1), "peak_rss_mb": round(r["peak"] / 1e6)}
-            print(f"quantize.py --bits {bits}: {r['seconds']:.1f} s, peak RSS {r['peak'] / 1e6:,.0f} MB")
+            done = run_python(__file__, "--threads", args.threads, "--child", "quantize", "--bits", bits, dirs["fp16"],
+                              dirs[f"int{bits}"])
+            seconds = done.last_json()["seconds"]
+            quantize_runs[f"int{bits}"] = {"seconds": round(seconds, 1), "peak_rss_mb": round(done.peak_rss / 1e6)}
+            print(f"quantize.py --bits {bits}: {seconds:.1f} s, peak RSS {done.peak_rss / 1e6:,.0f} MB")
         for name, r in results.items():
-            loaded = run_child(args.threads, "load", str(dirs[r["weights"]]), r["dtype"], r["embedding"])
+            done = run_python(__file__, "--threads", args.threads, "--child", "load", dirs[r["weights"]], r["dtype"],
+                              r["embedding"])
+            loaded = done.last_json()
             linears, total = layer_bytes(dirs[r["weights"]])
             r.update(disk_bytes=total, disk_linear_bytes=linears, load_s=round(loaded["seconds"], 2),
-                     rss_load_mb=round(loaded["peak"] / 1e6), rss_baseline_mb=round(loaded["baseline"] / 1e6))
+                     rss_load_mb=round(done.peak_rss / 1e6), rss_baseline_mb=round(loaded["baseline"] / 1e6))
         models = {name: load_variant(dirs[r["weights"]], r["dtype"], r["embedding"]) for name, r in results.items()}
         ids = torch.randint(5, 130000, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
         ids[0, -2:] = torch.tensor([config.gmask_token_id, config.bos_token_id])
         for model in models.values():
             generate(model, ids, max_new_tokens=4, eos_token_id=None)  # warm-up (and the INT4 repack)
-        src = torch.ones(512 * 2**20 // 4)
-        dst = torch.empty_like(src)
         rates, bandwidths = {name: [] for name in models}, []
         for round_ in range(mode["rounds"]):
-            bandwidths.append(copy_bandwidth(src, dst))
+            bandwidths.append(copy_bandwidth(mib=512, repeats=3))
             for name, model in models.items():
                 rates[name].append(decode_rate(model, ids, mode["new_tokens"]))
             print(f"round {round_ + 1}: copy {bandwidths[-1] / 1e9:.1f} GB/s; "
                   + ", ".join(f"{n} {v[-1]:.2f}" for n, v in rates.items()) + " tok/s", flush=True)
-        del src, dst
         bandwidth = statistics.median(bandwidths)
         for name, model in models.items():
             r = results[name]

@@ -1,9 +1,10 @@
 """Seconds per training step on the mid-size config: P-tuning v2 and LoRA, fp32 and bf16 autocast.
 
 The mid-size config (hidden 1024, 8 layers, 16 heads, vocab 130528), batch 4 x 288 tokens, the last
-32 positions of each row labelled (an SPO answer), P-tuning `pre_seq_len` 16, LoRA r 8 on
-query_key_value. Each variant runs in a fresh process (peak RSS is that process's), one warm-up step,
-then `--steps` timed steps (forward, backward, AdamW).
+32 positions of each row labelled (an SPO answer), P-tuning `pre_seq_len` 16, LoRA with the library's
+`LoraOptions()` (r 8 on query_key_value), AdamW at the tuning's `training.DEFAULT_LR`. Each variant
+runs in a fresh process (peak RSS is that process's own, `measure.run`), one warm-up step, then the
+median of `--steps` timed steps (forward, backward, AdamW).
 
 "official-style" is the same model with the loss computed as the official code does: fp32 logits of
 the 130528-row head at every position, then shifted cross entropy. "ours" runs the head only on the
@@ -14,13 +15,12 @@ labelled positions (`labels=` without `logits_to_keep`). Printed side by side; t
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import median_seconds, run_python  # noqa: E402
 
 BATCH, SEQ, ANSWER, PRE_SEQ_LEN = 4, 288, 32, 16
 
@@ -30,16 +30,15 @@ def one_variant(tuning: str, precision: str, loss_path: str, steps: int) -> dict
     import torch.nn.functional as F
 
     from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-    from chatglm_tune.lora import LoraOptions, apply_lora
+    from chatglm_tune.options import DEFAULT_LR, TrainOptions
+    from chatglm_tune.training import set_trainable
 
     torch.manual_seed(0)
     overrides = dict(pre_seq_len=PRE_SEQ_LEN) if tuning == "ptuning" else {}
     config = ChatGLMConfig.from_name("mid", **overrides)
-    model = ChatGLMForConditionalGeneration(config)
-    if tuning == "lora":
-        model = apply_lora(model, LoraOptions(r=8))
+    model = set_trainable(ChatGLMForConditionalGeneration(config), TrainOptions(tuning=tuning))
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=DEFAULT_LR[tuning])
     ids = torch.randint(10, 120000, (BATCH, SEQ))
     ids[:, SEQ - ANSWER - 2] = config.gmask_token_id
     ids[:, SEQ - ANSWER - 1] = config.bos_token_id
@@ -58,12 +57,7 @@ def one_variant(tuning: str, precision: str, loss_path: str, steps: int) -> dict
         optimizer.zero_grad()
         return loss.item()
 
-    step()  # warm-up
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    seconds = (time.perf_counter() - start) / steps
-    return {"step_s": round(seconds, 3), "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    return {"step_s": round(median_seconds(step, repeats=steps, warmup=1), 3)}
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -82,9 +76,8 @@ def main() -> None:
     precisions = args.precisions.split(",")
     results = {}
     for variant in [(t, p, l) for t in ("ptuning", "lora") for p in precisions for l in ("official-style", "ours")]:
-        out = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--variant", *variant],
-                             capture_output=True, text=True, check=True)
-        results["/".join(variant)] = json.loads(out.stdout.strip().splitlines()[-1])
+        done = run_python(__file__, "--steps", args.steps, "--variant", *variant)
+        results["/".join(variant)] = {**done.last_json(), "peak_rss_gb": round(done.peak_rss / 2**30, 2)}
         print(f"  {'/'.join(variant):28s} {results['/'.join(variant)]}", file=sys.stderr)
     print(f"\nmid config (hidden 1024, 8 layers, vocab 130528), batch {BATCH} x {SEQ}, {ANSWER} labelled positions per row")
     print(f"{'tuning':8s} {'precision':9s} {'official-style s/step':>22s} {'ours s/step':>12s} {'speed-up':>9s} "

@@ -1,0 +1,250 @@
+"""The report of bench/scale.py: the summary numbers (the closing JSON), the table (`scale.md`) beside the
+seed's GPU figures, and the bar chart (`scale.png`), from the results JSON the steps append to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from scale_children import BITS, GB, INFER, TRAIN
+
+# The seed's Table 18-1 (GPU memory of the official code) and issue 6's targets (peak RSS, this machine).
+SEED_GPU_GB = {"inference": {"bf16": 13, "int8": 8, "int4": 6}, "ptuning": {"bf16": 16, "int8": 9, "int4": 7}}
+TARGET_GB = {"inference": {"bf16": 12.8, "int8": 7.2, "int4": 4.5}, "ptuning": {"bf16": 14, "int8": 8, "int4": 6}}
+TARGET_OF_BOUND = 0.6  # bf16 and INT8 decode
+TARGET_INT4_X_BF16 = 2.0
+
+
+VARIANT_LABELS = {"e8": "INT8 embedding"}
+# '+kr64' -> QuantizedLinear.max_kernel_rows = 64 (an existing class setting)
+
+
+def _variant_label(suffix: str) -> str:
+    """'+e8+mmap64k' -> 'INT8 embedding + MALLOC_MMAP_THRESHOLD_=64 KiB'; '' -> 'as is'."""
+    parts = [p for p in suffix.split("+") if p]
+    if not parts:
+        return "as is"
+    def label(p):
+        if p in VARIANT_LABELS:
+            return VARIANT_LABELS[p]
+        if p.startswith("mmap"):
+            return f"MALLOC_MMAP_THRESHOLD_={p[4:-1]} KiB"
+        if p.startswith("kr"):
+            return f"max_kernel_rows={p[2:]}"
+        return p
+
+    return " + ".join(label(p) for p in parts)
+
+
+def _variants(results: dict, step: str) -> list[tuple[str, dict]]:
+    """(suffix, record) of `step` as is and of its variants, as-is first."""
+    out = [(k[len(step):], v) for k, v in results.items() if k == step or k.startswith(step + "+")]
+    return sorted(out, key=lambda kv: (kv[0].count("+"), kv[0]))
+
+
+def summary(results: dict) -> dict:
+    """The closing JSON's numbers (None where a step has not run).
+
+    Top level: the toolkit's defaults (the official formats). Inference RSS for INT8/INT4 is the worse of
+    quantized-at-load and loaded-from-file; decode speed is that of the quantize.py file (the deployment
+    path). Training: a complete step (partial measurements of a step stopped at the budget under
+    `as_is_training`). `with_options`: the same numbers from the runs with the most options measured
+    (`--quantize-embedding`, environment settings), the options named under `variants`.
+    """
+    def rec(step, suffixes):
+        for suffix in suffixes:
+            r = results.get(step + suffix)
+            if r is not None and not r.get("partial"):
+                return r, suffix
+        return None, None
+
+    def most_changes(step):
+        complete = [(suf, r) for suf, r in _variants(results, step) if not r.get("partial")]
+        return (complete[-1][1], complete[-1][0]) if complete else (None, None)
+
+    def worst(*values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    infer = {"bf16": ["infer-bf16"], "int8": ["infer-int8-load", "infer-int8-file"], "int4": ["infer-int4-load", "infer-int4-file"]}
+    file_step = {"bf16": "infer-bf16", "int8": "infer-int8-file", "int4": "infer-int4-file"}
+
+    def block(choose) -> dict:
+        out = {"inference_rss_gb": {}, "ptuning_rss_gb": {}, "lora_rss_gb": {}, "decode_tok_s": {}, "bound_tok_s": {},
+               "step_s": {}, "training_source": {}}
+        for kind, steps in infer.items():
+            out["inference_rss_gb"][kind] = worst(*((choose(s)[0] or {}).get("peak_rss_gb") for s in steps))
+            r = choose(file_step[kind])[0] or {}
+            out["decode_tok_s"][kind], out["bound_tok_s"][kind] = r.get("decode_tok_s"), r.get("bound_tok_s")
+        for name in TRAIN:
+            tuning, base = name.split("-")
+            r, suffix = choose(f"train-{name}")
+            out[f"{tuning}_rss_gb"][base] = r.get("peak_rss_gb") if r else None
+            out["step_s"][f"{tuning}_{base}"] = r.get("step_s") if r else None
+            out["training_source"][f"{tuning}_{base}"] = _variant_label(suffix) if r else None
+        return out
+
+    out = block(lambda step: rec(step, [""]))
+    as_is = {}
+    for name in TRAIN:
+        r = results.get(f"train-{name}")
+        if r is not None and r.get("partial"):
+            as_is[name.replace("-", "_")] = {k: r.get(k) for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
+                                              if r.get(k) is not None}
+    if as_is:
+        out["as_is_training"] = as_is
+    best = block(most_changes)
+    best["variants"] = {s: _variant_label(most_changes(s)[1]) for s in
+                        [*(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN)] if most_changes(s)[0] is not None}
+    del best["training_source"]
+    out["with_options"] = best
+
+    def rounded(d):
+        if isinstance(d, dict):
+            return {k: rounded(v) for k, v in d.items()}
+        return round(d, 3) if isinstance(d, float) else d
+
+    return rounded(out)
+
+
+def _fmt(v, spec=".2f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def report(results: dict, out: Path) -> None:
+    """Write `scale.md` and `scale.png` into `out` and print the table and the closing JSON line."""
+    s = summary(results)
+    cfg = results.get("_config", {})
+    layers = cfg.get("num_layers")
+    lines = [f"# ChatGLM-6B at {'a 2-layer slice of ' if cfg.get('quick') else ''}full size on this machine (issue 6)", ""]
+    lines.append(f"Config: {layers} layers, hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}; "
+                 f"random fp16 weights (std 0.02) in the official sharded layout. Generated by `python bench/scale.py"
+                 f"{' --quick' if cfg.get('quick') else ' --step ...'}` (see its docstring). GB = 1e9 bytes; RSS = peak "
+                 "`ru_maxrss` of the whole measuring process, a fresh one per row (Python + torch + transformers baseline, "
+                 "about 0.4 GB, included). The seed's figures are GPU memory of the official code (Table 18-1).")
+    lines.append("")
+    any_rec = next((v for k, v in results.items() if not k.startswith("_")), {})
+    lines.append(f"Machine: {os.cpu_count()} CPUs ({any_rec.get('cpu_capability', '?')}: no native bf16 matmul), torch "
+                 f"{any_rec.get('torch', '?')}, {any_rec.get('threads', '?')} torch thread(s) per process; other processes "
+                 "share the cores (load average per row), so times vary run to run.")
+    lines.append("")
+    lines.append("`code`: `as is` = the toolkit's defaults (official formats); `INT8 embedding` = `from_pretrained("
+                 "quantize_embedding=True)` (`--quantize-embedding`: the tied embedding / head as one INT8 copy); "
+                 "`MALLOC_MMAP_THRESHOLD_` is glibc's setting for the measuring process.")
+    lines += ["", "## Inference (bf16 compute; batch 1, 64-token prompt, 32 greedy tokens)", "",
+              "`-load`: quantized while loading the fp16 checkpoint; `-file`: loaded from the `quantize.py` output. "
+              "Bound = copy bandwidth (read + written bytes/s, measured just before) / weight bytes read per token.", "",
+              "| variant | code | peak RSS GB | target GB | seed GPU GB | load s | prefill s | decode tok/s | bound tok/s | of bound | GB read/token | copy GB/s | load avg |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in INFER:
+        kind = name.split("-")[0]
+        found = _variants(results, f"infer-{name}")
+        if not found:
+            lines.append(f"| {name} | | not run | {TARGET_GB['inference'][kind]} | {SEED_GPU_GB['inference'][kind]} |" + " |" * 8)
+        for suffix, r in found:
+            lines.append(f"| {name} | {_variant_label(suffix)} | {r['peak_rss_gb']:.2f} | {TARGET_GB['inference'][kind]} | "
+                         f"{SEED_GPU_GB['inference'][kind]} | {r['load_s']:.0f} | {r['prefill_s']:.1f} | {r['decode_tok_s']:.3f} | "
+                         f"{r['bound_tok_s']:.3f} | {r['of_bound']:.0%} | {r['weight_bytes_per_token'] / GB:.2f} | "
+                         f"{r['copy_gb_s']:.1f} | {r['load_average'][0]} |")
+    lines += ["", "## One training step (batch 1 x 256 tokens, 128 labelled; gradient checkpointing; bf16 weights and activations; AdamW)", "",
+              "A row stopped at the budget (the 10-minute command limit) shows what was measured before the stop.", "",
+              "| step | code | peak RSS GB | target GB | seed GPU GB | load s | forward s | backward s | step s | trainable | load avg |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in TRAIN:
+        tuning, base = name.split("-")
+        target = TARGET_GB["ptuning"][base] if tuning == "ptuning" else "-"
+        seed = SEED_GPU_GB["ptuning"][base]  # the seed's figure is for parameter-efficient tuning (P-tuning v2)
+        found = _variants(results, f"train-{name}")
+        if not found:
+            lines.append(f"| {name} | | not run | {target} | {seed} |" + " |" * 6)
+        for suffix, r in found:
+            if r.get("partial"):
+                if r.get("stopped_in") == "backward":
+                    bwd = (f"stopped after {r['stopped_after_s'] - r['forward_s']:.0f} s, "
+                           f"{r.get('backward_layers_done', 0)}/{layers} layers done")
+                else:
+                    bwd = "not reached"
+                step_s = f"~{r['step_s']} (extrapolated)" if r.get("step_s") is not None else f"> {r.get('stopped_after_s')} (stopped)"
+                rss = f"{r['peak_rss_gb']:.2f} (at stop)"
+            else:
+                bwd, step_s, rss = r["backward_s"], r["step_s"], f"{r['peak_rss_gb']:.2f}"
+            lines.append(f"| {name} | {_variant_label(suffix)} | {rss} | {target} | {seed} | {r.get('load_s', '-')} | "
+                         f"{r.get('forward_s', '-')} | {bwd} | {step_s} | {r.get('trainable_params', 0):,} | {r['load_average'][0]} |")
+    extra = []
+    if "write" in results:
+        w = results["write"]
+        extra.append(f"- write: {w['keys']} tensors, {w['shards']} shards, {w['bytes'] / GB:.2f} GB in {w['seconds']} s, "
+                     f"peak RSS {w['peak_rss_gb']:.2f} GB (one shard at a time)")
+    for b in (8, 4):
+        q = results.get(f"quantize-int{b}")
+        if q:
+            extra.append(f"- quantize.py --bits {b}: {q['seconds']} s, peak RSS {q['peak_rss_gb']:.2f} GB, {q['disk_gb']:.2f} GB on disk")
+    if extra:
+        lines += ["", "## Preparation", "", *extra]
+    lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s)]
+    lines += ["", "## Targets with the measured options (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_options"])]
+    text = "\n".join(lines) + "\n"
+    (out / "scale.md").write_text(text)
+    chart(out / "scale.png", s, cfg)
+    print(text)
+    print(json.dumps({"scale": s}))
+
+
+def target_lines(s: dict) -> list[str]:
+    out = []
+    for section, key in (("inference", "inference_rss_gb"), ("ptuning", "ptuning_rss_gb")):
+        for b, want in TARGET_GB[section].items():
+            got = s[key].get(b)
+            source = (s.get("training_source") or {}).get("ptuning_" + b) if section == "ptuning" else None
+            note = f" ({source})" if source and source != "as is" else ""
+            out.append(f"{section} {b} peak RSS {_fmt(got)} GB <= {want}: "
+                       + ("not run" if got is None else "met" if got <= want else "MISSED") + note)
+    for b in ("bf16", "int8"):
+        got, bound = s["decode_tok_s"].get(b), s["bound_tok_s"].get(b)
+        ratio = None if got is None or bound is None else got / bound
+        out.append(f"decode {b} {_fmt(ratio, '.0%')} of the bandwidth bound >= {TARGET_OF_BOUND:.0%}: "
+                   + ("not run" if ratio is None else "met" if ratio >= TARGET_OF_BOUND else "MISSED"))
+    a, b = s["decode_tok_s"].get("int4"), s["decode_tok_s"].get("bf16")
+    ratio = None if a is None or b is None else a / b
+    out.append(f"decode int4 {_fmt(ratio)}x bf16 >= {TARGET_INT4_X_BF16}x: "
+               + ("not run" if ratio is None else "met" if ratio >= TARGET_INT4_X_BF16 else "MISSED"))
+    return out
+
+
+def chart(path: Path, s: dict, cfg: dict) -> None:
+    """Grouped bars per panel: the seed's GPU figure, our peak RSS as is, and with the measured options."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = s.get("with_options", {})
+    groups = [("inference", "inference_rss_gb", SEED_GPU_GB["inference"], TARGET_GB["inference"]),
+              ("P-tuning v2 step", "ptuning_rss_gb", SEED_GPU_GB["ptuning"], TARGET_GB["ptuning"]),
+              ("LoRA step", "lora_rss_gb", SEED_GPU_GB["ptuning"], None)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6), sharey=True)
+    w = 0.27
+    for ax, (title, key, seed, target) in zip(axes, groups):
+        ours, prop = s[key], best.get(key, {})
+        xs = list(range(len(BITS)))
+        ax.bar([x - w for x in xs], [seed[b] for b in BITS], w, label="seed: official code, GPU memory", color="#bbbbbb")
+        ax.bar(xs, [ours.get(b) or 0 for b in BITS], w, color="#3a7bd5",
+               label="this toolkit: peak RSS, CPU (defaults)")
+        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with --quantize-embedding", color="#59a14f",
+               hatch="//", edgecolor="white")
+        for x, b in zip(xs, BITS):
+            for dx, v in ((0, ours.get(b)), (w, prop.get(b))):
+                if v:
+                    ax.text(x + dx, v + 0.2, f"{v:.1f}", ha="center", fontsize=7)
+            if target:
+                ax.plot([x - 0.5 * w, x + 1.5 * w], [target[b]] * 2, color="#d62728", lw=2, label="target" if x == 0 else None)
+        ax.set_xticks(xs, [b.upper() if b != "bf16" else "half (bf16)" for b in BITS])
+        ax.set_title(title)
+    axes[0].set_ylabel("GB")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"ChatGLM-6B{' (2-layer slice)' if cfg.get('quick') else ''}: memory beside the seed's GPU figures")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
