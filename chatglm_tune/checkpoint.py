@@ -294,13 +294,26 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike
 
 
 def atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` then rename onto `path`: a crash leaves the old file intact."""
+    """Call `write(tmp_path)` then rename onto `path`: a crash leaves the old file intact. The file gets
+    the permissions a plain `open` would give it (`follow_umask`)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        follow_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def follow_umask(path: Path) -> None:
+    """Give `path` (a file, or every file under a directory) the mode a new file gets from the umask
+    (0644 under umask 022). Temporary files (mkstemp, and safetensors' own writer) are 0600: renamed
+    into place as they are, they would be unreadable to everyone but their owner."""
+    mask = os.umask(0)
+    os.umask(mask)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    for file in files:
+        os.chmod(file, 0o666 & ~mask)

@@ -65,13 +65,9 @@ def extract(
 
 def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int], settings: ExtractionSettings) -> list[list[int]]:
     batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
-    s = settings.sampling
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
-    return generate(
-        model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
-        do_sample=s.do_sample, top_p=s.top_p, temperature=s.temperature, top_k=s.top_k,
-        eos_token_id=tokenizer.eos_token_id, seed=seeds, vocab_limit=len(tokenizer),
-    )
+    return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
+                    sampling=settings.sampling, eos_token_id=tokenizer.eos_token_id, seed=seeds, vocab_limit=len(tokenizer))
 
 
 def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int]) -> dict:

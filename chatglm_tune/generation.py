@@ -43,6 +43,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -143,6 +144,28 @@ class _UseConfigEos:
 CONFIG_EOS = _UseConfigEos()
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    """What `generate` and `generate_recompute` set up alike from their arguments."""
+
+    input_ids: torch.Tensor  # [b, s] on the model's device
+    mask: torch.Tensor | None  # [b, s] pad mask, None when nothing is padded
+    eos: int | None  # the id that stops a row, None = never
+    fallback: int  # the id a row of NaN/inf scores is forced to
+    generators: list  # one per row
+
+
+def _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit) -> _Decoding:
+    if not isinstance(sampling, SamplingOptions):
+        raise TypeError(f"sampling must be a SamplingOptions, got {type(sampling).__name__}")
+    eos = model.config.eos_token_id if isinstance(eos_token_id, _UseConfigEos) else eos_token_id
+    fallback = eos if eos is not None else model.config.eos_token_id
+    device = next(model.parameters()).device
+    ids, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
+    generators = row_generators(seed, ids.shape[0], device) if max_new_tokens else []
+    return _Decoding(ids, mask, eos, fallback, generators)
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -150,10 +173,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int,
-    do_sample: bool = DEFAULT_SAMPLING.do_sample,
-    top_p: float = DEFAULT_SAMPLING.top_p,
-    temperature: float = DEFAULT_SAMPLING.temperature,
-    top_k: int | None = DEFAULT_SAMPLING.top_k,
+    sampling: SamplingOptions = DEFAULT_SAMPLING,
     eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
@@ -164,24 +184,21 @@ def generate(
     0 = left pad (None = no padding). The model runs in eval mode for the call. `seed`: see
     `row_generators`. `vocab_limit`: the tokenizer's vocabulary size; larger ids are never produced.
     """
-    options = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
-    eos, fallback = _stop_ids(model, eos_token_id)
-    device = _model_device(model)
-    input_ids, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
+    d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
+    input_ids, mask, eos, generators = d.input_ids, d.mask, d.eos, d.generators
     b = input_ids.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]
     if max_new_tokens == 0:
         return results
-    generators = row_generators(seed, b, device)
     positions = _prompt_positions(model.config, input_ids, mask)  # [b, 2, s]
-    step = torch.tensor([0, 1], device=device)[None, :, None]  # block position + 1 per new token
+    step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
     with _eval_mode(model):
         cache = DynamicCache()
         out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
         live = list(range(b))  # batch row -> index of the prompt it decodes
         next_pos = positions[:, :, -1:] + step  # [b, 2, 1]
         for n in range(max_new_tokens):
-            tokens = next_tokens(out.logits[:, -1], options, generators, fallback_id=fallback, vocab_limit=vocab_limit)
+            tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
             for row, token in zip(live, tokens.tolist()):
                 results[row].append(token)
             if n == max_new_tokens - 1:
@@ -209,49 +226,33 @@ def generate_recompute(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int,
-    do_sample: bool = DEFAULT_SAMPLING.do_sample,
-    top_p: float = DEFAULT_SAMPLING.top_p,
-    temperature: float = DEFAULT_SAMPLING.temperature,
-    top_k: int | None = DEFAULT_SAMPLING.top_k,
+    sampling: SamplingOptions = DEFAULT_SAMPLING,
     eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
 ) -> list[list[int]]:
     """`generate` the reference script's way: no cache, the whole batch runs the whole sequence (and the
     head over every position) each step until every row has stopped. Same arguments, same result."""
-    options = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
-    eos, fallback = _stop_ids(model, eos_token_id)
-    device = _model_device(model)
-    seq, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
+    d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
+    seq, mask = d.input_ids, d.mask
     b = seq.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]
-    generators = row_generators(seed, b, device) if max_new_tokens else []
     running = [True] * b
     with _eval_mode(model):
         for _ in range(max_new_tokens):
             positions = _prompt_positions(model.config, seq, mask)
             logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
-            tokens = next_tokens(logits[:, -1], options, generators, fallback_id=fallback, vocab_limit=vocab_limit)
+            tokens = next_tokens(logits[:, -1], sampling, d.generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
             for row, token in enumerate(tokens.tolist()):
                 if running[row]:
                     results[row].append(token)
-                    running[row] = token != eos
+                    running[row] = token != d.eos
             if not any(running):
                 break
             seq = torch.cat([seq, tokens[:, None]], dim=1)
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
     return results
-
-
-def _stop_ids(model, eos_token_id) -> tuple[int | None, int]:
-    """(id that stops a row or None, id a NaN/inf row is forced to: the stop id, else the config's eop)."""
-    eos = model.config.eos_token_id if isinstance(eos_token_id, _UseConfigEos) else eos_token_id
-    return eos, (eos if eos is not None else model.config.eos_token_id)
-
-
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device):
@@ -329,9 +330,7 @@ def chat(
     budget = max_length - len(ids)
     if budget < 1:
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left under max_length={max_length}")
-    new_ids = generate(
-        model, torch.tensor([ids]), max_new_tokens=budget, do_sample=sampling.do_sample, top_p=sampling.top_p,
-        temperature=sampling.temperature, top_k=sampling.top_k, seed=seed, vocab_limit=len(tokenizer),
-    )[0]
+    new_ids = generate(model, torch.tensor([ids]), max_new_tokens=budget, sampling=sampling, seed=seed,
+                       vocab_limit=len(tokenizer))[0]
     response = process_response(tokenizer.decode(new_ids))
     return response, [*history, (query, response)]

@@ -36,6 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import checkpoint, cpu_matmul, quantization
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
+from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, SamplingOptions
 from .positions import build_position_ids, context_lengths, glm_mask
 from .prefix import PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
 
@@ -297,6 +298,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config)
         stored_bits = config.quantization_bit
         quantization.check_bits(stored_bits, quantization_bit, path)
+        config.name_or_path = str(path.resolve())  # where it came from: peft records it as an adapter's base
         with torch.device("meta"):
             model = cls(config)
         if stored_bits:
@@ -359,6 +361,16 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
+
+    def chat(self, tokenizer, query: str, history=None, *, max_length: int = CHAT_MAX_LENGTH,
+             do_sample: bool = CHAT_SAMPLING.do_sample, top_p: float = CHAT_SAMPLING.top_p,
+             temperature: float = CHAT_SAMPLING.temperature, top_k: int | None = CHAT_SAMPLING.top_k, seed: int | None = None):
+        """The official `model.chat(tokenizer, query, history)`: (response, history + [(query, response)]),
+        sampling as the official defaults (`generation.chat`)."""
+        from .generation import chat
+
+        sampling = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
+        return chat(self, tokenizer, query, history or [], max_length=max_length, sampling=sampling, seed=seed)
 
     def forward(
         self,

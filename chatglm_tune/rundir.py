@@ -28,9 +28,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write, follow_umask
 from .options import EncodingOptions
-from .tokenizer import VOCAB_FILE
 
 RUN_ARGS = "run_args.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -86,6 +85,7 @@ def publish(write, directory: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
+    follow_umask(tmp)
     for file in sorted(tmp.iterdir()):
         os.replace(file, directory / file.name)
     tmp.rmdir()
@@ -114,6 +114,7 @@ def replace_dir(write, target: Path) -> None:
     tmp, old = target.with_name(f".{target.name}.tmp"), target.with_name(f".{target.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
+    follow_umask(tmp)
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(target, old)
@@ -220,6 +221,8 @@ def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource
         pre_seq_len, projection = prefix_config.get("pre_seq_len"), bool(prefix_config.get("prefix_projection"))
         if not pre_seq_len:
             raise RunDirectoryError(f"{prefix_dir}/{CONFIG} has no pre_seq_len: not a P-tuning checkpoint")
+    from .tokenizer import VOCAB_FILE
+
     tuned = prefix_dir or lora_dir or model_dir  # the directory that was trained last
     candidates = list(dict.fromkeys([tuned, model_dir, base]))
     tokenizer_dir = next((d for d in candidates if (d / VOCAB_FILE).exists()), None)
@@ -244,7 +247,7 @@ def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization
 
 
 def load_tokenizer(source: ModelSource):
-    from .tokenizer import ChatGLMTokenizer
+    from .tokenizer import VOCAB_FILE, ChatGLMTokenizer
 
     if source.tokenizer_dir is None:
         places = ", ".join(map(str, dict.fromkeys(d for d in (source.prefix_dir, source.lora_dir, source.base) if d)))

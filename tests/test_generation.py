@@ -99,7 +99,8 @@ def test_cached_equals_recompute_with_prefix_and_sampling(golden):
     model = golden.model(pre_seq_len=case["pre_seq_len"], prefix_projection=case["prefix_projection"])
     model.load_prefix(golden.dir / case["prefix_file"])
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
-    kwargs = dict(max_new_tokens=10, do_sample=True, top_p=0.9, temperature=0.8, top_k=40, seed=7, eos_token_id=None)
+    kwargs = dict(max_new_tokens=10, sampling=SamplingOptions(do_sample=True, top_p=0.9, temperature=0.8, top_k=40), seed=7,
+                  eos_token_id=None)
     assert generate(model, ids, mask, **kwargs) == generate_recompute(model, ids, mask, **kwargs)
 
 
@@ -167,7 +168,7 @@ def test_vocab_limit_is_respected(golden, do_sample):
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
     unlimited = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None)
     limit = min(min(row) for row in unlimited)  # excludes every id the unlimited run picked
-    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, vocab_limit=limit, do_sample=do_sample, seed=0)
+    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, vocab_limit=limit, sampling=SamplingOptions(do_sample=do_sample), seed=0)
     assert all(0 <= t < limit for row in got for t in row)
 
 
@@ -198,7 +199,7 @@ def test_generate_restores_training_mode(golden):
 def test_seeded_sampling_is_reproducible_and_per_row(golden):
     model = golden.model()
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
-    kwargs = dict(max_new_tokens=12, do_sample=True, top_p=0.95, temperature=1.5, eos_token_id=None)
+    kwargs = dict(max_new_tokens=12, sampling=SamplingOptions(do_sample=True, top_p=0.95, temperature=1.5), eos_token_id=None)
     a = generate(model, ids, mask, seed=123, **kwargs)
     assert a == generate(model, ids, mask, seed=123, **kwargs)
     assert a != generate(model, ids, mask, seed=124, **kwargs)
@@ -211,7 +212,7 @@ def test_temperature_zero_means_greedy(golden):
     model = golden.model()
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
     greedy = generate(model, ids, mask, max_new_tokens=5, eos_token_id=None)
-    assert generate(model, ids, mask, max_new_tokens=5, eos_token_id=None, do_sample=True, temperature=0) == greedy
+    assert generate(model, ids, mask, max_new_tokens=5, eos_token_id=None, sampling=SamplingOptions(do_sample=True, temperature=0)) == greedy
 
 
 @pytest.mark.parametrize("top_p", [0.0, -0.1, 1.01, float("nan")])
@@ -226,15 +227,13 @@ def test_bad_temperature_is_rejected(temperature):
         SamplingOptions(do_sample=True, temperature=temperature)
 
 
-def test_generate_rejects_bad_sampling_arguments(golden):
+def test_generate_takes_its_sampling_as_one_validated_object(golden):
     model = golden.model()
     ids = torch.tensor([golden.of_kind("greedy")[0]["input_ids"]])
-    with pytest.raises(ValueError, match="top_p must be in"):
-        generate(model, ids, max_new_tokens=2, do_sample=True, top_p=1.5)
-    with pytest.raises(ValueError, match="temperature must be"):
-        generate(model, ids, max_new_tokens=2, do_sample=True, temperature=-1.0)
-    with pytest.raises(ValueError, match="top_k must be"):
-        generate(model, ids, max_new_tokens=2, do_sample=True, top_k=0)
+    with pytest.raises(TypeError, match="sampling must be a SamplingOptions"):
+        generate(model, ids, max_new_tokens=2, sampling={"do_sample": True, "top_p": 1.5})
+    with pytest.raises(TypeError):
+        generate(model, ids, max_new_tokens=2, do_sample=True)  # no loose sampling arguments
 
 
 def test_sampling_defaults():
@@ -333,9 +332,16 @@ def test_chat_uses_the_official_prompt_and_history(tmp_path):
     model = ChatGLMForConditionalGeneration(config).eval()
     response, history = chat(model, tokenizer, "你好", [("早", "早上好")], max_length=40, seed=1)
     ids = tokenizer.encode(chat_prompt("你好", [("早", "早上好")]))
-    expect_ids = generate(model, torch.tensor([ids]), max_new_tokens=40 - len(ids), do_sample=True, top_p=0.7,
-                          temperature=0.95, top_k=50, seed=1, vocab_limit=len(tokenizer))[0]
+    official = SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50)
+    expect_ids = generate(model, torch.tensor([ids]), max_new_tokens=40 - len(ids), sampling=official, seed=1,
+                          vocab_limit=len(tokenizer))[0]
     assert response == process_response(tokenizer.decode(expect_ids))
     assert history == [("早", "早上好"), ("你好", response)]
+    # the official method on the model: model.chat(tokenizer, query, history)
+    assert model.chat(tokenizer, "你好", [("早", "早上好")], max_length=40, seed=1) == (response, history)
+    greedy, _ = model.chat(tokenizer, "你好", max_length=40, do_sample=False)
+    ids = tokenizer.encode(chat_prompt("你好"))
+    assert greedy == process_response(tokenizer.decode(generate(model, torch.tensor([ids]), max_new_tokens=40 - len(ids),
+                                                                vocab_limit=len(tokenizer))[0]))
     with pytest.raises(ValueError, match="no room left"):
         chat(model, tokenizer, "你好" * 30, max_length=10)
