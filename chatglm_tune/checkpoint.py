@@ -213,6 +213,19 @@ class _FilePages:
         self.ranges = None
 
 
+def resolve_dtype(dtype: torch.dtype | str | None, stored: torch.dtype | str | None) -> torch.dtype:
+    """The compute dtype asked for: a torch dtype or its name; "auto" = `stored` (config.json's); None = float32."""
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        dtype = stored or "float32"
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
 def _is_persistent(model: nn.Module, key: str) -> bool:
     owner, _, name = key.rpartition(".")
     return name not in model.get_submodule(owner)._non_persistent_buffers_set

@@ -177,14 +177,28 @@ def generate(
     eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
+    use_cache: bool = True,
 ) -> list[list[int]]:
     """New token ids of each row (each ends with `eos_token_id` when it stopped on it), KV-cached.
 
     input_ids: [b, s] prompts containing `[gMASK] <sop>`, left-padded. attention_mask: [b, s], 1 = token,
     0 = left pad (None = no padding). The model runs in eval mode for the call. `seed`: see
     `row_generators`. `vocab_limit`: the tokenizer's vocabulary size; larger ids are never produced.
+    `use_cache=False` decodes the reference script's way (`generate_recompute`), with the same result.
     """
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
+    with _eval_mode(model):
+        decode = _decode_cached if use_cache else _decode_recompute
+        return decode(model, d, max_new_tokens, sampling, vocab_limit)
+
+
+def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options) -> list[list[int]]:
+    """`generate` the reference script's way: no cache, the whole batch runs the whole sequence (and the
+    head over every position) each step until every row has stopped. Same arguments, same result."""
+    return generate(model, input_ids, attention_mask, use_cache=False, **options)
+
+
+def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
     input_ids, mask, eos, generators = d.input_ids, d.mask, d.eos, d.generators
     b = input_ids.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]
@@ -192,66 +206,50 @@ def generate(
         return results
     positions = _prompt_positions(model.config, input_ids, mask)  # [b, 2, s]
     step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
-    with _eval_mode(model):
-        cache = DynamicCache()
-        out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        live = list(range(b))  # batch row -> index of the prompt it decodes
-        next_pos = positions[:, :, -1:] + step  # [b, 2, 1]
-        for n in range(max_new_tokens):
-            tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
-            for row, token in zip(live, tokens.tolist()):
-                results[row].append(token)
-            if n == max_new_tokens - 1:
+    cache = DynamicCache()
+    out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    live = list(range(b))  # batch row -> index of the prompt it decodes
+    next_pos = positions[:, :, -1:] + step  # [b, 2, 1]
+    for n in range(max_new_tokens):
+        tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
+        for row, token in zip(live, tokens.tolist()):
+            results[row].append(token)
+        if n == max_new_tokens - 1:
+            break
+        if eos is not None and bool((tokens == eos).any()):
+            keep = (tokens != eos).nonzero().flatten()  # [live']
+            if keep.numel() == 0:
                 break
-            if eos is not None and bool((tokens == eos).any()):
-                keep = (tokens != eos).nonzero().flatten()  # [live']
-                if keep.numel() == 0:
-                    break
-                cache.batch_select_indices(keep)
-                live = [live[i] for i in keep.tolist()]
-                generators = [generators[i] for i in keep.tolist()]
-                tokens, next_pos = tokens[keep], next_pos[keep]
-                mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
-            out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            next_pos = next_pos + step
+            cache.batch_select_indices(keep)
+            live = [live[i] for i in keep.tolist()]
+            generators = [generators[i] for i in keep.tolist()]
+            tokens, next_pos = tokens[keep], next_pos[keep]
+            mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
+        out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        next_pos = next_pos + step
     return results
 
 
-@torch.inference_mode()
-def generate_recompute(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingOptions = DEFAULT_SAMPLING,
-    eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
-    seed: int | Sequence[int] | None = None,
-    vocab_limit: int | None = None,
-) -> list[list[int]]:
-    """`generate` the reference script's way: no cache, the whole batch runs the whole sequence (and the
-    head over every position) each step until every row has stopped. Same arguments, same result."""
-    d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
+def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
     seq, mask = d.input_ids, d.mask
     b = seq.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]
     running = [True] * b
-    with _eval_mode(model):
-        for _ in range(max_new_tokens):
-            positions = _prompt_positions(model.config, seq, mask)
-            logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
-            tokens = next_tokens(logits[:, -1], sampling, d.generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
-            for row, token in enumerate(tokens.tolist()):
-                if running[row]:
-                    results[row].append(token)
-                    running[row] = token != d.eos
-            if not any(running):
-                break
-            seq = torch.cat([seq, tokens[:, None]], dim=1)
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+    for _ in range(max_new_tokens):
+        positions = _prompt_positions(model.config, seq, mask)
+        logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
+        tokens = next_tokens(logits[:, -1], sampling, d.generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
+        for row, token in enumerate(tokens.tolist()):
+            if running[row]:
+                results[row].append(token)
+                running[row] = token != d.eos
+        if not any(running):
+            break
+        seq = torch.cat([seq, tokens[:, None]], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
     return results
 
 

@@ -34,7 +34,8 @@ from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .glm_config import detect_version, glm_config, official_config, read_config_file
-from .glm_prefix import PREFIX_DROPOUT, GlmPrefixEncoder, PrefixCache, fill_cache, prefix_key_values, prefix_width
+from .glm_prefix import prefix_encoder, prefix_width
+from .prefix import PREFIX_DROPOUT, PrefixCache, prefix_key_values, seed_cache
 from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
 
 
@@ -61,11 +62,11 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM):
         super().__init__(config)
         # The official embedding has no padding_idx: the pad row gets gradients in full fine-tuning too.
         self.model.embed_tokens.padding_idx = None
-        self.prefix_encoder = GlmPrefixEncoder(config) if getattr(config, "pre_seq_len", None) else None
+        self.prefix_encoder = prefix_encoder(config) if getattr(config, "pre_seq_len", None) else None
         self.prefix_dropout = nn.Dropout(PREFIX_DROPOUT)
         for layer in self.model.layers:
             # Checkpointed layers keep the cache they are given; forward only gives them a read-only
-            # PrefixCache while checkpointing (see glm_prefix.PrefixCache), never a cache they write.
+            # PrefixCache while checkpointing (see prefix.PrefixCache), never a cache they write.
             layer._can_checkpoint_with_cache = True
 
     @property
@@ -74,7 +75,9 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM):
 
     def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (key, value) [b, G, P, D] of the prefix (dropout applies in training mode)."""
-        return prefix_key_values(self.prefix_encoder, self.prefix_dropout, self.config, batch_size, dtype)
+        c = self.config
+        return prefix_key_values(self.prefix_encoder, self.prefix_dropout, c.num_hidden_layers, c.num_key_value_heads,
+                                 c.head_dim, batch_size, dtype)
 
     def forward(
         self,
@@ -121,7 +124,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM):
             if cache is None:
                 cache, keep_cache = PrefixCache(pairs), False
             else:
-                fill_cache(cache, pairs)
+                seed_cache(cache, pairs)
         past = cache.get_seq_length() - p if cache is not None else 0  # real tokens already cached
         mask = attention_mask
         if mask is not None and mask.dim() == 2:
@@ -166,7 +169,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM):
         if encoder is None:  # built aside, and kept only once the checkpoint fits it
             settings = copy.copy(self.config)
             settings.pre_seq_len, settings.prefix_projection = theirs
-            encoder = GlmPrefixEncoder(settings)
+            encoder = prefix_encoder(settings)
         ours = (encoder.embedding.num_embeddings, encoder.prefix_projection)
         if ours != theirs:
             raise CheckpointError(f"{source} was trained with pre_seq_len={theirs[0]}, prefix_projection={theirs[1]}; "
@@ -218,7 +221,7 @@ def load_glm(
     if raw.get("quantization_bit"):
         raise CheckpointError(f"{path}: an INT{raw['quantization_bit']} checkpoint; this loader reads float weights")
     config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
-    dtype = _resolve_dtype(dtype, raw)
+    dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     with torch.device("meta"):
         model = GlmForCausalLMWithPrefix(config)
     official_keys = raw.get("model_type") != "glm"
@@ -253,7 +256,7 @@ def load_glm(
         shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
         raise CheckpointError(f"{path}: missing weights: {shown}")
     if expected:  # a fresh prefix encoder, initialised as the official one is
-        model.prefix_encoder = GlmPrefixEncoder(config)
+        model.prefix_encoder = prefix_encoder(config)
     model.model.rotary_emb = GlmRotaryEmbedding(config=config)  # its buffer was built on the meta device
     config.dtype = dtype
     return model.to(device).eval()
@@ -329,16 +332,6 @@ def _reentrant(layer: nn.Module) -> bool:
     return bool(getattr(func, "keywords", {}).get("use_reentrant", False))
 
 
-def _resolve_dtype(dtype, raw: dict) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if dtype == "auto":
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}")
-        dtype = getattr(torch, dtype)
-    return dtype
 
 
 def _unexpected(file, key: str, name: str, config) -> str:

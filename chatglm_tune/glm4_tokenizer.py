@@ -35,11 +35,9 @@ import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
-from transformers.utils import PaddingStrategy
 
-from chatglm_tune.glm_tokenizer import left_pad
+from chatglm_tune.glm_tokenizer import GLMFamilyTokenizer
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"
@@ -107,7 +105,7 @@ def added_tokens_of(tokenizer: Tokenizer) -> dict[int, str]:
     return {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
-class GLM4Tokenizer(PreTrainedTokenizer):
+class GLM4Tokenizer(GLMFamilyTokenizer):
     """GLM-4 tokenizer over a tiktoken rank file (`vocab_file`) or a `tokenizer.json` (`tokenizer_file`).
 
     With a rank file, the special tokens come from `added_tokens_decoder` (the official
@@ -115,8 +113,6 @@ class GLM4Tokenizer(PreTrainedTokenizer):
     """
 
     vocab_files_names = {"vocab_file": TIKTOKEN_FILE, "tokenizer_file": TOKENIZER_FILE}
-    model_input_names = ["input_ids", "attention_mask", "position_ids"]
-    padding_side = "left"
 
     def __init__(
         self,
@@ -159,8 +155,8 @@ class GLM4Tokenizer(PreTrainedTokenizer):
         self._bpe.pre_tokenizer = backend.pre_tokenizer
         self._vocab = {t: i for t, i in backend.get_vocab(with_added_tokens=False).items() if i not in specials}
         self._tokens = {i: t for t, i in self._vocab.items()}
-        self._special_texts = {t: i for i, t in specials.items()}
-        self._special_re = re.compile("|".join(map(re.escape, sorted(self._special_texts, key=len, reverse=True))))
+        self.special_ids = {t: i for i, t in specials.items()}
+        self._special_re = re.compile("|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))))
         self.vocab_file = vocab_file
         kwargs["added_tokens_decoder"] = {i: t for i, t in backend.get_added_tokens_decoder().items()}
         super().__init__(
@@ -179,17 +175,7 @@ class GLM4Tokenizer(PreTrainedTokenizer):
         return len(self._vocab)
 
     def get_vocab(self) -> dict[str, int]:
-        return {**self._vocab, **self._special_texts}
-
-    def get_command(self, token: str) -> int:
-        """The id of a special token by its text (`"[gMASK]"`, `"<|user|>"`)."""
-        if token not in self._special_texts:
-            raise KeyError(f"{token!r} is not a special token of this GLM-4 tokenizer")
-        return self._special_texts[token]
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(self._special_texts.values())
+        return {**self._vocab, **self.special_ids}
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -200,8 +186,8 @@ class GLM4Tokenizer(PreTrainedTokenizer):
         return self._bpe.encode(text, add_special_tokens=False).tokens
 
     def _convert_token_to_id(self, token: str) -> int:
-        if token in self._special_texts:
-            return self._special_texts[token]
+        if token in self.special_ids:
+            return self.special_ids[token]
         if token not in self._vocab:
             raise KeyError(f"{token!r} is not in the GLM-4 vocabulary")
         return self._vocab[token]
@@ -260,7 +246,7 @@ class GLM4Tokenizer(PreTrainedTokenizer):
             if match.group().startswith(DATA_OPEN):
                 continue
             ids += self.encode_text(_unmark(rendered[start:match.start()]))
-            ids.append(self._special_texts[match.group()])
+            ids.append(self.special_ids[match.group()])
             start = match.end()
         return ids + self.encode_text(_unmark(rendered[start:]))
 
@@ -295,19 +281,6 @@ class GLM4Tokenizer(PreTrainedTokenizer):
         if clean is None:
             clean = self.clean_up_tokenization_spaces
         return self.clean_up_tokenization(text) if clean else text
-
-    def _pad(
-        self,
-        encoded_inputs,
-        max_length: int | None = None,
-        padding_strategy: PaddingStrategy = PaddingStrategy.DO_NOT_PAD,
-        pad_to_multiple_of: int | None = None,
-        padding_side: str | None = None,
-        return_attention_mask: bool | None = None,
-    ) -> dict:
-        return left_pad(
-            encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side
-        )
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + TOKENIZER_FILE)

@@ -70,12 +70,33 @@ def left_pad(
     return encoded_inputs
 
 
-class _SentencePieceGLMTokenizer(PreTrainedTokenizer):
-    """What ChatGLM2 and ChatGLM3 share: SentencePiece, the `[gMASK] sop` prefix, left padding."""
+class GLMFamilyTokenizer(PreTrainedTokenizer):
+    """What every ChatGLM2/3 and GLM-4 tokenizer shares: its special tokens by text (`special_ids`, set by
+    the subclass), and the official left padding with 1D positions (`left_pad`)."""
 
-    vocab_files_names = {"vocab_file": SENTENCEPIECE_FILE}
     model_input_names = ["input_ids", "attention_mask", "position_ids"]
     padding_side = "left"
+    special_ids: dict[str, int]
+
+    def get_command(self, token: str) -> int:
+        """The id of a special token by its official text (`"[gMASK]"`, `"sop"`, `"<|user|>"`)."""
+        if token not in self.special_ids:
+            raise KeyError(f"{token!r} is not a special token of {type(self).__name__}")
+        return self.special_ids[token]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(self.special_ids.values())
+
+    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
+             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
+        return left_pad(encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side)
+
+
+class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
+    """What ChatGLM2 and ChatGLM3 share: SentencePiece, the `[gMASK] sop` prefix."""
+
+    vocab_files_names = {"vocab_file": SENTENCEPIECE_FILE}
     specials: tuple[str, ...] = GLM_SPECIALS
     decodes_specials: bool = False  # ChatGLM3 renders specials in decode, ChatGLM2 drops them
 
@@ -105,16 +126,6 @@ class _SentencePieceGLMTokenizer(PreTrainedTokenizer):
     def get_vocab(self) -> dict[str, int]:
         pieces = self.sp_model.id_to_piece(list(range(self.sp_model.get_piece_size())))
         return {**{p: i for i, p in enumerate(pieces)}, **self.special_ids}
-
-    def get_command(self, token: str) -> int:
-        """The id of a special token by its official name (`"[gMASK]"`, `"sop"`, `"<|user|>"`)."""
-        if token not in self.special_ids:
-            raise KeyError(f"{token!r} is not a special token of {type(self).__name__}")
-        return self.special_ids[token]
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(self.special_ids.values())
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
         # Officially no added token is split out of text: `</s>`, `<unk>`, `sop` typed stay text.
@@ -167,12 +178,6 @@ class _SentencePieceGLMTokenizer(PreTrainedTokenizer):
             return [int(i in self._special_names) for i in token_ids_0]
         mask = [1, 1] + [0] * len(token_ids_0)
         return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
-
-    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
-             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
-        return left_pad(
-            encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side
-        )
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + SENTENCEPIECE_FILE)

@@ -38,7 +38,7 @@ from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, SamplingOptions
 from .positions import build_position_ids, context_lengths, glm_mask
-from .prefix import PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
+from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
 
 ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
 # Arguments transformers' Auto classes pass along to from_pretrained; meaningless for a local directory.
@@ -162,11 +162,13 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         self.layers = nn.ModuleList(GLMBlock(config, i) for i in range(config.num_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         if config.pre_seq_len is not None:  # P-tuning v2 (what trains is `training.set_trainable`'s decision)
-            self.prefix_encoder = PrefixEncoder(config)
+            width = 2 * config.num_layers * config.hidden_size
+            self.prefix_encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, config.prefix_projection,
+                                                embedding_dim=config.hidden_size)
             for m in self.prefix_encoder.modules():
                 if hasattr(m, "reset_parameters"):
                     m._default_init = True
-            self.prefix_dropout = nn.Dropout(0.1)
+            self.prefix_dropout = nn.Dropout(PREFIX_DROPOUT)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -185,7 +187,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
         n_prefix = cfg.pre_seq_len or 0
         if n_prefix and (cache is None or cache.get_seq_length() == 0):
-            prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg, b, x.dtype)
+            prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg.num_layers, cfg.num_attention_heads,
+                                       cfg.head_dim, b, x.dtype)
             if cache is None and not use_cache:  # a training forward: the prefix, and nothing kept
                 cache = PrefixCache(prefix)
             else:
@@ -295,7 +298,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
             raise TypeError(f"from_pretrained got unknown arguments: {', '.join(sorted(unknown))}")
         for key, value in overrides.items():
             setattr(config, key, value)
-        dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config)
+        dtype = checkpoint.resolve_dtype(dtype if dtype is not None else torch_dtype, config.dtype)
         stored_bits = config.quantization_bit
         quantization.check_bits(stored_bits, quantization_bit, path)
         config.name_or_path = str(path.resolve())  # where it came from: peft records it as an adapter's base
@@ -436,16 +439,6 @@ def cached_tokens(cache: Cache | None, config: ChatGLMConfig) -> int:
     return 0 if cache is None else cache.get_seq_length() - (config.pre_seq_len or 0)
 
 
-def _resolve_dtype(dtype, config: ChatGLMConfig) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if dtype == "auto":
-        dtype = config.dtype or "float32"
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}")
-        dtype = getattr(torch, dtype)
-    return dtype
 
 
 def _pad_mask_2d(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,196 @@
+"""A batch-1 INT4 matmul for CPUs without AVX-512, reading the official packed INT4 weight as it is.
+
+On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound (it unpacks through a
+lookup and reduces in bf16 groups): INT4 decoded slower than INT8 there (bench/results/scale.json).
+`matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
+even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
+intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, sign-extend to 8 int32 lanes, take
+the high nibble by an arithmetic shift and the low one by shifting it to the top and back, convert to
+fp32 and FMA with the even and odd columns of x, kept in fp32; the row's sum times its scale is the
+dequantized math (`q * scale` is exact in fp32), fp32 throughout, so more exact than the bf16 kernels.
+Four rows share each load of x. With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column chunk
+of the weight is unpacked once into an fp32 buffer (8 KB, L1) that every row of x then reads.
+
+Measured (bench/int4_kernels.py, results/int4_kernels.json): under AVX2 it beats int8pack at batch 1
+on ChatGLM-6B's shapes; under AVX-512 PyTorch's int4pack is faster, so `available()` is True only where
+PyTorch's CPU capability is AVX2. No repacking: the official weight is the only copy, and nothing
+ISA-dependent is ever built from it.
+
+The kernel is compiled once per machine at first use (`torch.utils.cpp_extension.load_inline`, about
+20-40 s; cached under ~/.cache/torch_extensions) with the same compiler torch.compile's C++ backend
+needs. Where it cannot be built (no compiler, no ninja), `available()` is False (with one warning)
+and QuantizedLinear keeps PyTorch's int4pack kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+import warnings
+
+import torch
+from torch import Tensor
+
+# Rows of x up to which each row unpacks the weight in registers; above, chunks are unpacked once into
+# an fp32 buffer shared by every row (measured crossover: bench/int4_kernels.py `--rows`).
+DIRECT_ROWS = 2
+# Rows of x up to which QuantizedLinear routes INT4 here (its `max_kernel_rows` caps it too).
+MAX_ROWS = 32
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t R = 4;    // weight rows per block: they share each load of x
+constexpr int64_t C = 256;  // packed bytes (512 columns) per buffered chunk
+
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// 8 packed bytes -> (high nibbles, low nibbles) as 8 fp32 each, signed
+inline void unpack8(const int8_t* p, __m256& hi, __m256& lo) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 4));
+  lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+}
+
+// rows [n, n + R) for every row m of x: unpacked in registers, once per row of x
+void block_direct(const float* xe, const float* xo, const int8_t* w, const float* scale, float* y,
+                  int64_t M, int64_t K2, int64_t N, int64_t n) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* e = xe + m * K2;
+    const float* o = xo + m * K2;
+    __m256 ae[R], ao[R];
+    for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K2; j += 8) {
+      const __m256 ve = _mm256_loadu_ps(e + j), vo = _mm256_loadu_ps(o + j);
+      for (int r = 0; r < R; ++r) {
+        __m256 hi, lo;
+        unpack8(w + (n + r) * K2 + j, hi, lo);
+        ae[r] = _mm256_fmadd_ps(ve, hi, ae[r]);
+        ao[r] = _mm256_fmadd_ps(vo, lo, ao[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = hsum(_mm256_add_ps(ae[r], ao[r])) * scale[n + r];
+  }
+}
+
+// rows [n, n + R) for every row m of x: each chunk unpacked once into an fp32 buffer
+void block_buffered(const float* xe, const float* xo, const int8_t* w, const float* scale, float* y,
+                    int64_t M, int64_t K2, int64_t N, int64_t n, float* acc) {
+  alignas(32) float bh[R][C], bl[R][C];
+  for (int64_t i = 0; i < M * R; ++i) acc[i] = 0.f;
+  for (int64_t j0 = 0; j0 < K2; j0 += C) {
+    const int64_t len = std::min(C, K2 - j0);
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < len; j += 8) {
+        __m256 hi, lo;
+        unpack8(w + (n + r) * K2 + j0 + j, hi, lo);
+        _mm256_store_ps(bh[r] + j, hi);
+        _mm256_store_ps(bl[r] + j, lo);
+      }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* e = xe + m * K2 + j0;
+      const float* o = xo + m * K2 + j0;
+      __m256 ae[R], ao[R];
+      for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < len; j += 8) {
+        const __m256 ve = _mm256_loadu_ps(e + j), vo = _mm256_loadu_ps(o + j);
+        for (int r = 0; r < R; ++r) {
+          ae[r] = _mm256_fmadd_ps(ve, _mm256_load_ps(bh[r] + j), ae[r]);
+          ao[r] = _mm256_fmadd_ps(vo, _mm256_load_ps(bl[r] + j), ao[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[m * R + r] += hsum(_mm256_add_ps(ae[r], ao[r]));
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = acc[m * R + r] * scale[n + r];
+}
+
+// xe, xo: fp32 [M, K/2] (the even and odd columns of x); w: int8 [N, K/2] (official INT4);
+// scale: fp32 [N] -> fp32 [M, N]
+at::Tensor rows_mm(const at::Tensor& xe, const at::Tensor& xo, const at::Tensor& w, const at::Tensor& scale,
+                   int64_t direct_rows) {
+  TORCH_CHECK(xe.scalar_type() == at::kFloat && xo.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat
+              && w.scalar_type() == at::kChar, "rows_mm: fp32 x halves and scale, int8 weight");
+  TORCH_CHECK(xe.is_contiguous() && xo.is_contiguous() && w.is_contiguous() && scale.is_contiguous(), "rows_mm: contiguous");
+  const int64_t M = xe.size(0), K2 = xe.size(1), N = w.size(0);
+  TORCH_CHECK(xo.size(0) == M && xo.size(1) == K2 && w.size(1) == K2 && scale.numel() == N, "rows_mm: shapes");
+  TORCH_CHECK(K2 % 8 == 0 && N % R == 0, "rows_mm: in/2 % 8 and out % 4 must be 0");
+  at::Tensor y = at::empty({M, N}, xe.options());
+  const float* pe = xe.data_ptr<float>();
+  const float* po = xo.data_ptr<float>();
+  const int8_t* pw = w.data_ptr<int8_t>();
+  const float* ps = scale.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, N / R, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(M <= direct_rows ? 0 : M * R);
+    for (int64_t b = b0; b < b1; ++b) {
+      if (M <= direct_rows) block_direct(pe, po, pw, ps, py, M, K2, N, b * R);
+      else block_buffered(pe, po, pw, ps, py, M, K2, N, b * R, acc.data());
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chatglm_int4_cpu, lib) {
+  lib.def("rows_mm(Tensor xe, Tensor xo, Tensor w, Tensor scale, int direct_rows) -> Tensor", &rows_mm);
+}
+"""
+
+
+@functools.cache
+def _build() -> bool:
+    """Compile and load the kernel (once per process; the build itself is cached on disk)."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load_inline(
+            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False,
+            no_implicit_headers=True,
+        )
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
+        warnings.warn(f"chatglm_tune.int4_cpu: the AVX2 INT4 kernel could not be built ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using PyTorch's int4pack kernel")
+        return False
+    return True
+
+
+def supported_cpu() -> bool:
+    """True on x86-64 CPUs where PyTorch's kernels run at the AVX2 level (no AVX-512): where this kernel
+    beats int4pack. `ATEN_CPU_CAPABILITY=avx2` emulates such a CPU on an AVX-512 one."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `matmul` runs here: an AVX2-only CPU (`supported_cpu`) and a kernel that builds."""
+    return supported_cpu() and _build()
+
+
+def usable(in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether a layer of this shape and format can use `matmul` (per-row scales, 16 | in, 4 | out)."""
+    return group_size == 0 and in_features % 16 == 0 and out_features % 4 == 0
+
+
+def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, direct_rows: int = DIRECT_ROWS) -> Tensor:
+    """(M, in) @ dequant(W).T -> (M, out) in x's dtype, computed in fp32, for official INT4 `weight` int8
+    `[out, in/2]` and per-row `weight_scale` `[out]` (check `available()` and `usable` first)."""
+    x = x2d.float()
+    xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (M, in/2) each: the high and low nibbles' columns
+    y = torch.ops.chatglm_int4_cpu.rows_mm(xe, xo, weight.contiguous(), weight_scale.float().contiguous(), direct_rows)
+    return y.to(x2d.dtype)
