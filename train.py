@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_LR, LOAD_DTYPES, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES, TINY_DEMO, TUNINGS,
+    BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
+    TINY_DEMO, TUNINGS,
     EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -43,11 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--lora-dropout", type=float, default=L.dropout, help="LoRA dropout (default %(default)s)")
     g("--lora-target", nargs="+", default=list(L.target), help=f"Linears that get adapters (default {' '.join(L.target)})")
     g = p.add_argument_group("optimisation").add_argument
-    g("--epochs", type=int, help=f"passes over the train file (default {D.epochs})")
-    g("--max-steps", type=int, help="optimizer steps; overrides --epochs (default: from --epochs)")
-    g("--batch-size", type=int, help=f"rows per process per micro-batch (default {D.batch_size})")
-    g("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per optimizer step (default %(default)s)")
-    g("--lr", type=float, help=f"peak learning rate (default by tuning: {DEFAULT_LR})")
+    g("--max-steps", type=int, help="optimizer steps (default: --epochs, else the budget of the method, "
+      f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['budget_steps']})")
+    g("--epochs", type=int, help="passes over the train file, instead of a number of steps (default: none)")
+    g("--patience", type=int, default=D.patience, help="with --dev-file: stop after this many evaluations without a better "
+      "checkpoint (dev F1, ties by dev loss); 0 = never (default %(default)s)")
+    g("--batch-size", type=int, help="rows per process per micro-batch (default by method: "
+      f"{ {t: d['batch_size'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['batch_size']})")
+    g("--grad-accum", type=int, help="micro-batches per optimizer step (default by method: "
+      f"{ {t: d['grad_accum'] for t, d in METHOD_DEFAULTS.items()} })")
+    g("--lr", type=float, help=f"peak learning rate (default by method: {DEFAULT_LR}; the tiny demo: {TINY_DEMO['lr']})")
     g("--weight-decay", type=float, help=f"AdamW weight decay (default {D.weight_decay})")
     g("--warmup-ratio", type=float, help=f"share of steps warming up (default {D.warmup_ratio})")
     g("--schedule", choices=SCHEDULES, default=D.schedule, help="decay after warmup (default %(default)s)")
@@ -58,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "new or empty unless --resume or --overwrite")
     g("--resume", action="store_true", help="continue the stopped run in --output-dir")
     g("--overwrite", action="store_true", help="replace the run in --output-dir (never the base model)")
-    g("--eval-every", type=int, help="evaluate and checkpoint every N steps (default once an epoch)")
+    g("--eval-every", type=int, help=f"evaluate and checkpoint every N steps (default: {EVALUATIONS} times over the run)")
     g("--save-every", type=int, help="also save the resumable state every N steps (default: at evaluations)")
     g("--eval-batch-size", type=int, default=D.eval_batch_size, help="dev rows decoded together (default %(default)s)")
     g("--log-every", type=int, default=D.log_every, help="log the mean loss every N steps (default %(default)s)")
@@ -72,18 +78,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _resolve(args, names, preset, defaults) -> dict:
     """Each option as given on the command line, else the preset's (tiny demo, base run), else the default."""
-    return {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(defaults, k)) for k in names}
+    given = {k: getattr(args, k, None) for k in names}
+    return {k: v if v is not None else preset.get(k, getattr(defaults, k)) for k, v in given.items()}
 
 
 def options_from(args, base_run: dict) -> TrainOptions:
     """The run's options; tuning a train.py run, its prompt and lengths are the defaults (the base learned that format)."""
     demo = TINY_DEMO if args.model == "tiny" and args.tuning == "full" else {}
     return TrainOptions(
-        **_resolve(args, ("epochs", "batch_size", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
+        **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
+        epochs=args.epochs, patience=args.patience,
         tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
         lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target)),
         encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E)),
-        max_steps=args.max_steps, grad_accum=args.grad_accum, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
+        max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,

@@ -1,9 +1,24 @@
-"""The loss / dev-F1 curve of a run, drawn from its metrics.jsonl into a PNG."""
+"""The loss / dev-F1 curve of a run, drawn from its metrics.jsonl into a PNG.
+
+Each logged train loss is the mean over its logging window; the raw values are drawn faint and an
+exponential moving average (`smooth`) over them, so the trend reads through the step-to-step swings.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+SMOOTHING = 0.9  # weight of the running average: the line follows about the last 10 logged values
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average, debiased at the start (as TensorBoard's smoothing)."""
+    out, running = [], 0.0
+    for i, value in enumerate(values, start=1):
+        running = weight * running + (1 - weight) * value
+        out.append(running / (1 - weight**i))
+    return out
 
 
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
@@ -14,10 +29,12 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     entries = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     train = [(e["step"], e["loss"]) for e in entries if "loss" in e]
-    evals = [(e["step"], e["eval"]["micro"]["f1"], e["eval"]["dev_loss"]) for e in entries if "eval" in e and e["eval"]["micro"]]
+    evals = [(e["step"], e["eval"]["micro"]["f1"], e["eval"]["dev_loss"]) for e in entries if "eval" in e and e["eval"].get("micro")]
     fig, loss_ax = plt.subplots(figsize=(7, 4))
     if train:
-        loss_ax.plot(*zip(*train), label="train loss", color="tab:blue")
+        steps, losses = zip(*train)
+        loss_ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss (each log)")
+        loss_ax.plot(steps, smooth(list(losses)), color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
     if evals:
         loss_ax.plot([s for s, _, _ in evals], [l for _, _, l in evals], "o--", label="dev loss", color="tab:cyan")
         f1_ax = loss_ax.twinx()

@@ -170,16 +170,22 @@ def _build() -> bool:
     return True
 
 
-def supported_cpu() -> bool:
-    """True on x86-64 CPUs where PyTorch's kernels run at the AVX2 level (no AVX-512): where this kernel
-    beats int4pack. `ATEN_CPU_CAPABILITY=avx2` emulates such a CPU on an AVX-512 one."""
-    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def compiled() -> bool:
+    """Whether the kernel runs on this CPU (x86-64 with AVX2 and FMA, which PyTorch's AVX2 and AVX512
+    capabilities imply) and has been built: what `matmul` needs, wherever it is faster or not."""
+    return _x86() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _build()
 
 
 @functools.cache
 def available() -> bool:
-    """Whether `matmul` runs here: an AVX2-only CPU (`supported_cpu`) and a kernel that builds."""
-    return supported_cpu() and _build()
+    """Whether QuantizedLinear should use `matmul`: PyTorch's kernels run at the AVX2 level here (no
+    AVX-512, where this kernel beats int4pack; `ATEN_CPU_CAPABILITY=avx2` emulates such a CPU on an AVX-512
+    one) and the kernel builds. Checked before any build, so AVX-512 machines never compile it."""
+    return _x86() and torch.backends.cpu.get_cpu_capability() == "AVX2" and compiled()
 
 
 def usable(in_features: int, out_features: int, group_size: int) -> bool:
@@ -189,7 +195,7 @@ def usable(in_features: int, out_features: int, group_size: int) -> bool:
 
 def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, direct_rows: int = DIRECT_ROWS) -> Tensor:
     """(M, in) @ dequant(W).T -> (M, out) in x's dtype, computed in fp32, for official INT4 `weight` int8
-    `[out, in/2]` and per-row `weight_scale` `[out]` (check `available()` and `usable` first)."""
+    `[out, in/2]` and per-row `weight_scale` `[out]` (check `compiled()` or `available()`, and `usable`, first)."""
     x = x2d.float()
     xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (M, in/2) each: the high and low nibbles' columns
     y = torch.ops.chatglm_int4_cpu.rows_mm(xe, xo, weight.contiguous(), weight_scale.float().contiguous(), direct_rows)

@@ -34,14 +34,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from . import cpu_matmul, heap
+from . import cpu_matmul, heap, int4_cpu
 
 # The four Linears of every GLM block (spec section 6).
 TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
-KERNELS = ("auto", "int8pack", "int4pack", "dequant")
+KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "dequant")  # int4cpu: chatglm_tune.int4_cpu (issue 15)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +250,8 @@ class _QuantizedMatmul(torch.autograd.Function):
         x2d = x.reshape(-1, layer.in_features)
         if kernel == "int8pack":
             y = _int8pack_mm(x2d, layer.weight, layer.weight_scale)
+        elif kernel == "int4cpu":  # issue 15: official INT4 read as it is, fp32 math (AVX2-only CPUs)
+            y = int4_cpu.matmul(x2d, layer.weight, layer.weight_scale)
         elif kernel == "int4pack":
             packed, gs, scale_and_zeros = layer._int4pack()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned_bf16(x2d), packed, gs, scale_and_zeros)
@@ -365,11 +367,14 @@ class QuantizedLinear(nn.Module):
             "int4pack": self.bits == 4
             and self.out_features % 16 == 0
             and (self.group_size or self.in_features) % 32 == 0,
+            # issue 15: where it beats int4pack (AVX2-only CPUs) and the official weight is still held
+            "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
+            and not self.holds_int4pack_only and int4_cpu.available(),
         }
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
         if self.kernel == "auto":
-            fast = "int8pack" if self.bits == 8 else "int4pack"
+            fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"  # issue 15
             return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
         return self.kernel if usable.get(self.kernel, True) else "dequant"
 

@@ -31,7 +31,7 @@ from .generation import generate
 from .lora import apply_lora
 from .metrics import SPOScorer
 from .model import ChatGLMForConditionalGeneration
-from .options import DEFAULT_LR, TINY_DEMO, TUNINGS, TrainOptions  # noqa: F401  (the names train.py and benches read here)
+from .options import EVALUATIONS, METHOD_DEFAULTS, TrainOptions
 from .tokenizer import ChatGLMTokenizer, train_tokenizer
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -130,15 +130,15 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     if not train_records:
         raise TrainingError("no training records: nothing to train on")
     accelerator = Accelerator(
-        mixed_precision=options.mixed_precision, gradient_accumulation_steps=options.grad_accum,
+        mixed_precision=options.mixed_precision, gradient_accumulation_steps=options.accumulation,
         log_with="tensorboard" if options.tensorboard else None, project_dir=str(output_dir),
     )
     set_seed(options.seed)
     dataset = EncodedDataset.from_records(train_records, tokenizer, options.encoding)
     loader = _train_loader(dataset, SpecialIds.of(tokenizer), options)
     params = [p for p in model.parameters() if p.requires_grad]
-    steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes / options.grad_accum)
-    total_steps = options.max_steps or options.epochs * steps_per_epoch
+    steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes / options.accumulation)
+    total_steps = options.total_steps(steps_per_epoch)
     optimizer, scheduler = optimizer_and_schedule(params, options, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     _keep_only_trainable_in_state(accelerator)
@@ -147,16 +147,17 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     if resume:
         progress = _resume(accelerator, output_dir, run_args)
     else:
-        progress = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "best_f1": None}
+        progress = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "best_f1": None, "best_loss": None, "since_best": 0}
         _start_run(accelerator, output_dir, run_args, dataset, bad_records)
     accelerator.print(start_summary(accelerator.unwrap_model(model), dataset, dev_records, bad_records, options,
-                                    total_steps, steps_per_epoch * accelerator.num_processes * options.grad_accum))
+                                    total_steps, steps_per_epoch * accelerator.num_processes * options.accumulation))
     if options.tensorboard:
         accelerator.init_trackers("tensorboard")
     started = time.time()
     _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
           total_steps, steps_per_epoch, output_dir)
-    summary = {"step": progress["step"], "best_f1": progress["best_f1"], "seconds": round(time.time() - started, 1)}
+    summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
+               "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
     if accelerator.is_main_process:
         from .curves import plot_curves
@@ -167,10 +168,10 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
 
 
 def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLoader:
-    sampler = LengthGroupedSampler([len(e.input_ids) for e in dataset], options.batch_size, options.seed)
+    sampler = LengthGroupedSampler([len(e.input_ids) for e in dataset], options.rows_per_batch, options.seed)
     # Its own generator: creating an iterator then draws no number from the global RNG (dropout's),
     # so a resumed run, which creates one more iterator, keeps the same dropout masks.
-    return DataLoader(dataset, batch_size=options.batch_size, sampler=sampler, collate_fn=partial(collate_train, special=special),
+    return DataLoader(dataset, batch_size=options.rows_per_batch, sampler=sampler, collate_fn=partial(collate_train, special=special),
                       generator=torch.Generator().manual_seed(options.seed))
 
 
@@ -179,10 +180,10 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
     """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
     bar = tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train")
-    eval_due = options.eval_every or steps_per_epoch
+    eval_due = options.eval_every or max(1, total_steps // EVALUATIONS)
     window = []  # micro-batch losses since the last log line
     model.train()
-    while progress["step"] < total_steps:
+    while progress["step"] < total_steps and not progress.get("stopped_early"):
         batches = loader
         if progress["batches_in_epoch"]:  # resuming mid-epoch
             batches = accelerator.skip_first_batches(loader, progress["batches_in_epoch"])
@@ -213,6 +214,10 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
             if step % eval_due == 0 or step == total_steps:
                 _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
                 model.train()
+                if dev_records and options.patience and progress["since_best"] >= options.patience:
+                    bar.write(f"step {step}: no better dev checkpoint in {options.patience} evaluations, stopping early")
+                    progress["stopped_early"] = True
+                    break
             elif options.save_every and step % options.save_every == 0:
                 _save_state(accelerator, output_dir, progress)
             if step >= total_steps:
@@ -236,20 +241,25 @@ def _start_run(accelerator, output_dir: Path, run_args: dict, dataset, bad_recor
 
 def start_summary(model, dataset, dev_records, bad_records: dict | None, options: TrainOptions, total_steps: int,
                   batches_per_epoch: int) -> str:
-    """The lines printed before the first step: data, truncation, trainable parameters, steps."""
+    """The lines printed before the first step: data, truncation, trainable parameters, steps, stopping."""
     skipped = {k: (v or {}).get("skipped", 0) for k, v in (bad_records or {}).items()}
     cut = dataset.truncation_counts()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    epochs = total_steps * options.grad_accum * options.batch_size / max(len(dataset), 1)
+    epochs = total_steps * options.accumulation * options.rows_per_batch / max(len(dataset), 1)
+    accumulated = f" x {options.accumulation} accumulated" if options.accumulation > 1 else ""
+    stopping = (f"after {options.patience} evaluations without a better dev checkpoint" if options.patience and dev_records
+                else "off")
+    method = ", ".join(f"{k} {v:g}" for k, v in METHOD_DEFAULTS[options.tuning].items())
     return "\n".join([
         f"data: {len(dataset)} training records ({skipped.get('train', 0)} skipped), {len(dev_records)} dev records "
         f"({skipped.get('dev', 0)} skipped)",
         f"truncated: {cut['source_truncated']} texts longer than max_src_len={options.encoding.max_src_len}, "
         f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}",
         f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable",
-        f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches of {options.batch_size}), "
-        f"lr {options.learning_rate:g} {options.schedule}",
+        f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
+        f"rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
+        f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}",
     ])
 
 
@@ -289,10 +299,11 @@ def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, p
     improved = True
     if dev_records:
         scores = evaluate(unwrapped, tokenizer, dev_records, options, accelerator)
-        f1 = scores["micro"]["f1"]
-        improved = progress["best_f1"] is None or f1 > progress["best_f1"]
+        f1, loss = scores["micro"]["f1"], scores["dev_loss"]
+        improved = is_better(f1, loss, progress["best_f1"], progress["best_loss"])
+        progress["since_best"] = 0 if improved else progress["since_best"] + 1
         if improved:
-            progress["best_f1"] = f1
+            progress["best_f1"], progress["best_loss"] = f1, loss
         log.write({"step": progress["step"], "epoch": progress["epoch"], "eval": scores})
         if accelerator.is_local_main_process:  # on its own line above the progress bar
             bar.write(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, "
@@ -318,6 +329,11 @@ def _save_state(accelerator, output_dir, progress) -> None:
     if accelerator.is_main_process:
         rundir.replace_dir(lambda t: tmp.rename(t), output_dir / rundir.STATE_DIR)
     accelerator.wait_for_everyone()
+
+
+def is_better(f1: float, loss: float, best_f1: float | None, best_loss: float | None) -> bool:
+    """A checkpoint beats the best so far on dev micro-F1, a tie (all 0.0 early on, say) on lower dev loss."""
+    return best_f1 is None or f1 > best_f1 or (f1 == best_f1 and loss < best_loss)
 
 
 def _keep_only_trainable_in_state(accelerator) -> None:
@@ -349,16 +365,19 @@ def _keep_only_trainable_in_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
+LENGTH_OPTIONS = ("epochs", "max_steps", "budget_steps", "patience")  # a resumed run may be made longer or shorter
+
+
 def _resume(accelerator, output_dir, run_args) -> dict:
     saved_args = rundir.read_run_args(output_dir)
     state = rundir.state_dir(output_dir)
     if saved_args is None or state is None:
         raise TrainingError(f"{output_dir}: nothing to resume (no {rundir.RUN_ARGS} or {rundir.STATE_DIR}/)")
-    changed = {k for k in run_args if k not in ("epochs", "max_steps") and saved_args.get(k) != run_args[k]}
+    changed = {k for k in run_args if k not in LENGTH_OPTIONS and saved_args.get(k) != run_args[k]}
     if changed:
         raise TrainingError(f"--resume with options that differ from the stopped run: {', '.join(sorted(changed))}")
     accelerator.load_state(str(state))
-    progress = json.loads((state / "progress.json").read_text())
+    progress = {"best_loss": None, "since_best": 0, **json.loads((state / "progress.json").read_text())}
     accelerator.print(f"resuming {output_dir} at step {progress['step']} (epoch {progress['epoch']})")
     return progress
 

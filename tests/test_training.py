@@ -179,3 +179,53 @@ def test_two_processes_follow_the_single_process_loss_curve(base_dir, train_file
     assert len(one) == len(two) == 4
     # DDP averages the two halves' mean losses, one process the mean over all labelled tokens: close, not equal.
     assert all(abs(a - b) < 0.05 * a for a, b in zip(one, two)), (one, two)
+
+
+# ----------------------------------------------------------------------------------------------
+# How long a run trains: early stopping, the best checkpoint, the logged loss
+
+
+def test_a_better_checkpoint_has_a_higher_f1_or_the_same_f1_and_a_lower_loss():
+    from chatglm_tune.training import is_better
+
+    assert is_better(0.0, 5.0, None, None)
+    assert is_better(0.5, 9.0, 0.4, 1.0)
+    assert is_better(0.0, 4.0, 0.0, 5.0)  # all F1 0.0 early on: the lower dev loss wins
+    assert not is_better(0.0, 5.0, 0.0, 5.0) and not is_better(0.3, 0.1, 0.4, 9.0)
+
+
+def _entries(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_early_stopping_after_patience_evaluations_without_a_better_checkpoint(base_dir, train_file, tmp_path):
+    # lr 0: the first evaluation sets the best and no later one beats it
+    flags = ["--tuning", "lora", "--lr", "0", "--eval-every", "1", "--dev-file", str(train_file), "--eval-batch-size", "48",
+             "--max-len", "136"]
+    _run(base_dir, train_file, tmp_path / "run", *flags, "--max-steps", "10", "--patience", "2")
+    entries = _entries(tmp_path / "run")
+    assert [e["step"] for e in entries if "eval" in e] == [1, 2, 3]  # two evaluations no better: stop
+    assert entries[-1]["final"]["step"] == 3 and entries[-1]["final"]["stopped_early"]
+    _run(base_dir, train_file, tmp_path / "patient", *flags, "--max-steps", "4", "--patience", "0")
+    entries = _entries(tmp_path / "patient")
+    assert [e["step"] for e in entries if "eval" in e] == [1, 2, 3, 4] and not entries[-1]["final"]["stopped_early"]
+
+
+def test_ties_of_dev_f1_keep_the_checkpoint_with_the_lower_dev_loss(base_dir, train_file, tmp_path):
+    out = tmp_path / "run"
+    _run(base_dir, train_file, out, "--tuning", "full", "--lr", "1e-3", "--max-steps", "4", "--eval-every", "1",
+         "--dev-file", str(train_file), "--eval-batch-size", "48", "--max-len", "136", "--patience", "0")
+    entries = _entries(out)
+    evals = [(e["eval"]["micro"]["f1"], e["eval"]["dev_loss"]) for e in entries if "eval" in e]
+    assert len({f1 for f1, _ in evals}) == 1, evals  # a random tiny model extracts nothing yet: F1 ties throughout
+    final = entries[-1]["final"]
+    assert final["best_dev_loss"] == min(loss for _, loss in evals) and final["best_f1"] == evals[0][0]
+
+
+def test_the_logged_loss_is_the_mean_over_its_logging_window(base_dir, train_file, tmp_path):
+    every_step = _losses(_run(base_dir, train_file, tmp_path / "a", "--tuning", "ptuning", "--pre-seq-len", "4",
+                              "--max-steps", "6", "--log-every", "1"))
+    windows = _run(base_dir, train_file, tmp_path / "b", "--tuning", "ptuning", "--pre-seq-len", "4", "--max-steps", "6",
+                   "--log-every", "3")
+    logged = [e["loss"] for e in windows if "loss" in e]
+    assert logged == pytest.approx([sum(every_step[:3]) / 3, sum(every_step[3:]) / 3], rel=1e-6)
