@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
+    p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
+                   "else the SPO shapes)")
+    p.add_argument("--response-column", help="with --prompt-column: the field holding the gold answer (default: the run's)")
+    p.add_argument("--history-column", help="with --prompt-column: earlier [query, response] turns (default: the run's)")
     p.add_argument("--on-bad-record", choices=BAD_RECORD_MODES, default=BAD_RECORD_MODES[0],
                    help="stop at an unusable record, or skip and count it (default %(default)s)")
     p.add_argument("--quantization-bit", type=int, choices=QUANTIZATION_BITS,
@@ -111,8 +115,10 @@ def run_file(args, settings, source) -> None:
     from chatglm_tune import extraction
     from chatglm_tune.checkpoint import atomic_write
     from chatglm_tune.data import read_records
+    from chatglm_tune.options import DataColumns
 
-    records, bad = read_records(args.input, on_bad_record=args.on_bad_record)
+    given = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
+    records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=given if given.active else source.columns)
     if bad.total:
         print(bad.summary(), file=sys.stderr)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import sys
 from chatglm_tune.options import (
     BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
     TINY_DEMO, TUNINGS,
-    EncodingOptions, LoraOptions, TrainOptions,
+    DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
 D, L, E = TrainOptions(), LoraOptions(), EncodingOptions()
@@ -25,7 +25,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--dev-file", help="dev records: loss and triple P/R/F1 at each evaluation, best checkpoint by F1 (default: none)")
     g("--on-bad-record", choices=BAD_RECORD_MODES, default=BAD_RECORD_MODES[0],
       help="stop at a bad record, or skip and count it (default %(default)s)")
-    g("--prompt", help=f"instruction put before each text (default: the base run's, else {E.prompt!r})")
+    g("--prompt-column", help="prompt/response data (the official P-tuning shape, e.g. AdvertiseGen's content): the "
+      "field holding the prompt; answers are then scored by BLEU-4 / ROUGE (default: the SPO shapes)")
+    g("--response-column", help="with --prompt-column: the field holding the answer (e.g. summary)")
+    g("--history-column", help="with --prompt-column: the field holding earlier [query, response] turns (default: none)")
+    g("--prompt", help=f"instruction put before each text (default: the base run's, else {E.prompt!r}; with "
+      "--prompt-column, none)")
     g("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
     g("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
     g = p.add_argument_group("model").add_argument
@@ -85,13 +90,16 @@ def _resolve(args, names, preset, defaults) -> dict:
 def options_from(args, base_run: dict) -> TrainOptions:
     """The run's options; tuning a train.py run, its prompt and lengths are the defaults (the base learned that format)."""
     demo = TINY_DEMO if args.model == "tiny" and args.tuning == "full" else {}
+    columns = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
+    if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
+        base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}
     return TrainOptions(
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
         epochs=args.epochs, patience=args.patience,
         tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
         lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target)),
         encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E)),
-        max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
+        columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
@@ -100,12 +108,13 @@ def options_from(args, base_run: dict) -> TrainOptions:
     )
 
 
-def read_data(args):
+def read_data(args, columns: DataColumns):
     """(train records, dev records, bad-record reports); an error naming the file when nothing is left to train on."""
     from chatglm_tune.data import read_records
 
-    train_records, bad = read_records(args.train_file, on_bad_record=args.on_bad_record)
-    dev_records, dev_bad = read_records(args.dev_file, on_bad_record=args.on_bad_record) if args.dev_file else ([], None)
+    read = dict(on_bad_record=args.on_bad_record, columns=columns)
+    train_records, bad = read_records(args.train_file, **read)
+    dev_records, dev_bad = read_records(args.dev_file, **read) if args.dev_file else ([], None)
     if not train_records:
         skipped = f" ({bad.summary()})" if bad.total else ""
         raise ValueError(f"{args.train_file}: no training records{skipped}")
@@ -123,7 +132,7 @@ def main(argv=None) -> int:
         base = None if args.model == "tiny" else rundir.require_model_dir(args.model)
         rundir.prepare_output_dir(args.output_dir, base=base, resume=args.resume, overwrite=args.overwrite)
         options = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
-        train_records, dev_records, bad_records = read_data(args)
+        train_records, dev_records, bad_records = read_data(args, options.columns)
     except (ValueError, FileNotFoundError) as e:  # RecordError and RunDirectoryError included
         return fail(e)
     from chatglm_tune import heap
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, TrainingError) as e:
         return fail(e)
     f1 = "n/a" if summary["best_f1"] is None else f"{summary['best_f1']:.3f}"
-    print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev micro-F1 {f1}, model in {args.output_dir}")
+    print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {f1}, model in {args.output_dir}")
     return 0
 
 

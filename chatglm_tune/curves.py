@@ -29,7 +29,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 
     entries = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     train = [(e["step"], e["loss"]) for e in entries if "loss" in e]
-    evals = [(e["step"], e["eval"]["micro"]["f1"], e["eval"]["dev_loss"]) for e in entries if "eval" in e and e["eval"].get("micro")]
+    evals = [(e["step"], e["eval"]["score"], e["eval"]["dev_loss"]) for e in entries if e.get("eval", {}).get("score") is not None]
     fig, loss_ax = plt.subplots(figsize=(7, 4))
     if train:
         steps, losses = zip(*train)
@@ -38,8 +38,8 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     if evals:
         loss_ax.plot([s for s, _, _ in evals], [l for _, _, l in evals], "o--", label="dev loss", color="tab:cyan")
         f1_ax = loss_ax.twinx()
-        f1_ax.plot([s for s, _, _ in evals], [f for _, f, _ in evals], "s-", label="dev micro-F1", color="tab:red")
-        f1_ax.set_ylabel("dev micro-F1")
+        f1_ax.plot([s for s, _, _ in evals], [f for _, f, _ in evals], "s-", label="dev score", color="tab:red")
+        f1_ax.set_ylabel("dev score (micro-F1, or ROUGE-L / 100)")
         f1_ax.set_ylim(0, 1)
         f1_ax.legend(loc="center right")
     loss_ax.set_xlabel("optimizer step")

@@ -42,7 +42,7 @@ from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 
-from .options import EncodingOptions
+from .options import DataColumns, EncodingOptions
 from .positions import build_position_ids
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch CrossEntropyLoss default)
@@ -68,7 +68,8 @@ class Triple:
 
 @dataclass(frozen=True)
 class SPORecord:
-    """A text and its gold triples (`None` when the input has no gold answer, `()` for "no triple").
+    """A text and its gold triples (`None` when the input has no gold answer, `()` for "no triple"), or,
+    for prompt/response data (`DataColumns`), a free-text gold `response` and no triples.
 
     Gold triples keep their order and duplicates as written; metrics use set semantics.
     `source` says where the record came from (`file:line` or `file[index]`).
@@ -77,9 +78,12 @@ class SPORecord:
     text: str
     triples: tuple[Triple, ...] | None
     source: str = ""
+    response: str | None = None
 
     @property
     def answer(self) -> str | None:
+        if self.response is not None:
+            return self.response
         return None if self.triples is None else answer_text(self.triples)
 
 
@@ -156,9 +160,10 @@ class BadRecordReport:
 
 
 def read_records(
-    path: str | Path, *, on_bad_record: BadRecordMode = "error"
+    path: str | Path, *, on_bad_record: BadRecordMode = "error", columns: DataColumns = DataColumns()
 ) -> tuple[list[SPORecord], BadRecordReport]:
-    """Read every record of a `.jsonl` or `.json` file (shapes in the module docstring).
+    """Read every record of a `.jsonl` or `.json` file (shapes in the module docstring; with active
+    `columns`, prompt/response objects: `parse_columns`).
 
     `on_bad_record="error"` raises the first `RecordError`; `"skip"` leaves bad records out and
     counts them in the returned report. A `.json` file that is not a JSON array raises either way.
@@ -168,7 +173,7 @@ def read_records(
     records, report = [], BadRecordReport()
     for location, raw in _raw_items(Path(path)):
         try:
-            records.append(parse_record(raw, location))
+            records.append(parse_columns(raw, location, columns) if columns.active else parse_record(raw, location))
         except RecordError as err:
             if on_bad_record == "error":
                 raise
@@ -238,6 +243,36 @@ def parse_record(raw: object, location: Location) -> SPORecord:
         answer = _string_field(raw, "answer", location, required=False)
         triples = None if answer is None else parse_answer(answer, location, "answer")
     return SPORecord(text=text, triples=triples, source=str(location))
+
+
+def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPORecord:
+    """One prompt/response object -> a record whose text is the official P-tuning prompt (`chat_prompt`)
+    and whose answer is the response column (absent: no gold answer)."""
+    if isinstance(raw, _NotJSON):
+        raise RecordError(location, "not_json", raw.message)
+    if not isinstance(raw, dict):
+        raise RecordError(location, "not_object", f"expected a JSON object, got {_type_name(raw)}")
+    query = _text_field(raw, columns.prompt, location)
+    response = _string_field(raw, columns.response, location, required=False) if columns.response else None
+    history = None
+    if columns.history is not None:
+        history = raw.get(columns.history) or []
+        if not (isinstance(history, list) and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                                                  for t in history)):
+            raise RecordError(location, "bad_history", "expected a list of [query, response] string pairs",
+                              field=columns.history)
+    return SPORecord(text=chat_prompt(query, history), triples=None, source=str(location), response=response)
+
+
+def chat_prompt(query: str, history: Sequence[tuple[str, str]] | None) -> str:
+    """ChatGLM-6B's multi-turn prompt: the query alone when `history` is None, else `[Round i]\n问：q\n答：r\n`
+    for each earlier turn, then `[Round n]\n问：{query}\n答：`. The official `ptuning/main.py` builds the
+    rounds whenever there is a history column (even an empty one); the official `chat()` only for a
+    non-empty history (spec section 7)."""
+    if history is None:
+        return query
+    rounds = "".join(f"[Round {i}]\n问：{q}\n答：{r}\n" for i, (q, r) in enumerate(history))
+    return rounds + f"[Round {len(history)}]\n问：{query}\n答："
 
 
 def parse_answer(answer: str, location: Location, field_name: str = "answer") -> tuple[Triple, ...]:
@@ -373,10 +408,10 @@ def prompt_ids(record: SPORecord, tokenizer, options: EncodingOptions = Encoding
 
 def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> EncodedExample:
     """Training row of a record with a gold answer, as the official P-tuning builds it (module docstring)."""
-    if record.triples is None:
+    if record.answer is None:
         raise ValueError(f"{record.source or 'record'}: has no gold answer, cannot build a training example")
     source, source_cut = source_ids(record, tokenizer, options)
-    answer = tokenizer.encode(answer_text(record.triples), add_special_tokens=False)
+    answer = tokenizer.encode(record.answer, add_special_tokens=False)
     answer_cut = len(answer) > options.max_answer_tokens
     answer = answer[: options.max_answer_tokens]
     return training_example(source, answer, tokenizer, source_truncated=source_cut, answer_truncated=answer_cut,

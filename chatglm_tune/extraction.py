@@ -31,7 +31,7 @@ from pathlib import Path
 from .checkpoint import atomic_write
 from .data import SpecialIds, SPORecord, collate_prompts, prompt_ids
 from .generation import generate
-from .metrics import SPOScorer, SPOScores, parse_triples, score_record
+from .metrics import describe_scores, parse_triples, score_answers, score_record
 from .options import ExtractionSettings
 
 SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many batches
@@ -150,14 +150,6 @@ def append_rows(f, rows: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def score_rows(rows: Sequence[dict], records: Sequence[SPORecord]) -> SPOScores:
-    """Micro/per-sample/per-relation scores of output rows against their records' gold triples."""
-    scorer = SPOScorer()
-    for row in rows:
-        scorer.add(row["generated"], records[row["index"]].triples)
-    return scorer.result()
-
-
 def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: int, new_tokens: int, seconds: float) -> dict:
     """The run summary: scores over every row, throughput of this run's rows."""
     return {
@@ -170,22 +162,17 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
             "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
         },
         "stopped_at_length": sum(row["stopped"] == "length" for row in rows),
-        "scores": score_rows(rows, records).to_dict(),
+        "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows]),
     }
 
 
 def format_summary(summary: dict) -> str:
     """A few human-readable lines of `summarize`'s result."""
     scores, run = summary["scores"], summary["this_run"]
-    lines = [f"records: {summary['records']} ({run['records']} this run), cut at max_new_tokens: {summary['stopped_at_length']}"]
-    if scores["micro"] is None:
-        lines.append("no gold answers: nothing scored")
-    else:
-        m = scores["micro"]
-        lines.append(
-            f"micro P/R/F1: {m['precision']:.4f} / {m['recall']:.4f} / {m['f1']:.4f}   "
-            f"per-sample F1: {scores['sample_f1']:.4f}   malformed lines: {scores['malformed_lines']}"
-        )
+    lines = [f"records: {summary['records']} ({run['records']} this run), cut at max_new_tokens: {summary['stopped_at_length']}",
+             describe_scores(scores)]
+    if scores.get("micro") is not None:
+        lines[-1] += f"   per-sample F1: {scores['sample_f1']:.4f}   malformed lines: {scores['malformed_lines']}"
         for relation, prf in scores["per_relation"].items():
             lines.append(f"  {relation}: P {prf['precision']:.4f}  R {prf['recall']:.4f}  F1 {prf['f1']:.4f}  (gold {prf['n_gold']})")
     if run["records_per_s"] is not None:

@@ -33,7 +33,7 @@ step after. Finished rows leave the batch and the cache (`batch_select_indices`)
 `generate_recompute` is the reference script's loop (no cache: the whole sequence and all its logits
 every step) kept for tests and benchmarks.
 
-`chat` is the official `model.chat(tokenizer, query, history)`: its prompt (`tokenizer.chat_prompt`),
+`chat` is the official `model.chat(tokenizer, query, history)`: its prompt (`data.chat_prompt`),
 its sampling defaults (`CHAT_SAMPLING`), its `max_length` and its post-processing (`process_response`).
 """
 
@@ -50,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 
 from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, SamplingOptions
 from .positions import build_position_ids
-from .tokenizer import chat_prompt
+from .data import chat_prompt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def chat(
 
     `max_length` counts prompt and answer tokens, as the official default of 2048 does.
     """
-    ids = tokenizer.encode(chat_prompt(query, history))  # ends [gMASK] <sop>
+    ids = tokenizer.encode(chat_prompt(query, history or None))  # ends [gMASK] <sop>
     budget = max_length - len(ids)
     if budget < 1:
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left under max_length={max_length}")

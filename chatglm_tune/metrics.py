@@ -28,7 +28,7 @@ from __future__ import annotations
 import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .data import LINE_SEP, TRIPLE_SEP, Triple
 
@@ -158,9 +158,38 @@ class SPOScorer:
         return SPOScores(self.records, self.scored_records, self.malformed_lines, micro, sample_f1, per_relation)
 
 
-def score_texts(generated: Iterable[str], gold: Iterable[Iterable[Triple] | None]) -> SPOScores:
-    """Score a whole run at once: `generated[i]` against `gold[i]`."""
+def score_answers(generated: Sequence[str], records: Sequence) -> dict:
+    """The scores of a run, `generated[i]` against the gold answer of `records[i]` (SPORecords).
+
+    SPO records: the triple scores (`SPOScores.to_dict`). Records with a free-text `response`
+    (prompt/response data): the official generation metrics (`textmetrics`), over the records that have
+    one. `score` is the number a best checkpoint is chosen by: micro F1, or ROUGE-L / 100 (None without gold).
+    """
+    if len(generated) != len(records):
+        raise ValueError(f"{len(generated)} generations for {len(records)} records")
+    if any(r.response is not None for r in records):
+        from .textmetrics import GenerationScorer
+
+        scorer = GenerationScorer()
+        pairs = [(g, r.response) for g, r in zip(generated, records) if r.response is not None]
+        for prediction, reference in pairs:
+            scorer.add(prediction, reference)
+        result = scorer.result()
+        return {**result, "records": len(records), "scored_records": len(pairs), "score": result["rouge-l"] / 100}
     scorer = SPOScorer()
-    for text, triples in zip(generated, gold, strict=True):
-        scorer.add(text, triples)
-    return scorer.result()
+    for text, record in zip(generated, records):
+        scorer.add(text, record.triples)
+    scores = scorer.result().to_dict()
+    return {**scores, "score": None if scores["micro"] is None else scores["micro"]["f1"]}
+
+
+def describe_scores(scores: dict) -> str:
+    """One line of a run's scores: triple P/R/F1, or the generation metrics (`rouge-l`, `bleu-4`...)."""
+    if "rouge-l" in scores:
+        from .textmetrics import format as format_generation
+
+        return format_generation(scores)
+    if scores["micro"] is None:
+        return "no gold answers: nothing scored"
+    m = scores["micro"]
+    return f"micro P/R/F1: {m['precision']:.4f} / {m['recall']:.4f} / {m['f1']:.4f}"

@@ -72,6 +72,26 @@ class EncodingOptions:
 
 
 @dataclass(frozen=True)
+class DataColumns:
+    """Prompt/response data in the official ChatGLM P-tuning shape (`--prompt-column content
+    --response-column summary`, AdvertiseGen's): the prompt (with the `history` column's earlier turns as
+    the official multi-turn prompt) and a free-text answer, scored by the generation metrics. None (the
+    default): the SPO shapes of `data.read_records`."""
+
+    prompt: str | None = None
+    response: str | None = None
+    history: str | None = None
+
+    def __post_init__(self):
+        if self.prompt is None and (self.response is not None or self.history is not None):
+            raise ValueError("--response-column and --history-column need --prompt-column")
+
+    @property
+    def active(self) -> bool:
+        return self.prompt is not None
+
+
+@dataclass(frozen=True)
 class LoraOptions:
     """LoRA hyper-parameters (peft's `LoraConfig` is built from them in `lora.py`)."""
 
@@ -90,6 +110,7 @@ class TrainOptions:
     prefix_projection: bool = False
     lora: LoraOptions = field(default_factory=LoraOptions)
     encoding: EncodingOptions = field(default_factory=EncodingOptions)
+    columns: DataColumns = field(default_factory=DataColumns)
     # How long: `max_steps`, else `epochs` passes over the data, else a budget of steps (`budget_steps`,
     # None = the method's in METHOD_DEFAULTS); with a dev file, early stopping after `patience`
     # evaluations without a better checkpoint (0 = off).

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checkpoint import atomic_write, follow_umask
-from .options import EncodingOptions
+from .options import DataColumns, EncodingOptions
 
 RUN_ARGS = "run_args.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -150,6 +150,7 @@ class ModelSource:
     quantization_bit: int = 0  # the base was quantized to INT8/INT4 at load when the run trained on it
     quantize_embedding: bool = False
     threads: int | None = None  # the run's torch threads
+    columns: DataColumns = field(default_factory=DataColumns)  # the run's data shape (prompt/response columns)
 
     def describe(self) -> str:
         if self.prefix_dir is not None:
@@ -232,7 +233,8 @@ def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource
     adapter_run = trained if trained.get("tuning") in ("ptuning", "lora") else {}
     return ModelSource(base, tokenizer_dir, encoding, pre_seq_len, projection, prefix_dir, lora_dir,
                        quantization_bit=adapter_run.get("quantization_bit") or 0,
-                       quantize_embedding=bool(adapter_run.get("quantize_embedding")), threads=run_args.get("threads"))
+                       quantize_embedding=bool(adapter_run.get("quantize_embedding")), threads=run_args.get("threads"),
+                       columns=DataColumns(**trained.get("columns") or {}))
 
 
 def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization_bit: int | None = None,

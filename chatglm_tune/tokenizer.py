@@ -73,14 +73,6 @@ def decode_whitespace(text: str) -> str:
     return text
 
 
-def chat_prompt(query: str, history: Sequence[tuple[str, str]] = ()) -> str:
-    """The prompt of the official `chat()` (spec section 7): the bare query when there is no history."""
-    if not history:
-        return query
-    rounds = "".join(f"[Round {i}]\n问：{q}\n答：{r}\n" for i, (q, r) in enumerate(history))
-    return rounds + f"[Round {len(history)}]\n问：{query}\n答："
-
-
 class ChatGLMTokenizer(PreTrainedTokenizer):
     """ChatGLM-6B tokenizer over `ice_text.model` (or a model from `train_tokenizer`).
 

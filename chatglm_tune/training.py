@@ -29,7 +29,7 @@ from .config import ChatGLMConfig
 from .data import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
 from .generation import generate
 from .lora import apply_lora
-from .metrics import SPOScorer
+from .metrics import describe_scores, score_answers
 from .model import ChatGLMForConditionalGeneration
 from .options import EVALUATIONS, METHOD_DEFAULTS, TrainOptions
 from .tokenizer import ChatGLMTokenizer, train_tokenizer
@@ -288,10 +288,8 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
 
         indexed = gather_object(indexed)
         loss_sum = accelerator.reduce(torch.tensor(loss_sum), reduction="sum").item()
-    scorer = SPOScorer()
-    for i, text in sorted(indexed):
-        scorer.add(text, records[i].triples)
-    return {"dev_loss": loss_sum / max(len(records), 1), **scorer.result().to_dict()}
+    texts = [text for _, text in sorted(indexed)]
+    return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records)}
 
 
 def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar):
@@ -299,15 +297,14 @@ def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, p
     improved = True
     if dev_records:
         scores = evaluate(unwrapped, tokenizer, dev_records, options, accelerator)
-        f1, loss = scores["micro"]["f1"], scores["dev_loss"]
+        f1, loss = scores["score"], scores["dev_loss"]
         improved = is_better(f1, loss, progress["best_f1"], progress["best_loss"])
         progress["since_best"] = 0 if improved else progress["since_best"] + 1
         if improved:
             progress["best_f1"], progress["best_loss"] = f1, loss
         log.write({"step": progress["step"], "epoch": progress["epoch"], "eval": scores})
         if accelerator.is_local_main_process:  # on its own line above the progress bar
-            bar.write(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, "
-                      f"P/R/F1 {scores['micro']['precision']:.3f}/{scores['micro']['recall']:.3f}/{f1:.3f}")
+            bar.write(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, {describe_scores(scores)}")
     if improved and accelerator.is_main_process:
         rundir.save_trained(unwrapped, tokenizer, output_dir, options.tuning)
     _save_state(accelerator, output_dir, progress)
@@ -332,7 +329,8 @@ def _save_state(accelerator, output_dir, progress) -> None:
 
 
 def is_better(f1: float, loss: float, best_f1: float | None, best_loss: float | None) -> bool:
-    """A checkpoint beats the best so far on dev micro-F1, a tie (all 0.0 early on, say) on lower dev loss."""
+    """A checkpoint beats the best so far on its dev score (micro-F1; ROUGE-L for free-text answers), a tie (all 0.0
+    early on, say) on lower dev loss."""
     return best_f1 is None or f1 > best_f1 or (f1 == best_f1 and loss < best_loss)
 
 
@@ -413,4 +411,4 @@ class _Log:
         if "loss" in entry:
             self.accelerator.log({"train/loss": entry["loss"], "train/lr": entry["lr"]}, step=entry["step"])
         if "eval" in entry:
-            self.accelerator.log({"dev/f1": entry["eval"]["micro"]["f1"], "dev/loss": entry["eval"]["dev_loss"]}, step=entry["step"])
+            self.accelerator.log({"dev/score": entry["eval"]["score"], "dev/loss": entry["eval"]["dev_loss"]}, step=entry["step"])

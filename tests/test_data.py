@@ -325,3 +325,35 @@ def test_shipped_files_equal_what_the_script_writes(tmp_path):
         shipped = REPO / "data" / path.name
         assert shipped.read_bytes() == path.read_bytes(), f"{shipped} is stale: run python data/make_spo.py"
         assert shipped.stat().st_size < 2_000_000
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt/response columns (the official P-tuning data shape)
+
+
+def test_columns_read_prompt_response_and_history_as_the_official_prompt(tmp_path):
+    from chatglm_tune.options import DataColumns
+
+    path = tmp_path / "chat.jsonl"
+    rows = [{"prompt": "类型#裙*颜色#红色", "response": "一条红裙。", "history": []},
+            {"prompt": "再短一点", "response": "红裙。", "history": [["类型#裙", "一条裙子。"]]},
+            {"prompt": "没有答案的提示"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    records, _ = read_records(path, columns=DataColumns(prompt="prompt", response="response", history="history"))
+    assert [r.text for r in records] == [
+        "[Round 0]\n问：类型#裙*颜色#红色\n答：",
+        "[Round 0]\n问：类型#裙\n答：一条裙子。\n[Round 1]\n问：再短一点\n答：",
+        "[Round 0]\n问：没有答案的提示\n答：",
+    ]
+    assert [r.answer for r in records] == ["一条红裙。", "红裙。", None] and all(r.triples is None for r in records)
+    plain, _ = read_records(path, columns=DataColumns(prompt="prompt", response="response"))
+    assert plain[0].text == "类型#裙*颜色#红色"  # no history column: the query alone
+
+    path.write_text(json.dumps({"prompt": "p", "response": "r", "history": [["only one"]]}) + "\n", encoding="utf-8")
+    with pytest.raises(RecordError, match=r"chat.jsonl, line 1, field 'history': expected a list of \[query, response\]"):
+        read_records(path, columns=DataColumns(prompt="prompt", response="response", history="history"))
+    path.write_text(json.dumps({"content": "p"}) + "\n", encoding="utf-8")
+    with pytest.raises(RecordError, match=r"line 1, field 'prompt': missing"):
+        read_records(path, columns=DataColumns(prompt="prompt"))
+    with pytest.raises(ValueError, match="need --prompt-column"):
+        DataColumns(response="summary")

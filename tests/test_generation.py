@@ -324,7 +324,8 @@ def test_process_response_official_rules():
 
 def test_chat_uses_the_official_prompt_and_history(tmp_path):
     from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-    from chatglm_tune.tokenizer import chat_prompt, train_tokenizer
+    from chatglm_tune.data import chat_prompt
+    from chatglm_tune.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["你好，我是人工智能助手。", "问：答：Round"] * 20, tmp_path, vocab_size=400)
     torch.manual_seed(0)
@@ -340,7 +341,7 @@ def test_chat_uses_the_official_prompt_and_history(tmp_path):
     # the official method on the model: model.chat(tokenizer, query, history)
     assert model.chat(tokenizer, "你好", [("早", "早上好")], max_length=40, seed=1) == (response, history)
     greedy, _ = model.chat(tokenizer, "你好", max_length=40, do_sample=False)
-    ids = tokenizer.encode(chat_prompt("你好"))
+    ids = tokenizer.encode(chat_prompt("你好", None))
     assert greedy == process_response(tokenizer.decode(generate(model, torch.tensor([ids]), max_new_tokens=40 - len(ids),
                                                                 vocab_limit=len(tokenizer))[0]))
     with pytest.raises(ValueError, match="no room left"):

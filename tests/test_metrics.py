@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from chatglm_tune.data import Triple
-from chatglm_tune.metrics import PRF, SPOScorer, parse_triples, score_record, score_texts
+from chatglm_tune.data import SPORecord, Triple
+from chatglm_tune.metrics import PRF, SPOScorer, parse_triples, score_answers, score_record
+
+
+def score_texts(generated, gold):
+    scorer = SPOScorer()
+    for text, triples in zip(generated, gold, strict=True):
+        scorer.add(text, triples)
+    return scorer.result()
 
 A = Triple("发动机", "部件故障", "异响")
 B = Triple("水泵", "部件故障", "漏油")
@@ -81,8 +88,9 @@ def test_incremental_equals_batch_and_to_dict():
     for g, t in zip(generated, gold):
         scorer.add(g, t)
         scorer.result()  # may be read at any point
-    assert scorer.result() == score_texts(generated, gold)
     d = scorer.result().to_dict()
+    run = score_answers(generated, [SPORecord("文本", tuple(t)) for t in gold])  # the run-level scores
+    assert run == {**d, "score": d["micro"]["f1"]}
     assert set(d) == {"records", "scored_records", "malformed_lines", "micro", "sample_f1", "per_relation"}
     assert d["micro"] == {"precision": 2 / 3, "recall": 0.5, "f1": pytest.approx(4 / 7), "tp": 2, "n_pred": 3, "n_gold": 4}
     assert list(d["per_relation"]) == sorted(d["per_relation"])

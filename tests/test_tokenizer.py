@@ -27,9 +27,9 @@ from chatglm_tune.tokenizer import (
     NEWLINE_PIECE,
     TAB_PIECE,
     ChatGLMTokenizer,
-    chat_prompt,
     train_tokenizer,
 )
+from chatglm_tune.data import chat_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -167,7 +167,8 @@ def test_save_load_round_trip(tok, plain_tok, tmp_path):
 
 
 def test_chat_prompt():
-    assert chat_prompt("你好") == "你好"
+    assert chat_prompt("你好", None) == "你好"  # chat() without history; a P-tuning history column, even empty, has rounds
+    assert chat_prompt("你好", []) == "[Round 0]\n问：你好\n答："
     assert chat_prompt("再见", [("你好", "你好！"), ("在吗", "在")]) == (
         "[Round 0]\n问：你好\n答：你好！\n[Round 1]\n问：在吗\n答：在\n[Round 2]\n问：再见\n答："
     )

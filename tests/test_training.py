@@ -3,6 +3,7 @@ exactly, survive a failed save, and agree across 2 processes (accelerate launch,
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,36 @@ def test_the_logged_loss_is_the_mean_over_its_logging_window(base_dir, train_fil
                    "--log-every", "3")
     logged = [e["loss"] for e in windows if "loss" in e]
     assert logged == pytest.approx([sum(every_step[:3]) / 3, sum(every_step[3:]) / 3], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt/response data (the official P-tuning shape)
+
+ADVERTISE = REPO / "tests" / "fixtures" / "advertise_small.jsonl"
+
+
+def test_prompt_response_columns_train_and_infer_with_the_generation_metrics(tmp_path, capsys):
+    import infer as infer_cli
+
+    out = tmp_path / "run"
+    argv = ["--model", "tiny", "--tuning", "full", "--prompt-column", "content", "--response-column", "summary",
+            "--train-file", str(ADVERTISE), "--dev-file", str(ADVERTISE), "--output-dir", str(out), "--max-steps", "6",
+            "--batch-size", "4", "--max-src-len", "48", "--max-len", "112", "--threads", "1"]
+    assert train_cli.main(argv) == 0
+    evals = [e["eval"] for e in _entries(out) if "eval" in e]
+    assert evals and all({"rouge-1", "rouge-2", "rouge-l", "bleu-4", "exact_match", "score"} <= set(e) for e in evals)
+    run_args = rundir.read_run_args(out)
+    assert run_args["columns"] == {"prompt": "content", "response": "summary", "history": None}
+    assert run_args["encoding"]["prompt"] == ""  # the official P-tuning puts no instruction before the prompt
+    capsys.readouterr()
+    infer_cli.main(["--model", str(out), "--input", str(ADVERTISE), "--output", str(tmp_path / "o.jsonl")])
+    printed = capsys.readouterr().out
+    assert re.search(r"^rouge-1 [\d.]+  rouge-2 [\d.]+  rouge-l [\d.]+  bleu-4 [\d.]+  exact_match [\d.]+$", printed, re.M)
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text(encoding="utf-8").splitlines()]
+    gold = [json.loads(line) for line in ADVERTISE.read_text(encoding="utf-8").splitlines()]
+    assert [r["text"] for r in rows] == [g["content"] for g in gold] and [r["answer"] for r in rows] == [g["summary"] for g in gold]
+    from chatglm_tune.textmetrics import generation_scores
+
+    summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text(encoding="utf-8"))
+    expect = generation_scores([r["generated"] for r in rows], [g["summary"] for g in gold])
+    assert {k: summary["scores"][k] for k in expect} == pytest.approx(expect)
