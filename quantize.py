@@ -50,7 +50,7 @@ def check_args(args, source) -> None:
     elif args.group_size and args.bits != 4:
         problems.append("--group-size applies to --bits 4 only (INT8 keeps the official per-row scales)")
     elif args.group_size:
-        widths = {"hidden_size": config.get("hidden_size"), "inner_hidden_size": config.get("inner_hidden_size")}
+        widths = {"hidden_size": config.get("hidden_size"), "inner width": config.get("inner_hidden_size") or config.get("ffn_hidden_size")}
         bad = [f"{k}={v}" for k, v in widths.items() if not v or v % args.group_size]
         if bad:
             problems.append(f"--group-size {args.group_size} must divide the Linears' input widths ({', '.join(bad)})")

@@ -11,7 +11,7 @@ import sys
 
 from chatglm_tune.options import (
     BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
-    TINY_DEMO, TUNINGS,
+    TINY_DEMO, TINY_PRESETS, TUNINGS,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -34,8 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
     g("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
     g = p.add_argument_group("model").add_argument
-    g("--model", required=True, help="a ChatGLM model directory, or 'tiny' (a random tiny model and a tokenizer "
-      f"trained on the train file; with --tuning full and no other flag, the demo settings {TINY_DEMO})")
+    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or 'tiny' / 'tiny-chatglm3' (a "
+      "random tiny ChatGLM-6B / ChatGLM3 and a tokenizer trained on the train file; with --tuning full and no other flag, "
+      f"the demo settings {TINY_DEMO})")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")
     g("--quantization-bit", type=int, choices=QUANTIZATION_BITS, help="quantize the base to INT8/INT4 while loading (default: no)")
     g("--quantize-embedding", action="store_true", help="hold the frozen tied embedding / head as one INT8 copy (default: no)")
@@ -47,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--lora-r", type=int, default=L.r, help="LoRA rank (default %(default)s)")
     g("--lora-alpha", type=int, default=L.alpha, help="LoRA alpha (default %(default)s)")
     g("--lora-dropout", type=float, default=L.dropout, help="LoRA dropout (default %(default)s)")
-    g("--lora-target", nargs="+", default=list(L.target), help=f"Linears that get adapters (default {' '.join(L.target)})")
+    g("--lora-target", nargs="+", help="Linears that get adapters (default: the attention projections of the version: "
+      "query_key_value for ChatGLM-6B, q_proj k_proj v_proj for ChatGLM2/3 and GLM-4)")
     g = p.add_argument_group("optimisation").add_argument
     g("--max-steps", type=int, help="optimizer steps (default: --epochs, else the budget of the method, "
       f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['budget_steps']})")
@@ -89,7 +91,7 @@ def _resolve(args, names, preset, defaults) -> dict:
 
 def options_from(args, base_run: dict) -> TrainOptions:
     """The run's options; tuning a train.py run, its prompt and lengths are the defaults (the base learned that format)."""
-    demo = TINY_DEMO if args.model == "tiny" and args.tuning == "full" else {}
+    demo = TINY_DEMO if args.model in TINY_PRESETS and args.tuning == "full" else {}
     columns = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
     if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
         base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}
@@ -97,7 +99,7 @@ def options_from(args, base_run: dict) -> TrainOptions:
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
         epochs=args.epochs, patience=args.patience,
         tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
-        lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target)),
+        lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target) if args.lora_target else None),
         encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E)),
         columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     try:  # what can be checked before the model code is imported
         from chatglm_tune import rundir
 
-        base = None if args.model == "tiny" else rundir.require_model_dir(args.model)
+        base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
         rundir.prepare_output_dir(args.output_dir, base=base, resume=args.resume, overwrite=args.overwrite)
         options = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
         train_records, dev_records, bad_records = read_data(args, options.columns)

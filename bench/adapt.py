@@ -120,11 +120,13 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     """Stage 0 (module docstring): teach the random model in `directory` to repeat texts, in place."""
     tokenizer = ChatGLMTokenizer.from_pretrained(directory)
     model = ChatGLMForConditionalGeneration.from_pretrained(directory)
-    special = SpecialIds.from_tokenizer(tokenizer)
+    special = SpecialIds.of(tokenizer)
     rows, prompt_tokens = [], len(tokenizer.encode(COPY_PROMPT, add_special_tokens=False))
     for text in texts:
         source = tokenizer.encode(COPY_PROMPT + text, add_special_tokens=False)[: prompt_tokens + COPY_TOKENS]
-        rows.append(training_example(source, tokenizer.encode(text, add_special_tokens=False)[:COPY_TOKENS], tokenizer))
+        copy = tokenizer.encode(text, add_special_tokens=False)[:COPY_TOKENS]
+        prompt = source + [tokenizer.gmask_token_id, tokenizer.bos_token_id]
+        rows.append(training_example(prompt, copy + [tokenizer.eos_token_id], labelled_prompt_tokens=1))
     batch_size = TINY_DEMO["batch_size"]
     sampler = LengthGroupedSampler([len(r.input_ids) for r in rows], batch_size, seed=SEED)
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=sampler,

@@ -42,6 +42,7 @@ from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 
+from . import versions
 from .options import DataColumns, EncodingOptions
 from .positions import build_position_ids
 
@@ -79,6 +80,7 @@ class SPORecord:
     triples: tuple[Triple, ...] | None
     source: str = ""
     response: str | None = None
+    history: tuple[tuple[str, str], ...] | None = None  # earlier (query, response) turns of prompt/response data
 
     @property
     def answer(self) -> str | None:
@@ -246,8 +248,8 @@ def parse_record(raw: object, location: Location) -> SPORecord:
 
 
 def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPORecord:
-    """One prompt/response object -> a record whose text is the official P-tuning prompt (`chat_prompt`)
-    and whose answer is the response column (absent: no gold answer)."""
+    """One prompt/response object -> a record of the query, its earlier turns (the history column) and
+    the response column as its answer (absent: no gold answer); each version builds its prompt from them."""
     if isinstance(raw, _NotJSON):
         raise RecordError(location, "not_json", raw.message)
     if not isinstance(raw, dict):
@@ -261,7 +263,8 @@ def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPOR
                                                   for t in history)):
             raise RecordError(location, "bad_history", "expected a list of [query, response] string pairs",
                               field=columns.history)
-    return SPORecord(text=chat_prompt(query, history), triples=None, source=str(location), response=response)
+    turns = None if history is None else tuple((q, r) for q, r in history)
+    return SPORecord(text=query, triples=None, source=str(location), response=response, history=turns)
 
 
 def chat_prompt(query: str, history: Sequence[tuple[str, str]] | None) -> str:
@@ -369,18 +372,20 @@ def _type_name(value: object) -> str:
 
 @dataclass(frozen=True)
 class SpecialIds:
-    """The special token ids the encoding and the collators need (read from a tokenizer or a config)."""
+    """The special token ids the collators need, read from a tokenizer or a model config. The GLM ids
+    (`gmask`, `<sop>`, `[MASK]`) are ChatGLM-6B's, from which its 2D positions are built; they are None
+    for ChatGLM2/3 and GLM-4, whose models derive positions from the attention mask."""
 
-    gmask_token_id: int
-    bos_token_id: int  # <sop>
-    eos_token_id: int  # <eop>
     pad_token_id: int
-    mask_token_id: int
+    eos_token_id: int | list[int] | None = None
+    gmask_token_id: int | None = None
+    bos_token_id: int | None = None  # <sop>
+    mask_token_id: int | None = None
 
     @classmethod
     def of(cls, source) -> "SpecialIds":
         """The ids of a tokenizer or a model config (both name them alike)."""
-        return cls(**{name: getattr(source, name) for name in cls.__dataclass_fields__})
+        return cls(**{name: getattr(source, name, None) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -394,37 +399,24 @@ class EncodedExample:
     source: str = ""
 
 
-def source_ids(record: SPORecord, tokenizer, options: EncodingOptions) -> tuple[list[int], bool]:
-    """`encode(prompt + text)` cut to `options.max_source_tokens`, and whether it was cut."""
-    ids = tokenizer.encode(options.prompt + record.text, add_special_tokens=False)
-    return ids[: options.max_source_tokens], len(ids) > options.max_source_tokens
-
-
 def prompt_ids(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> list[int]:
-    """Inference input: the truncated `prompt + text` ids, then `[gMASK] <sop>` (len <= max_src_len + 1)."""
-    ids, _ = source_ids(record, tokenizer, options)
-    return ids + [tokenizer.gmask_token_id, tokenizer.bos_token_id]
+    """Inference input of a record: its prompt in the format of the tokenizer's version (`versions`)."""
+    return versions.of_tokenizer(tokenizer).prompt_ids(tokenizer, record, options)[0]
 
 
 def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> EncodedExample:
-    """Training row of a record with a gold answer, as the official P-tuning builds it (module docstring)."""
-    if record.answer is None:
-        raise ValueError(f"{record.source or 'record'}: has no gold answer, cannot build a training example")
-    source, source_cut = source_ids(record, tokenizer, options)
-    answer = tokenizer.encode(record.answer, add_special_tokens=False)
-    answer_cut = len(answer) > options.max_answer_tokens
-    answer = answer[: options.max_answer_tokens]
-    return training_example(source, answer, tokenizer, source_truncated=source_cut, answer_truncated=answer_cut,
-                            origin=record.source)
+    """Training row of a record with a gold answer, as the version's official fine-tuning builds it."""
+    return versions.of_tokenizer(tokenizer).training_row(tokenizer, record, options)
 
 
-def training_example(source: list[int], answer: list[int], tokenizer, *, source_truncated: bool = False,
+def training_example(prompt: list[int], answer: list[int], labelled_prompt_tokens: int, *, prompt_truncated: bool = False,
                      answer_truncated: bool = False, origin: str = "") -> EncodedExample:
-    """The row `source [gMASK] <sop> answer <eop>` of already truncated ids, labelled from `<sop>` on."""
-    input_ids = source + [tokenizer.gmask_token_id, tokenizer.bos_token_id] + answer + [tokenizer.eos_token_id]
-    context = len(source) + 1  # source + [gMASK]: no loss; <sop> is the first labelled position
+    """The row `prompt + answer` of already truncated ids, labelled on the answer and on the last
+    `labelled_prompt_tokens` of the prompt (ChatGLM-6B: `<sop>`, which `[gMASK]` is trained to predict)."""
+    input_ids = prompt + answer
+    context = len(prompt) - labelled_prompt_tokens
     labels = [IGNORE_INDEX] * context + input_ids[context:]
-    return EncodedExample(tuple(input_ids), tuple(labels), source_truncated, answer_truncated, origin)
+    return EncodedExample(tuple(input_ids), tuple(labels), prompt_truncated, answer_truncated, origin)
 
 
 class EncodedDataset(torch.utils.data.Dataset):
@@ -465,12 +457,7 @@ def collate_train(batch: Sequence[EncodedExample], special: SpecialIds) -> dict[
     input_ids = _pad_rows([e.input_ids for e in batch], special.pad_token_id, lengths, left=False)
     labels = _pad_rows([e.labels for e in batch], IGNORE_INDEX, lengths, left=False)
     attention_mask = _token_mask(lengths, input_ids.shape[1], left=False)
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "attention_mask": attention_mask,
-        "position_ids": _positions(input_ids, attention_mask, special),
-    }
+    return _with_positions({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}, special)
 
 
 def collate_prompts(prompts: Sequence[Sequence[int]], special: SpecialIds) -> dict[str, torch.Tensor]:
@@ -480,11 +467,7 @@ def collate_prompts(prompts: Sequence[Sequence[int]], special: SpecialIds) -> di
     lengths = torch.tensor([len(p) for p in prompts])
     input_ids = _pad_rows(prompts, special.pad_token_id, lengths, left=True)
     attention_mask = _token_mask(lengths, input_ids.shape[1], left=True)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": _positions(input_ids, attention_mask, special),
-    }
+    return _with_positions({"input_ids": input_ids, "attention_mask": attention_mask}, special)
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], value: int, lengths: torch.Tensor, *, left: bool) -> torch.Tensor:
@@ -507,11 +490,13 @@ def _token_mask(lengths: torch.Tensor, s: int, *, left: bool) -> torch.Tensor:
     return keep.long()
 
 
-def _positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, special: SpecialIds) -> torch.Tensor:
-    return build_position_ids(
-        input_ids,
-        bos_token_id=special.bos_token_id,
-        gmask_token_id=special.gmask_token_id,
-        mask_token_id=special.mask_token_id,
-        pad_mask=attention_mask,
+def _with_positions(batch: dict, special: SpecialIds) -> dict:
+    """`batch` with ChatGLM-6B's 2D `position_ids` [b, 2, s] when its ids have them (other versions'
+    models derive positions from the attention mask)."""
+    if special.gmask_token_id is None:
+        return batch
+    batch["position_ids"] = build_position_ids(
+        batch["input_ids"], bos_token_id=special.bos_token_id, gmask_token_id=special.gmask_token_id,
+        mask_token_id=special.mask_token_id, pad_mask=batch["attention_mask"],
     )
+    return batch

@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from . import versions
 from .checkpoint import atomic_write
 from .data import SpecialIds, SPORecord, collate_prompts, prompt_ids
 from .generation import generate
@@ -67,12 +68,14 @@ def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int]
     batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
-                    sampling=settings.sampling, eos_token_id=tokenizer.eos_token_id, seed=seeds, vocab_limit=len(tokenizer))
+                    sampling=settings.sampling, eos_token_id=versions.of_tokenizer(tokenizer).stop_ids(tokenizer), seed=seeds,
+                    vocab_limit=len(tokenizer))
 
 
 def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int]) -> dict:
     """The output row of one record (fields in the module docstring)."""
-    generated = tokenizer.decode(new_ids).strip()
+    version = versions.of_tokenizer(tokenizer)
+    generated = version.decode_answer(tokenizer, new_ids)
     parsed = parse_triples(generated)
     score = None if record.triples is None else score_record(parsed.triples, record.triples)
     return {
@@ -84,7 +87,7 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int]) -> di
         "triples": [[t.subject, t.predicate, t.object] for t in parsed.triples],
         "malformed": list(parsed.malformed),
         "new_tokens": len(new_ids),
-        "stopped": "eos" if new_ids and new_ids[-1] == tokenizer.eos_token_id else "length",
+        "stopped": "eos" if new_ids and new_ids[-1] in version.stop_ids(tokenizer) else "length",
         "precision": None if score is None else score.precision,
         "recall": None if score is None else score.recall,
         "f1": None if score is None else score.f1,

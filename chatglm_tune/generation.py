@@ -49,7 +49,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, SamplingOptions
-from .positions import build_position_ids
+from . import versions
 from .data import chat_prompt
 
 
@@ -135,7 +135,7 @@ def row_generators(seed: int | Sequence[int] | None, batch_size: int, device) ->
 
 
 class _UseConfigEos:
-    """Marker: `eos_token_id` defaults to the model config's `<eop>`; None means never stop early."""
+    """Marker: `eos_token_id` defaults to the model config's (ChatGLM-6B's `<eop>`); None means never stop early."""
 
     def __repr__(self) -> str:
         return "<config eos_token_id>"
@@ -150,7 +150,7 @@ class _Decoding:
 
     input_ids: torch.Tensor  # [b, s] on the model's device
     mask: torch.Tensor | None  # [b, s] pad mask, None when nothing is padded
-    eos: int | None  # the id that stops a row, None = never
+    stop: torch.Tensor | None  # the ids that stop a row, None = never
     fallback: int  # the id a row of NaN/inf scores is forced to
     generators: list  # one per row
 
@@ -159,11 +159,13 @@ def _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token
     if not isinstance(sampling, SamplingOptions):
         raise TypeError(f"sampling must be a SamplingOptions, got {type(sampling).__name__}")
     eos = model.config.eos_token_id if isinstance(eos_token_id, _UseConfigEos) else eos_token_id
-    fallback = eos if eos is not None else model.config.eos_token_id
+    stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    fallback = (stop_ids or _as_list(model.config.eos_token_id))[0]
     device = next(model.parameters()).device
     ids, mask = _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, device)
     generators = row_generators(seed, ids.shape[0], device) if max_new_tokens else []
-    return _Decoding(ids, mask, eos, fallback, generators)
+    stop = torch.tensor(stop_ids, device=device) if stop_ids else None
+    return _Decoding(ids, mask, stop, fallback, generators)
 
 
 @torch.inference_mode()
@@ -174,7 +176,7 @@ def generate(
     *,
     max_new_tokens: int,
     sampling: SamplingOptions = DEFAULT_SAMPLING,
-    eos_token_id: int | None | _UseConfigEos = CONFIG_EOS,
+    eos_token_id: int | Sequence[int] | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
     use_cache: bool = True,
@@ -199,36 +201,38 @@ def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
-    input_ids, mask, eos, generators = d.input_ids, d.mask, d.eos, d.generators
+    input_ids, mask, stop, generators = d.input_ids, d.mask, d.stop, d.generators
     b = input_ids.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]
     if max_new_tokens == 0:
         return results
-    positions = _prompt_positions(model.config, input_ids, mask)  # [b, 2, s]
+    positions = versions.of_config(model.config).positions(model.config, input_ids, mask)  # ChatGLM-6B: [b, 2, s]
     step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
     cache = DynamicCache()
     out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
     live = list(range(b))  # batch row -> index of the prompt it decodes
-    next_pos = positions[:, :, -1:] + step  # [b, 2, 1]
+    next_pos = None if positions is None else positions[:, :, -1:] + step  # [b, 2, 1]
     for n in range(max_new_tokens):
         tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
         for row, token in zip(live, tokens.tolist()):
             results[row].append(token)
         if n == max_new_tokens - 1:
             break
-        if eos is not None and bool((tokens == eos).any()):
-            keep = (tokens != eos).nonzero().flatten()  # [live']
+        stopped = torch.isin(tokens, stop) if stop is not None else None
+        if stopped is not None and bool(stopped.any()):
+            keep = (~stopped).nonzero().flatten()  # [live']
             if keep.numel() == 0:
                 break
             cache.batch_select_indices(keep)
             live = [live[i] for i in keep.tolist()]
             generators = [generators[i] for i in keep.tolist()]
-            tokens, next_pos = tokens[keep], next_pos[keep]
+            tokens = tokens[keep]
+            next_pos = None if next_pos is None else next_pos[keep]
             mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
         out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        next_pos = next_pos + step
+        next_pos = None if next_pos is None else next_pos + step
     return results
 
 
@@ -238,13 +242,13 @@ def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: Sampli
     results: list[list[int]] = [[] for _ in range(b)]
     running = [True] * b
     for _ in range(max_new_tokens):
-        positions = _prompt_positions(model.config, seq, mask)
+        positions = versions.of_config(model.config).positions(model.config, seq, mask)
         logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
         tokens = next_tokens(logits[:, -1], sampling, d.generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
         for row, token in enumerate(tokens.tolist()):
             if running[row]:
                 results[row].append(token)
-                running[row] = token != d.eos
+                running[row] = d.stop is None or token not in d.stop.tolist()
         if not any(running):
             break
         seq = torch.cat([seq, tokens[:, None]], dim=1)
@@ -275,11 +279,8 @@ def _checked_prompt(input_ids, attention_mask, max_new_tokens, vocab_limit, devi
     return input_ids, (None if bool(mask.all()) else mask)
 
 
-def _prompt_positions(config, input_ids, mask) -> torch.Tensor:
-    return build_position_ids(
-        input_ids, bos_token_id=config.bos_token_id, gmask_token_id=config.gmask_token_id,
-        mask_token_id=config.mask_token_id, pad_mask=mask,
-    )
+def _as_list(ids) -> list[int]:
+    return [ids] if isinstance(ids, int) else list(ids)
 
 
 @contextlib.contextmanager

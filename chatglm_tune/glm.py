@@ -11,6 +11,12 @@ glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this 
 - `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, glm_weights.py) and
   the glm-4-9b-chat-hf form, built on the meta device and filled tensor by tensor (no second copy,
   no pickle, no trust_remote_code);
+- INT8/INT4 weight-only quantization of the attention and MLP Linears (`GlmFamily.quantizable_linears`:
+  q/k/v, o_proj, gate_up_proj, down_proj as `quantization.QuantizedLinear`), in the official ChatGLM2
+  layout of its fused Linears (`query_key_value` / `dense` / `dense_h_to_4h` / `dense_4h_to_h`: int8
+  `weight` [out, in] or INT4 packed [out, in/2], fp16 per-row `weight_scale` [out], config.json's
+  `quantization_bit`; spec chatglm-6b.md section 6): `load_glm` reads such a directory (q/k/v split by
+  rows, scales included) or quantizes a half/float one while reading it, `save_official` writes it;
 - `save_official`: the official key layout and config.json, so an official directory round-trips;
 - `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the seam of DESIGN.md).
 Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
@@ -33,9 +39,10 @@ from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 
 from . import checkpoint
 from .checkpoint import CheckpointError
-from .glm_config import detect_version, glm_config, official_config, read_config_file
+from .glm_config import detect_version, glm_config, official_config, read_config_file, stored_format
 from .glm_prefix import prefix_encoder, prefix_width
 from .prefix import PREFIX_DROPOUT, PrefixCache, prefix_key_values, seed_cache
+from .quantization import QuantizedLinear, check_bits, quantize_model, quantize_rows
 from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
 
 
@@ -206,28 +213,47 @@ def load_glm(
     device: torch.device | str = "cpu",
     pre_seq_len: int | None = None,
     prefix_projection: bool | None = None,
+    quantization_bit: int | None = None,
+    group_size: int = 0,
+    quantization_group_size: int | None = None,
 ) -> GlmForCausalLMWithPrefix:
     """A ChatGLM2/3 or GLM-4 model from a local directory (or weights file beside its config.json).
 
     dtype: the compute dtype (default float32; "auto" = config.json's `torch_dtype`); the prefix encoder
         stays float32. pre_seq_len / prefix_projection: P-tuning v2 settings, overriding config.json's.
+    quantization_bit 4 / 8: the attention and MLP Linears (`family.quantizable_linears`) become INT4 / INT8
+        `QuantizedLinear`s, each weight quantized a few rows at a time as it is read (the official per-row
+        rule, in `dtype`: per row, so q/k/v quantized apart hold exactly the integers and scales of the
+        official fused `query_key_value`); `group_size` (alias `quantization_group_size`, as
+        `ChatGLMForConditionalGeneration.from_pretrained` names it) > 0: group-wise INT4 scales (our
+        extension). A directory whose config.json says `quantization_bit` (the official INT8/INT4 layout:
+        `weight` int8 [out, in] or packed [out, in/2] + fp16 `weight_scale` under the official keys) loads
+        as stored; asking it for other bits raises ValueError. `config.quantization_bit` /
+        `config.quantization_group_size` record the format (0 = float weights).
     Prefix-encoder weights may be absent (a fresh P-tuning start, PyTorch's init); any other missing,
-    unexpected or wrong-shaped tensor raises `CheckpointError` naming the file and key.
+    unexpected, wrong-shaped or wrong-typed tensor raises `CheckpointError` naming the file and key.
     """
     raw = read_config_file(path)
     version = detect_version(raw, path)
     if version == "chatglm":
         raise CheckpointError(f"{path}: a ChatGLM-6B (v1) checkpoint; load it with ChatGLMForConditionalGeneration")
-    if raw.get("quantization_bit"):
-        raise CheckpointError(f"{path}: an INT{raw['quantization_bit']} checkpoint; this loader reads float weights")
+    bits, group_size, stored = _load_format(raw, path, quantization_bit, group_size, quantization_group_size)
     config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     with torch.device("meta"):
         model = GlmForCausalLMWithPrefix(config)
+    config.quantization_bit, config.quantization_group_size = 0, 0
+    if bits:  # empty INT layers of the format, on the meta device; filled (or quantized into) below
+        try:
+            quantize_model(model, bits, group_size, targets=FAMILIES[version].quantizable_linears, empty_init=True)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     official_keys = raw.get("model_type") != "glm"
     rows = qkv_rows(config)
     expected = dict(model.named_parameters())
     for file in checkpoint.weight_files(path):
+        pages = checkpoint._FilePages(file)  # each tensor's file pages are released once it is copied out
         for key, tensor in checkpoint.iter_tensors(file):
             if official_keys or key.startswith(OFFICIAL_PREFIX_ENCODER):
                 try:
@@ -240,17 +266,33 @@ def load_glm(
             if pairs is None:
                 raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
             for name, part in pairs:
+                owner, _, attr = name.rpartition(".")
+                layer = quantized.get(owner)
+                if layer is not None and attr == "weight" and part.is_floating_point() and not stored:
+                    _quantize_into(layer, name, part, file, key, expected, dtype, pages)
+                    continue
                 if name not in expected:
                     raise CheckpointError(_unexpected(file, key, name, config))
                 target = expected.pop(name)
+                if part.is_floating_point() != target.is_floating_point():
+                    raise CheckpointError(_wrong_type(file, key, part, target, raw))
                 if tuple(part.shape) != tuple(target.shape):
+                    layout = (f" (config.json's quantization_bit={bits}: INT8 weights are [out, in], INT4 ones packed "
+                              "[out, in/2])" if attr == "weight" and owner in quantized else "")
                     raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
-                                          f"{list(target.shape)}; does config.json match these weights?")
-                cast = torch.float32 if name.startswith(PREFIX_ENCODER) or not part.is_floating_point() else dtype
-                value = torch.empty(part.shape, dtype=cast).copy_(part)  # owned memory, never a view of the file
-                owner, _, attr = name.rpartition(".")
+                                          f"{list(target.shape)}{layout}; does config.json match these weights?")
+                if attr == "weight_scale":
+                    cast = torch.float16  # the official scales are fp16 (QuantizedLinear's contract)
+                elif name.startswith(PREFIX_ENCODER) or not part.is_floating_point():
+                    cast = torch.float32 if part.is_floating_point() else part.dtype
+                else:
+                    cast = dtype
+                value = torch.empty(part.shape, dtype=cast)  # owned memory, never a view of the file
+                _copy_rows(value, part, pages)
                 model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+            pages.release(tensor)
             del tensor, pairs
+        pages.close()
     not_prefix = [k for k in expected if not k.startswith(PREFIX_ENCODER)]
     if not_prefix:
         shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
@@ -260,6 +302,67 @@ def load_glm(
     model.model.rotary_emb = GlmRotaryEmbedding(config=config)  # its buffer was built on the meta device
     config.dtype = dtype
     return model.to(device).eval()
+
+
+def _load_format(raw: dict, path, bits: int | None, group_size: int, alias: int | None) -> tuple[int, int, bool]:
+    """(bits, group_size, stored) that `load_glm` builds: the stored format of an INT checkpoint (refusing
+    other bits), else the requested one; 0 bits = float weights."""
+    if alias is not None:
+        if group_size and alias != group_size:
+            raise ValueError(f"group_size={group_size} and quantization_group_size={alias} disagree")
+        group_size = alias
+    if bits not in (None, 0, 4, 8):
+        raise ValueError(f"quantization_bit must be 4 or 8 (or None for the weights as stored), got {bits!r}")
+    if not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size must be a column count >= 0 (0 = per-row scales), got {group_size!r}")
+    stored = stored_format(raw)
+    stored_bits, stored_group = stored["quantization_bit"], stored["quantization_group_size"]
+    check_bits(stored_bits, bits, path)
+    if stored_bits:
+        if bits and group_size != stored_group:
+            raise ValueError(f"{path} holds INT{stored_bits} weights with group_size={stored_group}; "
+                             f"cannot load them with group_size={group_size}")
+        return stored_bits, stored_group, True
+    if bits == 8 and group_size:
+        raise ValueError("group-wise scales are an INT4 extension: use group_size=0 with quantization_bit=8")
+    return bits or 0, group_size if bits else 0, False
+
+
+def _quantize_into(layer: QuantizedLinear, name: str, part: torch.Tensor, file, key: str, expected: dict,
+                   dtype: torch.dtype, pages) -> None:
+    """Quantize the float weight `part` [out, in] (rows of the file's tensor) into `layer`, a few rows at a
+    time with their file pages released: no whole float copy of it is ever made."""
+    owner = name.rpartition(".")[0]
+    if tuple(part.shape) != (layer.out_features, layer.in_features):
+        raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
+                              f"{[layer.out_features, layer.in_features]}; does config.json match these weights?")
+    if name not in expected:
+        raise CheckpointError(f"{file}: {key} gives {name} twice")
+    expected.pop(name)
+    expected.pop(f"{owner}.weight_scale")
+    q, scale = quantize_rows(part, dtype, layer.bits, layer.group_size, pages.release)
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def _copy_rows(out: torch.Tensor, tensor: torch.Tensor, pages, chunk_bytes: int = 4 << 20) -> None:
+    """`out.copy_(tensor)` a few rows at a time, each chunk's file pages released once copied."""
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        out.copy_(tensor)
+        return
+    step = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
+    for start in range(0, tensor.shape[0], step):
+        chunk = tensor[start : start + step]
+        out[start : start + step].copy_(chunk)
+        pages.release(chunk)
+
+
+def _wrong_type(file, key: str, part: torch.Tensor, target: torch.Tensor, raw: dict) -> str:
+    if not part.is_floating_point():
+        return (f"{file}: {key} holds {part.dtype} weights but config.json says no quantization_bit; an official "
+                "INT8/INT4 checkpoint says quantization_bit 8 or 4 in its config.json")
+    return (f"{file}: {key} holds {part.dtype} weights where an INT{raw.get('quantization_bit')} checkpoint (config.json's "
+            f"quantization_bit) stores {target.dtype}")
 
 
 def save_official(
@@ -274,14 +377,19 @@ def save_official(
 
     state_dict: what to write, in transformers names (default: everything; pass e.g. only the
         `prefix_encoder.*` entries for an official P-tuning checkpoint). dtype: cast floating weights
-        (not the prefix encoder, kept float32 as the official P-tuning saves it); config.json's
-        `torch_dtype` says the trunk's dtype.
+        (not the prefix encoder, kept float32 as the official P-tuning saves it, nor the fp16
+        `weight_scale`s); config.json's `torch_dtype` says the trunk's dtype.
+    A quantized model (`load_glm(..., quantization_bit=...)`, `quantization.quantize_model`) is written in
+    the official INT8/INT4 layout: q/k/v's int8 (INT4: packed) `weight`, fp16 `weight_scale` and `bias`
+    re-fused by rows into `query_key_value.{weight,weight_scale,bias}`, the other Linears under their
+    official names, and config.json's `quantization_bit` (plus our `quantization_group_size` when the
+    INT4 scales are group-wise), so `load_glm` reads it back bit for bit.
     """
     state = dict(model.state_dict() if state_dict is None else state_dict)
     if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() and not k.startswith(PREFIX_ENCODER) else v) for k, v in state.items()}
+        state = {k: (v.to(dtype) if _castable(k, v) else v) for k, v in state.items()}
     official = to_official(state)
-    trunk = next((v.dtype for k, v in state.items() if not k.startswith(PREFIX_ENCODER) and v.is_floating_point()), None)
+    trunk = next((v.dtype for k, v in state.items() if _castable(k, v)), None)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     checkpoint.save_state_dict(official, directory, max_shard_bytes=max_shard_bytes)
@@ -289,12 +397,21 @@ def save_official(
     checkpoint.atomic_write(directory / "config.json", lambda p: Path(p).write_text(text))
 
 
+def _castable(key: str, tensor: torch.Tensor) -> bool:
+    """Whether `save_official(dtype=...)` casts this tensor: floating trunk weights, never the prefix
+    encoder (float32) nor the quantization scales (fp16 by the official format)."""
+    return tensor.is_floating_point() and not key.startswith(PREFIX_ENCODER) and not key.endswith(".weight_scale")
+
+
 @dataclass(frozen=True)
 class GlmFamily:
     """What the toolkit asks one version of this family (DESIGN.md's seam); the model is the same for all.
 
     stop_tokens: special tokens that end a reply besides config.json's `eos_token_id` (the tokenizer
-    resolves them to ids). lora_targets / quantizable_linears: transformers module names.
+    resolves them to ids). lora_targets / quantizable_linears: transformers module names (inside
+    `model.layers.N`); `load_glm(..., quantization_bit=...)` quantizes `quantizable_linears`, and
+    `quantization.quantize_model(model, bits, group_size, targets=family.quantizable_linears)` does the
+    same to a loaded model (its default targets are ChatGLM-6B's names and match nothing here).
     """
 
     name: str

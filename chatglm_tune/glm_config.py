@@ -12,7 +12,9 @@ from the config.json itself.
 
 The official config.json a model was read from is kept as `config.official_config` (a dict) so that
 saving writes it back field for field; `config.chatglm_version` names the version, and
-`config.pre_seq_len` / `config.prefix_projection` are the P-tuning v2 settings (None / False = none).
+`config.pre_seq_len` / `config.prefix_projection` are the P-tuning v2 settings (None / False = none);
+`config.quantization_bit` (0 = float weights, 4, 8: the official field) and `config.quantization_group_size`
+(ours, INT4 group-wise scales; 0 = per-row, the official format) describe INT weights.
 The released `glm-4-9b-chat-hf` form (`model_type: glm`, transformers' own fields) is read as is.
 """
 
@@ -159,6 +161,7 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
         prefix_projection=bool(raw.get("prefix_projection", False) if prefix_projection is None else prefix_projection),
         chatglm_version=version,
         official_config=dict(raw),
+        **stored_format(raw),
     )
 
 
@@ -169,12 +172,26 @@ def _hf_config(raw: dict, pre_seq_len: int | None, prefix_projection: bool | Non
     fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None else prefix_projection)
     fields["chatglm_version"] = "glm4"
     fields["official_config"] = None
+    fields.update(stored_format(raw))
     fields.pop("torch_dtype", None)  # the compute dtype is the loader's choice
     fields.pop("dtype", None)
     config = GlmConfig(**fields)
     if config.tie_word_embeddings:
         raise CheckpointError("config.json ties the embeddings to the head: GLM-4 never does")
     return config
+
+
+def stored_format(raw: dict) -> dict:
+    """`quantization_bit` (0, 4 or 8) and `quantization_group_size` (0 = per-row scales) of a config.json:
+    the official field, and ours for group-wise INT4 (written only when non-zero)."""
+    bits = raw.get("quantization_bit") or 0
+    group_size = raw.get("quantization_group_size") or 0
+    if bits not in (0, 4, 8):
+        raise CheckpointError(f"config.json has quantization_bit={bits}: only 4 and 8 exist (INT4, INT8)")
+    if not isinstance(group_size, int) or group_size < 0 or (group_size and bits != 4):
+        raise CheckpointError(f"config.json has quantization_group_size={group_size} with quantization_bit={bits}: "
+                              "group-wise scales are an INT4 extension (a positive column count)")
+    return {"quantization_bit": bits, "quantization_group_size": group_size}
 
 
 def official_config(config: GlmConfig, dtype: torch.dtype | None = None) -> dict:
@@ -215,4 +232,13 @@ def official_config(config: GlmConfig, dtype: torch.dtype | None = None) -> dict
         out["prefix_projection"] = bool(getattr(config, "prefix_projection", False))
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    bits = getattr(config, "quantization_bit", 0) or 0
+    group_size = getattr(config, "quantization_group_size", 0) or 0
+    out.pop("quantization_group_size", None)
+    if bits:
+        out["quantization_bit"] = bits
+        if group_size:  # ours: the official format has per-row scales only
+            out["quantization_group_size"] = group_size
+    elif out.get("quantization_bit"):
+        out["quantization_bit"] = 0  # read from an INT checkpoint, written as half/float weights
     return out

@@ -323,3 +323,25 @@ def load_glm_tokenizer(directory: str | Path, version: str | None = None, **kwar
     if not (directory / SENTENCEPIECE_FILE).is_file():
         raise ValueError(f"{directory} has no {SENTENCEPIECE_FILE} for a {version} tokenizer")
     return SENTENCEPIECE_CLASSES[version].from_pretrained(str(directory), **kwargs)
+
+
+def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "chatglm3", vocab_size: int = 4000):
+    """A small character-level SentencePiece model of `texts` in the official layout (unk 0, <s> 1,
+    </s> 2, byte fallback), written with its tokenizer files to `output_dir`: the tokenizer of a tiny
+    from-scratch ChatGLM2/3 (the real 64789-piece model is not needed to learn a small task)."""
+    import io
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, model_type="unigram", vocab_size=vocab_size,
+        max_sentencepiece_length=1, hard_vocab_limit=False, character_coverage=1.0, byte_fallback=True,
+        split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+        # newlines and runs of spaces are data (an answer has one triple a line), as in the real model
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+    )
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / SENTENCEPIECE_FILE).write_bytes(model.getvalue())
+    tokenizer = SENTENCEPIECE_CLASSES[version](str(output_dir / SENTENCEPIECE_FILE))
+    tokenizer.save_pretrained(output_dir)
+    return tokenizer

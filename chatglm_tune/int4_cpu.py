@@ -25,6 +25,7 @@ and QuantizedLinear keeps PyTorch's int4pack kernel.
 from __future__ import annotations
 
 import functools
+import inspect
 import platform
 import subprocess
 import warnings
@@ -158,10 +159,11 @@ def _build() -> bool:
     """Compile and load the kernel (once per process; the build itself is cached on disk)."""
     from torch.utils import cpp_extension
 
+    # without torch/extension.h (pybind11): a faster build; the option exists from torch 2.6
+    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {}
     try:
         cpp_extension.load_inline(
-            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False,
-            no_implicit_headers=True,
+            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False, **lean
         )
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
         warnings.warn(f"chatglm_tune.int4_cpu: the AVX2 INT4 kernel could not be built ({type(e).__name__}: "

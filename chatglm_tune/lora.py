@@ -42,7 +42,7 @@ def _quiet_peft():
 
 
 def apply_lora(model: nn.Module, options: LoraOptions = LoraOptions()) -> PeftModel:
-    """Freeze `model` and add trainable LoRA adapters on `options.target` Linears."""
+    """Freeze `model` and add trainable LoRA adapters on `options.target` Linears (which must be given)."""
     with _quiet_peft():
         return get_peft_model(model, peft_config(options))
 

@@ -93,12 +93,13 @@ class DataColumns:
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """LoRA hyper-parameters (peft's `LoraConfig` is built from them in `lora.py`)."""
+    """LoRA hyper-parameters (peft's `LoraConfig` is built from them in `lora.py`); `target` None: the
+    version's attention projections (`versions`: query_key_value, or q_proj k_proj v_proj)."""
 
     r: int = 8
     alpha: int = 32
     dropout: float = 0.1
-    target: tuple[str, ...] = ("query_key_value",)
+    target: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,7 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # on two threads) and 0.80 at 5e-3: the steadier rate. Two threads: 255 s of training on the two cores of
 # a quiet machine, against ~300 s on one (on a shared machine, --threads 1: OpenMP threads that outnumber
 # the free cores slow the tiny model down tenfold).
+TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3"}  # --model NAME: a random tiny model of that version
 TINY_DEMO = dict(budget_steps=3200, batch_size=16, grad_accum=1, lr=2e-3, warmup_ratio=0.03, weight_decay=0.01,
                  max_src_len=160, max_len=240, threads=2)
 

@@ -28,6 +28,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import versions
 from .checkpoint import atomic_write, follow_umask
 from .options import DataColumns, EncodingOptions
 
@@ -97,8 +98,7 @@ def save_trained(model, tokenizer, directory: Path, tuning: str) -> None:
 
     def write(tmp: Path) -> None:
         if tuning == "ptuning":
-            prefix = {k: v for k, v in model.state_dict().items() if k.startswith("transformer.prefix_encoder.")}
-            model.save_pretrained(tmp, state_dict=prefix)
+            model.save_pretrained(tmp, state_dict=versions.of_config(model.config).prefix_state(model))
         else:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -222,11 +222,9 @@ def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource
         pre_seq_len, projection = prefix_config.get("pre_seq_len"), bool(prefix_config.get("prefix_projection"))
         if not pre_seq_len:
             raise RunDirectoryError(f"{prefix_dir}/{CONFIG} has no pre_seq_len: not a P-tuning checkpoint")
-    from .tokenizer import VOCAB_FILE
-
     tuned = prefix_dir or lora_dir or model_dir  # the directory that was trained last
     candidates = list(dict.fromkeys([tuned, model_dir, base]))
-    tokenizer_dir = next((d for d in candidates if (d / VOCAB_FILE).exists()), None)
+    tokenizer_dir = next((d for d in candidates if versions.has_tokenizer(d)), None)
     trained = read_run_args(tuned) or {}
     encoding = EncodingOptions(**trained["encoding"]) if trained.get("encoding") else EncodingOptions()
     # A run trained on a base quantized at load runs on that base (not on the float one beneath it).
@@ -244,17 +242,15 @@ def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization
     model = load_model(source, dtype=dtype, device=device, quantization_bit=quantization_bit,
                        quantize_embedding=quantize_embedding)
     tokenizer = load_tokenizer(source)
-    check_tokenizer_matches(tokenizer, model.config)
+    versions.of_config(model.config).check_tokenizer(tokenizer, model.config)
     return model, tokenizer
 
 
 def load_tokenizer(source: ModelSource):
-    from .tokenizer import VOCAB_FILE, ChatGLMTokenizer
-
     if source.tokenizer_dir is None:
         places = ", ".join(map(str, dict.fromkeys(d for d in (source.prefix_dir, source.lora_dir, source.base) if d)))
-        raise RunDirectoryError(f"no tokenizer ({VOCAB_FILE}) in {places}")
-    return ChatGLMTokenizer.from_pretrained(source.tokenizer_dir)
+        raise RunDirectoryError(f"no tokenizer in {places}")
+    return versions.of_directory(source.base).load_tokenizer(source.tokenizer_dir)
 
 
 def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantization_bit: int | None = None,
@@ -268,17 +264,14 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
     for it. `quantize_embedding` None follows the run; True holds the tied embedding / head as one
     INT8 copy.
     """
-    from .model import ChatGLMForConditionalGeneration
-
+    version = versions.of_directory(source.base)
     follow_run = quantization_bit is None
     bits = source.quantization_bit if follow_run else quantization_bit
     embedding = source.quantize_embedding if quantize_embedding is None else quantize_embedding
     prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
     if source.lora_dir is None or (follow_run and bits):
-        model = ChatGLMForConditionalGeneration.from_pretrained(
-            source.base, dtype=dtype, device=device, quantization_bit=bits or None, quantization_group_size=group_size,
-            quantize_embedding=embedding, **prefix,
-        )
+        quantized = dict(quantization_bit=bits, group_size=group_size) if bits else {}
+        model = version.load_model(source.base, dtype=dtype, device=device, quantize_embedding=embedding, **quantized, **prefix)
         if source.prefix_dir is not None:
             model.load_prefix(source.prefix_dir)
         if source.lora_dir is not None:
@@ -286,7 +279,7 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
 
             model = load_lora(model, source.lora_dir)
     else:
-        model = ChatGLMForConditionalGeneration.from_pretrained(source.base, dtype=dtype, device=device)
+        model = version.load_model(source.base, dtype=dtype, device=device)
         model = merge_lora_and_quantize(model, source.lora_dir, bits, group_size, source.base)
         if embedding:  # after the merge, which refuses integer weights (LoRA never targets the head)
             from .quantization import quantize_embedding as quantize_tied_embedding
@@ -311,19 +304,8 @@ def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size:
     if stored:
         return model
     model = merge_lora(model)
-    return quantize_model(model, bits, group_size) if bits else model
-
-
-def check_tokenizer_matches(tokenizer, config) -> None:
-    """ValueError unless the tokenizer's special ids equal the config's and its vocabulary fits the model."""
-    from .data import SpecialIds
-
-    ours, theirs = SpecialIds.of(tokenizer), SpecialIds.of(config)
-    problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
-    if len(tokenizer) > config.vocab_size:
-        problems.append(f"vocabulary: tokenizer {len(tokenizer)} tokens, model {config.vocab_size} rows")
-    if problems:
-        raise ValueError("the tokenizer does not belong to this model: " + "; ".join(problems))
+    targets = versions.of_config(model.config).quantizable_linears
+    return quantize_model(model, bits, group_size, targets=targets) if bits else model
 
 
 def derived_run_args(source: ModelSource, **changes) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -24,15 +24,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from . import rundir
-from .config import ChatGLMConfig
+from . import rundir, versions
 from .data import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
 from .generation import generate
 from .lora import apply_lora
 from .metrics import describe_scores, score_answers
-from .model import ChatGLMForConditionalGeneration
-from .options import EVALUATIONS, METHOD_DEFAULTS, TrainOptions
-from .tokenizer import ChatGLMTokenizer, train_tokenizer
+from .options import EVALUATIONS, METHOD_DEFAULTS, TINY_PRESETS, TrainOptions
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
     """A shuffled order whose consecutive runs of `batch_size` rows have similar lengths.
@@ -66,17 +63,12 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a non-finite loss); the last good checkpoint stays in place."""
 
 
-def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), **config_overrides):
-    """A tokenizer trained on the prompt, `extra_texts` and the training texts and answers, and a random
-    tiny model (the preset, with `config_overrides`) for it."""
-    tokenizer_dir = Path(output_dir)
-    if (tokenizer_dir / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
-        tokenizer = ChatGLMTokenizer.from_pretrained(tokenizer_dir)
-    else:
-        corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
-        tokenizer = train_tokenizer(corpus, tokenizer_dir, max_piece_length=1)  # character-level: see train_tokenizer
-    config = ChatGLMConfig.from_name("tiny", **config_overrides, **tokenizer.config_overrides())
-    return ChatGLMForConditionalGeneration(config), tokenizer
+def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
+               **config_overrides):
+    """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers,
+    and a random tiny model of the preset's version (with `config_overrides`) for it."""
+    corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
+    return versions.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), **config_overrides)
 
 
 def optimizer_and_schedule(params, options: TrainOptions, total_steps: int):
@@ -92,20 +84,18 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
     if options.threads:
         torch.set_num_threads(options.threads)
     set_seed(options.seed)  # fresh weights (tiny model, prefix encoder, LoRA) are seeded too
-    if model_arg == "tiny":
+    if model_arg in TINY_PRESETS:
         if options.tuning != "full":
-            raise ValueError("--model tiny starts from random weights: train it with --tuning full first, "
+            raise ValueError(f"--model {model_arg} starts from random weights: train it with --tuning full first, "
                              "then P-tune or LoRA-tune the result with --model <that run>")
-        model, tokenizer = build_tiny(train_records, output_dir, options)
+        model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg)
     else:
-        rundir.require_model_dir(model_arg)
-        tokenizer = ChatGLMTokenizer.from_pretrained(model_arg)
+        version = versions.of_directory(rundir.require_model_dir(model_arg))
+        tokenizer = version.load_tokenizer(model_arg)
         prefix = dict(pre_seq_len=options.pre_seq_len, prefix_projection=options.prefix_projection)
-        model = ChatGLMForConditionalGeneration.from_pretrained(
-            model_arg, dtype=options.dtype, quantization_bit=options.quantization_bit or None,
-            quantize_embedding=options.quantize_embedding,
-            **(prefix if options.tuning == "ptuning" else {}),
-        )
+        quantized = dict(quantization_bit=options.quantization_bit, group_size=0) if options.quantization_bit else {}
+        model = version.load_model(model_arg, dtype=options.dtype, quantize_embedding=options.quantize_embedding,
+                                   **quantized, **(prefix if options.tuning == "ptuning" else {}))
     if options.gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
@@ -115,11 +105,12 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
 def set_trainable(model, options: TrainOptions):
     """The model with only what `options.tuning` trains left trainable: the prefix encoder (P-tuning v2,
     the official behaviour), LoRA adapters (returned wrapped by peft), or every weight (full)."""
-    if options.tuning == "lora":
-        return apply_lora(model, options.lora)
+    version = versions.of_config(model.config)
+    if options.tuning == "lora":  # on the version's attention projections unless told otherwise
+        return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets))
     model.requires_grad_(options.tuning == "full")
     if options.tuning == "ptuning":
-        model.transformer.prefix_encoder.requires_grad_(True)
+        version.prefix_encoder(model).requires_grad_(True)
     return model
 
 
@@ -143,7 +134,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     _keep_only_trainable_in_state(accelerator)
 
-    run_args = {"model": model_arg if model_arg == "tiny" else str(Path(model_arg).resolve()), **_plain(options)}
+    run_args = {"model": model_arg if model_arg in TINY_PRESETS else str(Path(model_arg).resolve()), **_plain(options)}
     if resume:
         progress = _resume(accelerator, output_dir, run_args)
     else:
@@ -266,7 +257,7 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
 def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Accelerator | None = None) -> dict:
     """Dev loss and triple P/R/F1 of greedy generations (records split over the processes)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    special = SpecialIds.of(tokenizer)
+    special, version = SpecialIds.of(tokenizer), versions.of_tokenizer(tokenizer)
     mine = records[rank::world]
     enc = options.encoding
     losses, generated = [], []
@@ -279,8 +270,8 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
             losses.append(model(**{k: v.to(device) for k, v in batch.items()}).loss.item() * len(chunk))
             prompts = collate_prompts([prompt_ids(r, tokenizer, enc) for r in chunk], special)
             new = generate(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=enc.answer_budget,
-                           vocab_limit=len(tokenizer))
-            generated += [tokenizer.decode(ids) for ids in new]
+                           eos_token_id=version.stop_ids(tokenizer), vocab_limit=len(tokenizer))
+            generated += [version.decode_answer(tokenizer, ids) for ids in new]
     indexed = list(zip(range(rank, len(records), world), generated))
     loss_sum = sum(losses)
     if accelerator is not None and world > 1:
@@ -393,7 +384,8 @@ def _check_finite(accelerator, loss, progress, output_dir) -> None:
 def _plain(options: TrainOptions) -> dict:
     """The options as JSON-ready values (the record of the run, checked on --resume)."""
     out = asdict(options)
-    out["lora"]["target"] = list(out["lora"]["target"])
+    if out["lora"]["target"] is not None:
+        out["lora"]["target"] = list(out["lora"]["target"])
     return out
 
 

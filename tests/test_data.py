@@ -331,7 +331,8 @@ def test_shipped_files_equal_what_the_script_writes(tmp_path):
 # Prompt/response columns (the official P-tuning data shape)
 
 
-def test_columns_read_prompt_response_and_history_as_the_official_prompt(tmp_path):
+def test_columns_read_prompt_response_and_history_as_the_official_prompt(tok, tmp_path):
+    from chatglm_tune.data import chat_prompt
     from chatglm_tune.options import DataColumns
 
     path = tmp_path / "chat.jsonl"
@@ -340,14 +341,18 @@ def test_columns_read_prompt_response_and_history_as_the_official_prompt(tmp_pat
             {"prompt": "没有答案的提示"}]
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     records, _ = read_records(path, columns=DataColumns(prompt="prompt", response="response", history="history"))
-    assert [r.text for r in records] == [
+    assert [(r.text, r.history) for r in records] == [
+        ("类型#裙*颜色#红色", ()), ("再短一点", (("类型#裙", "一条裙子。"),)), ("没有答案的提示", ())]
+    assert [r.answer for r in records] == ["一条红裙。", "红裙。", None] and all(r.triples is None for r in records)
+    # ChatGLM-6B's prompt: the official ptuning/main.py rounds whenever there is a history column
+    options = EncodingOptions(prompt="")
+    assert [prompt_ids(r, tok, options)[:-2] for r in records] == [tok.encode(t, add_special_tokens=False) for t in (
         "[Round 0]\n问：类型#裙*颜色#红色\n答：",
         "[Round 0]\n问：类型#裙\n答：一条裙子。\n[Round 1]\n问：再短一点\n答：",
-        "[Round 0]\n问：没有答案的提示\n答：",
-    ]
-    assert [r.answer for r in records] == ["一条红裙。", "红裙。", None] and all(r.triples is None for r in records)
+        "[Round 0]\n问：没有答案的提示\n答：")]
     plain, _ = read_records(path, columns=DataColumns(prompt="prompt", response="response"))
-    assert plain[0].text == "类型#裙*颜色#红色"  # no history column: the query alone
+    assert plain[0].history is None and prompt_ids(plain[0], tok, options)[:-2] == tok.encode("类型#裙*颜色#红色", add_special_tokens=False)
+    assert chat_prompt("q", None) == "q"
 
     path.write_text(json.dumps({"prompt": "p", "response": "r", "history": [["only one"]]}) + "\n", encoding="utf-8")
     with pytest.raises(RecordError, match=r"chat.jsonl, line 1, field 'history': expected a list of \[query, response\]"):

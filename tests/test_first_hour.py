@@ -222,7 +222,7 @@ def test_runs_print_a_start_summary_and_no_warnings(work):
         assert re.search(r"^truncated: \d+ texts longer than max_src_len=96, \d+ answers longer than", out, re.M), name
         assert re.search(r"^model: \w+, [\d,]+ of [\d,]+ parameters trainable$", out, re.M), name
         assert re.search(r"^steps: \d+ optimizer steps", out, re.M), name
-        assert re.search(r"^step \d+: dev loss [\d.]+, P/R/F1", out, re.M), name  # on a line of its own
+        assert re.search(r"^step \d+: dev loss [\d.]+, micro P/R/F1: ", out, re.M), name  # on a line of its own
 
 
 # 9. The official API where people look for it
@@ -279,4 +279,4 @@ def test_train_help_is_grouped_and_shows_every_default():
     assert "--dtype {float32,bfloat16,float16}" in text
     flat = " ".join(text.split())
     assert "stop at a bad record, or skip and count it (default error)" in flat
-    assert "(default: the base run's, else '按给定的格式抽取文本信息。\\n文本：')" in flat
+    assert "(default: the base run's, else '按给定的格式抽取文本信息。\\n文本：';" in flat
