@@ -11,7 +11,7 @@ Every layer above (data, training, generation, extraction, quantization, run dir
   LoRA and quantization target.
 
     ChatGLM-6B   prompt + text [gMASK] <sop> | answer <eop>                      (ptuning/main.py)
-    ChatGLM2-6B  [gMASK] sop "[Round 1]\\n\\n问：{prompt + text}\\n\\n答：" | answer </s>      (ptuning/main.py)
+    ChatGLM2-6B  [gMASK] sop prompt "[Round 1]\\n\\n问：{text}\\n\\n答：" | answer </s>      (ptuning/main.py)
     ChatGLM3-6B  [gMASK] sop <|user|> \\n prompt + text <|assistant|> | \\n answer </s>    (finetune_demo)
     GLM-4-9B     [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|>  (finetune.py)
 
@@ -159,7 +159,10 @@ class GLMFamilyVersion(Version):
 
     def prompt_ids(self, tokenizer, record, options: EncodingOptions) -> tuple[list[int], bool]:
         """The chat prompt of the version around `prompt + text`, the text cut to fit `max_src_len`."""
-        head, tail = self._around_query(tokenizer, record.history or ())
+        history = record.history or ()
+        if self.name == "chatglm2":
+            return self._chatglm2_prompt(tokenizer, options.prompt, record.text, history, options.max_src_len)
+        head, tail = self._around_query(tokenizer, history)
         query = tokenizer.encode_text(self._after_role(options.prompt + record.text))
         room = max(1, options.max_src_len - len(head) - len(tail))
         return head + query[:room] + tail, len(query) > room
@@ -203,13 +206,23 @@ class GLMFamilyVersion(Version):
         """Text that follows a role token: GLM-4's template puts the "\n" in the same text."""
         return "\n" + text if self.name == "glm4" else text
 
+    @staticmethod
+    def _chatglm2_prompt(tokenizer, prefix: str, query: str, history, max_len: int) -> tuple[list[int], bool]:
+        """ChatGLM2's official prompt, `prefix + build_prompt(query, history)`, encoded as one text (as its
+        `ptuning/main.py` does: SentencePiece joins across the template and the query); a query too long
+        loses its end, whole characters at a time, until the prompt fits `max_len` tokens."""
+        def encode(text: str) -> list[int]:
+            return tokenizer.get_prefix_tokens() + tokenizer.encode_text(prefix + tokenizer.build_prompt(text, list(history)))
+
+        ids, kept = encode(query), query
+        while len(ids) > max_len and kept:
+            kept = kept[: len(kept) - max(1, len(ids) - max_len)]
+            ids = encode(kept)
+        return ids, kept != query
+
     def _around_query(self, tokenizer, history) -> tuple[list[int], list[int]]:
-        """(ids before the query's own ids, ids after them)."""
+        """(ids before the query's own ids, ids after them), ChatGLM3 and GLM-4."""
         command = tokenizer.get_command
-        if self.name == "chatglm2":  # the official build_prompt, encoded as one text (SentencePiece)
-            rounds = "".join(f"[Round {i}]\n\n问：{q}\n\n答：{r}\n\n" for i, (q, r) in enumerate(history, 1))
-            head = tokenizer.encode_text(rounds + f"[Round {len(history) + 1}]\n\n问：")
-            return tokenizer.get_prefix_tokens() + head, tokenizer.encode_text("\n\n答：")
         head = [command("[gMASK]"), command("sop" if self.name == "chatglm3" else "<sop>")]
         for query, response in history:
             head += self._message(tokenizer, "user", query) + self._message(tokenizer, "assistant", response)
