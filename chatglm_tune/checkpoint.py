@@ -132,7 +132,7 @@ def load_weights(
             if tuple(target.shape) != tuple(tensor.shape):
                 raise CheckpointError(_shape_message(model, file, key, target.shape, tensor.shape))
             if place is None or not place(key, tensor, pages):
-                _assign(model, key, _copy_out(key, tensor, dtype, pages))
+                _assign(model, key, copy_out(key, tensor, dtype, pages))
             pages.release(tensor)
             del tensor
         pages.close()
@@ -143,11 +143,13 @@ def load_weights(
 COPY_CHUNK_BYTES = 4 << 20  # a large tensor is copied out of the file map this much at a time
 
 
-def _copy_out(key: str, tensor: torch.Tensor, dtype: torch.dtype, pages: _FilePages | None) -> torch.Tensor:
-    """`_cast(key, tensor, dtype)` in memory of its own (never a view of the file map), copied a chunk of
-    rows at a time with each chunk's file pages released as soon as it is copied: loading a tensor
-    costs its final size plus one chunk, whatever the source and target dtypes."""
-    target = _cast(key, tensor[:0] if tensor.dim() else tensor, dtype).dtype
+def copy_out(key: str, tensor: torch.Tensor, dtype: torch.dtype, pages: _FilePages | None,
+             prefix_key: str = PREFIX_KEY) -> torch.Tensor:
+    """`tensor` in memory of its own (never a view of the file map), cast as `_cast` says for `key` (the
+    prefix encoder's keys start with `prefix_key`), copied a chunk of rows at a time with each chunk's
+    file pages released as soon as it is copied: loading a tensor costs its final size plus one chunk,
+    whatever the source and target dtypes."""
+    target = _cast(key, tensor[:0] if tensor.dim() else tensor, dtype, prefix_key).dtype
     out = torch.empty(tensor.shape, dtype=target)
     if tensor.dim() == 0 or tensor.numel() == 0:
         return out.copy_(tensor)
@@ -231,10 +233,11 @@ def _is_persistent(model: nn.Module, key: str) -> bool:
     return name not in model.get_submodule(owner)._non_persistent_buffers_set
 
 
-def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype, prefix_key: str = PREFIX_KEY) -> torch.Tensor:
+    """Integers and the fp16 quantization scales as they are; the prefix encoder in float32; the rest in `dtype`."""
     if not tensor.is_floating_point() or key.endswith("weight_scale"):
         return tensor
-    return tensor.to(torch.float32 if key.startswith(PREFIX_KEY) else dtype)
+    return tensor.to(torch.float32 if key.startswith(prefix_key) else dtype)
 
 
 def _assign(model: nn.Module, key: str, value: torch.Tensor) -> None:

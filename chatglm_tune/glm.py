@@ -266,30 +266,7 @@ def load_glm(
             if pairs is None:
                 raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
             for name, part in pairs:
-                owner, _, attr = name.rpartition(".")
-                layer = quantized.get(owner)
-                if layer is not None and attr == "weight" and part.is_floating_point() and not stored:
-                    _quantize_into(layer, name, part, file, key, expected, dtype, pages)
-                    continue
-                if name not in expected:
-                    raise CheckpointError(_unexpected(file, key, name, config))
-                target = expected.pop(name)
-                if part.is_floating_point() != target.is_floating_point():
-                    raise CheckpointError(_wrong_type(file, key, part, target, raw))
-                if tuple(part.shape) != tuple(target.shape):
-                    layout = (f" (config.json's quantization_bit={bits}: INT8 weights are [out, in], INT4 ones packed "
-                              "[out, in/2])" if attr == "weight" and owner in quantized else "")
-                    raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
-                                          f"{list(target.shape)}{layout}; does config.json match these weights?")
-                if attr == "weight_scale":
-                    cast = torch.float16  # the official scales are fp16 (QuantizedLinear's contract)
-                elif name.startswith(PREFIX_ENCODER) or not part.is_floating_point():
-                    cast = torch.float32 if part.is_floating_point() else part.dtype
-                else:
-                    cast = dtype
-                value = torch.empty(part.shape, dtype=cast)  # owned memory, never a view of the file
-                _copy_rows(value, part, pages)
-                model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+                _place(model, name, part, file, key, expected, quantized, stored, dtype, pages, raw)
             pages.release(tensor)
             del tensor, pairs
         pages.close()
@@ -328,6 +305,29 @@ def _load_format(raw: dict, path, bits: int | None, group_size: int, alias: int 
     return bits or 0, group_size if bits else 0, False
 
 
+def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict, quantized: dict, stored: bool,
+           dtype: torch.dtype, pages, raw: dict) -> None:
+    """Put the tensor `part` (file key `key`, model name `name`) into the model: quantized into its layer
+    while loading, or checked (known, same kind, same shape) and copied out of the file map."""
+    owner, _, attr = name.rpartition(".")
+    layer = quantized.get(owner)
+    if layer is not None and attr == "weight" and part.is_floating_point() and not stored:
+        _quantize_into(layer, name, part, file, key, expected, dtype, pages)
+        return
+    if name not in expected:
+        raise CheckpointError(_unexpected(file, key, name, model.config))
+    target = expected.pop(name)
+    if part.is_floating_point() != target.is_floating_point():
+        raise CheckpointError(_wrong_type(file, key, part, target, raw))
+    if tuple(part.shape) != tuple(target.shape):
+        layout = (f" (config.json's quantization_bit={raw.get('quantization_bit')}: INT8 weights are [out, in], INT4 ones "
+                  "packed [out, in/2])" if attr == "weight" and owner in quantized else "")
+        raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
+                              f"{list(target.shape)}{layout}; does config.json match these weights?")
+    value = checkpoint.copy_out(name, part, dtype, pages, prefix_key=PREFIX_ENCODER)
+    model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+
+
 def _quantize_into(layer: QuantizedLinear, name: str, part: torch.Tensor, file, key: str, expected: dict,
                    dtype: torch.dtype, pages) -> None:
     """Quantize the float weight `part` [out, in] (rows of the file's tensor) into `layer`, a few rows at a
@@ -343,18 +343,6 @@ def _quantize_into(layer: QuantizedLinear, name: str, part: torch.Tensor, file, 
     q, scale = quantize_rows(part, dtype, layer.bits, layer.group_size, pages.release)
     layer.weight = nn.Parameter(q, requires_grad=False)
     layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-
-
-def _copy_rows(out: torch.Tensor, tensor: torch.Tensor, pages, chunk_bytes: int = 4 << 20) -> None:
-    """`out.copy_(tensor)` a few rows at a time, each chunk's file pages released once copied."""
-    if tensor.dim() == 0 or tensor.numel() == 0:
-        out.copy_(tensor)
-        return
-    step = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
-    for start in range(0, tensor.shape[0], step):
-        chunk = tensor[start : start + step]
-        out[start : start + step].copy_(chunk)
-        pages.release(chunk)
 
 
 def _wrong_type(file, key: str, part: torch.Tensor, target: torch.Tensor, raw: dict) -> str:
