@@ -113,6 +113,7 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
     """
 
     vocab_files_names = {"vocab_file": TIKTOKEN_FILE, "tokenizer_file": TOKENIZER_FILE}
+    prefix_texts = ("[gMASK]", "<sop>")
 
     def __init__(
         self,
@@ -203,21 +204,6 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
     def encode_text(self, text: str) -> list[int]:
         """`text` as data: BPE ids with no prefix, special-token text staying text."""
         return self._bpe.encode(text, add_special_tokens=False).ids
-
-    def build_inputs_with_special_tokens(
-        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
-    ) -> list[int]:
-        """`[gMASK] <sop> a`, or `[gMASK] <sop> a b <|endoftext|>` for a pair."""
-        ids = [self.get_command("[gMASK]"), self.get_command("<sop>"), *token_ids_0]
-        if token_ids_1 is not None:
-            ids += [*token_ids_1, self.eos_token_id]
-        return ids
-
-    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
-        if already_has_special_tokens:
-            return [int(i in self.special_token_ids) for i in token_ids_0]
-        mask = [1, 1] + [0] * len(token_ids_0)
-        return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
 
     def build_single_message(self, role: str, metadata: str, message: str, tokenize: bool = True) -> list[int] | str:
         """The official one-message block: `<|role|>` then `metadata + "\\n"` and the message as data text."""

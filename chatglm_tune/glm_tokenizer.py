@@ -77,6 +77,23 @@ class GLMFamilyTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask", "position_ids"]
     padding_side = "left"
     special_ids: dict[str, int]
+    prefix_texts: tuple[str, str] = ("[gMASK]", "sop")  # what every encode starts with (GLM-4: <sop>)
+
+    def get_prefix_tokens(self) -> list[int]:
+        return [self.get_command(t) for t in self.prefix_texts]
+
+    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
+        """`[gMASK] sop a`, or `[gMASK] sop a b <eos>` for a pair (official)."""
+        ids = self.get_prefix_tokens() + token_ids_0
+        if token_ids_1 is not None:
+            ids += token_ids_1 + [self.eos_token_id]
+        return ids
+
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
+        if already_has_special_tokens:
+            return [int(i in self.special_token_ids) for i in token_ids_0]
+        mask = [1, 1] + [0] * len(token_ids_0)
+        return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
 
     def get_command(self, token: str) -> int:
         """The id of a special token by its official text (`"[gMASK]"`, `"sop"`, `"<|user|>"`)."""
@@ -160,24 +177,6 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
     def encode_text(self, text: str) -> list[int]:
         """`text` as data: SentencePiece ids with no prefix (never a special id)."""
         return self.sp_model.encode(text)
-
-    def get_prefix_tokens(self) -> list[int]:
-        return [self.get_command("[gMASK]"), self.get_command("sop")]
-
-    def build_inputs_with_special_tokens(
-        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
-    ) -> list[int]:
-        """`[gMASK] sop a`, or `[gMASK] sop a b </s>` for a pair (official)."""
-        ids = self.get_prefix_tokens() + token_ids_0
-        if token_ids_1 is not None:
-            ids += token_ids_1 + [self.eos_token_id]
-        return ids
-
-    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
-        if already_has_special_tokens:
-            return [int(i in self._special_names) for i in token_ids_0]
-        mask = [1, 1] + [0] * len(token_ids_0)
-        return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + SENTENCEPIECE_FILE)
