@@ -1,4 +1,6 @@
-"""chatglm_tune: fine-tune ChatGLM-6B with P-tuning v2 or LoRA, run it in half precision, INT8 and INT4.
+"""chatglm_tune: fine-tune ChatGLM (6B, ChatGLM2/3, GLM-4) with P-tuning v2 or LoRA, run it in half, INT8 and INT4.
+
+`chatglm_tune.from_pretrained(dir)` / `chatglm_tune.load_tokenizer(dir)` load any version.
 
 Importing the package registers `model_type: chatglm` with transformers' Auto classes (`auto`), so
 `AutoModel.from_pretrained(dir)` works without `trust_remote_code`. The public names below are imported
@@ -15,6 +17,8 @@ _PUBLIC = {
     "ChatGLMModel": ".model",
     "ChatGLMTokenizer": ".tokenizer",
     "generate": ".generation",
+    "from_pretrained": ".versions",
+    "load_tokenizer": ".versions",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -1,5 +1,7 @@
 """Registration with transformers' Auto classes: `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and
-`AutoTokenizer` load ChatGLM directories after `import chatglm_tune`, with no `trust_remote_code`.
+`AutoTokenizer` load every ChatGLM version's directory after `import chatglm_tune`, with no
+`trust_remote_code`. All say `model_type: chatglm`; `ChatGLMConfig.from_dict` reads a ChatGLM2/3 or
+GLM-4 config.json as a `ChatGLMFamilyConfig`, which maps to the GlmForCausalLM-based model.
 
 The model and tokenizer modules are imported at first use, not at registration: the Auto mappings hold
 stand-ins whose `from_pretrained` imports the real class and hands over. So `import chatglm_tune` costs
@@ -13,6 +15,11 @@ import importlib
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .config import ChatGLMConfig
+from .glm_config import ChatGLMFamilyConfig
+
+# Arguments the Auto classes pass along to from_pretrained; meaningless for a local directory.
+AUTO_PLUMBING = {"_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
+                 "local_files_only", "proxies", "token", "subfolder", "_commit_hash", "code_revision", "name_or_path"}
 
 
 class _Deferred:
@@ -35,11 +42,41 @@ class ChatGLMForConditionalGeneration(_Deferred):
     module, name = ".model", "ChatGLMForConditionalGeneration"
 
 
-class ChatGLMTokenizer(_Deferred):
-    module, name = ".tokenizer", "ChatGLMTokenizer"
+class GlmForCausalLMWithPrefix(_Deferred):
+    module, name = ".glm", "GlmForCausalLMWithPrefix"
+    config_class = ChatGLMFamilyConfig
 
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        if kwargs.pop("trust_remote_code", False):
+            raise ValueError("chatglm_tune runs ChatGLM natively: trust_remote_code is never needed")
+        kwargs.pop("config", None)  # read again, with the directory (ChatGLM2 and ChatGLM3 differ only by name)
+        return cls.resolve().from_pretrained(path, *args, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING})
+
+
+class _Tokenizer(_Deferred):
+    """Every version's tokenizer, told apart by its directory (tokenizer_config.json and files)."""
+
+    @classmethod
+    def from_pretrained(cls, directory, *args, **kwargs):
+        from .glm_tokenizer import detect_tokenizer_version, load_glm_tokenizer
+
+        kwargs = {k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING}
+        if detect_tokenizer_version(directory) == "chatglm":
+            from .tokenizer import ChatGLMTokenizer
+
+            return ChatGLMTokenizer.from_pretrained(directory, *args, **kwargs)
+        return load_glm_tokenizer(directory, **kwargs)
+
+
+# tokenizer_config.json names: the official one ("ChatGLMTokenizer", all versions) and ours
+TOKENIZER_NAMES = ("ChatGLM2Tokenizer", "ChatGLM3Tokenizer", "GLM4Tokenizer", "ChatGLMTokenizer")
 
 AutoConfig.register("chatglm", ChatGLMConfig, exist_ok=True)
-AutoModel.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
-AutoModelForCausalLM.register(ChatGLMConfig, ChatGLMForConditionalGeneration, exist_ok=True)
-AutoTokenizer.register(ChatGLMConfig, tokenizer_class=ChatGLMTokenizer, exist_ok=True)
+for config_class, model_class in ((ChatGLMConfig, ChatGLMForConditionalGeneration), (ChatGLMFamilyConfig, GlmForCausalLMWithPrefix)):
+    AutoModel.register(config_class, model_class, exist_ok=True)
+    AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+for name in TOKENIZER_NAMES:
+    stand_in = type(name, (_Tokenizer,), {"module": "", "name": name})
+    for config_class in (ChatGLMFamilyConfig, ChatGLMConfig):  # the last registered name serves the mapping
+        AutoTokenizer.register(config_class, tokenizer_class=stand_in, exist_ok=True)

@@ -62,6 +62,19 @@ class ChatGLMConfig(PreTrainedConfig):
         if problems:
             raise ValueError("invalid ChatGLMConfig: " + "; ".join(problems))
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """ChatGLM2/3 and GLM-4 say `model_type: chatglm` too: their config.json gives their own config
+        (`glm_config`), so that `AutoConfig` / `AutoModel` load every version."""
+        from .glm_config import detect_version, glm_config
+
+        version = detect_version(config_dict)
+        if version == "chatglm":
+            return super().from_dict(config_dict, **kwargs)
+        config = glm_config(config_dict, version=version)
+        return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
+            else config
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

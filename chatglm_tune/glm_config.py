@@ -119,6 +119,15 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str:
     return "chatglm2" if written_with < (4, 30) else "chatglm3"
 
 
+class ChatGLMFamilyConfig(GlmConfig):
+    """transformers' `GlmConfig`, under a class of ours so that the Auto classes map it to our model
+    (`auto.py`): ChatGLM2/3 and GLM-4 checkpoints need their official key map and the P-tuning prefix.
+    Its model_type is the official config.json's, `chatglm` (transformers' `glm` would pick its own
+    tokenizer for a run directory)."""
+
+    model_type = "chatglm"
+
+
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
     """transformers' `GlmConfig` for an official (or -hf) config.json dict of `version`.
 
@@ -138,7 +147,7 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
     heads = raw["num_attention_heads"]
     groups = raw["multi_query_group_num"] if raw.get("multi_query_attention", True) else heads
     rope_ratio = raw.get("rope_ratio") or 1
-    return GlmConfig(
+    return ChatGLMFamilyConfig(
         vocab_size=raw["padded_vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["ffn_hidden_size"],
@@ -175,7 +184,7 @@ def _hf_config(raw: dict, pre_seq_len: int | None, prefix_projection: bool | Non
     fields.update(stored_format(raw))
     fields.pop("torch_dtype", None)  # the compute dtype is the loader's choice
     fields.pop("dtype", None)
-    config = GlmConfig(**fields)
+    config = ChatGLMFamilyConfig(**fields)
     if config.tie_word_embeddings:
         raise CheckpointError("config.json ties the embeddings to the head: GLM-4 never does")
     return config

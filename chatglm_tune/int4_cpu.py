@@ -1,7 +1,7 @@
 """A batch-1 INT4 matmul for CPUs without AVX-512, reading the official packed INT4 weight as it is.
 
-On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound (it unpacks through a
-lookup and reduces in bf16 groups): INT4 decoded slower than INT8 there (bench/results/scale.json).
+On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for half
+the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json, shared notes cpu-kernels.md).
 `matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
 even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
 intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, sign-extend to 8 int32 lanes, take
@@ -11,10 +11,14 @@ dequantized math (`q * scale` is exact in fp32), fp32 throughout, so more exact 
 Four rows share each load of x. With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column chunk
 of the weight is unpacked once into an fp32 buffer (8 KB, L1) that every row of x then reads.
 
-Measured (bench/int4_kernels.py, results/int4_kernels.json): under AVX2 it beats int8pack at batch 1
-on ChatGLM-6B's shapes; under AVX-512 PyTorch's int4pack is faster, so `available()` is True only where
-PyTorch's CPU capability is AVX2. No repacking: the official weight is the only copy, and nothing
-ISA-dependent is ever built from it.
+Measured (bench/int4_kernels.py, results/int4_kernels.json; AMD EPYC, one thread, batch 1, weights
+streamed from memory): with PyTorch at the AVX2 level it takes 1.06 / 2.96 / 4.65 / 7.63 ms at ChatGLM-6B's
+4096x4096 / 12288x4096 / 16384x4096 / 4096x16384 against 1.67 / 4.33 / 5.24 / 9.42 for int8pack
+(1.13-1.59x faster) and 1.93 / 5.68 / 7.55 / 13.85 for int4pack, exact to fp32 rounding (relative error
+~1e-6, where the bf16 kernels give ~2e-3). It is still compute-bound, not memory-bound: 4.4-8.5 GB/s of packed
+weights read per core against ~16 GB/s that one core can read. With AVX-512, PyTorch's int4pack is faster
+still (0.65-2.47 ms, near the bandwidth), so `available()` is True only where PyTorch's CPU capability is
+AVX2. No repacking: the official weight is the only copy, and nothing ISA-dependent is built from it.
 
 The kernel is compiled once per machine at first use (`torch.utils.cpp_extension.load_inline`, about
 20-40 s; cached under ~/.cache/torch_extensions) with the same compiler torch.compile's C++ backend
@@ -34,10 +38,9 @@ import torch
 from torch import Tensor
 
 # Rows of x up to which each row unpacks the weight in registers; above, chunks are unpacked once into
-# an fp32 buffer shared by every row (measured crossover: bench/int4_kernels.py `--rows`).
+# an fp32 buffer shared by every row (crossover measured at 16384x4096 by bench/int4_kernels.py `--rows`:
+# the buffer wins from 4 rows on). QuantizedLinear routes up to its `max_kernel_rows` (32) rows here.
 DIRECT_ROWS = 2
-# Rows of x up to which QuantizedLinear routes INT4 here (its `max_kernel_rows` caps it too).
-MAX_ROWS = 32
 
 _SOURCE = r"""
 #include <ATen/ATen.h>

@@ -34,6 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import checkpoint, cpu_matmul, quantization
+from .auto import AUTO_PLUMBING
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, SamplingOptions
@@ -41,9 +42,6 @@ from .positions import build_position_ids, context_lengths, glm_mask
 from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
 
 ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
-# Arguments transformers' Auto classes pass along to from_pretrained; meaningless for a local directory.
-_AUTO_PLUMBING = {"_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
-                  "local_files_only", "proxies", "token", "subfolder", "_commit_hash"}
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +281,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
         `quantize_embedding` keeps the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
         Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start).
         """
-        for name in [n for n in overrides if n in _AUTO_PLUMBING]:
+        for name in [n for n in overrides if n in AUTO_PLUMBING]:
             value = overrides.pop(name)
             if name == "trust_remote_code" and value:
                 raise ValueError("chatglm_tune runs ChatGLM natively: trust_remote_code is never needed")

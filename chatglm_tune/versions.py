@@ -266,6 +266,19 @@ def of_tokenizer(tokenizer) -> Version:
     return VERSIONS[TOKENIZER_VERSIONS[type(tokenizer).__name__]]
 
 
+def from_pretrained(directory, **kwargs):
+    """The model of any version from its directory (`Version.load_model`'s arguments: dtype, device,
+    pre_seq_len, prefix_projection, quantization_bit, group_size, quantize_embedding)."""
+    return of_directory(directory).load_model(directory, **kwargs)
+
+
+def load_tokenizer(directory):
+    """The tokenizer of any version from its directory (tokenizer_config.json and files tell which)."""
+    from .glm_tokenizer import detect_tokenizer_version
+
+    return VERSIONS[detect_tokenizer_version(directory)].load_tokenizer(directory)
+
+
 def has_tokenizer(directory: Path) -> bool:
     return any((Path(directory) / name).exists() for name in TOKENIZER_FILES)
 

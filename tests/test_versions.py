@@ -166,3 +166,24 @@ def test_a_chatglm3_run_quantizes_to_the_official_layout_and_keeps_its_answers(r
     cli("infer.py", "--model", out, "--input", runs / "data.jsonl", "--output", tmp_path / "q.jsonl")
     summary = json.loads((tmp_path / "q.jsonl.summary.json").read_text(encoding="utf-8"))
     assert summary["scores"]["micro"]["f1"] > 0.85
+
+
+def test_every_version_loads_through_the_package_and_the_auto_classes(runs):
+    import chatglm_tune
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from chatglm_tune.glm import GlmForCausalLMWithPrefix
+
+    golden = Path(__file__).parent / "fixtures" / "chatglm3-tiny"
+    assert AutoConfig.from_pretrained(golden).chatglm_version == "chatglm3"
+    auto = AutoModelForCausalLM.from_pretrained(golden)
+    ours = chatglm_tune.from_pretrained(golden)
+    assert isinstance(auto, GlmForCausalLMWithPrefix) and isinstance(ours, GlmForCausalLMWithPrefix)
+    ids = torch.tensor([[1001, 1003, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(auto.eval()(ids).logits, ours(ids).logits)
+    tokenizer = AutoTokenizer.from_pretrained(runs / "base")
+    assert type(tokenizer).__name__ == "ChatGLM3Tokenizer"
+    assert tokenizer.encode("水泵") == chatglm_tune.load_tokenizer(runs / "base").encode("水泵")
+    v1 = Path(__file__).parent / "fixtures" / "model-small-vocab"
+    assert type(chatglm_tune.from_pretrained(v1)).__name__ == "ChatGLMForConditionalGeneration"
