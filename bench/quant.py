@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
 from chatglm_tune.generation import generate  # noqa: E402
-from chatglm_tune.quantization import TARGETS  # noqa: E402
+from chatglm_tune.quantization import TARGETS as BLOCK_LINEARS  # noqa: E402
 from measure import copy_bandwidth, median_seconds, peak_rss, run_python  # noqa: E402
 
 MID = dict(hidden_size=2048, num_layers=8, num_attention_heads=16, inner_hidden_size=8192)
@@ -143,7 +143,7 @@ def layer_bytes(directory: Path) -> tuple[int, int]:
                 s = f.get_slice(key)
                 n = torch.Size(s.get_shape()).numel() * size[s.get_dtype()]
                 total += n
-                linears += n if key.split(".")[-2] in TARGETS else 0
+                linears += n if key.split(".")[-2] in BLOCK_LINEARS else 0
     return linears, total
 
 

@@ -21,7 +21,7 @@ vocabulary with the same special pieces in another layout.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import sentencepiece as spm
