@@ -35,9 +35,11 @@ import torch
 from torch import Tensor, nn
 
 from . import cpu_matmul, heap, int4_cpu
+from .versions import VERSIONS
 
-# The four Linears of every GLM block (spec section 6).
-TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+# The four Linears of every ChatGLM-6B block (spec section 6): the default of the module swaps; the other
+# versions' lists are theirs in `versions`.
+TARGETS = VERSIONS["chatglm"].quantizable_linears
 
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
