@@ -1,4 +1,4 @@
-"""SPO records: read and validate them, encode them as the official P-tuning does, collate batches.
+"""Records: read and validate them, encode them as each version's official fine-tuning does, collate batches.
 
 Reading. `read_records` accepts a `.jsonl` file (one object a line; blank lines are ignored) or a
 `.json` file holding an array of objects, each in one of four shapes, and turns every one into an
@@ -11,12 +11,16 @@ Reading. `read_records` accepts a `.jsonl` file (one object a line; blank lines 
     {"text": ..., "spo_list": [{"subject", "predicate", "object"}, ...]}
     {"text": ..., "spo_list": [{"h": {"name"}, "t": {"name"}, "relation"}, ...]}
 
+With `DataColumns` (train.py/infer.py `--prompt-column`, ...), prompt/response objects instead: the
+query, its earlier turns and a free-text answer (`parse_columns`).
+
 A record that cannot be used raises `RecordError` naming the file, the line (jsonl, 1-based) or the
 array index (json, 0-based), the field and what was expected; with `on_bad_record="skip"` it is
 counted in a `BadRecordReport` instead (counts by reason, the first locations of each).
 
-Encoding (spec section 8, `ptuning/main.py` preprocess_function, with max_target_length =
-max_len - max_src_len):
+Encoding: the tokenizer's version (`versions`) builds the prompt and the training row as its official
+fine-tuning does. ChatGLM-6B (spec section 8, `ptuning/main.py` preprocess_function, with
+max_target_length = max_len - max_src_len):
 
     source = encode(prompt + text)[: max_src_len - 1]        # room for [gMASK]
     answer = encode(answer_text)[: max_len - max_src_len - 2]   # room for <sop> and <eop>
@@ -28,8 +32,9 @@ most `max_len - max_src_len`; the `[gMASK]` position is trained to predict `<sop
 from the tokenizer or the model config (`SpecialIds.of`), never from constants here.
 
 Collating. `collate_train` right-pads a batch to its longest row; `collate_prompts` left-pads
-inference prompts. Both return the 2D `attention_mask` (1 = token, 0 = pad) and the official 2D
-`position_ids` [b, 2, s] from `chatglm_tune.positions`, built for the whole batch at once.
+inference prompts. Both return the 2D `attention_mask` (1 = token, 0 = pad) and, for ChatGLM-6B, the
+official 2D `position_ids` [b, 2, s] from `chatglm_tune.positions`, built for the whole batch at once
+(the other versions' models derive positions from the mask).
 """
 
 from __future__ import annotations
