@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, SamplingOptions
+from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, EncodingOptions, SamplingOptions
 from . import versions
-from .data import chat_prompt
+from .data import SPORecord
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,15 +321,30 @@ def chat(
     sampling: SamplingOptions = CHAT_SAMPLING,
     seed: int | None = None,
 ) -> tuple[str, list[tuple[str, str]]]:
-    """The official `model.chat(tokenizer, query, history)`: (response, history + [(query, response)]).
+    """The official `model.chat(tokenizer, query, history)` of every version: (response, history +
+    [(query, response)]), the prompt the version's chat builds (`versions`), stopping on its stop ids.
 
     `max_length` counts prompt and answer tokens, as the official default of 2048 does.
     """
-    ids = tokenizer.encode(chat_prompt(query, history or None))  # ends [gMASK] <sop>
+    version = versions.of_tokenizer(tokenizer)
+    record = SPORecord(query, None, history=tuple(history) or None)
+    ids = version.prompt_ids(tokenizer, record, EncodingOptions(prompt="", max_src_len=max_length, max_len=max_length + 2))[0]
     budget = max_length - len(ids)
     if budget < 1:
         raise ValueError(f"the prompt has {len(ids)} tokens, no room left under max_length={max_length}")
     new_ids = generate(model, torch.tensor([ids]), max_new_tokens=budget, sampling=sampling, seed=seed,
-                       vocab_limit=len(tokenizer))[0]
-    response = process_response(tokenizer.decode(new_ids))
+                       eos_token_id=version.stop_ids(tokenizer), vocab_limit=len(tokenizer))[0]
+    text = version.decode_answer(tokenizer, new_ids)
+    response = process_response(text) if version.name == "chatglm" else text
     return response, [*history, (query, response)]
+
+
+class Chat:
+    """`model.chat(tokenizer, query, history)` on the model classes, as the official ones have it."""
+
+    def chat(self, tokenizer, query: str, history=None, *, max_length: int = CHAT_MAX_LENGTH,
+             do_sample: bool = CHAT_SAMPLING.do_sample, top_p: float = CHAT_SAMPLING.top_p,
+             temperature: float = CHAT_SAMPLING.temperature, top_k: int | None = CHAT_SAMPLING.top_k, seed: int | None = None):
+        """(response, history + [(query, response)]), sampling as the official defaults (`chat`)."""
+        sampling = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
+        return chat(self, tokenizer, query, history or [], max_length=max_length, sampling=sampling, seed=seed)

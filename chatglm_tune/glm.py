@@ -40,6 +40,7 @@ from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .glm_config import detect_version, glm_config, official_config, read_config_file, stored_format
+from .generation import Chat
 from .glm_prefix import prefix_encoder, prefix_width
 from .prefix import PREFIX_DROPOUT, PrefixCache, prefix_key_values, seed_cache
 from .quantization import QuantizedLinear, check_bits, quantize_model, quantize_rows
@@ -59,7 +60,7 @@ def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) ->
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
 
 
-class GlmForCausalLMWithPrefix(GlmForCausalLM):
+class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
     """`GlmForCausalLM` that also owns the P-tuning v2 prefix encoder when `config.pre_seq_len` is set.
 
     Nothing is frozen here: which parameters train is the training code's decision.

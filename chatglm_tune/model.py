@@ -37,7 +37,7 @@ from . import checkpoint, cpu_matmul, quantization
 from .auto import AUTO_PLUMBING
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
-from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, SamplingOptions
+from .generation import Chat
 from .positions import build_position_ids, context_lengths, glm_mask
 from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
 
@@ -239,7 +239,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         return None if bool(allowed.all()) else allowed
 
 
-class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
+class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, Chat):
     """ChatGLM-6B with its tied LM head, loss, KV cache and generation hooks."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.word_embeddings.weight"}
@@ -362,16 +362,6 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
-
-    def chat(self, tokenizer, query: str, history=None, *, max_length: int = CHAT_MAX_LENGTH,
-             do_sample: bool = CHAT_SAMPLING.do_sample, top_p: float = CHAT_SAMPLING.top_p,
-             temperature: float = CHAT_SAMPLING.temperature, top_k: int | None = CHAT_SAMPLING.top_k, seed: int | None = None):
-        """The official `model.chat(tokenizer, query, history)`: (response, history + [(query, response)]),
-        sampling as the official defaults (`generation.chat`)."""
-        from .generation import chat
-
-        sampling = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
-        return chat(self, tokenizer, query, history or [], max_length=max_length, sampling=sampling, seed=seed)
 
     def forward(
         self,

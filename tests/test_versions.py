@@ -187,3 +187,16 @@ def test_every_version_loads_through_the_package_and_the_auto_classes(runs):
     assert tokenizer.encode("水泵") == chatglm_tune.load_tokenizer(runs / "base").encode("水泵")
     v1 = Path(__file__).parent / "fixtures" / "model-small-vocab"
     assert type(chatglm_tune.from_pretrained(v1)).__name__ == "ChatGLMForConditionalGeneration"
+
+
+def test_chat_on_chatglm3_is_the_official_chat(runs):
+    from chatglm_tune.generation import generate
+
+    model, tokenizer = rundir.load_run(rundir.resolve_run(runs / "base"))
+    response, history = model.chat(tokenizer, "诊断过程：水泵漏油。", [("早", "早上好")], do_sample=False, max_length=96)
+    official = tokenizer.build_chat_input("诊断过程：水泵漏油。", history=[{"role": "user", "content": "早"},
+                                                                 {"role": "assistant", "content": "早上好"}])["input_ids"]
+    stop = tokenizer.stop_token_ids
+    new = generate(model, official, max_new_tokens=96 - official.shape[1], eos_token_id=stop, vocab_limit=len(tokenizer))[0]
+    assert new[-1] in stop and response == tokenizer.decode(new[:-1]).strip()
+    assert "_" in response and history == [("早", "早上好"), ("诊断过程：水泵漏油。", response)]
