@@ -130,7 +130,7 @@ def test_a_missing_model_directory_fails_at_once_without_a_traceback(tmp_path):
     seconds = time.monotonic() - start
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == f"train.py: error: {tmp_path / 'chatglm-6bb'}: no such directory"
-    assert seconds < 5, seconds  # it was taken for a Hub id: 45 HTTP retries over minutes
+    assert seconds < 15, seconds  # it was taken for a Hub id: 45 HTTP retries over minutes
 
 
 # 4. A quantized run keeps the run's settings
@@ -267,7 +267,7 @@ def test_help_is_quick_and_loads_no_model_code(script):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
     assert "usage:" in done.stdout and "spec section" not in done.stdout
-    assert seconds < 3, seconds
+    assert seconds < 10, seconds  # quiet machine: ~2 s; the bound catches a return to importing the model code
 
 
 def test_train_help_is_grouped_and_shows_every_default():
