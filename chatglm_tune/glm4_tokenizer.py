@@ -18,6 +18,10 @@ under transformers 4.44.2; golden outputs in `tests/fixtures/tokenizer-glm.json`
 Record text is data: `encode_text`, `build_single_message` and `encode_chat` never turn text into a
 special token (`encode_chat` is the chat template with only the template's own tokens special).
 
+`train_glm4_bpe` writes a small GLM-4 tokenizer for the tiny from-scratch model (`--model tiny-glm4`)
+in these same files: a rank file of a byte-level BPE trained here on a corpus with GLM-4's regex, and
+the official special tokens right after its ranks, so it loads like a real GLM-4 directory.
+
 Why no tiktoken: the BPE runs in `tokenizers` (Rust, already a transformers dependency). The rank
 file is read here (it is just base64 + rank) and turned into a BPE by transformers'
 `TikTokenConverter` (whose only use of tiktoken is that file reader): every split of a token into
@@ -32,12 +36,14 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from chatglm_tune.glm_tokenizer import GLMFamilyTokenizer
+from chatglm_tune.glm_tokenizer import GLMFamilyTokenizer, load_glm_tokenizer
+from chatglm_tune.options import TINY_GLM4_VOCAB
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"
@@ -48,6 +54,16 @@ GLM4_PATTERN = (
 )
 EOS_TOKEN = "<|endoftext|>"
 ROLES = ("system", "user", "assistant", "observation")
+# The official special tokens, in their order after the ranks (tokenizer_config.json's added_tokens_decoder).
+OFFICIAL_SPECIALS = (EOS_TOKEN, "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", *(f"<|{role}|>" for role in ROLES),
+                     "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
+# The official chat template for messages without tools (the tiny tokenizer has no tool prompt).
+TOOLLESS_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for item in messages %}{% if item['tools'] is defined %}"
+    "{{ raise_exception('this GLM-4 tokenizer has no tool prompt: its chat template takes plain messages') }}"
+    "{% endif %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 # Special tokens the toolkit relies on; their ids are read from the tokenizer files.
 REQUIRED_SPECIALS = (EOS_TOKEN, "[gMASK]", "<sop>", *(f"<|{role}|>" for role in ROLES))
 # Private-use characters that mark special-token text inside data strings in `encode_chat`.
@@ -307,3 +323,92 @@ def glm4_config_kwargs(directory: Path) -> dict:
     for key in ("tokenizer_class", "name_or_path", "model_input_names", "tokenizer_file", "vocab_file"):
         config.pop(key, None)
     return config
+
+
+# ----- a small GLM-4 tokenizer, trained here ------------------------------------------------------
+def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4_VOCAB) -> GLM4Tokenizer:
+    """A small byte-level BPE of `texts` in GLM-4's layout, written to `output_dir` as a real GLM-4
+    directory holds it (`tokenizer.model` ranks, tokenizer_config.json with the official special tokens at
+    their official offsets after the ranks) and loaded back from there: the tokenizer of a tiny
+    from-scratch GLM-4 (the real 151329 ranks are not needed to learn a small task).
+
+    `vocab_size` counts ranks; every byte and every character of `texts` is one token whatever it says,
+    so a corpus of many characters gets more (see `bpe_ranks`)."""
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be >= 256 (every byte is a rank), got {vocab_size}")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    ranks = bpe_ranks([t for t in texts if t], vocab_size)
+    with open(output_dir / TIKTOKEN_FILE, "wb") as f:
+        f.writelines(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate(ranks))
+    config = glm4_tokenizer_config(len(ranks))
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return load_glm_tokenizer(output_dir, version="glm4")
+
+
+def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:
+    """The tokens of a byte-level BPE of `texts`, lowest rank first, as tiktoken reads them (the lowest-rank
+    adjacent pair merges first): the 256 bytes; then every multi-byte character of `texts`, most frequent
+    first, through its byte prefixes (UTF-8 `e6 95 85` as `e6 95`, then `e6 95 85`); then the whole-character
+    tokens that `tokenizers`' BPE trainer learns, in its order, up to `vocab_size` ranks.
+
+    Ranked before every longer token, characters always form first, so each character of the corpus
+    is one token (the trainer alone learns byte pairs across characters too: those are left out, as
+    are tokens that no split into two earlier tokens can make)."""
+    ranks = [bytes([b]) for b in range(256)]
+    known = set(ranks)
+
+    def add(token: bytes) -> None:
+        if token not in known:
+            known.add(token)
+            ranks.append(token)
+
+    counts = Counter(char for text in texts for char in text)
+    for char, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        data = char.encode("utf-8")
+        for end in range(2, len(data) + 1):
+            add(data[:end])
+    for token in _trained_tokens(texts, vocab_size + len(ranks)):
+        if len(ranks) >= vocab_size:
+            break
+        if _is_text(token) and any(token[:i] in known and token[i:] in known for i in range(1, len(token))):
+            add(token)
+    return ranks
+
+
+def _trained_tokens(texts: list[str], vocab_size: int) -> list[bytes]:
+    """The tokens `tokenizers`' byte-level BPE trainer makes of `texts` (GLM-4's pre-tokenizer regex), in
+    the order of its merges."""
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM4_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    merges = json.loads(bpe.to_str())["model"]["merges"]
+    return [bytes(_BYTE_OF_CHAR[c] for c in "".join(pair)) for pair in merges]
+
+
+def _is_text(token: bytes) -> bool:
+    """True when `token` is whole UTF-8 characters."""
+    try:
+        token.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def glm4_tokenizer_config(n_ranks: int) -> dict:
+    """tokenizer_config.json of a GLM-4 tokenizer of `n_ranks` ranks, as the official one: the special tokens
+    numbered on from the ranks in the official order, eos and pad `<|endoftext|>`, left padding (the chat
+    template: the official one without tools; no `auto_map`, no remote code is shipped)."""
+    added = {str(n_ranks + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                                "single_word": False, "special": True} for i, token in enumerate(OFFICIAL_SPECIALS)}
+    return {"added_tokens_decoder": added, "additional_special_tokens": list(OFFICIAL_SPECIALS),
+            "chat_template": TOOLLESS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "do_lower_case": False,
+            "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left", "remove_space": False,
+            "tokenizer_class": "ChatGLM4Tokenizer"}

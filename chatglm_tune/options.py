@@ -192,9 +192,12 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # on two threads) and 0.80 at 5e-3: the steadier rate. Two threads: 255 s of training on the two cores of
 # a quiet machine, against ~300 s on one (on a shared machine, --threads 1: OpenMP threads that outnumber
 # the free cores slow the tiny model down tenfold).
-TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3"}  # --model NAME: a random tiny model of that version
+TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4"}  # --model NAME: a random tiny model of that version
 TINY_DEMO = dict(budget_steps=3200, batch_size=16, grad_accum=1, lr=2e-3, warmup_ratio=0.03, weight_decay=0.01,
                  max_src_len=160, max_len=240, threads=2)
+# tiny-glm4's tokenizer: ranks of a byte-level BPE trained on the corpus (bytes, every character, then
+# merges), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`).
+TINY_GLM4_VOCAB = 2000
 
 
 @dataclass(frozen=True)

@@ -179,21 +179,26 @@ class GLMFamilyVersion(Version):
         return list(tokenizer.stop_token_ids)
 
     def tiny(self, corpus: list[str], directory: Path, **config_overrides):
-        """(random tiny model, tokenizer, written to `directory`): a character-level SentencePiece model of
-        `corpus` (the official special ids after it) and a 2-layer model of this architecture."""
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
+        architecture and the version's own tokenizer files, small: ChatGLM2/3 a character-level SentencePiece
+        model (`train_glm_sentencepiece`), GLM-4 a byte-level BPE rank file (`train_glm4_bpe`), the official
+        special tokens after either. GLM-4's config says it as the official one does: eos ids are its stop ids."""
         from .glm import GlmForCausalLMWithPrefix
         from .glm_config import glm_config
         from .glm_tokenizer import load_glm_tokenizer, train_glm_sentencepiece
+        from .glm4_tokenizer import train_glm4_bpe
 
-        if self.name == "glm4":
-            raise ValueError("the tiny from-scratch preset exists for chatglm3 (GLM-4's tokenizer is a BPE rank file)")
         directory = Path(directory)
         if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
-            train_glm_sentencepiece(corpus, directory, version=self.name)
+            if self.name == "glm4":
+                train_glm4_bpe(corpus, directory)
+            else:
+                train_glm_sentencepiece(corpus, directory, version=self.name)
         tokenizer = load_glm_tokenizer(directory, version=self.name)
+        eos = tokenizer.stop_token_ids if self.name == "glm4" else tokenizer.eos_token_id
         raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "kv_channels": 16,
                "multi_query_group_num": 2, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
-               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": 512, "eos_token_id": tokenizer.eos_token_id,
+               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": 512, "eos_token_id": eos,
                "pad_token_id": tokenizer.pad_token_id, "rmsnorm": True, "post_layer_norm": True, **config_overrides}
         return GlmForCausalLMWithPrefix(glm_config(raw, version=self.name)), tokenizer
 
