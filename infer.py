@@ -28,7 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, help="output .jsonl (required with --input)")
     adapter = p.add_mutually_exclusive_group()
     adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
-    adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model")
+    adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model (ours, or one of the official "
+                         "ChatGLM2/3 / GLM-4 code: query_key_value ...)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_SETTINGS.batch_size, help="prompts decoded together (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, help="generated tokens per record at most (default: the answer budget the "
                    "model was trained with, max_len - max_src_len of its run)")

@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, choices=QUANTIZATION_BITS, required=True, help="INT8 or INT4 weights (required)")
     p.add_argument("--group-size", type=int, default=0,
                    help="INT4 only: one scale per this many columns; 0 = one per row, the official layout (default %(default)s)")
-    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge before quantizing (default: none)")
+    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge before quantizing (ours, or one of the "
+                   "official ChatGLM2/3 / GLM-4 code: query_key_value ...; default: none)")
     p.add_argument("--dtype", choices=LOAD_DTYPES, default=QUANTIZE_DTYPE,
                    help="dtype the weights are quantized in and the embeddings, LayerNorms and biases are kept in (default %(default)s)")
     return p.parse_args(argv)

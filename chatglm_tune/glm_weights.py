@@ -12,6 +12,14 @@ is: `weight` [out, in], `bias` [out], and equally a quantized `weight` [out, in/
 `weight_scale` [out] or [out, groups], so a key's last part (`weight`, `bias`, `weight_scale`, ...) is
 carried over unchanged. `dense_h_to_4h` rows are `gate | up`, the very layout of transformers'
 fused `gate_up_proj` (`chunk(2)`: gate first), so it maps as is.
+
+LoRA adapters trained with peft on the official code (ChatGLM3 finetune_demo, GLM-4 finetune.py,
+LLaMA-Factory) use the same names: `target_modules` such as `["query_key_value"]` (or also `dense`,
+`dense_h_to_4h`, `dense_4h_to_h`) and keys `base_model.model.<official module>.lora_A.weight` [r, in] /
+`lora_B.weight` [out, r]. They map by the same table (`adapter_targets`, `adapter_to_transformers`):
+on the fused `query_key_value`, `delta = scaling * B @ A` has the rows of the weight, so
+`B = B_q | B_k | B_v` is split by rows like it while `A` (the input side) is shared, a copy for each of
+q/k/v; with r and lora_alpha unchanged, the q/k/v adapters add exactly the fused one's delta.
 """
 
 from __future__ import annotations
@@ -117,3 +125,60 @@ def _official_name(key: str) -> str:
         if m:
             return target.format(n=m.groupdict().get("n")) + "." + m["name"]
     raise ValueError(f"{key} has no official ChatGLM name")
+
+
+# ----------------------------------------------------------------------------------------------
+# peft LoRA adapters of the official models
+
+PEFT_PREFIX = "base_model.model."  # before the model's own keys in a saved peft adapter
+_OFFICIAL_ADAPTER_KEY = re.compile(r"^" + re.escape(PEFT_PREFIX) + r"transformer\.(embedding|encoder|output_layer)\.")
+SHARED_INPUT = "lora_A."  # the tensors of a fused query_key_value adapter that q/k/v share (all others: split by rows)
+
+
+def _leaf(module: str) -> str:
+    return module.rsplit(".", 1)[-1]
+
+
+# official `target_modules` name -> transformers names (the Linears and the embedding of RENAMES, and q/k/v)
+ADAPTER_TARGETS = {
+    _leaf(QKV): tuple(_leaf(p) for p in QKV_PARTS),
+    **{_leaf(o): (_leaf(h),) for o, h in RENAMES if not o.endswith(("layernorm", "prefix_encoder"))},
+}
+
+
+def is_official_adapter(keys) -> bool:
+    """Whether the keys of a saved peft adapter are those of the official ChatGLM2/3 / GLM-4 modules."""
+    return any(_OFFICIAL_ADAPTER_KEY.match(k) for k in keys)
+
+
+def adapter_targets(targets) -> list[str]:
+    """The transformers `target_modules` for an official adapter's (a list of official module names).
+
+    Raises ValueError for a regex (a string) or a name with no transformers counterpart.
+    """
+    if isinstance(targets, str):
+        raise ValueError(f"target_modules {targets!r} is a pattern; only a list of official module names "
+                         f"({', '.join(ADAPTER_TARGETS)}) can be mapped")
+    unknown = sorted(t for t in targets if t not in ADAPTER_TARGETS)
+    if unknown:
+        raise ValueError(f"target_modules {', '.join(unknown)}: not official ChatGLM2/3 / GLM-4 modules that LoRA "
+                         f"can target ({', '.join(ADAPTER_TARGETS)})")
+    return sorted({name for t in targets for name in ADAPTER_TARGETS[t]})
+
+
+def adapter_to_transformers(key: str, tensor: torch.Tensor, rows: Sequence[int]) -> list[tuple[str, torch.Tensor]] | None:
+    """The transformers adapter (key, tensor) pairs for one tensor of an official adapter; None if unknown.
+
+    `key`: `base_model.model.<official key>`, e.g. `...self_attention.query_key_value.lora_B.weight`.
+    `rows`: `qkv_rows(config)`. A `query_key_value` `lora_A` [r, in] is copied to each of q/k/v; its
+    `lora_B` [q+k+v, r] (and a `lora_B.bias` or a saved base bias) is split by rows as `to_transformers`
+    splits the weight (ValueError when its rows do not add up); other modules are renamed.
+    """
+    if not key.startswith(PEFT_PREFIX):
+        return None
+    inner = key[len(PEFT_PREFIX):]
+    m = _QKV_OFFICIAL.match(inner)
+    if m and m["name"].startswith(SHARED_INPUT):
+        return [(PEFT_PREFIX + p.format(n=m["n"]) + "." + m["name"], tensor.clone()) for p in QKV_PARTS]
+    pairs = to_transformers(inner, tensor, rows)
+    return None if pairs is None else [(PEFT_PREFIX + name, part) for name, part in pairs]
