@@ -102,7 +102,7 @@ def save_trained(model, tokenizer, directory: Path, tuning: str) -> None:
         else:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for extra in ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja"):
+        for extra in ("special_tokens_map.json", "added_tokens.json"):  # chat_template.jinja stays: GLM-4's template
             (tmp / extra).unlink(missing_ok=True)
 
     publish(write, directory)

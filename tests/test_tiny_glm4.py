@@ -117,6 +117,10 @@ def test_the_tiny_glm4_trains_tunes_and_infers_on_glm4s_prompt(runs4, tmp_path):
     ids = prompt_ids(SPORecord("水泵漏油。", None), tokenizer, rundir.resolve_run(base).encoding)
     command = tokenizer.get_command
     assert ids[:3] == [command("[gMASK]"), command("<sop>"), command("<|user|>")] and ids[-1] == command("<|assistant|>")
+    # the run keeps GLM-4's chat template (transformers 5 saves it apart, as chat_template.jinja)
+    chat = [{"role": "user", "content": "水泵漏油。"}]
+    assert tokenizer.encode_chat(chat) == load_glm_tokenizer(runs4 / "base", version="glm4").encode_chat(chat)
+    assert tokenizer.encode_chat(chat)[-1] == command("<|assistant|>")
     assert sorted(json.loads((runs4 / "lora" / "adapter_config.json").read_text())["target_modules"]) == ["k_proj", "q_proj",
                                                                                                           "v_proj"]
     for name in ("base", "ptuning", "lora"):
