@@ -157,7 +157,8 @@ def child(args) -> dict:
         raise SystemExit(f"ATEN_CPU_CAPABILITY={want} did not take effect: get_cpu_capability() = {capability}")
     from chatglm_tune import quantization
 
-    out = {"capability": capability, "int4pack_layout": "avx2" if quantization._int4pack_is_invertible() else "other",
+    block = quantization._int4pack_block_rows()  # the int4pack layout's block rows where it reads back (32 AVX2, 64 AVX-512)
+    out = {"capability": capability, "int4pack_layout": f"{block}-row blocks" if block else "other",
            "torch": torch.__version__, "threads": {}}
     shapes = QUICK_SHAPES if args.quick else SHAPES
     for threads in args.threads:

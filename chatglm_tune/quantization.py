@@ -168,38 +168,47 @@ def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128)
     return packed, gs, scale_and_zeros.contiguous()
 
 
-# The int4pack layout on AVX2 CPUs: blocks of 32 rows; in a block, column k's 32 nibbles take 16 bytes,
-# row r in the low nibble and row r + 16 in the high one (aten/src/ATen/native/cpu/int4mm_kernel.cpp,
-# `weight_to_int4pack_kernel`). Other ISAs pack differently; `_int4pack_is_invertible` checks this one.
-_INT4PACK_BLOCK_ROWS = 32
+# The int4pack layout, in blocks of B rows (AVX2: 32, AVX-512: 64): in a block, column k's B nibbles take
+# B/2 bytes, byte j holding row j in its low nibble and row j + B/2 in its high one
+# (aten/src/ATen/native/cpu/int4mm_kernel.cpp, `weight_to_int4pack_kernel`, BLOCK_N). A tail of fewer
+# rows is packed otherwise, and other ISAs may differ: `_int4pack_block_rows` checks which one holds here.
+_INT4PACK_BLOCKS = (32, 64)
 
 
-def _int4pack_to_int(packed: Tensor, in_features: int, out: Tensor | None = None) -> Tensor:
-    """Signed int8 `[rows, in]` in [-8, 7] from rows of the AVX2 int4pack layout (rows % 32 == 0), into
-    `out` (int8 `[rows, in]`) when given."""
-    rows = packed.shape[0]
-    b = packed.view(torch.uint8).reshape(rows // _INT4PACK_BLOCK_ROWS, in_features, 16).permute(0, 2, 1)
+def _int4pack_to_int(packed: Tensor, in_features: int, out: Tensor | None = None, block: int | None = None) -> Tensor:
+    """Signed int8 `[rows, in]` in [-8, 7] from rows of the int4pack layout of `block`-row blocks (default:
+    this CPU's; rows % block == 0), into `out` (int8 `[rows, in]`) when given."""
+    block = block or _int4pack_block_rows()
+    rows, half = packed.shape[0], block // 2
+    b = packed.view(torch.uint8).reshape(rows // block, in_features, half).permute(0, 2, 1)
     nibbles = torch.empty(rows, in_features, dtype=torch.uint8) if out is None else out.view(torch.uint8)
-    blocks = nibbles.view(rows // _INT4PACK_BLOCK_ROWS, _INT4PACK_BLOCK_ROWS, in_features)
-    torch.bitwise_and(b, 15, out=blocks[:, :16])  # rows r of a block: low nibbles; rows r + 16: high ones
-    torch.bitwise_right_shift(b, 4, out=blocks[:, 16:])
+    blocks = nibbles.view(rows // block, block, in_features)
+    torch.bitwise_and(b, 15, out=blocks[:, :half])  # rows j of a block: low nibbles; rows j + B/2: high ones
+    torch.bitwise_right_shift(b, 4, out=blocks[:, half:])
     return nibbles.view(torch.int8).sub_(8)
 
 
 def _whole_int4pack_blocks(rows: int) -> int:
-    """`rows` rounded up to whole 32-row blocks of the kernel layout (the unit `_int4pack_to_int` reads)."""
-    return -(-rows // _INT4PACK_BLOCK_ROWS) * _INT4PACK_BLOCK_ROWS
+    """`rows` rounded up to whole blocks of the kernel layout (the unit `_int4pack_to_int` reads)."""
+    block = _int4pack_block_rows()
+    return -(-rows // block) * block
 
 
 @functools.cache
-def _int4pack_is_invertible() -> bool:
-    """Whether this CPU's int4pack layout is the one `_int4pack_to_int` reads (checked once, on 3 blocks)."""
-    probe = torch.randint(0, 16, (3 * _INT4PACK_BLOCK_ROWS, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+def _int4pack_block_rows() -> int | None:
+    """The block rows of this CPU's int4pack layout where `_int4pack_to_int` reads it back (32 on AVX2, 64 on
+    AVX-512), else None (checked once, on 192 rows: whole blocks of either)."""
+    probe = torch.randint(0, 16, (192, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
-        return torch.equal(_int4pack_to_int(packed, 64).int() + 8, probe)
-    except RuntimeError:  # another shape or layout
-        return False
+    except RuntimeError:  # no such kernel here
+        return None
+    return next((b for b in _INT4PACK_BLOCKS if torch.equal(_int4pack_to_int(packed, 64, block=b).int() + 8, probe)), None)
+
+
+def _int4pack_is_invertible() -> bool:
+    """Whether this CPU's int4pack layout can be read back (`_int4pack_block_rows`)."""
+    return _int4pack_block_rows() is not None
 
 
 def _dequant_tiles(
@@ -388,14 +397,15 @@ class QuantizedLinear(nn.Module):
     def _int4pack(self) -> tuple[Tensor, int, Tensor]:
         """The CPU-repacked INT4 weight, built at first use and kept for this process only.
 
-        Where this CPU's layout can be read back (`_int4pack_is_invertible`; AVX2), the official packed
+        Where this CPU's layout can be read back (`_int4pack_block_rows`: AVX2, AVX-512), the official packed
         weight is then released: one resident copy, not two. The dequantize path reads its integers from
         the kernel layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
         cache = self._int4_cache
         if cache is None or (cache[0] is not None and cache[0] != self.weight.data_ptr()):
             packed, gs, scale_and_zeros = _int4pack_weight(self.weight, self.weight_scale)
-            release = self.out_features % _INT4PACK_BLOCK_ROWS == 0 and _int4pack_is_invertible()
+            block = _int4pack_block_rows()
+            release = block is not None and self.out_features % block == 0
             self._int4_cache = (None if release else self.weight.data_ptr(), packed, gs, scale_and_zeros)
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)

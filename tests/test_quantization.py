@@ -201,7 +201,7 @@ def test_dequant_tiles_reuse_one_buffer_across_layers_and_calls(monkeypatch):
     for layer in layers:
         layer.kernel = "dequant"
         if layer.bits == 4:
-            layer._int4pack()  # held in the kernel layout (32-row tiles) where this CPU's layout is known
+            layer._int4pack()  # held in the kernel layout (whole blocks of 32 or 64 rows) where it reads back
     seen = set()
     for _ in range(2):
         for layer, expect in zip(layers, want):
@@ -314,14 +314,14 @@ def test_loading_new_weights_refreshes_the_repacked_int4_weight(int4pack_auto):
 
 
 int4pack_invertible = pytest.mark.skipif(
-    not quantization._int4pack_is_invertible(), reason="this CPU's int4pack layout is not the AVX2 one: both copies are kept"
+    not quantization._int4pack_is_invertible(), reason="this CPU's int4pack layout is not one that reads back: both copies are kept"
 )
 
 
 @int4pack_invertible
 @pytest.mark.parametrize("group_size", [0, 32])
 def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, tmp_path, int4pack_auto):
-    layer, twin = make_layer(4, group_size, out_features=96), make_layer(4, group_size, out_features=96)
+    layer, twin = make_layer(4, group_size, out_features=128), make_layer(4, group_size, out_features=128)
     decode, prefill = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(40, 64)
     official = layer.state_dict()["weight"].clone()
     y_decode = layer(decode)
@@ -340,7 +340,7 @@ def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, 
     assert torch.equal(layer.state_dict()["weight"], official)
     save_file(layer.state_dict(), tmp_path / "layer.safetensors")
     assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], official)
-    other = make_layer(4, group_size, out_features=96, seed=1)
+    other = make_layer(4, group_size, out_features=128, seed=1)
     layer.load_state_dict(other.state_dict())
     assert torch.equal(layer(decode), other(decode)) and torch.equal(layer.state_dict()["weight"], other.state_dict()["weight"])
     layer.to(torch.float32)
@@ -355,7 +355,7 @@ def test_the_kernel_layout_is_read_back_exactly_and_built_in_tiles():
     into = torch.full((128, 96), 99, dtype=torch.int8)
     assert torch.equal(quantization._int4pack_to_int(whole, 96, out=into), q) and torch.equal(into, q)
     scale = torch.ones(128, dtype=torch.float16)
-    tiled = quantization._int4pack_weight(pack_int4(q), scale, tile_rows=32)[0]
+    tiled = quantization._int4pack_weight(pack_int4(q), scale, tile_rows=64)[0]  # whole blocks of AVX2 and AVX-512
     assert torch.equal(tiled, whole)
 
 
