@@ -1,15 +1,27 @@
-"""A random-weight checkpoint in the official ChatGLM-6B layout, written shard by shard (bench/scale.py's
+"""A random-weight checkpoint in a version's official layout, written shard by shard (bench/scale.py's
 `write` step).
 
-    python bench/checkpoint_writer.py DIR [--num-layers N] [--shards M]   # prints a JSON line
+    python bench/checkpoint_writer.py DIR [--version {chatglm,chatglm3,glm4}] [--num-layers N] [--shards M]
 
-The keys, shapes and order are those of the library's model (its `state_dict`, built on the meta device:
-no memory), plus what the official files hold beyond it: `lm_head.weight` stored (equal to the
-embedding, as the tied head is) and each layer's `attention.rotary_emb.inv_freq` buffer, after
-`attention.dense.bias` as in the official key order. fp16 `pytorch_model-0000N-of-0000M.bin` shards
-(M = 8 at full size), `pytorch_model.bin.index.json` and config.json. LayerNorm weights are ones and
-biases zeros; every other tensor is drawn N(0, 0.02) directly in fp16 from a generator seeded by its
-key, so at most one shard is in memory and the same config always gives the same bytes.
+Prints a JSON line. The version's row of bench/scale_versions.py gives the config and the shard count.
+
+ChatGLM-6B (`chatglm`, the default): the keys, shapes and order are those of the library's model (its
+`state_dict`, built on the meta device: no memory), plus what the official files hold beyond it:
+`lm_head.weight` stored (equal to the embedding, as the tied head is) and each layer's
+`attention.rotary_emb.inv_freq` buffer, after `attention.dense.bias` as in the official key order. fp16
+`pytorch_model-0000N-of-0000M.bin` shards (M = 8 at full size), `pytorch_model.bin.index.json`.
+ChatGLM3-6B / GLM-4-9B (`glm_tensors`): the official `modeling_chatglm.py` state dict, in its order:
+`transformer.embedding.word_embeddings.weight`, `transformer.rotary_pos_emb.inv_freq`, per layer
+`transformer.encoder.layers.N.{input_layernorm.weight, self_attention.query_key_value.{weight,bias},
+self_attention.dense.weight, post_attention_layernorm.weight, mlp.dense_h_to_4h.weight,
+mlp.dense_4h_to_h.weight}`, `transformer.encoder.final_layernorm.weight`, `transformer.output_layer.weight`
+(untied); checked against the toolkit's key map (glm_weights.to_official of its meta-device model). fp16
+`model-0000N-of-0000M.safetensors` shards (7 / 10 at full size), `model.safetensors.index.json`, and the
+real tokenizer files copied beside them.
+
+Both: config.json; LayerNorm / RMSNorm weights are ones and biases of LayerNorms zeros; every other
+tensor is drawn N(0, 0.02) directly in fp16 from a generator seeded by its key, so at most one shard is
+in memory and the same config always gives the same bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
+from scale_versions import DEFAULT_VERSION, VERSIONS  # noqa: E402
 
 STD = 0.02
 INV_FREQ_AFTER = ".attention.dense.bias"  # the official files keep the rotary buffer after this key
@@ -55,6 +68,42 @@ def official_tensors(config: ChatGLMConfig) -> list[tuple[str, tuple[int, ...], 
     return out
 
 
+def glm_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, shape, init) of every tensor of an official ChatGLM2/3 / GLM-4 checkpoint of config.json `raw`,
+    in the official state-dict order (NH heads, G groups, D = kv_channels; init as `official_tensors`)."""
+    h, d, g, nh = raw["hidden_size"], raw["kv_channels"], raw["multi_query_group_num"], raw["num_attention_heads"]
+    ffn, vocab, qkv = raw["ffn_hidden_size"], raw["padded_vocab_size"], (raw["num_attention_heads"] + 2 * g) * d
+    out = [("transformer.embedding.word_embeddings.weight", (vocab, h), None),
+           ("transformer.rotary_pos_emb.inv_freq", (d // 4,), "inv_freq")]  # rotary on D/2 dims, one per pair
+    for n in range(raw["num_layers"]):
+        layer = f"transformer.encoder.layers.{n}."
+        out += [(layer + "input_layernorm.weight", (h,), "ones"),
+                (layer + "self_attention.query_key_value.weight", (qkv, h), None),
+                (layer + "self_attention.query_key_value.bias", (qkv,), None),
+                (layer + "self_attention.dense.weight", (h, nh * d), None),
+                (layer + "post_attention_layernorm.weight", (h,), "ones"),
+                (layer + "mlp.dense_h_to_4h.weight", (2 * ffn, h), None),
+                (layer + "mlp.dense_4h_to_h.weight", (h, ffn), None)]
+    out += [("transformer.encoder.final_layernorm.weight", (h,), "ones"), ("transformer.output_layer.weight", (vocab, h), None)]
+    out = [(key, shape, init or key) for key, shape, init in out]
+    _check_against_toolkit(raw, out)
+    return out
+
+
+def _check_against_toolkit(raw: dict, tensors) -> None:
+    """AssertionError unless `tensors` are the official keys and shapes of the toolkit's model for `raw`
+    (its meta-device state dict through `glm_weights.to_official`), the unused inv_freq buffer aside."""
+    from chatglm_tune.glm import GlmForCausalLMWithPrefix
+    from chatglm_tune.glm_config import detect_version, glm_config
+    from chatglm_tune.glm_weights import IGNORED, to_official
+
+    with torch.device("meta"):
+        model = GlmForCausalLMWithPrefix(glm_config(raw, version=detect_version(raw)))
+    theirs = {k: tuple(v.shape) for k, v in to_official(model.state_dict()).items()}
+    ours = {k: shape for k, shape, _ in tensors if not IGNORED.match(k)}
+    assert ours == theirs, (sorted(set(ours) ^ set(theirs)), [k for k in ours if ours[k] != theirs.get(k)])
+
+
 def make_tensor(shape: tuple[int, ...], init: str) -> torch.Tensor:
     """The fp16 tensor of one entry of `official_tensors`."""
     if init == "ones":
@@ -70,7 +119,8 @@ def make_tensor(shape: tuple[int, ...], init: str) -> torch.Tensor:
 
 def shard_plan(tensors, n_shards: int) -> list[list[int]]:
     """Contiguous groups of tensor indices: n_shards - 1 groups of about equal bytes, then the rest with
-    the last tensor (`lm_head.weight`, alone in the official last shard but for the final LayerNorm).
+    the last tensor (the head: `lm_head.weight` / `transformer.output_layer.weight`, alone in the official
+    last shard but for the final LayerNorm).
     Every group non-empty."""
     sizes = [2 * torch.Size(shape).numel() for _, shape, _ in tensors]
     body = list(range(len(tensors) - 1))  # all but lm_head
@@ -91,39 +141,62 @@ def shard_plan(tensors, n_shards: int) -> list[list[int]]:
     return groups
 
 
-def write_checkpoint(directory: Path, config: ChatGLMConfig, n_shards: int) -> dict:
-    """Write the checkpoint into `directory` (replaced if it exists); {"keys", "shards", "bytes"}."""
+def _save_bin(shard: dict, path: Path) -> None:
+    torch.save(shard, path)
+
+
+def _save_safetensors(shard: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(shard, str(path), metadata={"format": "pt"})
+
+
+# layout -> (tensors of a config.json dict, shard name pattern, index file, how a shard is written)
+LAYOUTS = {
+    "chatglm6b": (lambda cfg: official_tensors(ChatGLMConfig.from_name("chatglm-6b", num_layers=cfg["num_layers"])),
+                  "pytorch_model-{:05d}-of-{:05d}.bin", "pytorch_model.bin.index.json", _save_bin),
+    "glm": (glm_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
+}
+
+
+def write_checkpoint(directory: Path, version, n_shards: int, num_layers: int | None = None) -> dict:
+    """Write the checkpoint of `version` (a `scale_versions.BenchVersion`; full size, or its first
+    `num_layers` layers) into `directory` (replaced if it exists); {"keys", "shards", "bytes"}."""
+    tokenizer_dir = version.tokenizer_dir()  # before anything is written: fails if absent
+    cfg = version.config_json(num_layers)
+    list_tensors, pattern, index_name, save = LAYOUTS[version.layout]
+    tensors = list_tensors(cfg)
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    tensors = official_tensors(config)
-    assert tensors[-1][0] == "lm_head.weight", tensors[-1][0]
     plan = shard_plan(tensors, n_shards)
     weight_map, total = {}, 0
     for s, group in enumerate(plan, 1):
-        name = f"pytorch_model-{s:05d}-of-{len(plan):05d}.bin"
+        name = pattern.format(s, len(plan))
         shard = {tensors[j][0]: make_tensor(*tensors[j][1:]) for j in group}
-        torch.save(shard, directory / name)
+        save(shard, directory / name)
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(shard, name))
         del shard
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
-    cfg = config.to_dict()
-    cfg.update(architectures=["ChatGLMModel"], torch_dtype="float16")
-    cfg.pop("dtype", None)
+    (directory / index_name).write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer_dir is not None:
+        for file in tokenizer_dir.iterdir():
+            if file.is_file():
+                shutil.copyfile(file, directory / file.name)
     return {"keys": len(tensors), "shards": len(plan), "bytes": total}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("directory", type=Path, help="where the checkpoint goes (replaced if it exists)")
-    p.add_argument("--num-layers", type=int, help="layers (default: ChatGLM-6B's 28)")
-    p.add_argument("--shards", type=int, default=8, help="weight files (default %(default)s, as the official checkpoint)")
+    p.add_argument("--version", choices=VERSIONS, default=DEFAULT_VERSION, help="which model (default %(default)s)")
+    p.add_argument("--num-layers", type=int, help="layers (default: the version's full size)")
+    p.add_argument("--shards", type=int, help="weight files (default: as many as the official checkpoint's)")
     args = p.parse_args(argv)
-    overrides = {} if args.num_layers is None else {"num_layers": args.num_layers}
-    print(json.dumps(write_checkpoint(args.directory, ChatGLMConfig.from_name("chatglm-6b", **overrides), args.shards)))
+    version = VERSIONS[args.version]
+    print(json.dumps(write_checkpoint(args.directory, version, args.shards or version.shards, args.num_layers)))
 
 
 if __name__ == "__main__":

@@ -1,45 +1,57 @@
-"""Benchmark: ChatGLM-6B at full size on this machine (issue 6): peak memory and speed of inference and
-of one training step, bf16 / INT8 / INT4, beside the seed's GPU figures (Table 18-1).
+"""Benchmark: a ChatGLM version at full size on this machine: peak memory and speed of inference and of
+one training step, bf16 / INT8 / INT4. `--version` (bench/scale_versions.py, one row per version):
+`chatglm` (default) ChatGLM-6B, issue 6, beside the seed's GPU figures (Table 18-1); `chatglm3`
+ChatGLM3-6B, issue 12; `glm4` GLM-4-9B, issue 13.
 
-    python bench/scale.py --quick               # 2-layer slice of the real config, every step in one go
-    python bench/scale.py --step write          # full size (28 layers), one step per command:
-    python bench/scale.py --step quantize-int8  #   write, quantize-int8, quantize-int4, infer-bf16,
-    ...                                         #   infer-int8-load, infer-int8-file, infer-int4-load,
-    python bench/scale.py --step report         #   infer-int4-file, train-{ptuning,lora}-{bf16,int8,int4}, report
+    python bench/scale.py --quick [--version V]              # 2-layer slice of the real config, every step in one go
+    python bench/scale.py [--version V] --step write          # full size, one step per command:
+    python bench/scale.py [--version V] --step quantize-int8  #   write, quantize-int8, quantize-int4, infer-bf16,
+    ...                                                       #   infer-int8-load, infer-int8-file, infer-int4-load,
+    python bench/scale.py [--version V] --step report         #   infer-int4-file, train-{ptuning,lora}-{bf16,int8,int4}, report
 
 Steps:
-- `write`: a random-weight ChatGLM-6B checkpoint (config `ChatGLMConfig.from_name("chatglm-6b")`) in the
-  official layout (`bench/checkpoint_writer.py`: the model's own keys, from its meta-device `state_dict`,
-  plus `lm_head.weight` and the `rotary_emb.inv_freq` buffers; fp16 shards, M = 8 at full size, 3 with
-  `--quick`). Generated shard by shard (std 0.02, seeded per key): at most one shard in memory.
+- `write`: a random-weight checkpoint of the version's full-size config in its official layout
+  (`bench/checkpoint_writer.py`; ChatGLM-6B: `ChatGLMConfig.from_name("chatglm-6b")`, the model's own keys
+  from its meta-device `state_dict` plus `lm_head.weight` and the `rotary_emb.inv_freq` buffers, fp16 `.bin`
+  shards, M = 8; ChatGLM3-6B / GLM-4-9B: the official config.json and keys, fp16 safetensors shards, M = 7 /
+  10, and the real tokenizer copied from ../shared/assets; 3 shards with `--quick`). Generated shard by
+  shard (std 0.02, seeded per key): at most one shard in memory.
 - `quantize-int8`, `quantize-int4`: `quantize.py --bits B` of that checkpoint (official per-row layout);
   its time and peak RSS are recorded.
-- `infer-*` (`bench/scale_children.py infer`): in a fresh process, load with `dtype=bfloat16` (bf16;
+- `infer-*` (`bench/scale_children.py infer`): in a fresh process, load with `chatglm_tune.from_pretrained(dir,
+  dtype=bfloat16)` (bf16;
   INT8/INT4 quantized at load (`-load`) or read from the quantize.py output (`-file`)), then batch-1
-  greedy decoding of 32 new tokens after a 64-token prompt (`generation.generate`, no stop on <eop>, after
+  greedy decoding of 32 new tokens after a 64-token prompt in the version's frame (random ordinary ids
+  between its special ids: `... [gMASK] <sop>`; `[gMASK] <sop> <|user|> ... <|assistant|>`)
+  (`generation.generate`, no stop on <eop>, after
   a 2-token warm-up that also builds the INT4 kernel layout). Decode tokens/s = 31 / (end - start of the
-  first incremental step); bound tokens/s = copy bandwidth / weight bytes read per token, the copy
+  first incremental step); bound tokens/s = copy bandwidth / weight bytes read per token (an untied input
+  embedding not counted: a step reads one row of it), the copy
   bandwidth ((read + written) bytes/s of a 256 MiB tensor copy, same thread count) measured by this step
   just before the load.
 - `train-{ptuning,lora}-{bf16,int8,int4}` (`bench/scale_children.py train`): in a fresh process, one
   training step (forward with labels, backward, AdamW step) on batch 1 x 256 tokens (128 prompt tokens
-  ending [gMASK] <sop>, 128 labelled answer tokens), gradient checkpointing on
+  in the version's frame, 128 labelled answer tokens), gradient checkpointing on
   (`activation_checkpointing_enable` + `enable_input_require_grads`), bf16 compute; the library's
   defaults: P-tuning v2 with `TrainOptions()`'s pre_seq_len (128) and no projection, LoRA with
-  `LoraOptions()` (r 8 on query_key_value), each at `training.DEFAULT_LR` (2e-2, 2e-4). INT8/INT4 bases
+  `LoraOptions()` (r 8 on the version's targets: query_key_value; q_proj k_proj v_proj), each at `training.DEFAULT_LR` (2e-2, 2e-4). INT8/INT4 bases
   are quantized at load (what `train.py --quantization-bit` does), and glibc's large blocks are mmap'd as
   train.py has them (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s` (the
   10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
   are measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
-- `report` (`bench/scale_report.py`): the table (also `scale.md`, beside the seed's GPU figures), a bar
-  chart (`scale.png`), and the closing JSON line.
+- `report` (`bench/scale_report.py`): the table (also `<results>.md`; ChatGLM-6B beside the seed's GPU
+  figures, with a bar chart `scale.png`), the version's issue targets, and the closing JSON line
+  (`{"<results>": {...}}`).
 
 Peak RSS is the whole measuring process's own `ru_maxrss` (`measure.run`), the Python + torch baseline
-included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`bench/results/scale.json`
-at full size; with `--quick` everything goes to `--out`, default /tmp/chatglm6b-scale-quick).
+included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`bench/results/scale.json`,
+`scale-chatglm3.json`, `scale-glm4.json` at full size; with `--quick` everything goes to `--out`, default
+/tmp/{chatglm6b,chatglm3,glm4}-scale-quick). The checkpoint goes to /tmp/{chatglm6b,chatglm3,glm4}-random
+(`-2l` with `--quick`), the quantize.py outputs beside it (`-int8`, `-int4`).
 
 Variants (kept beside the as-is numbers, under the step name + a suffix, and shown in their own rows):
-`--quantize-embedding` loads with the tied embedding / head as one INT8 copy (`+e8`), `--max-kernel-rows N`
+`--quantize-embedding` loads with the tied embedding / head as one INT8 copy (`+e8`; ChatGLM-6B only: the
+GLM family's embedding and head are untied, and the toolkit refuses it there), `--max-kernel-rows N`
 sets `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B` runs the measuring process with
 glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the toolkit's defaults;
 `with_options` repeats it from the variants with the most options.
@@ -61,29 +73,27 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from chatglm_tune import ChatGLMConfig  # noqa: E402
+from chatglm_tune.cpu_matmul import native_bf16_gemm  # noqa: E402
 from measure import run_python  # noqa: E402
 from scale_children import GB, INFER, TRAIN  # noqa: E402
 from scale_report import report  # noqa: E402
+from scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS  # noqa: E402
 
-QUICK_LAYERS = 2
-FULL_SHARDS, QUICK_SHARDS = 8, 3
 STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "report"]
-
-
-def bench_config(quick: bool) -> ChatGLMConfig:
-    return ChatGLMConfig.from_name("chatglm-6b", **({"num_layers": QUICK_LAYERS} if quick else {}))
 
 
 class Bench:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
-        self.config = bench_config(args.quick)
-        self.model_dir = args.model_dir or Path("/tmp/chatglm6b-random" + ("-2l" if args.quick else ""))
-        self.out = args.out or (Path("/tmp/chatglm6b-scale-quick") if args.quick else ROOT / "bench" / "results")
+        self.version = VERSIONS[args.version]
+        self.num_layers = QUICK_LAYERS if args.quick else None  # None: the full size
+        slug = self.version.slug
+        self.model_dir = args.model_dir or Path(f"/tmp/{slug}-random" + ("-2l" if args.quick else ""))
+        self.out = args.out or (Path(f"/tmp/{slug}-scale-quick") if args.quick else ROOT / "bench" / "results")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.results_file = self.out / "scale.json"
+        self.results_file = self.out / f"{self.version.stem}.json"
+        self._frame = None
 
     def dirs(self, which: str) -> Path:
         return self.model_dir if which == "source" else Path(f"{self.model_dir}-{which}")
@@ -95,10 +105,9 @@ class Bench:
         results = self.load_results()
         record.update(when=time.strftime("%Y-%m-%d %H:%M:%S"), load_average=[round(x, 2) for x in os.getloadavg()],
                       threads=self.args.threads, torch=torch.__version__,
-                      cpu_capability=torch.backends.cpu.get_cpu_capability())
+                      cpu_capability=torch.backends.cpu.get_cpu_capability(), native_bf16_gemm=native_bf16_gemm())
         results[name] = record
-        results["_config"] = {"quick": self.quick, "num_layers": self.config.num_layers, "hidden_size": self.config.hidden_size,
-                              "vocab_size": self.config.vocab_size, "model_dir": str(self.model_dir)}
+        results["_config"] = {"quick": self.quick, **self.version.shape(self.num_layers), "model_dir": str(self.model_dir)}
         tmp = self.results_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=1))
         os.replace(tmp, self.results_file)
@@ -116,6 +125,25 @@ class Bench:
             env = {"MALLOC_MMAP_THRESHOLD_": str(self.args.malloc_mmap_threshold)}
         return suffix, env
 
+    def frame(self) -> str:
+        """The prompt frame's ids (JSON) for the measuring processes, read once from the checkpoint."""
+        if self._frame is None:
+            self._frame = json.dumps(self.version.frame.resolve(self.model_dir))
+        return self._frame
+
+    def check_memory(self, step: str) -> None:
+        """Refuse a bf16 step whose weights alone (the fp16 checkpoint's files) + 1 GB do not fit in the memory
+        available now, rather than leave it to the kernel's OOM killer on a machine shared with other jobs
+        (GLM-4-9B in bf16 needs about 20 GB)."""
+        from chatglm_tune.checkpoint import weight_files
+
+        need = sum(f.stat().st_size for f in weight_files(self.model_dir)) + 1e9  # + Python, torch, activations
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        if need > available:
+            raise SystemExit(f"{step}: needs about {need / GB:.1f} GB, {available / GB:.1f} GB of memory is available "
+                             "now: not run (free memory, then run this step again)")
+
     def child(self, kind: str, *extra, env: dict | None = None):
         """`measure.run` of `scale_children.py KIND ...` with the variant options in effect."""
         rows = [] if self.args.max_kernel_rows is None else ["--max-kernel-rows", self.args.max_kernel_rows]
@@ -125,9 +153,9 @@ class Bench:
 
     def run(self, step: str) -> None:
         if step == "write":
-            shards = QUICK_SHARDS if self.quick else FULL_SHARDS
-            done = run_python(HERE / "checkpoint_writer.py", self.model_dir, "--num-layers", self.config.num_layers,
-                              "--shards", shards)
+            layers = ["--num-layers", QUICK_LAYERS] if self.quick else []
+            done = run_python(HERE / "checkpoint_writer.py", self.model_dir, "--version", self.version.name, *layers,
+                              "--shards", QUICK_SHARDS if self.quick else self.version.shards)
             info = done.last_json()
             info.update(seconds=round(done.seconds, 1), peak_rss_gb=done.peak_rss / GB, dir=str(self.model_dir))
             self.save("write", info)
@@ -144,9 +172,11 @@ class Bench:
         elif step.startswith("infer-"):
             name = step[len("infer-"):]
             bits, source = INFER[name]
+            if not bits:
+                self.check_memory(step)
             bandwidth = self.child("bandwidth").last_json()
             suffix, env = self.variant()
-            done = self.child("infer", "--bits", bits, "--model-dir", self.dirs(source), env=env)
+            done = self.child("infer", "--bits", bits, "--model-dir", self.dirs(source), "--frame", self.frame(), env=env)
             r = done.last_json()
             r.update(peak_rss_gb=done.peak_rss / GB, process_s=round(done.seconds, 1), copy_gb_s=bandwidth / GB,
                      bound_tok_s=bandwidth / r["weight_bytes_per_token"])
@@ -155,33 +185,41 @@ class Bench:
             self.save(step + suffix, r)
         elif step.startswith("train-"):
             name = step[len("train-"):]
+            if name.endswith("-bf16"):
+                self.check_memory(step)
             suffix, env = self.variant()
-            done = self.child("train", name, "--model-dir", self.model_dir, env=env)
+            done = self.child("train", name, "--model-dir", self.model_dir, "--frame", self.frame(), env=env)
             r = done.last_json()
             r.update(peak_rss_gb=done.peak_rss / GB, process_s=round(done.seconds, 1),
                      malloc_mmap_threshold=self.args.malloc_mmap_threshold)
             self.save(step + suffix, r)
         elif step == "report":
-            report(self.load_results(), self.out)
+            report(self.load_results(), self.out, self.version)
         else:
             raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"a {QUICK_LAYERS}-layer slice of the real config (default: full, 28 layers)")
+    p.add_argument("--version", choices=VERSIONS, default=DEFAULT_VERSION,
+                   help="chatglm: ChatGLM-6B (issue 6); chatglm3: ChatGLM3-6B (issue 12); glm4: GLM-4-9B (issue 13) "
+                        "(default %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a {QUICK_LAYERS}-layer slice of the real config (default: full size, 28 layers; GLM-4-9B 40)")
     p.add_argument("--step", choices=STEPS + ["all"], default=None,
                    help="run one step (full size: one per command, each under 10 minutes); default: all (--quick) ")
-    p.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (default /tmp/chatglm6b-random[-2l]); "
+    p.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (default "
+                   "/tmp/{chatglm6b,chatglm3,glm4}-random[-2l]); "
                    "quantize.py outputs go beside it (DIR-int8, DIR-int4)")
-    p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/chatglm6b-scale-quick)")
+    p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: "
+                   "/tmp/{chatglm6b,chatglm3,glm4}-scale-quick)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default %(default)s: on 2 cores shared with other processes, one thread measured faster than two for every kernel used here, fp32 GEMMs included)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="a training process stops its step after this many seconds from its start and extrapolates "
                         "(default 540: under the 10-minute command limit; --quick 90)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="infer-*/train-* steps: load with the tied embedding / head as one INT8 copy; results are kept "
-                        "under '<step>+e8' beside the as-is ones (default: off)")
+                        "under '<step>+e8' beside the as-is ones (ChatGLM-6B only; default: off)")
     p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "
@@ -190,6 +228,9 @@ def main(argv=None) -> None:
                    help="infer-*/train-* steps: set QuantizedLinear.max_kernel_rows = N (inputs of up to N rows use the "
                         "int8pack/int4pack kernels instead of dequantizing); results under '<step>+krN' (default: the class's)")
     args = p.parse_args(argv)
+    if args.quantize_embedding and not VERSIONS[args.version].quantize_embedding:
+        p.error(f"--quantize-embedding is for ChatGLM-6B's tied embedding / head; {VERSIONS[args.version].title}'s "
+                "are untied, and the toolkit refuses quantize_embedding for it")
     if args.budget_s is None:
         args.budget_s = 90.0 if args.quick else 540.0
     bench = Bench(args)

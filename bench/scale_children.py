@@ -2,19 +2,23 @@
 outside (its peak RSS and wall time) by `measure.run`.
 
     python bench/scale_children.py bandwidth [--threads N]
-    python bench/scale_children.py infer --model-dir DIR --bits {0,8,4} [--quantize-embedding] [--max-kernel-rows N]
-    python bench/scale_children.py train {ptuning,lora}-{bf16,int8,int4} --model-dir DIR [--budget-s S] ...
+    python bench/scale_children.py infer --model-dir DIR --frame JSON --bits {0,8,4} [--quantize-embedding] [--max-kernel-rows N]
+    python bench/scale_children.py train {ptuning,lora}-{bf16,int8,int4} --model-dir DIR --frame JSON [--budget-s S] ...
 
+Any version: the model loads through `chatglm_tune.from_pretrained` (the version read from config.json),
+and the prompts are built from `--frame` (`scale_versions.PromptFrame.resolve`: the version's special
+ids around random ordinary ids; ChatGLM-6B: `... [gMASK] <sop>`, ChatGLM3 / GLM-4: `[gMASK] <sop>
+<|user|> ... <|assistant|>`), resolved by the parent so that no tokenizer sits in the measured process.
 `infer`: load with `dtype=bfloat16` (quantized at load if `--bits` and the checkpoint is not already),
 then batch-1 greedy decoding of 32 new tokens after a 64-token prompt (`generation.generate`, no stop on
 <eop>, after a 2-token warm-up that also builds the INT4 kernel layout). Decode tokens/s = 31 / (end -
 start of the first incremental step).
 `train`: one training step (forward with labels, backward, AdamW step) on batch 1 x 256 tokens (128
-prompt tokens ending [gMASK] <sop>, 128 labelled answer tokens), gradient checkpointing on, bf16
-compute, the library's defaults for the tuning (`training.DEFAULT_LR`, `TrainOptions().pre_seq_len` and
-`prefix_projection` for P-tuning v2, `LoraOptions()` for LoRA). A step that would not finish inside
-`--budget-s` is stopped at the budget: what was measured is printed, the rest of the backward
-extrapolated per layer, and the result says `partial`.
+prompt tokens ending with the frame's tail, 128 labelled answer tokens ending with its `end`), gradient
+checkpointing on, bf16 compute, the library's defaults for the tuning (`training.DEFAULT_LR`,
+`TrainOptions().pre_seq_len` and `prefix_projection` for P-tuning v2, `LoraOptions()` with the version's
+targets for LoRA). A step that would not finish inside `--budget-s` is stopped at the budget: what was
+measured is printed, the rest of the backward extrapolated per layer, and the result says `partial`.
 """
 
 from __future__ import annotations
@@ -43,18 +47,28 @@ INFER = {"bf16": (0, "source"), "int8-load": (8, "source"), "int8-file": (8, "in
 TRAIN = [f"{tuning}-{base}" for tuning in ("ptuning", "lora") for base in BITS]
 
 
-def _prompt(config, length: int, seed: int) -> torch.Tensor:
-    ids = torch.randint(5, 130000, (1, length), generator=torch.Generator().manual_seed(seed))
-    ids[0, -2:] = torch.tensor([config.gmask_token_id, config.bos_token_id])
+def _framed(frame: dict, length: int, prompt_len: int, seed: int) -> torch.Tensor:
+    """[1, length] random ordinary ids with the frame's head at 0 and its tail ending at `prompt_len`."""
+    ids = torch.randint(*frame["plain"], (1, length), generator=torch.Generator().manual_seed(seed))
+    head, tail = frame["head"], frame["tail"]
+    ids[0, : len(head)] = torch.tensor(head, dtype=ids.dtype)
+    ids[0, prompt_len - len(tail) : prompt_len] = torch.tensor(tail, dtype=ids.dtype)
     return ids
+
+
+def _prompt(frame: dict, length: int, seed: int) -> torch.Tensor:
+    return _framed(frame, length, length, seed)
 
 
 def _bytes_read_per_token(model) -> int:
     """Weight bytes one decode step reads: every unique parameter once (the tied head too), with an
-    INT4 layer counted as the kernel layout it runs from when it has one."""
+    INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
+    (ChatGLM2/3, GLM-4) is not counted: a step reads one row of it."""
     from chatglm_tune.quantization import QuantizedLinear
 
-    seen, total = set(), 0
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = isinstance(embedding, torch.nn.Embedding) and head is not None and head.weight is not embedding.weight
+    seen, total = {id(embedding.weight)} if untied else set(), 0
     for module in model.modules():
         cache = getattr(module, "_int4_cache", None) if isinstance(module, QuantizedLinear) else None
         for name, p in module.named_parameters(recurse=False):
@@ -70,22 +84,21 @@ def _bytes_read_per_token(model) -> int:
 
 
 def child_infer(args) -> dict:
-    from chatglm_tune import ChatGLMForConditionalGeneration
+    from chatglm_tune import from_pretrained
     from chatglm_tune.generation import generate
 
     rss_start = peak_rss()
     start = time.perf_counter()
-    model = ChatGLMForConditionalGeneration.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None, quantize_embedding=args.quantize_embedding)
+    model = from_pretrained(args.model_dir, dtype=torch.bfloat16, quantization_bit=args.bits or None,
+                            quantize_embedding=args.quantize_embedding)
     load_s, rss_load, status_load = time.perf_counter() - start, peak_rss(), memory_status()
-    config = model.config
     start = time.perf_counter()
-    generate(model, _prompt(config, WARMUP_PROMPT, 1), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
+    generate(model, _prompt(args.frame, WARMUP_PROMPT, 1), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
     warmup_s, rss_warmup = time.perf_counter() - start, peak_rss()
     calls: list[float] = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
     start = time.perf_counter()
-    out = generate(model, _prompt(config, PROMPT_LEN, 0), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
+    out = generate(model, _prompt(args.frame, PROMPT_LEN, 0), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
     end = time.perf_counter()
     hook.remove()
     assert len(out) == NEW_TOKENS and len(calls) == NEW_TOKENS, (len(out), len(calls))
@@ -99,15 +112,15 @@ def child_infer(args) -> dict:
 
 
 def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool):
-    """(model to step, its core ChatGLM, the trainable parameters, the optimizer): as train.py prepares them."""
-    from chatglm_tune import ChatGLMForConditionalGeneration, heap
+    """(model to step, its core model, the trainable parameters, the optimizer): as train.py prepares them."""
+    from chatglm_tune import from_pretrained, heap
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
     from chatglm_tune.training import set_trainable
 
     defaults = TrainOptions(tuning=tuning)
     extra = {"pre_seq_len": defaults.pre_seq_len, "prefix_projection": defaults.prefix_projection} if tuning == "ptuning" else {}
-    core = ChatGLMForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.bfloat16, quantization_bit=bits or None, quantize_embedding=quantize_embedding, **extra)
+    core = from_pretrained(model_dir, dtype=torch.bfloat16, quantization_bit=bits or None,
+                           quantize_embedding=quantize_embedding, **extra)
     core.activation_checkpointing_enable()
     core.enable_input_require_grads()
     heap.mmap_large_blocks(core)  # as train.py does
@@ -117,13 +130,17 @@ def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool):
     return model, core, params, torch.optim.AdamW(params, lr=DEFAULT_LR[tuning])
 
 
-def _train_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(5, 130000, (1, TRAIN_LEN), generator=torch.Generator().manual_seed(2))
-    ids[0, TRAIN_PROMPT - 2 : TRAIN_PROMPT] = torch.tensor([config.gmask_token_id, config.bos_token_id])
-    ids[0, -1] = config.eos_token_id
+def _train_batch(frame: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = _framed(frame, TRAIN_LEN, TRAIN_PROMPT, 2)
+    ids[0, -1] = frame["end"]
     labels = ids.clone()
     labels[0, :TRAIN_PROMPT] = -100
     return ids, labels
+
+
+def _blocks(core) -> torch.nn.ModuleList:
+    """The transformer blocks (`transformer.layers` of ChatGLM-6B, `model.layers` of the GLM family)."""
+    return next(m for name, m in core.named_modules() if name.rpartition(".")[2] == "layers" and isinstance(m, torch.nn.ModuleList))
 
 
 def child_train(args) -> dict:
@@ -159,14 +176,15 @@ def child_train(args) -> dict:
     threading.Thread(target=watchdog, daemon=True).start()
     start = time.perf_counter()
     model, core, params, optimizer = _train_model(args.model_dir, tuning, BITS[base], args.quantize_embedding)
-    ids, labels = _train_batch(core.config)
+    ids, labels = _train_batch(args.frame)
+    layers = _blocks(core)
     # Hooks on a child of each block: they fire in the forward and again in the checkpoint recompute.
     handles = [layer.input_layernorm.register_forward_pre_hook(lambda *_: marks[phase["name"]].append(time.perf_counter()))
-               for layer in core.transformer.layers]
+               for layer in layers]
     with lock:
         result.update(load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params),
                       rss_load_gb=peak_rss() / GB, status_load_mb=memory_status())
-        phase.update(name="forward", t0=time.perf_counter(), layers=len(core.transformer.layers))
+        phase.update(name="forward", t0=time.perf_counter(), layers=len(layers))
     t0 = phase["t0"]
     loss = model(input_ids=ids, labels=labels).loss
     with lock:
@@ -197,10 +215,13 @@ def main(argv=None) -> None:
     p.add_argument("kind", choices=("bandwidth", "infer", "train"))
     p.add_argument("name", nargs="?", choices=TRAIN, help="train: which step")
     p.add_argument("--model-dir", type=Path)
+    p.add_argument("--frame", type=json.loads, help="infer/train: the prompt frame's ids, JSON "
+                   '{"head": [...], "tail": [...], "end": ID, "plain": [LOW, HIGH]} (scale_versions.PromptFrame.resolve)')
     p.add_argument("--bits", type=int, default=0, help="infer: 0 (bf16), 8 or 4")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=540.0, help="train: stop the step this long after the start")
-    p.add_argument("--quantize-embedding", action="store_true", help="load the tied embedding / head as one INT8 copy")
+    p.add_argument("--quantize-embedding", action="store_true", help="load the tied embedding / head as one INT8 copy "
+                   "(ChatGLM-6B)")
     p.add_argument("--max-kernel-rows", type=int, help="set QuantizedLinear.max_kernel_rows")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -211,6 +232,8 @@ def main(argv=None) -> None:
         from chatglm_tune.quantization import QuantizedLinear
 
         QuantizedLinear.max_kernel_rows = args.max_kernel_rows
+    if args.frame is None or args.model_dir is None:
+        p.error(f"{args.kind} needs --model-dir and --frame")
     result = child_infer(args) if args.kind == "infer" else child_train(args)
     result["max_kernel_rows"] = args.max_kernel_rows
     print(json.dumps(result))
