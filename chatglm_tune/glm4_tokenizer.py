@@ -279,10 +279,7 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         if run:
             parts.append(self.convert_tokens_to_string(run))
         text = (" " if spaces_between_special_tokens else "").join(parts)
-        clean = clean_up_tokenization_spaces
-        if clean is None:
-            clean = self.clean_up_tokenization_spaces
-        return self.clean_up_tokenization(text) if clean else text
+        return self._cleaned(text, clean_up_tokenization_spaces)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + TOKENIZER_FILE)

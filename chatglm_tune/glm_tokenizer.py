@@ -82,6 +82,11 @@ class GLMFamilyTokenizer(PreTrainedTokenizer):
     def get_prefix_tokens(self) -> list[int]:
         return [self.get_command(t) for t in self.prefix_texts]
 
+    def _cleaned(self, text: str, clean_up_tokenization_spaces: bool | None) -> str:
+        """A decode's text, with transformers' clean-up where asked (None: the tokenizer's setting)."""
+        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        return self.clean_up_tokenization(text) if clean else text
+
     def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
         """`[gMASK] sop a`, or `[gMASK] sop a b <eos>` for a pair (official)."""
         ids = self.get_prefix_tokens() + token_ids_0
@@ -169,10 +174,7 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
             ids = [i for i in ids if i not in self._special_names]
         # SentencePiece decodes the pieces, names of specials included, as the official decode_tokens.
         text = self.sp_model.decode_pieces([self._convert_id_to_token(i) for i in ids])
-        clean = clean_up_tokenization_spaces
-        if clean is None:
-            clean = self.clean_up_tokenization_spaces
-        return self.clean_up_tokenization(text) if clean else text
+        return self._cleaned(text, clean_up_tokenization_spaces)
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as data: SentencePiece ids with no prefix (never a special id)."""
