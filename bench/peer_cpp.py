@@ -1,0 +1,180 @@
+"""chatglm.cpp 0.4.2's side of bench/peer.py: whether it is installed, the GGML file it reads (written here from
+an official-layout ChatGLM-6B checkpoint), the threads it computes with, and its two measuring processes
+(`convert-*`: write the file; `cpp-*`: greedy next-token decoding through its Python API, on the workload of
+bench/peer_children.py).
+
+chatglm.cpp is optional, for this bench only (`INSTALL`); chatglm.cpp's own converter needs the official
+remote code, which this checkout does not have, hence `write_ggml`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+from peer_children import EXTRACT_NEW_TOKENS, NEW_TOKENS, PROMPT_LEN, WARMUP_PROMPT, WARMUP_TOKENS, prompt
+
+CPP_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids
+INSTALL = 'CMAKE_ARGS="-DCMAKE_POLICY_VERSION_MINIMUM=3.5" pip install chatglm-cpp==0.4.2'
+
+
+def has_chatglm_cpp() -> bool:
+    try:
+        import chatglm_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- GGML file
+
+
+def _tiny_sentencepiece() -> bytes:
+    """A serialized SentencePiece model with ChatGLM-6B's special pieces (chatglm.cpp's tokenizer looks them
+    up); its ids never reach the model here, which is fed ids directly."""
+    import sentencepiece as spm
+
+    words = ["chatglm", "benchmark", "decode", "prefill", "memory", "tokens", "speed", "weights", "quantized", "layer"]
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(200)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40, hard_vocab_limit=False, model_type="unigram",
+                                   user_defined_symbols=["[MASK]", "[gMASK]", "<sop>", "<eop>"], pad_id=3, unk_id=0,
+                                   bos_id=1, eos_id=2, minloglevel=2)
+    return model.getvalue()
+
+
+def ggml_q8_0(rows):
+    """ggml q8_0 blocks of fp32 `rows [n, k]`: per 32 weights, an fp16 scale absmax / 127 then 32 int8."""
+    import torch
+
+    blocks = rows.reshape(-1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-128, 127).to(torch.int8)
+    return torch.cat((scale.half().view(torch.int8), q), dim=-1)  # (blocks, 2 + 32) bytes
+
+
+def ggml_q4_0(rows):
+    """ggml q4_0 blocks: per 32 weights, an fp16 scale d = (the signed value of largest magnitude) / -8, then 16
+    bytes holding u = clamp(round(w / d + 8), 0, 15): weight i in the low nibble of byte i, weight i + 16 in its
+    high nibble."""
+    import torch
+
+    blocks = rows.reshape(-1, 32)
+    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    d = extreme / -8
+    u = torch.where(d != 0, blocks / d, torch.zeros_like(blocks)).add(8).round().clamp(0, 15).to(torch.uint8)
+    packed = (u[:, :16] | (u[:, 16:] << 4)).view(torch.int8)
+    return torch.cat((d.half().view(torch.int8), packed), dim=-1)  # (blocks, 2 + 16) bytes
+
+
+def write_ggml(out: Path, model_dir: Path, dtype: str) -> dict:
+    """chatglm.cpp 0.4.2's ChatGLM-6B file from an official-layout checkpoint: tensor by tensor (row chunks for
+    the quantized ones), so memory stays about one shard's map plus a chunk."""
+    import torch
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weight_map = json.loads((model_dir / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    shards: dict[str, dict] = {}
+
+    def tensor(key: str):
+        name = weight_map[key]
+        if name not in shards:
+            shards.clear()  # keys come shard by shard: keep one map open
+            shards[name] = torch.load(model_dir / name, mmap=True, weights_only=True)
+        return shards[name][key]
+
+    gtype = CPP_TYPES[dtype]
+    layers = config["num_layers"]
+    keys = [("transformer.word_embeddings.weight", gtype)]
+    for i in range(layers):
+        p = f"transformer.layers.{i}."
+        keys += [(p + "input_layernorm.weight", 0), (p + "input_layernorm.bias", 0),
+                 (p + "attention.query_key_value.weight", gtype), (p + "attention.query_key_value.bias", 0),
+                 (p + "attention.dense.weight", gtype), (p + "attention.dense.bias", 0),
+                 (p + "post_attention_layernorm.weight", 0), (p + "post_attention_layernorm.bias", 0),
+                 (p + "mlp.dense_h_to_4h.weight", gtype), (p + "mlp.dense_h_to_4h.bias", 0),
+                 (p + "mlp.dense_4h_to_h.weight", gtype), (p + "mlp.dense_4h_to_h.bias", 0)]
+    keys += [("transformer.final_layernorm.weight", 0), ("transformer.final_layernorm.bias", 0)]
+    head = tensor("lm_head.weight")
+    assert torch.equal(head[:64], tensor("transformer.word_embeddings.weight")[:64]), "the head must be tied"
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"ggml")
+        f.write(struct.pack("i", 1))  # model type: ChatGLM-6B
+        f.write(struct.pack("iiiiiiiififiii", 2, gtype, config["vocab_size"], config["hidden_size"],
+                            config["num_attention_heads"], config["num_attention_heads"], layers,
+                            config["inner_hidden_size"], config["layernorm_epsilon"], 0, 10000.0,
+                            config["max_sequence_length"], config["eos_token_id"], config["pad_token_id"]))
+        proto = _tiny_sentencepiece()
+        f.write(struct.pack("i", len(proto)))
+        f.write(proto)
+        for key, kind in keys:
+            t = tensor(key)
+            f.write(struct.pack("i", len(key)) + key.encode())
+            f.write(struct.pack("i" * (2 + t.ndim), t.ndim, *t.shape, kind))
+            f.seek((f.tell() + 15) // 16 * 16)  # data 16-byte aligned
+            if kind == 0:
+                f.write(t.float().numpy().tobytes())
+            elif kind == 1:
+                f.write(t.half().numpy().tobytes())
+            else:
+                quantize = ggml_q8_0 if kind == 8 else ggml_q4_0
+                step = max(1, (1 << 22) // t.shape[1])  # 4M weights (16 MB of fp32) at a time
+                for start in range(0, t.shape[0], step):
+                    f.write(quantize(t[start : start + step].float()).numpy().tobytes())
+    os.replace(tmp, out)
+    return {"bytes": out.stat().st_size, "tensors": len(keys)}
+
+
+# ---------------------------------------------------------------------------------------------- children
+
+
+def child_convert(args) -> dict:
+    start = time.perf_counter()
+    info = write_ggml(Path(args.ggml), Path(args.model_dir), args.dtype)
+    return {**info, "seconds": time.perf_counter() - start}
+
+
+def cpp_threads() -> int:
+    """The threads chatglm.cpp 0.4.2 computes with: its Python API has no setting; it takes the online CPUs
+    (all of them up to 4, half beyond, at most 16), whatever the process's affinity. Pinning the process to
+    fewer cores then runs that many spinning threads on them (measured here: a q4_0 run pinned to one core had not
+    finished its 64 tokens after 9 minutes)."""
+    n = os.cpu_count() or 4
+    return min(n if n <= 4 else n // 2, 16)
+
+
+def child_cpp(args) -> dict:
+    import chatglm_cpp
+    from chatglm_cpp import _C
+
+    start = time.perf_counter()
+    pipe = chatglm_cpp.Pipeline(str(args.ggml), max_length=PROMPT_LEN + NEW_TOKENS + 8)
+    model = pipe.model
+    load_s = time.perf_counter() - start
+    config = _C.GenerationConfig(max_length=PROMPT_LEN + NEW_TOKENS + 8, max_new_tokens=NEW_TOKENS,
+                                 max_context_length=PROMPT_LEN + 8, do_sample=False)
+
+    def run(ids: list[int], new: int) -> tuple[list[float], list[int]]:
+        """Greedy `new` tokens after `ids`: (the time of each call, the tokens), as 0.4.2's own loop feeds it."""
+        ids, n_ctx, n_past, stamps, out = list(ids), len(ids), 0, [time.perf_counter()], []
+        for _ in range(new):
+            token = model.generate_next_token(ids, None, config, n_past, n_ctx)
+            stamps.append(time.perf_counter())
+            n_past = len(ids)
+            ids.append(token)
+            out.append(token)
+        return stamps, out
+
+    run(prompt(WARMUP_PROMPT, 1)[0], WARMUP_TOKENS)
+    stamps, out = run(prompt(PROMPT_LEN, 0)[0], NEW_TOKENS)
+    threads = len(os.listdir("/proc/self/task"))
+    record, _ = run(prompt(PROMPT_LEN, 2)[0], EXTRACT_NEW_TOKENS)
+    return {"load_s": load_s, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
+            "decode_ms": (stamps[-1] - stamps[1]) / (NEW_TOKENS - 1) * 1e3, "record_s": record[-1] - record[0],
+            "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "os_threads": threads,
+            "threads": cpp_threads()}
