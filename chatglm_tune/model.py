@@ -118,12 +118,13 @@ class GLMBlock(GradientCheckpointingLayer):
         self.attention = SelfAttention(config, layer_idx)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = GLU(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)  # identity unless training with hidden_dropout > 0
 
     def forward(self, x, cos, sin, allowed, cache=None):
         a = self.input_layernorm(x)
-        h = a * ALPHA + self.attention(a, cos, sin, allowed, cache)
+        h = a * ALPHA + self.dropout(self.attention(a, cos, sin, allowed, cache))
         m = self.post_attention_layernorm(h)
-        return m * ALPHA + self.mlp(m)
+        return m * ALPHA + self.dropout(self.mlp(m))
 
 
 class ChatGLMPreTrainedModel(PreTrainedModel):
