@@ -1,12 +1,17 @@
-"""Adapting a trained base to relations it never saw: P-tuning v2 and LoRA, on the tiny model.
+"""Adapting a trained base to relations it never saw: P-tuning v2 and LoRA, on a tiny model of each version.
+
+`--version chatglm|chatglm3|glm4` picks the base's architecture, tokenizer and prompt format (the tiny
+preset of that version: `train.py --model tiny|tiny-chatglm3|tiny-glm4`); every stage below is the same
+for each, and LoRA puts adapters on the version's block Linears (attention and MLP).
 
 0. Pretraining. A real base (ChatGLM-6B) was pretrained on text before it was tuned: it can write
    every character and copy any span of its input. The tiny base gets the small version of that: it
    learns to repeat texts of all four relations (a corpus of its own, unannotated, sharing no text
-   with a dev file) after its own instruction (COPY_PROMPT), in a plain loop over the library's
-   model. Among those texts go glossary rows (one per GLOSSARY_EVERY texts) that list relation names
-   in a random order, so that the base has written every word an answer can need, as a real base has
-   (no text names a relation: 性 and 具 occur in none). Its character-level vocabulary is trained on
+   with a dev file) after its own instruction (COPY_PROMPT, in the version's prompt format), in a
+   plain loop over the library's model. Among those texts go glossary rows (one per GLOSSARY_EVERY
+   texts) that list relation names in a random order, so that the base has written every word an
+   answer can need, as a real base has (no text names a relation: 性 and 具 occur in none). Its
+   vocabulary (character-level; GLM-4: bytes, every character, then merges) is trained on
    that corpus, the relation names and the base's train file, as a real base's covers every character.
 1. The pretrained base is then trained (full fine-tuning, the tiny demo's settings) on synthetic
    records that state facts of two relations (部件故障, 检测工具) only.
@@ -30,7 +35,7 @@ What the design has been through (P-tuning v2 dev F1 on the new relations):
   of all four): 0.904 (性能故障 0.88, 组成 0.92); LoRA 1.000; the base 0.999 on its own relations and
   0 on the new ones (bench/results/adapt.json, 54 min on one thread).
 
-    OMP_NUM_THREADS=1 python bench/adapt.py [--work-dir /tmp/chatglm_tune_adapt]
+    OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
 """
 
 import argparse
@@ -48,11 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train as train_cli  # noqa: E402
-from chatglm_tune import ChatGLMForConditionalGeneration  # noqa: E402
-from chatglm_tune.data import SpecialIds, collate_train, read_records, training_example  # noqa: E402
-from chatglm_tune import rundir  # noqa: E402
-from chatglm_tune.tokenizer import ChatGLMTokenizer  # noqa: E402
-from chatglm_tune.options import TINY_DEMO, TrainOptions  # noqa: E402
+from chatglm_tune import rundir, versions  # noqa: E402
+from chatglm_tune.data import SPORecord, SpecialIds, collate_train, read_records  # noqa: E402
+from chatglm_tune.options import TINY_DEMO, TINY_PRESETS, EncodingOptions, TrainOptions  # noqa: E402
 from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "data"))
@@ -65,22 +68,31 @@ COPY_PROMPT = "复述下面的文本。\n文本："  # the pretraining task's in
 COPY_TOKENS = 96  # pretraining rows: at most this many source tokens, and as many of the text repeated
 GLOSSARY_EVERY = 10  # pretraining: one row of relation names per this many texts
 # The base's recipe: the tiny demo's (train.py --model tiny --tuning full), spelled out for a prepared base
-# directory, at the rate the results were measured with (the demo has since moved to 2e-3).
-BASE_LR = 3e-3
+# directory, at the rate and weight decay the results were measured with (the demo has since moved on).
+BASE_LR, BASE_WEIGHT_DECAY = 3e-3, 0.01
 BASE_FLAGS = ["--tuning", "full", "--batch-size", str(TINY_DEMO["batch_size"]),
               "--lr", str(BASE_LR), "--warmup-ratio", str(TINY_DEMO["warmup_ratio"]),
-              "--weight-decay", str(TINY_DEMO["weight_decay"]), "--max-src-len", str(TINY_DEMO["max_src_len"]),
+              "--weight-decay", str(BASE_WEIGHT_DECAY), "--max-src-len", str(TINY_DEMO["max_src_len"]),
               "--max-len", str(TINY_DEMO["max_len"])]
 ADAPTATIONS = {
     # Prefix only (the trunk and the tied LM head stay frozen): the official width (128) with the MLP
     # reparameterisation. On the present design, lr 5e-3 did a little better than this 1e-2 (best dev
     # F1 0.923 against 0.904, same base, one run each). Tried on the earlier designs (module docstring):
     # lr 2e-2 (diverged), 64 no projection lr 3e-2 10 epochs (0.14), 64 projection lr 1e-2 10 epochs (0.18).
+    # --grad-accum 1: P-tuning's method default (the official 1 row x 16 accumulated) would make it 16 x 16.
     "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "128", "--prefix-projection", "--lr", "1e-2", "--epochs", "20",
-                "--batch-size", "16"],
-    "lora": ["--tuning", "lora", "--lora-r", "16", "--lora-alpha", "32", "--lora-target", "query_key_value",
-             "dense_h_to_4h", "dense_4h_to_h", "dense", "--lr", "5e-3", "--epochs", "10", "--batch-size", "16"],
+                "--batch-size", "16", "--grad-accum", "1"],
+    # Adapters on every block Linear (the version's quantizable Linears: attention and MLP).
+    "lora": ["--tuning", "lora", "--lora-r", "16", "--lora-alpha", "32", "--lr", "5e-3", "--epochs", "10",
+             "--batch-size", "16"],
 }
+PRESET_OF_VERSION = {version: preset for preset, version in TINY_PRESETS.items()}
+
+
+def adaptation_flags(name: str, version: str) -> list[str]:
+    """train.py flags of adaptation `name` on a base of `version`."""
+    targets = ["--lora-target", *versions.VERSIONS[version].quantizable_linears] if name == "lora" else []
+    return [*ADAPTATIONS[name], *targets]
 
 
 def make_data(work: Path, n_base: int, n_new: int) -> tuple[dict, list[str]]:
@@ -97,16 +109,17 @@ def make_data(work: Path, n_base: int, n_new: int) -> tuple[dict, list[str]]:
     return files, [r.text for r in corpus]
 
 
-def make_init(directory: Path, corpus: list[str], train_file: Path, num_layers: int) -> Path:
-    """A random tiny model and its character-level tokenizer (what train.py --model tiny builds), the
+def make_init(directory: Path, corpus: list[str], train_file: Path, num_layers: int, version: str) -> Path:
+    """A random tiny model of `version` and its tokenizer (what train.py --model tiny[-VERSION] builds), the
     vocabulary trained on the prompt, every relation name, the pretraining corpus, and the base's train
     texts and answers."""
     shutil.rmtree(directory, ignore_errors=True)
     records, _ = read_records(train_file)
     torch.manual_seed(SEED)
-    model, _ = build_tiny(records, directory, TrainOptions(tuning="full"), extra_texts=(*make_spo.RELATIONS, *corpus),
-                          num_layers=num_layers)
+    model, tokenizer = build_tiny(records, directory, TrainOptions(tuning="full"), preset=PRESET_OF_VERSION[version],
+                                  extra_texts=(COPY_PROMPT, *make_spo.RELATIONS, *corpus), num_layers=num_layers)
     model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
 
 
@@ -118,21 +131,20 @@ def glossary(n: int) -> list[str]:
 
 def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     """Stage 0 (module docstring): teach the random model in `directory` to repeat texts, in place."""
-    tokenizer = ChatGLMTokenizer.from_pretrained(directory)
-    model = ChatGLMForConditionalGeneration.from_pretrained(directory)
+    version = versions.of_directory(directory)
+    tokenizer, model = version.load_tokenizer(directory), version.load_model(directory)
     special = SpecialIds.of(tokenizer)
-    rows, prompt_tokens = [], len(tokenizer.encode(COPY_PROMPT, add_special_tokens=False))
-    for text in texts:
-        source = tokenizer.encode(COPY_PROMPT + text, add_special_tokens=False)[: prompt_tokens + COPY_TOKENS]
-        copy = tokenizer.encode(text, add_special_tokens=False)[:COPY_TOKENS]
-        prompt = source + [tokenizer.gmask_token_id, tokenizer.bos_token_id]
-        rows.append(training_example(prompt, copy + [tokenizer.eos_token_id], labelled_prompt_tokens=1))
+    # The version's own prompt format (as its training rows): COPY_PROMPT + text, answered by the text.
+    prompt_tokens = len(version.prompt_ids(tokenizer, SPORecord("", None), EncodingOptions(prompt=COPY_PROMPT))[0])
+    encoding = EncodingOptions(prompt=COPY_PROMPT, max_src_len=prompt_tokens + COPY_TOKENS,
+                               max_len=prompt_tokens + 2 * COPY_TOKENS + 4)
+    rows = [version.training_row(tokenizer, SPORecord(text, None, response=text), encoding) for text in texts]
     batch_size = TINY_DEMO["batch_size"]
     sampler = LengthGroupedSampler([len(r.input_ids) for r in rows], batch_size, seed=SEED)
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=sampler,
                                          collate_fn=lambda batch: collate_train(batch, special))
     total = epochs * len(loader)
-    options = TrainOptions(tuning="full", lr=BASE_LR, warmup_ratio=TINY_DEMO["warmup_ratio"], weight_decay=TINY_DEMO["weight_decay"])
+    options = TrainOptions(tuning="full", lr=BASE_LR, warmup_ratio=TINY_DEMO["warmup_ratio"], weight_decay=BASE_WEIGHT_DECAY)
     optimizer, scheduler = optimizer_and_schedule(model.parameters(), options, total)
     model.train()
     with tqdm(total=total, desc="pretrain (copy)") as bar:
@@ -168,7 +180,9 @@ def run(argv: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/chatglm_tune_adapt"), help="data and runs go here")
+    parser.add_argument("--version", choices=tuple(PRESET_OF_VERSION), default="chatglm", help="the tiny base's version")
+    parser.add_argument("--work-dir", type=Path, help="data and runs go here (default /tmp/chatglm_tune_adapt[-VERSION])")
+    parser.add_argument("--results", type=Path, help="also write the closing JSON here (e.g. bench/results/adapt-chatglm3.json)")
     parser.add_argument("--base-records", type=int, default=10000, help="train records of the base, and texts of its pretraining corpus")
     parser.add_argument("--new-records", type=int, default=4000, help="train records of the adaptations")
     parser.add_argument("--base-layers", type=int, default=4, help="GLM blocks of the base (the tiny preset has 2)")
@@ -178,13 +192,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=tuple(ADAPTATIONS), default=list(ADAPTATIONS))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    work = args.work_dir
+    work = args.work_dir or Path("/tmp/chatglm_tune_adapt" + ("" if args.version == "chatglm" else f"-{args.version}"))
     bench_start = time.time()
     files, corpus = make_data(work, args.base_records, args.new_records)
     results, seconds = {}, {}
     if not (args.reuse_base and (work / "base" / "model.safetensors").exists()):
         shutil.rmtree(work / "base", ignore_errors=True)
-        init = make_init(work / "init", corpus, files["base_train"], args.base_layers)
+        init = make_init(work / "init", corpus, files["base_train"], args.base_layers, args.version)
         started = time.time()
         if args.pretrain_epochs:
             pretrain(init, corpus + glossary(len(corpus) // GLOSSARY_EVERY), args.pretrain_epochs)
@@ -196,13 +210,14 @@ def main() -> None:
               "base_on_new_relations": dev_f1(work / "base", files["new_dev"])}
     for name in args.only:
         shutil.rmtree(work / name, ignore_errors=True)
-        seconds[name] = run(["--model", str(work / "base"), "--train-file", str(files["new_train"]),
-                             "--dev-file", str(files["new_dev"]), "--output-dir", str(work / name), *ADAPTATIONS[name]])
+        seconds[name] = run(["--model", str(work / "base"), "--train-file", str(files["new_train"]), "--dev-file",
+                             str(files["new_dev"]), "--output-dir", str(work / name), *adaptation_flags(name, args.version)])
         scores[f"{name}_on_new_relations"] = dev_f1(work / name, files["new_dev"])
     results = {k: s["micro"]["f1"] for k, s in scores.items()}
     seconds["total"] = time.time() - bench_start
 
-    print(f"\ntiny base trained on {'/'.join(BASE_RELATIONS)}, adapted to {'/'.join(NEW_RELATIONS)} (dev, 200 records)")
+    print(f"\ntiny {args.version} base trained on {'/'.join(BASE_RELATIONS)}, adapted to {'/'.join(NEW_RELATIONS)}"
+          " (dev, 200 records)")
     print(f"{'model':34s} {'P':>6s} {'R':>6s} {'F1':>6s} {'train s':>8s}")
     rows = [("base, on its own relations", "base_on_base_relations", "base"),
             ("base, on the new relations", "base_on_new_relations", None)]
@@ -215,8 +230,11 @@ def main() -> None:
         per = scores[f"{name}_on_new_relations"]["per_relation"]
         print(f"  {name} per relation: " + ", ".join(f"{rel} {per[rel]['f1']:.3f}" for rel in NEW_RELATIONS if rel in per))
     print(f"whole bench: {seconds['total']:.0f} s")
-    print(json.dumps({"adapt": {**{k: round(v, 4) for k, v in results.items()},
-                                "train_seconds": {k: round(v) for k, v in seconds.items()}}}))
+    line = json.dumps({"adapt": {"version": args.version, **{k: round(v, 4) for k, v in results.items()},
+                                 "train_seconds": {k: round(v) for k, v in seconds.items()}}}, ensure_ascii=False)
+    if args.results:
+        args.results.write_text(line + "\n")
+    print(line)
 
 
 if __name__ == "__main__":

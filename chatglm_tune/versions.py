@@ -196,8 +196,10 @@ class GLMFamilyVersion(Version):
                 train_glm_sentencepiece(corpus, directory, version=self.name)
         tokenizer = load_glm_tokenizer(directory, version=self.name)
         eos = tokenizer.stop_token_ids if self.name == "glm4" else tokenizer.eos_token_id
+        # 8 KV groups (the real models have 2 of 128 dims): with 16-dim heads, 2 groups held the tiny ChatGLM3
+        # demo at dev F1 0.865 (lr 4e-3, 3200 steps); 8 reached 0.955.
         raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "kv_channels": 16,
-               "multi_query_group_num": 2, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
+               "multi_query_group_num": 8, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
                "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": 512, "eos_token_id": eos,
                "pad_token_id": tokenizer.pad_token_id, "rmsnorm": True, "post_layer_norm": True, **config_overrides}
         return GlmForCausalLMWithPrefix(glm_config(raw, version=self.name)), tokenizer

@@ -124,13 +124,18 @@ def test_a_run_into_an_existing_run_is_refused_unless_resumed_or_overwritten(wor
 
 
 def test_a_missing_model_directory_fails_at_once_without_a_traceback(tmp_path):
-    start = time.monotonic()
-    done = cli("train.py", "--model", tmp_path / "chatglm-6bb", "--tuning", "lora", "--train-file", DEV,
-               "--output-dir", tmp_path / "r", timeout=60)
-    seconds = time.monotonic() - start
+    def timed(*args):
+        start = time.monotonic()
+        return cli("train.py", *args, timeout=120), time.monotonic() - start
+
+    _, help_seconds = timed("--help")  # the cost of starting the script on this machine, now
+    done, seconds = timed("--model", tmp_path / "chatglm-6bb", "--tuning", "lora", "--train-file", DEV,
+                          "--output-dir", tmp_path / "r")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == f"train.py: error: {tmp_path / 'chatglm-6bb'}: no such directory"
-    assert seconds < 15, seconds  # it was taken for a Hub id: 45 HTTP retries over minutes
+    # It was taken for a Hub id: 45 HTTP retries over minutes. Now it costs what --help costs (2.5 s on
+    # a quiet machine), give or take what a loaded one adds.
+    assert seconds < 2 * help_seconds + 5, (seconds, help_seconds)
 
 
 # 4. A quantized run keeps the run's settings
@@ -261,13 +266,12 @@ def test_help_is_quick_and_loads_no_model_code(script):
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
              "heavy = [m for m in ('chatglm_tune.model', 'peft', 'accelerate', 'transformers.modeling_utils') if m in sys.modules]\n"
              "print('HEAVY', heavy)").format(str(ROOT / script))
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    seconds = time.monotonic() - start
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
+    # What made --help take 7-11 s was importing the model code; without it, 2.3-2.5 s on a quiet machine
+    # (measured, not asserted: a shared CI machine's load would decide a time bound).
     assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
     assert "usage:" in done.stdout and "spec section" not in done.stdout
-    assert seconds < 10, seconds  # quiet machine: ~2 s; the bound catches a return to importing the model code
 
 
 def test_train_help_is_grouped_and_shows_every_default():
