@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--batch-size", type=int, help="rows per process per micro-batch (default by method: "
       f"{ {t: d['batch_size'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['batch_size']})")
     g("--grad-accum", type=int, help="micro-batches per optimizer step (default by method: "
-      f"{ {t: d['grad_accum'] for t, d in METHOD_DEFAULTS.items()} })")
+      f"{ {t: d['grad_accum'] for t, d in METHOD_DEFAULTS.items()} }, with the method's batch size; 1 when "
+      "--batch-size is given)")
     g("--lr", type=float, help=f"peak learning rate (default by method: {DEFAULT_LR}; the tiny demo: {TINY_DEMO['lr']})")
     g("--weight-decay", type=float, help=f"AdamW weight decay (default {D.weight_decay})")
     g("--warmup-ratio", type=float, help=f"share of steps warming up (default {D.warmup_ratio})")

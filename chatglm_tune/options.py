@@ -169,7 +169,11 @@ class TrainOptions:
 
     @property
     def accumulation(self) -> int:
-        return self.grad_accum or METHOD_DEFAULTS[self.tuning]["grad_accum"]
+        """`grad_accum`, else the method's, which goes with the method's batch size: a batch size given
+        alone is the whole optimizer step (`--batch-size 16` on P-tuning is 16 rows, not 16 x 16)."""
+        if self.grad_accum:
+            return self.grad_accum
+        return 1 if self.batch_size else METHOD_DEFAULTS[self.tuning]["grad_accum"]
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the run: `max_steps`, else `epochs` passes, else the method's budget."""

@@ -80,6 +80,14 @@ def _probe_logits(model, tokenizer, records):
                      logits_to_keep=0).logits
 
 
+def test_the_methods_accumulation_goes_with_its_batch_size():
+    """P-tuning's official step is 1 row x 16 accumulated; a batch size given alone is the whole step."""
+    assert (TrainOptions(tuning="ptuning").rows_per_batch, TrainOptions(tuning="ptuning").accumulation) == (1, 16)
+    assert TrainOptions(tuning="ptuning", batch_size=16).accumulation == 1
+    assert TrainOptions(tuning="ptuning", batch_size=4, grad_accum=4).accumulation == 4
+    assert TrainOptions(tuning="ptuning", grad_accum=2).accumulation == 2
+
+
 @pytest.mark.parametrize("tuning, flags", [
     ("ptuning", ["--pre-seq-len", "4", "--prefix-projection", "--lr", "1e-2"]),
     ("lora", ["--lora-r", "4", "--lr", "1e-2"]),
