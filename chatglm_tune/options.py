@@ -202,8 +202,10 @@ TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "gl
 TINY_DEMO = dict(budget_steps=3200, batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
 # tiny-glm4's tokenizer: ranks of a byte-level BPE trained on the corpus (bytes, every character, then
-# merges), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`).
-TINY_GLM4_VOCAB = 2000
+# merges up to this many ranks), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`). 256: no
+# merges past the characters (the vocabulary grows to hold each one), so a word in the text and in an
+# answer are the same tokens: the demo's dev F1 0.881 at 3200 steps, against 0.735 with 2000 ranks.
+TINY_GLM4_VOCAB = 256
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,10 @@ def test_the_tiny_tokenizer_encodes_as_tiktoken_and_round_trips(tiny4_dir, tiny4
         assert tiny4.decode(tiny4.encode_text(text)) == text
         assert tiny4.encode(text) == [tiny4.get_command("[gMASK]"), tiny4.get_command("<sop>"), *tiny4.encode_text(text)]
     assert all(len(tiny4.encode_text(char)) == 1 for char in set("".join(TEXTS + ANSWERS)))  # a character is a token
-    assert len(tiny4.encode_text(TEXTS[0])) < len(TEXTS[0])  # and the merges join some of them
+    assert len(tiny4.encode_text(TEXTS[0])) == len(TEXTS[0])  # the preset's size: no merges past the characters
+    merged = train_glm4_bpe(TEXTS + ANSWERS, tiny4_dir.parent / "merged", vocab_size=2000)
+    assert len(merged.encode_text(TEXTS[0])) < len(TEXTS[0])  # a larger size merges characters into words
+    assert merged.encode_text(TEXTS[0]) == _tiktoken_reference(TEXTS[0], read_tiktoken_ranks(tiny4_dir.parent / "merged" / "tokenizer.model"))
 
 
 def test_every_character_of_a_corpus_is_a_token_whatever_the_size(tmp_path):
