@@ -365,6 +365,8 @@ def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:
         data = char.encode("utf-8")
         for end in range(2, len(data) + 1):
             add(data[:end])
+    if len(ranks) >= vocab_size:  # the characters fill the size (the tiny preset): no merges to learn
+        return ranks
     for token in _trained_tokens(texts, vocab_size + len(ranks)):
         if len(ranks) >= vocab_size:
             break
