@@ -25,7 +25,7 @@ class ChatGLMConfig(PreTrainedConfig):
     """
 
     model_type = "chatglm"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     # The generic names transformers' generation and cache code look for.
     attribute_map = {"num_hidden_layers": "num_layers", "max_position_embeddings": "max_sequence_length"}
 

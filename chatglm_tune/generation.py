@@ -209,7 +209,7 @@ def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingO
     positions = versions.of_config(model.config).positions(model.config, input_ids, mask)  # ChatGLM-6B: [b, 2, s]
     step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
     cache = DynamicCache()
-    out = model(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
     live = list(range(b))  # batch row -> index of the prompt it decodes
     next_pos = None if positions is None else positions[:, :, -1:] + step  # [b, 2, 1]
     for n in range(max_new_tokens):
@@ -231,7 +231,7 @@ def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingO
             mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
-        out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
         next_pos = None if next_pos is None else next_pos + step
     return results
 

@@ -92,7 +92,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -105,7 +105,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
             mask is passed through as is and must then cover the prefix itself.
         position_ids: [b, s]; default from attention_mask (cumsum - 1, continuing after the cached real
             tokens), else past .. past + s - 1. The prefix has no position.
-        past_key_values: a `Cache`; with a prefix its first `pre_seq_len` entries are the prefix, written on
+        cache: a `Cache`; with a prefix its first `pre_seq_len` entries are the prefix, written on
             the first call (empty cache). Without a cache (use_cache=False, training) the prefix rides in a
             read-only `PrefixCache` that is not returned.
         labels: [b, s], -100 ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
@@ -114,15 +114,15 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
         b, s = ref.shape[:2]
         checkpointing = self.training and any(layer.gradient_checkpointing for layer in self.model.layers)
         if checkpointing:
-            if past_key_values is not None:
-                raise ValueError("gradient checkpointing in training takes no past_key_values (the prefix is built here)")
+            if cache is not None:
+                raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
             if self.pre_seq_len and any(_reentrant(layer) for layer in self.model.layers):
                 # Reentrant checkpointing only differentiates its positional inputs: the prefix, held in
                 # the cache, would be backpropagated once per layer through one shared graph.
                 raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
             use_cache = False
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache, keep_cache = past_key_values, True
+        keep_cache = True
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
         p = self.pre_seq_len
@@ -143,11 +143,11 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=ref.device).expand(b, s)
         out = super().forward(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
         )
         if not keep_cache or not use_cache:
-            out.past_key_values = None
+            out.cache = None
         return out
 
     def load_prefix(self, path: str | Path) -> None:

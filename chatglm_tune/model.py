@@ -133,7 +133,7 @@ class ChatGLMPreTrainedModel(PreTrainedModel):
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["GLMBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
 
@@ -176,14 +176,13 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
     def set_input_embeddings(self, value):
         self.word_embeddings = value
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=False):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=False):
         """input_ids [b, s] -> (hidden [b, s, h], cache or None). See ChatGLMForConditionalGeneration."""
         cfg = self.config
         b, s = input_ids.shape
         x = self.word_embeddings(input_ids)
-        cache = past_key_values
         if cache is not None and not isinstance(cache, Cache):
-            raise TypeError(f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
+            raise TypeError(f"cache must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
         n_prefix = cfg.pre_seq_len or 0
         if n_prefix and (cache is None or cache.get_seq_length() == 0):
             prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg.num_layers, cfg.num_attention_heads,
@@ -369,7 +368,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         input_ids: torch.LongTensor,
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | None = None,
@@ -381,7 +380,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         position_ids: [b, 2, s] GLM positions; computed from `input_ids` when omitted (prompt steps only).
         attention_mask: either [b, past + s] with 1 = token, 0 = pad (the usual transformers mask), or
             the official boolean [b, 1, s, past + s] with True = blocked. Prefix columns are added here.
-        past_key_values: a transformers `Cache`; with P-tuning its first `pre_seq_len` entries are the prefix.
+        cache: a transformers `Cache`; with P-tuning its first `pre_seq_len` entries are the prefix.
         labels: [b, s], -100 = ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
         logits_to_keep: None = all positions without labels and none with labels (the head then runs only
             on labelled positions, the bulk of a training step's savings); an int N keeps the last N (0 = all).
@@ -389,7 +388,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         if any(v is not None and v is not False for v in unsupported.values()):
             raise TypeError(f"ChatGLM forward does not support: {', '.join(sorted(unsupported))}")
         use_cache = self.config.use_cache and not self.training if use_cache is None else use_cache
-        hidden, cache = self.transformer(input_ids, position_ids, attention_mask, past_key_values, use_cache)
+        hidden, cache = self.transformer(input_ids, position_ids, attention_mask, cache, use_cache)
         loss = None
         if labels is not None:
             shift = labels[:, 1:]
@@ -400,20 +399,20 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         logits = None
         if keep is not None:
             logits = self.lm_head(hidden if keep == 0 else hidden[:, -keep:]).float()
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
         return out if return_dict is not False else out.to_tuple()
 
     # --- transformers generate() support: positions come from the whole sequence, never incremented.
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=True, **kwargs):
         pad_mask = _pad_mask_2d(attention_mask)
         position_ids = build_position_ids(
             input_ids, bos_token_id=self.config.bos_token_id, gmask_token_id=self.config.gmask_token_id,
             mask_token_id=self.config.mask_token_id, pad_mask=pad_mask,
         )
-        done = cached_tokens(past_key_values, self.config) if past_key_values is not None and past_key_values.get_seq_length() else 0
+        done = cached_tokens(cache, self.config) if cache is not None and cache.get_seq_length() else 0
         return dict(
             input_ids=input_ids[:, done:], position_ids=position_ids[..., done:], attention_mask=pad_mask,
-            past_key_values=past_key_values, use_cache=use_cache,
+            cache=cache, use_cache=use_cache,
         )
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):

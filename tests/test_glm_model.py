@@ -71,13 +71,13 @@ def batch(case):
 def greedy(model, input_ids, attention_mask, steps):
     """KV-cached greedy decoding: new ids [b, steps]; positions come from the growing mask."""
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids, attention_mask=attention_mask, cache=cache, use_cache=True).logits[:, -1]
     new = []
     for _ in range(steps):
         token = logits.argmax(-1)
         new.append(token)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=1)
-        logits = model(token[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(token[:, None], attention_mask=attention_mask, cache=cache, use_cache=True).logits[:, -1]
     return torch.stack(new, dim=1)
 
 
@@ -151,7 +151,7 @@ def test_prefix_without_a_cache_equals_the_cached_path(version):
     ids, mask = batch(case)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=False)
-    assert out.past_key_values is None
+    assert out.cache is None
     assert_logits(out.logits, golden.logits[case["expect_tensor"] + "_all"], mask)
 
 

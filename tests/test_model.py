@@ -93,14 +93,14 @@ def test_cached_decoding_equals_full_forward(golden, pre_seq_len):
     model = golden.model(pre_seq_len=pre_seq_len)
     ids = torch.tensor([golden.of_kind("greedy")[1]["input_ids"]])
     out = model(ids, use_cache=True)
-    seq, cache = ids, out.past_key_values
+    seq, cache = ids, out.cache
     for _ in range(4):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
         full = model(seq).logits[:, -1]
-        pos = model.prepare_inputs_for_generation(seq, past_key_values=cache)["position_ids"]
-        out = model(nxt, position_ids=pos, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        pos = model.prepare_inputs_for_generation(seq, cache=cache)["position_ids"]
+        out = model(nxt, position_ids=pos, cache=cache, use_cache=True)
+        cache = out.cache
         assert _max_diff(out.logits[:, -1], full) < TOL
 
 
