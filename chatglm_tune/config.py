@@ -10,6 +10,8 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .options import raise_problems
+
 # The depth the official GLMBlock assumes when it scales its residual: `GLMBlock(num_layers=28)` is a
 # constructor default that ChatGLMModel never overrides, so alpha = sqrt(2 * 28) for every config.
 OFFICIAL_ALPHA_LAYERS = 28
@@ -62,8 +64,7 @@ class ChatGLMConfig(PreTrainedConfig):
             problems.append(f"quantization_bit must be 0, 4 or 8, got {self.quantization_bit}")
         if self.pre_seq_len is not None and self.pre_seq_len < 1:
             problems.append(f"pre_seq_len must be None or >= 1, got {self.pre_seq_len}")
-        if problems:
-            raise ValueError("invalid ChatGLMConfig: " + "; ".join(problems))
+        raise_problems(problems, "invalid ChatGLMConfig: ")
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

@@ -99,6 +99,15 @@ def answer_text(triples: Iterable[Triple]) -> str:
     return LINE_SEP.join(t.to_text() for t in triples)
 
 
+def answer_lines(text: str) -> Iterator[tuple[int, str, list[str]]]:
+    """How answer text is read, gold or generated: each non-blank line, stripped, with its 1-based number
+    and its parts split on `_` (each stripped)."""
+    for number, line in enumerate(text.split(LINE_SEP), start=1):
+        line = line.strip()
+        if line:
+            yield number, line, [p.strip() for p in line.split(TRIPLE_SEP)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation errors and the skip report
 
@@ -114,14 +123,14 @@ class Location:
     index: int | None = None
 
     def __str__(self) -> str:
-        if self.index is not None:
-            return f"{self.path}[{self.index}]"
-        return f"{self.path}:{self.line}"
+        return self._spelled("{path}[{index}]", "{path}:{line}")
 
     def describe(self) -> str:
-        if self.index is not None:
-            return f"{self.path}, array index {self.index}"
-        return f"{self.path}, line {self.line}"
+        return self._spelled("{path}, array index {index}", "{path}, line {line}")
+
+    def _spelled(self, in_array: str, in_lines: str) -> str:
+        """The format `in_array` (a json array's index) or `in_lines` (a jsonl line), whichever this is."""
+        return (in_array if self.index is not None else in_lines).format(path=self.path, index=self.index, line=self.line)
 
 
 class RecordError(ValueError):
@@ -231,12 +240,19 @@ class _NotJSON:
     message: str
 
 
-def parse_record(raw: object, location: Location) -> SPORecord:
-    """One decoded JSON value -> `SPORecord`, or `RecordError` saying what is wrong where."""
+def _json_object(raw: object, location: Location) -> dict:
+    """`raw` when it is a decoded JSON object; else the RecordError for a line that did not decode
+    (`not_json`) or for another JSON value (`not_object`)."""
     if isinstance(raw, _NotJSON):
         raise RecordError(location, "not_json", raw.message)
     if not isinstance(raw, dict):
         raise RecordError(location, "not_object", f"expected a JSON object, got {_type_name(raw)}")
+    return raw
+
+
+def parse_record(raw: object, location: Location) -> SPORecord:
+    """One decoded JSON value -> `SPORecord`, or `RecordError` saying what is wrong where."""
+    raw = _json_object(raw, location)
     if "spo_list" in raw:
         text = _text_field(raw, "text", location)
         triples = _spo_list(raw["spo_list"], location)
@@ -255,10 +271,7 @@ def parse_record(raw: object, location: Location) -> SPORecord:
 def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPORecord:
     """One prompt/response object -> a record of the query, its earlier turns (the history column) and
     the response column as its answer (absent: no gold answer); each version builds its prompt from them."""
-    if isinstance(raw, _NotJSON):
-        raise RecordError(location, "not_json", raw.message)
-    if not isinstance(raw, dict):
-        raise RecordError(location, "not_object", f"expected a JSON object, got {_type_name(raw)}")
+    raw = _json_object(raw, location)
     query = _text_field(raw, columns.prompt, location)
     response = _string_field(raw, columns.response, location, required=False) if columns.response else None
     history = None
@@ -286,11 +299,7 @@ def chat_prompt(query: str, history: Sequence[tuple[str, str]] | None) -> str:
 def parse_answer(answer: str, location: Location, field_name: str = "answer") -> tuple[Triple, ...]:
     """Gold answer text -> triples; blank lines are ignored, every other line must be `s_p_o`."""
     triples = []
-    for number, line in enumerate(answer.split(LINE_SEP), start=1):
-        line = line.strip()
-        if not line:
-            continue
-        parts = [p.strip() for p in line.split(TRIPLE_SEP)]
+    for number, line, parts in answer_lines(answer):
         where = f"{field_name} line {number}"
         if len(parts) != 3:
             raise RecordError(

@@ -44,6 +44,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unic
 
 from chatglm_tune.glm_tokenizer import GLMFamilyTokenizer, load_glm_tokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
+from chatglm_tune.tokenizer import require_left_padding, vocabulary_path
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"
@@ -141,8 +142,7 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         pad_token: str = EOS_TOKEN,
         **kwargs,
     ) -> None:
-        if padding_side != "left":
-            raise ValueError(f"GLM-4 prompts must be left-padded, got padding_side={padding_side!r}")
+        require_left_padding(padding_side, "GLM-4")
         for key in ("auto_map", "additional_special_tokens", "extra_special_tokens", "tokenizer_object"):
             kwargs.pop(key, None)  # the remote-code pointer; the specials are read from the files below
         for key, expected in {"do_lower_case": False, "remove_space": False}.items():
@@ -282,7 +282,7 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         return self._cleaned(text, clean_up_tokenization_spaces)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + TOKENIZER_FILE)
+        path = vocabulary_path(save_directory, filename_prefix, TOKENIZER_FILE)
         self._backend.save(str(path))
         return (str(path),)
 

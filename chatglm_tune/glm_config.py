@@ -32,6 +32,23 @@ ROPE_BASE = 10000.0
 V1_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")  # ChatGLM-6B only
 FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only
 GLM4_VOCAB = 151552
+_REQUIRED = object()  # no default: a config.json without the field is refused
+# The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
+# lacks it), read by `glm_config` and written back by `official_config` in this order.
+_FIELDS = (
+    ("num_layers", "num_hidden_layers", _REQUIRED),
+    ("hidden_size", "hidden_size", _REQUIRED),
+    ("ffn_hidden_size", "intermediate_size", _REQUIRED),
+    ("num_attention_heads", "num_attention_heads", _REQUIRED),
+    ("kv_channels", "head_dim", _REQUIRED),
+    ("multi_query_group_num", "num_key_value_heads", _REQUIRED),
+    ("padded_vocab_size", "vocab_size", _REQUIRED),
+    ("layernorm_epsilon", "rms_norm_eps", 1e-5),
+    ("add_qkv_bias", "attention_bias", True),
+    ("seq_length", "max_position_embeddings", 8192),
+    ("eos_token_id", "eos_token_id", None),
+    ("pad_token_id", "pad_token_id", None),
+)
 # Official architecture switches this model supports, with the only value it supports.
 _FIXED = {"rmsnorm": True, "post_layer_norm": True, "add_bias_linear": False,
           "apply_residual_connection_post_layernorm": False}
@@ -137,35 +154,24 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
         raise CheckpointError("this is a ChatGLM-6B (v1) config: load it with chatglm_tune.model")
     if raw.get("model_type") == "glm":
         return _hf_config(raw, pre_seq_len, prefix_projection)
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "multi_query_group_num",
-                           "ffn_hidden_size", "padded_vocab_size") if k not in raw]
+    missing = [official for official, _, default in _FIELDS if default is _REQUIRED and official not in raw]
     if missing:
         raise CheckpointError(f"config.json lacks {', '.join(missing)}")
     unsupported = [f"{k}={raw[k]}" for k, v in _FIXED.items() if k in raw and raw[k] != v]
     if unsupported:
         raise CheckpointError(f"config.json has {', '.join(unsupported)}: not the ChatGLM2/3/GLM-4 architecture")
-    heads = raw["num_attention_heads"]
-    groups = raw["multi_query_group_num"] if raw.get("multi_query_attention", True) else heads
+    fields = {ours: raw.get(official, default) for official, ours, default in _FIELDS}
+    if not raw.get("multi_query_attention", True):
+        fields["num_key_value_heads"] = raw["num_attention_heads"]
     rope_ratio = raw.get("rope_ratio") or 1
     return ChatGLMFamilyConfig(
-        vocab_size=raw["padded_vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["ffn_hidden_size"],
-        num_hidden_layers=raw["num_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=groups,
-        head_dim=raw["kv_channels"],
+        **fields,
         hidden_act="silu",
         attention_dropout=raw.get("attention_dropout", 0.0),
-        max_position_embeddings=raw.get("seq_length", 8192),
-        rms_norm_eps=raw.get("layernorm_epsilon", 1e-5),
         use_cache=raw.get("use_cache", True),
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE * rope_ratio, "partial_rotary_factor": 0.5},
-        pad_token_id=raw.get("pad_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
         bos_token_id=None,
-        attention_bias=raw.get("add_qkv_bias", True),
         pre_seq_len=raw.get("pre_seq_len") if pre_seq_len is None else pre_seq_len,
         prefix_projection=bool(raw.get("prefix_projection", False) if prefix_projection is None else prefix_projection),
         chatglm_version=version,
@@ -212,24 +218,10 @@ def official_config(config: GlmConfig, dtype: torch.dtype | None = None) -> dict
     theta = config.rope_parameters["rope_theta"]
     if config.rope_parameters.get("partial_rotary_factor", 0.5) != 0.5 or config.rope_parameters["rope_type"] != "default":
         raise ValueError(f"rope {config.rope_parameters} has no official ChatGLM equivalent")
-    out.update(
-        model_type="chatglm",
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        kv_channels=config.head_dim,
-        # groups == heads is plain multi-head attention, which the official code spells either way
-        multi_query_attention=config.num_key_value_heads != config.num_attention_heads or bool(out.get("multi_query_attention", True)),
-        multi_query_group_num=config.num_key_value_heads,
-        padded_vocab_size=config.vocab_size,
-        layernorm_epsilon=config.rms_norm_eps,
-        add_qkv_bias=config.attention_bias,
-        seq_length=config.max_position_embeddings,
-        tie_word_embeddings=False,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
+    # groups == heads is plain multi-head attention, which the official code spells either way
+    multi_query = config.num_key_value_heads != config.num_attention_heads or bool(out.get("multi_query_attention", True))
+    out.update(model_type="chatglm", multi_query_attention=multi_query, tie_word_embeddings=False)
+    out.update({official: getattr(config, ours) for official, ours, _ in _FIELDS})
     ratio = theta / ROPE_BASE
     if ratio != 1 or "rope_ratio" in out:
         out["rope_ratio"] = int(ratio) if float(ratio).is_integer() else ratio

@@ -32,6 +32,14 @@ import torch
 from transformers import BatchEncoding, PreTrainedTokenizer
 from transformers.utils import PaddingStrategy
 
+from chatglm_tune.tokenizer import (
+    pair_inputs,
+    require_left_padding,
+    save_sentencepiece,
+    special_tokens_mask,
+    train_sentencepiece,
+)
+
 SENTENCEPIECE_FILE = "tokenizer.model"
 GLM_SPECIALS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop")
 ROLES = ("system", "user", "assistant", "observation")
@@ -89,16 +97,12 @@ class GLMFamilyTokenizer(PreTrainedTokenizer):
 
     def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
         """`[gMASK] sop a`, or `[gMASK] sop a b <eos>` for a pair (official)."""
-        ids = self.get_prefix_tokens() + token_ids_0
-        if token_ids_1 is not None:
-            ids += token_ids_1 + [self.eos_token_id]
-        return ids
+        return pair_inputs(self.get_prefix_tokens() + token_ids_0, token_ids_1, self.eos_token_id)
 
     def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
         if already_has_special_tokens:
             return [int(i in self.special_token_ids) for i in token_ids_0]
-        mask = [1, 1] + [0] * len(token_ids_0)
-        return mask if token_ids_1 is None else mask + [0] * len(token_ids_1) + [1]
+        return special_tokens_mask(self.build_inputs_with_special_tokens, token_ids_0, token_ids_1)
 
     def get_command(self, token: str) -> int:
         """The id of a special token by its official text (`"[gMASK]"`, `"sop"`, `"<|user|>"`)."""
@@ -124,8 +128,7 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
 
     def __init__(self, vocab_file: str, padding_side: str = "left", clean_up_tokenization_spaces: bool = False,
                  **kwargs) -> None:
-        if padding_side != "left":
-            raise ValueError(f"ChatGLM prompts must be left-padded, got padding_side={padding_side!r}")
+        require_left_padding(padding_side, "ChatGLM")
         kwargs.pop("auto_map", None)  # the official remote-code pointer: this class replaces it
         for key, expected in {"do_lower_case": False, "remove_space": False, "eos_token": "</s>",
                               "pad_token": "<unk>", "unk_token": "<unk>"}.items():
@@ -181,9 +184,7 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
         return self.sp_model.encode(text)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + SENTENCEPIECE_FILE)
-        path.write_bytes(self.sp_model.serialized_model_proto())
-        return (str(path),)
+        return save_sentencepiece(self.sp_model, save_directory, filename_prefix, SENTENCEPIECE_FILE)
 
 
 class ChatGLM2Tokenizer(_SentencePieceGLMTokenizer):
@@ -330,19 +331,12 @@ def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "ch
     """A small character-level SentencePiece model of `texts` in the official layout (unk 0, <s> 1,
     </s> 2, byte fallback), written with its tokenizer files to `output_dir`: the tokenizer of a tiny
     from-scratch ChatGLM2/3 (the real 64789-piece model is not needed to learn a small task)."""
-    import io
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=model, model_type="unigram", vocab_size=vocab_size,
-        max_sentencepiece_length=1, hard_vocab_limit=False, character_coverage=1.0, byte_fallback=True,
-        split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+    path = train_sentencepiece(
+        texts, output_dir, SENTENCEPIECE_FILE, vocab_size=vocab_size, max_sentencepiece_length=1,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         # newlines and runs of spaces are data (an answer has one triple a line), as in the real model
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
     )
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / SENTENCEPIECE_FILE).write_bytes(model.getvalue())
-    tokenizer = SENTENCEPIECE_CLASSES[version](str(output_dir / SENTENCEPIECE_FILE))
+    tokenizer = SENTENCEPIECE_CLASSES[version](str(path))
     tokenizer.save_pretrained(output_dir)
     return tokenizer

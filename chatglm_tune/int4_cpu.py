@@ -69,24 +69,34 @@ inline void unpack8(const int8_t* p, __m256& hi, __m256& lo) {
   lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
 }
 
+// sums[r] = the dot product of columns [0, len) of x's even and odd halves e, o with weight row r of a
+// block, for r < R: `load(r, j, hi, lo)` gives that row's 8 (high, low) nibble pairs at column j; each
+// load of x serves the R rows. Both blocks below accumulate here (inlined: one loop, two weight sources).
+template <typename Load>
+__attribute__((always_inline)) inline void dot_rows(const float* e, const float* o, int64_t len, Load load,
+                                                    float* sums) {
+  __m256 ae[R], ao[R];
+  for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; j += 8) {
+    const __m256 ve = _mm256_loadu_ps(e + j), vo = _mm256_loadu_ps(o + j);
+    for (int r = 0; r < R; ++r) {
+      __m256 hi, lo;
+      load(r, j, hi, lo);
+      ae[r] = _mm256_fmadd_ps(ve, hi, ae[r]);
+      ao[r] = _mm256_fmadd_ps(vo, lo, ao[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(ae[r], ao[r]));
+}
+
 // rows [n, n + R) for every row m of x: unpacked in registers, once per row of x
 void block_direct(const float* xe, const float* xo, const int8_t* w, const float* scale, float* y,
                   int64_t M, int64_t K2, int64_t N, int64_t n) {
+  const auto unpacked = [&](int r, int64_t j, __m256& hi, __m256& lo) { unpack8(w + (n + r) * K2 + j, hi, lo); };
   for (int64_t m = 0; m < M; ++m) {
-    const float* e = xe + m * K2;
-    const float* o = xo + m * K2;
-    __m256 ae[R], ao[R];
-    for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < K2; j += 8) {
-      const __m256 ve = _mm256_loadu_ps(e + j), vo = _mm256_loadu_ps(o + j);
-      for (int r = 0; r < R; ++r) {
-        __m256 hi, lo;
-        unpack8(w + (n + r) * K2 + j, hi, lo);
-        ae[r] = _mm256_fmadd_ps(ve, hi, ae[r]);
-        ao[r] = _mm256_fmadd_ps(vo, lo, ao[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[m * N + n + r] = hsum(_mm256_add_ps(ae[r], ao[r])) * scale[n + r];
+    float sums[R];
+    dot_rows(xe + m * K2, xo + m * K2, K2, unpacked, sums);
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = sums[r] * scale[n + r];
   }
 }
 
@@ -104,19 +114,14 @@ void block_buffered(const float* xe, const float* xo, const int8_t* w, const flo
         _mm256_store_ps(bh[r] + j, hi);
         _mm256_store_ps(bl[r] + j, lo);
       }
+    const auto buffered = [&](int r, int64_t j, __m256& hi, __m256& lo) {
+      hi = _mm256_load_ps(bh[r] + j);
+      lo = _mm256_load_ps(bl[r] + j);
+    };
     for (int64_t m = 0; m < M; ++m) {
-      const float* e = xe + m * K2 + j0;
-      const float* o = xo + m * K2 + j0;
-      __m256 ae[R], ao[R];
-      for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < len; j += 8) {
-        const __m256 ve = _mm256_loadu_ps(e + j), vo = _mm256_loadu_ps(o + j);
-        for (int r = 0; r < R; ++r) {
-          ae[r] = _mm256_fmadd_ps(ve, _mm256_load_ps(bh[r] + j), ae[r]);
-          ao[r] = _mm256_fmadd_ps(vo, _mm256_load_ps(bl[r] + j), ao[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) acc[m * R + r] += hsum(_mm256_add_ps(ae[r], ao[r]));
+      float sums[R];
+      dot_rows(xe + m * K2 + j0, xo + m * K2 + j0, len, buffered, sums);
+      for (int r = 0; r < R; ++r) acc[m * R + r] += sums[r];
     }
   }
   for (int64_t m = 0; m < M; ++m)

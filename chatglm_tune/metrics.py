@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from .data import LINE_SEP, TRIPLE_SEP, Triple
+from .data import Triple, answer_lines
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,7 @@ def parse_triples(text: str) -> ParsedGeneration:
     """Generated answer text -> `ParsedGeneration` (rules in the module docstring)."""
     triples: dict[Triple, None] = {}  # an ordered set
     malformed = []
-    for line in text.split(LINE_SEP):
-        line = line.strip()
-        if not line:
-            continue
-        parts = [p.strip() for p in line.split(TRIPLE_SEP)]
+    for _, line, parts in answer_lines(text):
         if len(parts) == 3 and all(parts):
             triples.setdefault(Triple(*parts), None)
         else:

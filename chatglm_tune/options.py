@@ -10,6 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+
+def raise_problems(problems: list[str], prefix: str = "") -> None:
+    """The ValueError of a validation that collects every problem before it raises: one message naming
+    them all (`prefix` first, then the problems joined by "; "); nothing when `problems` is empty."""
+    if problems:
+        raise ValueError(prefix + "; ".join(problems))
+
+
 # ------------------------------------------------------------------------------------------------
 # Choices shared by the command lines
 
@@ -156,8 +164,7 @@ class TrainOptions:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.patience < 0:
             problems.append(f"patience must be >= 0 (0 = no early stopping), got {self.patience}")
-        if problems:
-            raise ValueError("; ".join(problems))
+        raise_problems(problems)
 
     @property
     def learning_rate(self) -> float:
@@ -230,8 +237,7 @@ class SamplingOptions:
             problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
             problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if problems:
-            raise ValueError("invalid sampling options: " + "; ".join(problems))
+        raise_problems(problems, "invalid sampling options: ")
 
     @property
     def greedy(self) -> bool:

@@ -42,7 +42,9 @@ def mask_positions(input_ids: torch.Tensor, gmask_token_id: int, mask_token_id: 
     pos = torch.where(g < s, g, m)
     missing = (pos == s).nonzero().flatten().tolist()
     if missing:
-        raise ValueError(f"rows {missing} of input_ids have neither [gMASK] (id {gmask_token_id}) nor [MASK] (id {mask_token_id})")
+        raise ValueError(
+            f"rows {missing} of input_ids have neither [gMASK] (id {gmask_token_id}) nor [MASK] (id {mask_token_id})"
+        )
     return pos
 
 

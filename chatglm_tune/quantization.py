@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import cpu_matmul, heap, int4_cpu
+from .options import raise_problems
 from .versions import VERSIONS
 
 # The four Linears of every ChatGLM-6B block (spec section 6): the default of the module swaps; the other
@@ -63,8 +64,7 @@ def _check_format(in_features: int, bits: int, group_size: int) -> None:
         problems.append("group-wise scales are an INT4 extension: use group_size=0 with bits=8")
     if group_size > 0 and in_features % group_size:
         problems.append(f"in_features={in_features} is not a multiple of group_size={group_size}")
-    if problems:
-        raise ValueError("; ".join(problems))
+    raise_problems(problems)
 
 
 def quantize_weight(w: Tensor, bits: int, group_size: int = 0) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,10 @@ Reproduces the official THUDM/chatglm-6b `tokenization_chatglm.py` as run under 
 
 Every special id is read from the SentencePiece model, so `train_tokenizer` can build a small
 vocabulary with the same special pieces in another layout.
+
+What the tokenizers of every version share is here too (ChatGLM2/3 and GLM-4 import it): the pair layout
+and the special-tokens mask read off it, the left-padding rule, where `save_vocabulary` writes, and the
+training of a small SentencePiece model.
 """
 
 from __future__ import annotations
@@ -57,6 +61,38 @@ CLEANUP_REPLACEMENTS = (
 DEFAULT_TRAIN_VOCAB_SIZE = 4000
 
 
+def require_left_padding(padding_side: str, prompts: str) -> None:
+    """ValueError unless `padding_side` is "left": a batch of `prompts` (ChatGLM, GLM-4) is generated on from
+    its last column, so every row must end there."""
+    if padding_side != "left":
+        raise ValueError(f"{prompts} prompts must be left-padded, got padding_side={padding_side!r}")
+
+
+def pair_inputs(prompt: list[int], token_ids_1: list[int] | None, eos_token_id: int) -> list[int]:
+    """`prompt` (the first sequence with its special tokens), then for a pair `b <eos>`: every version's
+    training layout."""
+    return prompt if token_ids_1 is None else prompt + token_ids_1 + [eos_token_id]
+
+
+def special_tokens_mask(build_inputs, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
+    """1 on each token that `build_inputs` (a tokenizer's `build_inputs_with_special_tokens`) adds, 0 on the
+    given ids: read off the layout itself, so that the mask and the layout cannot disagree."""
+    placeholders = [None] * len(token_ids_0), None if token_ids_1 is None else [None] * len(token_ids_1)
+    return [int(i is not None) for i in build_inputs(*placeholders)]
+
+
+def vocabulary_path(save_directory: str, filename_prefix: str | None, file_name: str) -> Path:
+    """Where `save_vocabulary` writes `file_name`: in `save_directory`, under transformers' optional prefix."""
+    return Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + file_name)
+
+
+def save_sentencepiece(sp_model, save_directory: str, filename_prefix: str | None, file_name: str) -> tuple[str]:
+    """`save_vocabulary` of a SentencePiece tokenizer: the model's bytes, as `file_name`."""
+    path = vocabulary_path(save_directory, filename_prefix, file_name)
+    path.write_bytes(sp_model.serialized_model_proto())
+    return (str(path),)
+
+
 def encode_whitespace(text: str) -> str:
     """The official pre-processing: newlines, tabs and runs of 2..80 spaces become their pieces."""
     text = text.replace("\n", NEWLINE_PIECE).replace("\t", TAB_PIECE)
@@ -94,8 +130,7 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
         clean_up_tokenization_spaces: bool = True,
         **kwargs,
     ) -> None:
-        if padding_side != "left":
-            raise ValueError(f"ChatGLM prompts must be left-padded, got padding_side={padding_side!r}")
+        require_left_padding(padding_side, "ChatGLM")
         # The official config names the remote code; this class replaces it.
         kwargs.pop("auto_map", None)
         # `from_pretrained` moves unknown `*_token` fields (gmask_token, end_token) into this dict.
@@ -121,14 +156,8 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
             self._convert_token_to_id(t): AddedToken(t, lstrip=True, rstrip=True, normalized=False, special=True)
             for t in SPECIAL_TOKENS.values()
         }
-        super().__init__(
-            **SPECIAL_TOKENS,
-            num_image_tokens=num_image_tokens,
-            glm_masks=glm_masks,
-            padding_side=padding_side,
-            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
-            **kwargs,
-        )
+        super().__init__(**SPECIAL_TOKENS, num_image_tokens=num_image_tokens, glm_masks=glm_masks,
+                         padding_side=padding_side, clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -182,18 +211,12 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
 
     def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
         """`a [gMASK] <sop>`, or `a [gMASK] <sop> b <eop>` for a pair (the training layout)."""
-        ids = token_ids_0 + [self.gmask_token_id, self.bos_token_id]
-        if token_ids_1 is not None:
-            ids += token_ids_1 + [self.eos_token_id]
-        return ids
+        return pair_inputs(token_ids_0 + [self.gmask_token_id, self.bos_token_id], token_ids_1, self.eos_token_id)
 
     def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
         if already_has_special_tokens:
             return super().get_special_tokens_mask(token_ids_0, token_ids_1, already_has_special_tokens=True)
-        mask = [0] * len(token_ids_0) + [1, 1]
-        if token_ids_1 is not None:
-            mask += [0] * len(token_ids_1) + [1]
-        return mask
+        return special_tokens_mask(self.build_inputs_with_special_tokens, token_ids_0, token_ids_1)
 
     def _pad(
         self,
@@ -255,9 +278,7 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
         }
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        path = Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + VOCAB_FILE)
-        path.write_bytes(self.sp_model.serialized_model_proto())
-        return (str(path),)
+        return save_sentencepiece(self.sp_model, save_directory, filename_prefix, VOCAB_FILE)
 
 
 def train_tokenizer(
@@ -278,29 +299,29 @@ def train_tokenizer(
     `max_piece_length=1` gives a character-level vocabulary: a span is then the same pieces inside a
     text and inside an answer, which a small model trained from scratch needs to learn to copy.
     """
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=(encode_whitespace(t) for t in texts),
-        model_writer=model,
-        model_type="unigram",
-        vocab_size=vocab_size,
-        max_sentencepiece_length=max_piece_length,
-        hard_vocab_limit=False,
-        character_coverage=1.0,
-        byte_fallback=True,
-        split_digits=True,
-        normalization_rule_name="nmt_nfkc",
-        add_dummy_prefix=True,
-        remove_extra_whitespaces=True,
+    path = train_sentencepiece(
+        (encode_whitespace(t) for t in texts), output_dir, VOCAB_FILE,
+        vocab_size=vocab_size, max_sentencepiece_length=max_piece_length,
+        normalization_rule_name="nmt_nfkc", add_dummy_prefix=True, remove_extra_whitespaces=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=3,
         unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>",
-        control_symbols=list(CONTROL_PIECES),
-        user_defined_symbols=[NEWLINE_PIECE, TAB_PIECE, *BLANK_PIECES],
-        num_threads=1,
-        minloglevel=2,
+        control_symbols=list(CONTROL_PIECES), user_defined_symbols=[NEWLINE_PIECE, TAB_PIECE, *BLANK_PIECES],
     )
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / VOCAB_FILE).write_bytes(model.getvalue())
-    ChatGLMTokenizer(output_dir / VOCAB_FILE).save_pretrained(output_dir)
+    ChatGLMTokenizer(path).save_pretrained(output_dir)
     return ChatGLMTokenizer.from_pretrained(output_dir)
+
+
+def train_sentencepiece(sentences: Iterable[str], output_dir: str | Path, file_name: str, **options) -> Path:
+    """Train a small SentencePiece unigram model on `sentences` and write it as `output_dir / file_name`
+    (the folder made if need be); returns that path. What every small tokenizer trained here shares: every
+    character of the corpus may get a piece (the vocabulary size is a soft limit), others fall back to
+    bytes, digits are split, one thread (deterministic), quiet. `options`: the trainer's other settings."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, model_type="unigram", hard_vocab_limit=False,
+        character_coverage=1.0, byte_fallback=True, split_digits=True, num_threads=1, minloglevel=2, **options,
+    )
+    path = Path(output_dir) / file_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.getvalue())
+    return path

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .options import EncodingOptions
+from .options import EncodingOptions, raise_problems
 
 TOKENIZER_FILES = ("tokenizer_config.json", "ice_text.model", "tokenizer.model", "tokenizer.json")
 
@@ -111,8 +111,7 @@ class ChatGLM6B(Version):
 
         ours, theirs = SpecialIds.of(tokenizer), SpecialIds.of(config)
         problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
-        if problems:
-            raise ValueError("the tokenizer does not belong to this model: " + "; ".join(problems))
+        raise_problems(problems, "the tokenizer does not belong to this model: ")
         super().check_tokenizer(tokenizer, config)
 
     def tiny(self, corpus: list[str], directory: Path, **config_overrides):
