@@ -58,7 +58,7 @@ BNB_NOTE = ("bitsandbytes 4-bit: NF4/FP4 codebooks (non-uniform levels) with blo
 def _candidates(torch, N: int, K: int, copies: int):
     """name -> (fn(i, x) over copy i, bytes read per call); plus the fp32 references' inputs."""
     from chatglm_tune import int4_cpu
-    from chatglm_tune.quantization import _int4pack_weight, dequantize, pack_int4, quantize_weight
+    from chatglm_tune.quantization import _int4pack_mm, _int4pack_weight, dequantize, pack_int4, quantize_weight
 
     g = torch.Generator().manual_seed(N * 7 + K)
     layers = []
@@ -79,8 +79,7 @@ def _candidates(torch, N: int, K: int, copies: int):
         return torch._weight_int8pack_mm(x.bfloat16(), layers[i]["q8"], layers[i]["s8"])
 
     def int4pack(i, x):
-        packed, gs, sz = layers[i]["int4pack"]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, gs, sz)
+        return _int4pack_mm(x.bfloat16(), *layers[i]["int4pack"])
 
     def int4cpu(i, x):
         return int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"])

@@ -19,7 +19,8 @@ AVX-512/AMX CPUs (shared notes `cpu-kernels.md`); on AVX2-only CPUs they are com
 3-4 G weights/s a core (bench/quant.py), so INT4 decodes no faster than INT8 there.
 - "int8pack" (CPU): `torch._weight_int8pack_mm`, bf16 activations, per-row scales;
 - "int4pack" (CPU): `aten._weight_int4pack_mm_for_cpu` on a weight repacked once per process (the
-  packed layout depends on the CPU's ISA, so it is never saved);
+  packed layout depends on the CPU's ISA, so it is never saved); official per-row scales are applied to
+  its output in fp32, the kernel's own group scales being one shared tensor of ones;
 - "dequant" (everywhere, CUDA included): dequantize to the activation dtype (in row tiles on CPU) and
   run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
 Backward always gives the input gradient through the dequantized weight, never a weight gradient.
@@ -145,13 +146,17 @@ def _int8pack_mm(x2d: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     return y.to(x2d.dtype)
 
 
-def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) -> tuple[Tensor, int, Tensor]:
-    """Repack an official INT4 weight for `_weight_int4pack_mm_for_cpu`.
+def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) -> tuple[Tensor, int, Tensor, Tensor | None]:
+    """Repack an official INT4 weight for `_weight_int4pack_mm_for_cpu` (run by `_int4pack_mm`).
 
     The kernel computes w = (u - 8) * scale + zero for u in [0, 15]; with u = q + 8 and zero = 0 that is
     exactly q * scale. A scale group of length L (L = in for per-row scales) is expressed as L / gs
-    kernel groups of size gs, each carrying the same scale. Returns (packed uint8, gs,
-    scale_and_zeros bf16 (in/gs, out, 2)). Built `tile_rows` rows at a time (a multiple of the kernel's
+    kernel groups of size gs. Returns (packed uint8, gs, scale_and_zeros bf16 (in/gs, out, 2), row_scale).
+    Group-wise scales go into scale_and_zeros (rounded to bf16, the kernel's dtype), row_scale None.
+    Per-row scales (the official format) are constant along a row, so they are applied to the output
+    instead: row_scale is the fp16 scale as fp32 [out], and scale_and_zeros the unit scales that every
+    layer of that shape shares (`_unit_scales`); one (in/gs, out, 2) tensor per layer would be 4 bytes per
+    group and row, 0.16 GB at GLM-4-9B. Built `tile_rows` rows at a time (a multiple of the kernel's
     row blocks, so the bytes equal a whole-matrix conversion): no full-size int32 temporary; 128 rows
     are 8 MB of int32 at ChatGLM-6B's widest layer (1024 rows added ~0.15 GB to the peak RSS of a load).
     """
@@ -163,9 +168,26 @@ def _int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128)
     for start in range(0, out_features, tile_rows):
         q = unpack_int4(weight[start : start + tile_rows])  # (rows, in) in [-7, 7]
         packed[start : start + tile_rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
+    if scale.shape[1] == 1:
+        return packed, gs, _unit_scales(in_features // gs, out_features), scale.view(out_features).float()
     scales = scale.repeat_interleave(group_len // gs, dim=1).t()  # (in/gs, out)
     scale_and_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16)
-    return packed, gs, scale_and_zeros.contiguous()
+    return packed, gs, scale_and_zeros.contiguous(), None
+
+
+@functools.cache
+def _unit_scales(groups: int, out_features: int) -> Tensor:
+    """The kernel's (groups, out, 2) bf16 scale_and_zeros of scale 1 and zero 0: one tensor per shape, shared."""
+    return torch.stack((torch.ones(groups, out_features), torch.zeros(groups, out_features)), dim=-1).to(torch.bfloat16)
+
+
+def _int4pack_mm(x2d: Tensor, packed: Tensor, gs: int, scale_and_zeros: Tensor, row_scale: Tensor | None) -> Tensor:
+    """(M, in) @ an `_int4pack_weight` weight -> (M, out) in x's dtype: the kernel (bf16), then the per-row
+    scales in fp32 where they were kept apart."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned_bf16(x2d), packed, gs, scale_and_zeros)
+    if row_scale is not None:
+        y = torch.mul(y, row_scale)  # bf16 * fp32 -> fp32
+    return y.to(x2d.dtype)
 
 
 # The int4pack layout, in blocks of B rows (AVX2: 32, AVX-512: 64): in a block, column k's B nibbles take
@@ -264,9 +286,7 @@ class _QuantizedMatmul(torch.autograd.Function):
         elif kernel == "int4cpu":  # issue 15: official INT4 read as it is, fp32 math (AVX2-only CPUs)
             y = int4_cpu.matmul(x2d, layer.weight, layer.weight_scale)
         elif kernel == "int4pack":
-            packed, gs, scale_and_zeros = layer._int4pack()
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned_bf16(x2d), packed, gs, scale_and_zeros)
-            y = y.to(x.dtype)
+            y = _int4pack_mm(x2d, *layer._int4pack())
         else:
             y = _dequant_mm(x2d, layer)
         return y.view(*x.shape[:-1], layer.out_features)
@@ -329,7 +349,7 @@ class QuantizedLinear(nn.Module):
         self.bias = frozen((out_features,), dtype) if bias else None
         self.kernel = "auto"
         self.last_kernel: str | None = None
-        # (data_ptr of the official weight, or None once it is released; packed, gs, scale_and_zeros)
+        # (data_ptr of the official weight, or None once it is released; then `_int4pack_weight`'s four)
         self._int4_cache: tuple | None = None  # never saved
 
     @classmethod
@@ -394,7 +414,7 @@ class QuantizedLinear(nn.Module):
         """True once an INT4 weight lives only in the CPU kernel's layout (see `_int4pack`)."""
         return self._int4_cache is not None and self._int4_cache[0] is None
 
-    def _int4pack(self) -> tuple[Tensor, int, Tensor]:
+    def _int4pack(self) -> tuple[Tensor, int, Tensor, Tensor | None]:
         """The CPU-repacked INT4 weight, built at first use and kept for this process only.
 
         Where this CPU's layout can be read back (`_int4pack_block_rows`: AVX2, AVX-512), the official packed
@@ -403,10 +423,10 @@ class QuantizedLinear(nn.Module):
         """
         cache = self._int4_cache
         if cache is None or (cache[0] is not None and cache[0] != self.weight.data_ptr()):
-            packed, gs, scale_and_zeros = _int4pack_weight(self.weight, self.weight_scale)
+            repacked = _int4pack_weight(self.weight, self.weight_scale)
             block = _int4pack_block_rows()
             release = block is not None and self.out_features % block == 0
-            self._int4_cache = (None if release else self.weight.data_ptr(), packed, gs, scale_and_zeros)
+            self._int4_cache = (None if release else self.weight.data_ptr(), *repacked)
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)
                 heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors

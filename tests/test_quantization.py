@@ -173,6 +173,26 @@ def test_int4pack_expresses_every_scale_group_as_kernel_groups(in_features, grou
     assert rel_err(y, reference(layer, x)) < TOL[torch.bfloat16]
 
 
+def test_int4pack_per_row_scales_are_applied_to_the_output_and_the_unit_scales_shared():
+    # per-row scales: no (in/gs, out, 2) tensor per layer (0.16 GB at GLM-4-9B), one of ones per shape; the
+    # fp16 scale multiplies the output in fp32, so a row scaled by 2**k gives exactly 2**k times its output
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False).half()
+    a, b = QuantizedLinear.from_linear(linear, 4, 0), QuantizedLinear.from_linear(linear, 4, 0)
+    b.weight_scale.mul_(4)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    for layer in (a, b):
+        layer.kernel = "int4pack"
+    ya, yb = a(x), b(x)
+    assert a._int4pack()[2] is b._int4pack()[2] and torch.equal(a._int4pack()[2][..., 0], torch.ones(1, 64).bfloat16())
+    assert torch.equal(yb, ya * 4)
+    assert rel_err(ya, F.linear(x, dequantize(a.state_dict()["weight"], a.weight_scale, 4, x.dtype))) < TOL[torch.bfloat16]
+    grouped = make_layer(4, 128, in_features=256, out_features=64)
+    grouped.kernel = "int4pack"
+    grouped(x)
+    assert grouped._int4pack()[3] is None  # group-wise scales stay in the kernel's own tensor
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_auto_uses_the_kernel_for_decode_and_dequant_for_prefill(bits):
     layer = make_layer(bits, 0)
