@@ -35,6 +35,16 @@ What the design has been through (P-tuning v2 dev F1 on the new relations):
   of all four): 0.904 (性能故障 0.88, 组成 0.92); LoRA 1.000; the base 0.999 on its own relations and
   0 on the new ones (bench/results/adapt.json, 54 min on one thread).
 
+On a tiny ChatGLM3 base (--version chatglm3, the same design; base 0.997 on its own relations, 0 on the
+new ones) these P-tuning flags reach only 0.176 after the full 5000 steps (dev loss 1.05 at step 500,
+0.38 at the end; F1 0.02 at step 1000, 0.13 at 3500), where LoRA reaches 0.99. Why, measured: the GLM
+base's attention logits sit well below 0, so the 128 prefix entries, whose keys start near 0, take
+86% of every layer-0 head's attention before any training, and after it 77-100% of every head of
+every layer: the copying heads no longer find the text, and the answers name entities that are not in
+it (密封圈是减振器的零部件 -> 车速信号_组成_减振器). Tried without success: pre_seq_len 16 (F1 0.004 at
+step 1000), no projection at lr 3e-3 (0 at step 500), a prefix of 32 started from the base's own keys
+and values of real prompt tokens (0 at step 1500). Still open for ChatGLM3 and GLM-4 (issues 12, 13).
+
     OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
 """
 
