@@ -54,7 +54,7 @@ def random_prompts(config: ChatGLMConfig, batch: int, prompt_len: int, seed: int
     for i in range(batch):
         n = max(8, prompt_len - 2 - 2 * i)
         rows.append(torch.randint(5, hi, (n,), generator=g).tolist() + [config.gmask_token_id, config.bos_token_id])
-    return collate_prompts(rows, SpecialIds.from_config(config))
+    return collate_prompts(rows, SpecialIds.of(config))
 
 
 def timed(model, method: str, prompts: dict, new_tokens: int) -> tuple[float, float]:
