@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="INT8/INT4 block Linears (default: as the model was trained: as stored, or quantized at load "
                         "as the run's base was)")
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction,
-                   help="hold the tied embedding / output head as one INT8 copy: half its memory and the fastest "
-                        "CPU head, for a small logit error (beyond the official format; default: as the run trained)")
+                   help="hold the embedding and output head in INT8 (ChatGLM-6B's tied pair as one copy): half their "
+                        "memory and the fastest CPU head, for a small logit error (beyond the official format; default: "
+                        "as the run trained)")
     p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
                    help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")

@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       f"the demo settings {TINY_DEMO})")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")
     g("--quantization-bit", type=int, choices=QUANTIZATION_BITS, help="quantize the base to INT8/INT4 while loading (default: no)")
-    g("--quantize-embedding", action="store_true", help="hold the frozen tied embedding / head as one INT8 copy (default: no)")
+    g("--quantize-embedding", action="store_true", help="hold the frozen embedding and output head in INT8, quantized "
+      "while loading (ChatGLM-6B's tied pair as one copy; ptuning and lora only; default: no)")
     g = p.add_argument_group("tuning").add_argument
     g("--tuning", choices=TUNINGS, default=D.tuning, help="what to train (default %(default)s)")
     g("--pre-seq-len", type=int, default=D.pre_seq_len, help="P-tuning v2 prefix length (default %(default)s)")

@@ -50,8 +50,8 @@ included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`b
 (`-2l` with `--quick`), the quantize.py outputs beside it (`-int8`, `-int4`).
 
 Variants (kept beside the as-is numbers, under the step name + a suffix, and shown in their own rows):
-`--quantize-embedding` loads with the tied embedding / head as one INT8 copy (`+e8`; ChatGLM-6B only: the
-GLM family's embedding and head are untied, and the toolkit refuses it there), `--max-kernel-rows N`
+`--quantize-embedding` loads with `quantize_embedding=True` (`+e8`: ChatGLM-6B's tied embedding / head as one
+INT8 copy, the GLM family's untied ones as one INT8 copy each), `--max-kernel-rows N`
 sets `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B` runs the measuring process with
 glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the toolkit's defaults;
 `with_options` repeats it from the variants with the most options.
@@ -218,8 +218,8 @@ def main(argv=None) -> None:
                    help="a training process stops its step after this many seconds from its start and extrapolates "
                         "(default 540: under the 10-minute command limit; --quick 90)")
     p.add_argument("--quantize-embedding", action="store_true",
-                   help="infer-*/train-* steps: load with the tied embedding / head as one INT8 copy; results are kept "
-                        "under '<step>+e8' beside the as-is ones (ChatGLM-6B only; default: off)")
+                   help="infer-*/train-* steps: load with the embedding and head in INT8 (ChatGLM-6B's tied pair as one "
+                        "copy); results are kept under '<step>+e8' beside the as-is ones (default: off)")
     p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "
@@ -228,9 +228,6 @@ def main(argv=None) -> None:
                    help="infer-*/train-* steps: set QuantizedLinear.max_kernel_rows = N (inputs of up to N rows use the "
                         "int8pack/int4pack kernels instead of dequantizing); results under '<step>+krN' (default: the class's)")
     args = p.parse_args(argv)
-    if args.quantize_embedding and not VERSIONS[args.version].quantize_embedding:
-        p.error(f"--quantize-embedding is for ChatGLM-6B's tied embedding / head; {VERSIONS[args.version].title}'s "
-                "are untied, and the toolkit refuses quantize_embedding for it")
     if args.budget_s is None:
         args.budget_s = 90.0 if args.quick else 540.0
     bench = Bench(args)

@@ -63,12 +63,12 @@ def _prompt(frame: dict, length: int, seed: int) -> torch.Tensor:
 def _bytes_read_per_token(model) -> int:
     """Weight bytes one decode step reads: every unique parameter once (the tied head too), with an
     INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
-    (ChatGLM2/3, GLM-4) is not counted: a step reads one row of it."""
+    (ChatGLM2/3, GLM-4; float or INT8 rows and scales) is not counted: a step reads one row of it."""
     from chatglm_tune.quantization import QuantizedLinear
 
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = isinstance(embedding, torch.nn.Embedding) and head is not None and head.weight is not embedding.weight
-    seen, total = {id(embedding.weight)} if untied else set(), 0
+    untied = head is not None and head.weight is not embedding.weight
+    seen, total = {id(p) for p in embedding.parameters()} if untied else set(), 0
     for module in model.modules():
         cache = getattr(module, "_int4_cache", None) if isinstance(module, QuantizedLinear) else None
         for name, p in module.named_parameters(recurse=False):
@@ -220,8 +220,8 @@ def main(argv=None) -> None:
     p.add_argument("--bits", type=int, default=0, help="infer: 0 (bf16), 8 or 4")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=540.0, help="train: stop the step this long after the start")
-    p.add_argument("--quantize-embedding", action="store_true", help="load the tied embedding / head as one INT8 copy "
-                   "(ChatGLM-6B)")
+    p.add_argument("--quantize-embedding", action="store_true", help="load the embedding and head in INT8 "
+                   "(quantize_embedding=True; ChatGLM-6B's tied pair as one copy)")
     p.add_argument("--max-kernel-rows", type=int, help="set QuantizedLinear.max_kernel_rows")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -126,6 +126,8 @@ def report(results: dict, out: Path, version: BenchVersion = VERSIONS[DEFAULT_VE
     lines += _preparation(results)
     lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s, version)]
     lines += ["", "## Targets with the measured options (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_options"], version)]
+    if version.e8_targets:
+        lines += ["", "## Targets with the INT8 embedding / head (`+e8` rows)", ""] + [f"- {t}" for t in e8_target_lines(results, version)]
     if version.fit_steps:
         lines += ["", f"## Fits this machine ({_machine_gb():.1f} GB of memory)", ""] + [f"- {t}" for t in fit_lines(results, version)]
     text = "\n".join(lines) + "\n"
@@ -153,13 +155,9 @@ def _header(results: dict, cfg: dict, version: BenchVersion) -> list[str]:
                  f"{any_rec.get('torch', '?')}, {any_rec.get('threads', '?')} torch thread(s) per process; other processes "
                  "share the cores (load average per row), so times vary run to run.")
     lines.append("")
-    if version.quantize_embedding:
-        embedding = ("`INT8 embedding` = `from_pretrained(quantize_embedding=True)` (`--quantize-embedding`: the tied "
-                     "embedding / head as one INT8 copy); ")
-    else:
-        embedding = ("no `INT8 embedding` variant: the embedding and head are untied and kept in half precision "
-                     "(the toolkit's `quantize_embedding` is ChatGLM-6B's); ")
-    lines.append(f"`code`: `as is` = the toolkit's defaults (official formats); {embedding}"
+    lines.append("`code`: `as is` = the toolkit's defaults (official formats); `INT8 embedding` = "
+                 "`from_pretrained(quantize_embedding=True)` (`--quantize-embedding`: the embedding and head in INT8, "
+                 "ChatGLM-6B's tied pair as one copy, the GLM family's untied ones as one each); "
                  "`MALLOC_MMAP_THRESHOLD_` is glibc's setting for the measuring process.")
     return lines
 
@@ -253,6 +251,21 @@ def target_lines(s: dict, version: BenchVersion) -> list[str]:
     ratio = None if a is None or b is None else a / b
     out.append(f"decode int4 {_fmt(ratio)}x bf16 >= {TARGET_INT4_X_BF16}x: "
                + ("not run" if ratio is None else "met" if ratio >= TARGET_INT4_X_BF16 else "MISSED"))
+    return out
+
+
+def e8_target_lines(results: dict, version: BenchVersion) -> list[str]:
+    """Per `version.e8_targets`: the worst peak RSS of the complete `+e8` rows of that section and kind (inference
+    int4: `infer-int4-load+e8...` and `infer-int4-file+e8...`) against its target."""
+    out = []
+    for section, wanted in version.e8_targets.items():
+        for kind, want in wanted.items():
+            step = f"infer-{kind}-" if section == "inference" else f"train-{section}-{kind}+"
+            got = [r["peak_rss_gb"] for k, r in results.items()
+                   if k.startswith(step) and "+e8" in k and not r.get("partial")]
+            worst = max(got) if got else None
+            out.append(f"{section} {kind} with the INT8 embedding / head peak RSS {_fmt(worst)} GB <= {want}: "
+                       + ("not run" if worst is None else "met" if worst <= want else "MISSED"))
     return out
 
 

@@ -17,6 +17,8 @@ glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this 
   `weight` [out, in] or INT4 packed [out, in/2], fp16 per-row `weight_scale` [out], config.json's
   `quantization_bit`; spec chatglm-6b.md section 6): `load_glm` reads such a directory (q/k/v split by
   rows, scales included) or quantizes a half/float one while reading it, `save_official` writes it;
+- with `quantize_embedding`, the untied embedding and head in INT8 too (`QuantizedEmbedding`, a `QuantizedLinear`
+  head), quantized as they are read: a runtime form, beyond the official format, that saving refuses;
 - `save_official`: the official key layout and config.json, so an official directory round-trips;
 - `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the seam of DESIGN.md).
 Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
@@ -43,7 +45,8 @@ from .glm_config import detect_version, glm_config, official_config, read_config
 from .generation import Chat
 from .glm_prefix import prefix_encoder, prefix_width
 from .prefix import PREFIX_DROPOUT, PrefixCache, prefix_key_values, seed_cache
-from .quantization import QuantizedLinear, check_bits, quantize_model, quantize_rows
+from .quantization import QuantizedEmbedding, QuantizedLinear, check_bits, quantize_model, quantize_rows, refuse_int8_embedding
+from .quantization import quantize_embedding as int8_embedding_and_head
 from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
 
 
@@ -217,6 +220,7 @@ def load_glm(
     quantization_bit: int | None = None,
     group_size: int = 0,
     quantization_group_size: int | None = None,
+    quantize_embedding: bool = False,
 ) -> GlmForCausalLMWithPrefix:
     """A ChatGLM2/3 or GLM-4 model from a local directory (or weights file beside its config.json).
 
@@ -231,6 +235,10 @@ def load_glm(
         `weight` int8 [out, in] or packed [out, in/2] + fp16 `weight_scale` under the official keys) loads
         as stored; asking it for other bits raises ValueError. `config.quantization_bit` /
         `config.quantization_group_size` record the format (0 = float weights).
+    quantize_embedding: the untied input embedding and `lm_head` become INT8 (`QuantizedEmbedding`, and a
+        `QuantizedLinear` head; per-row scales, the official rule), each quantized a few rows at a time as it
+        is read, as the Linears are: no float copy of either ever exists. Any `quantization_bit` or stored
+        format beside it. A runtime form, which `save_official` refuses (`quantization.quantize_embedding`).
     Prefix-encoder weights may be absent (a fresh P-tuning start, PyTorch's init); any other missing,
     unexpected, wrong-shaped or wrong-typed tensor raises `CheckpointError` naming the file and key.
     """
@@ -241,15 +249,7 @@ def load_glm(
     bits, group_size, stored = _load_format(raw, path, quantization_bit, group_size, quantization_group_size)
     config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
-    with torch.device("meta"):
-        model = GlmForCausalLMWithPrefix(config)
-    config.quantization_bit, config.quantization_group_size = 0, 0
-    if bits:  # empty INT layers of the format, on the meta device; filled (or quantized into) below
-        try:
-            quantize_model(model, bits, group_size, targets=FAMILIES[version].quantizable_linears, empty_init=True)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
     official_keys = raw.get("model_type") != "glm"
     rows = qkv_rows(config)
     expected = dict(model.named_parameters())
@@ -267,7 +267,7 @@ def load_glm(
             if pairs is None:
                 raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
             for name, part in pairs:
-                _place(model, name, part, file, key, expected, quantized, stored, dtype, pages, raw)
+                _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
             pages.release(tensor)
             del tensor, pairs
         pages.close()
@@ -280,6 +280,26 @@ def load_glm(
     model.model.rotary_emb = GlmRotaryEmbedding(config=config)  # its buffer was built on the meta device
     config.dtype = dtype
     return model.to(device).eval()
+
+
+def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bool,
+                 int8_embedding: torch.dtype | None) -> tuple[GlmForCausalLMWithPrefix, dict]:
+    """(the model on the meta device, with empty INT layers of the format to load, {module name: layer} of the
+    layers that `_place` quantizes into as it reads their float weights: the block Linears of a float
+    checkpoint quantized at load, and with `int8_embedding` (the compute dtype) the embedding and head)."""
+    with torch.device("meta"):
+        model = GlmForCausalLMWithPrefix(config)
+    config.quantization_bit, config.quantization_group_size = 0, 0
+    if bits:
+        try:
+            quantize_model(model, bits, group_size, targets=FAMILIES[config.chatglm_version].quantizable_linears, empty_init=True)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
+    quantized = {} if stored else {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if int8_embedding:
+        int8_embedding_and_head(model, empty_init=True, dtype=int8_embedding)
+        quantized.update({"model.embed_tokens": model.model.embed_tokens, "lm_head": model.lm_head})
+    return model, quantized
 
 
 def _load_format(raw: dict, path, bits: int | None, group_size: int, alias: int | None) -> tuple[int, int, bool]:
@@ -306,13 +326,14 @@ def _load_format(raw: dict, path, bits: int | None, group_size: int, alias: int 
     return bits or 0, group_size if bits else 0, False
 
 
-def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict, quantized: dict, stored: bool,
+def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict, quantized: dict,
            dtype: torch.dtype, pages, raw: dict) -> None:
     """Put the tensor `part` (file key `key`, model name `name`) into the model: quantized into its layer
-    while loading, or checked (known, same kind, same shape) and copied out of the file map."""
+    while loading (`quantized`: `_empty_model`'s), or checked (known, same kind, same shape) and copied out of
+    the file map."""
     owner, _, attr = name.rpartition(".")
     layer = quantized.get(owner)
-    if layer is not None and attr == "weight" and part.is_floating_point() and not stored:
+    if layer is not None and attr == "weight" and part.is_floating_point():
         _quantize_into(layer, name, part, file, key, expected, dtype, pages)
         return
     if name not in expected:
@@ -322,21 +343,23 @@ def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict,
         raise CheckpointError(_wrong_type(file, key, part, target, raw))
     if tuple(part.shape) != tuple(target.shape):
         layout = (f" (config.json's quantization_bit={raw.get('quantization_bit')}: INT8 weights are [out, in], INT4 ones "
-                  "packed [out, in/2])" if attr == "weight" and owner in quantized else "")
+                  "packed [out, in/2])" if attr == "weight" and not target.is_floating_point() else "")
         raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
                               f"{list(target.shape)}{layout}; does config.json match these weights?")
     value = checkpoint.copy_out(name, part, dtype, pages, prefix_key=PREFIX_ENCODER)
     model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
 
 
-def _quantize_into(layer: QuantizedLinear, name: str, part: torch.Tensor, file, key: str, expected: dict,
-                   dtype: torch.dtype, pages) -> None:
+def _quantize_into(layer: QuantizedLinear | QuantizedEmbedding, name: str, part: torch.Tensor, file, key: str,
+                   expected: dict, dtype: torch.dtype, pages) -> None:
     """Quantize the float weight `part` [out, in] (rows of the file's tensor) into `layer`, a few rows at a
     time with their file pages released: no whole float copy of it is ever made."""
     owner = name.rpartition(".")[0]
-    if tuple(part.shape) != (layer.out_features, layer.in_features):
+    rows, columns = layer.weight.shape  # an INT4 weight packs two columns a byte
+    shape = [rows, columns * 8 // layer.bits]
+    if list(part.shape) != shape:
         raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
-                              f"{[layer.out_features, layer.in_features]}; does config.json match these weights?")
+                              f"{shape}; does config.json match these weights?")
     if name not in expected:
         raise CheckpointError(f"{file}: {key} gives {name} twice")
     expected.pop(name)
@@ -372,9 +395,11 @@ def save_official(
     the official INT8/INT4 layout: q/k/v's int8 (INT4: packed) `weight`, fp16 `weight_scale` and `bias`
     re-fused by rows into `query_key_value.{weight,weight_scale,bias}`, the other Linears under their
     official names, and config.json's `quantization_bit` (plus our `quantization_group_size` when the
-    INT4 scales are group-wise), so `load_glm` reads it back bit for bit.
+    INT4 scales are group-wise), so `load_glm` reads it back bit for bit. An INT8 embedding or head
+    (`quantize_embedding`) has no official layout: ValueError.
     """
     state = dict(model.state_dict() if state_dict is None else state_dict)
+    refuse_int8_embedding(state, ("model.embed_tokens.weight_scale", "lm_head.weight_scale"))
     if dtype is not None:
         state = {k: (v.to(dtype) if _castable(k, v) else v) for k, v in state.items()}
     official = to_official(state)

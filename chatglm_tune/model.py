@@ -330,9 +330,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = dict(self.state_dict() if state_dict is None else state_dict)
-        if "transformer.word_embeddings.weight_scale" in state:
-            raise ValueError("this model holds its embedding in INT8 (quantize_embedding), a runtime form with no "
-                             "official layout: save a model loaded without it")
+        quantization.refuse_int8_embedding(state, ("transformer.word_embeddings.weight_scale",))
         state.pop("lm_head.weight", None)
         checkpoint.save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)
         checkpoint.atomic_write(directory / "config.json", self.config.to_json_file)

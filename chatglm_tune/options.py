@@ -137,7 +137,7 @@ class TrainOptions:
     mixed_precision: str = "no"
     dtype: str = "float32"
     quantization_bit: int = 0
-    quantize_embedding: bool = False  # the frozen tied embedding / head as one INT8 copy
+    quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quantization.quantize_embedding`)
     gradient_checkpointing: bool = False
     seed: int = 42
     eval_every: int | None = None  # steps; None = EVALUATIONS times over the run

@@ -2,8 +2,9 @@
 
 What is quantized: the four Linears of every GLM block (`query_key_value`, `dense`, `dense_h_to_4h`,
 `dense_4h_to_h`); embeddings, LayerNorms, `lm_head` and the P-tuning prefix encoder stay in float.
-Opt-in, beyond the official format: `quantize_embedding` holds the tied embedding / `lm_head` as one
-INT8 copy (a runtime form, never saved).
+Opt-in, beyond the official format: `quantize_embedding` holds the word embedding and `lm_head` in INT8,
+ChatGLM-6B's tied pair as one copy, the untied ChatGLM2/3 / GLM-4 pair as one each (a runtime form,
+never saved).
 
 Format (spec `chatglm-6b.md` section 6), for `W [out, in]`:
 - per-row symmetric scale `weight_scale = (absmax(W, row) / (2**(bits-1) - 1)).half()`, fp16 `[out]`;
@@ -354,12 +355,12 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_parts(cls, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, bits: int, group_size: int = 0) -> QuantizedLinear:
-        """A layer holding these tensors as they are (the stored layout: `weight` packed for INT4); `bias`
-        None for none, or a meta tensor for one assigned later (by a checkpoint loader)."""
+        """A layer holding these tensors as they are (the stored layout: `weight` packed for INT4; Parameters,
+        e.g. a tied embedding's, shared, not wrapped); `bias` None for none, or a meta tensor for one assigned
+        later (by a checkpoint loader)."""
         in_features = weight.shape[1] * (2 if bits == 4 else 1)
         layer = cls(in_features, weight.shape[0], bits, group_size, bias=False, device="meta")
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        layer.weight, layer.weight_scale = _frozen(weight), _frozen(weight_scale)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
         return layer
@@ -463,26 +464,49 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """The input embedding read from the INT8 rows of the tied head (`quantize_embedding`): one copy.
+    """An input embedding held as INT8 rows (`quantize_embedding`): `weight` int8 `[vocab, hidden]` and fp16
+    per-row `weight_scale` `[vocab]`, the official rule. ChatGLM-6B's are the tied head's own Parameters (one
+    copy, tied as the float embedding and head are); ChatGLM2/3's and GLM-4's its own, beside an INT8 head.
 
-    `weight` and `weight_scale` are the head's own Parameters (tied, as the float embedding and head are);
-    a lookup dequantizes only the rows asked for, in the compute dtype, which the empty buffer `_dtype`
+    A lookup dequantizes only the rows asked for, in the compute dtype, which the empty buffer `_dtype`
     holds so that it follows `model.to(dtype)`.
     """
 
-    def __init__(self, head: QuantizedLinear, dtype: torch.dtype):
+    bits, group_size = 8, 0  # the format, in QuantizedLinear's terms (what a loader quantizes into)
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, *,
+                 device: torch.device | str | None = None):
+        """Empty (uninitialized) rows, e.g. on "meta" before a loader quantizes into them; `dtype`: the compute dtype."""
         super().__init__()
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.weight, self.weight_scale = head.weight, head.weight_scale
-        self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = _frozen(torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.weight_scale = _frozen(torch.empty(num_embeddings, dtype=torch.float16, device=device))
+        # It holds no data, so never on "meta": a model loaded there can then be moved.
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype, device=None if str(device) == "meta" else device),
+                             persistent=False)
+
+    @classmethod
+    def from_parts(cls, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> QuantizedEmbedding:
+        """An embedding holding these tensors as they are (Parameters, e.g. a tied head's, shared, not wrapped)."""
+        embedding = cls(*weight.shape, dtype, device="meta")
+        embedding.weight, embedding.weight_scale = _frozen(weight), _frozen(weight_scale)
+        return embedding
 
     def forward(self, input_ids: Tensor) -> Tensor:
         ids = input_ids.reshape(-1)
         rows = dequantize(self.weight[ids], self.weight_scale[ids], 8, self._dtype.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
-    def _apply(self, fn, recurse=True):  # the shared fp16 scales move but are never cast
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, INT8 rows, computing in {self._dtype.dtype}"
+
+    def _apply(self, fn, recurse=True):  # the fp16 scales move but are never cast
         return _apply_keeping_scale_dtype(self, super()._apply, fn, recurse)
+
+
+def _frozen(tensor: Tensor) -> nn.Parameter:
+    """`tensor` as a frozen Parameter; a Parameter as it is (shared: a tied embedding and head stay one)."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
 def _apply_keeping_scale_dtype(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
@@ -495,31 +519,56 @@ def _apply_keeping_scale_dtype(module: nn.Module, apply, fn, recurse: bool) -> n
     return module
 
 
-def quantize_embedding(model: nn.Module) -> nn.Module:
-    """Replace, in place, the tied word embedding and `lm_head` of a ChatGLM model by one INT8 copy
-    (per-row scales, the official rule): the head becomes a `QuantizedLinear` (its decode matmul the
-    int8pack kernel), the embedding a `QuantizedEmbedding` reading the same rows. Beyond the official
-    format (which keeps them in half, 1.07 GB at 6B): half the memory of the largest tensor and the
-    fastest head on CPU, for a small logit error (tested). A runtime form for inference and for
-    P-tuning/LoRA on a frozen base; `save_pretrained` of the whole model refuses it. Returns `model`.
+def quantize_embedding(model: nn.Module, *, empty_init: bool = False, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace, in place, the float word embedding and `lm_head` of a model by INT8 rows (per-row scales, the
+    official rule): the head becomes a `QuantizedLinear` (its decode matmul the int8pack kernel), the
+    embedding a `QuantizedEmbedding`; tied (ChatGLM-6B) as one copy that both read, untied (ChatGLM2/3,
+    GLM-4) as one each, the float embedding freed before the head is quantized. Beyond the official format
+    (which keeps them in half: 1.07 GB at ChatGLM-6B, 2 x 1.24 GB at GLM-4-9B): half their memory and the
+    fastest head on CPU, for a small logit error (tested). A runtime form for inference and for P-tuning/LoRA
+    on a frozen base; saving the whole model refuses it (`refuse_int8_embedding`). `empty_init=True` (untied
+    only; a tied pair is quantized as its tensor is read, `QuantizeOnLoad`) creates empty INT8 forms on the
+    weights' device: a meta model that a loader then quantizes into. `dtype`: what the rows are quantized in
+    and a lookup computes in (default: the float embedding's). Returns `model`.
     """
-    embedding = model.get_input_embeddings()
-    if not isinstance(embedding, nn.Embedding) or model.get_output_embeddings().weight is not embedding.weight:
-        raise TypeError("quantize_embedding needs the float nn.Embedding tied to lm_head (a fresh ChatGLM model)")
-    weight = embedding.weight.detach()
-    q, scale = quantize_rows(weight, weight.dtype, 8, 0)
-    dtype = weight.dtype
-    del weight, embedding
-    install_int8_embedding(model, q, scale, dtype)  # the float weight is then unreferenced and freed
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or type(head) not in (nn.Linear, cpu_matmul.Linear) or head.bias is not None:
+        raise TypeError(f"quantize_embedding needs a float nn.Embedding and a bias-free nn.Linear head, not "
+                        f"{type(embedding).__name__} and {type(head).__name__} (load the model without quantize_embedding)")
+    dtype, tied = dtype or embedding.weight.dtype, head.weight is embedding.weight
+    if tied and empty_init:
+        raise ValueError("empty_init is for an untied embedding and head: a tied one is quantized as it is read (QuantizeOnLoad)")
+
+    def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:  # (int8 [rows, cols], fp16 scales [rows])
+        if empty_init:
+            scale = torch.empty(weight.shape[0], dtype=torch.float16, device=weight.device)
+            return torch.empty_like(weight, dtype=torch.int8), scale
+        return quantize_rows(weight.detach(), dtype, 8, 0)
+
+    if tied:
+        install_int8_embedding(model, *int8_rows(embedding.weight), dtype)  # the float weight is then unreferenced
+        return model
+    model.set_input_embeddings(QuantizedEmbedding.from_parts(*int8_rows(embedding.weight), dtype))
+    del embedding  # freed before the head's quantization temporaries exist
+    model.set_output_embeddings(QuantizedLinear.from_parts(*int8_rows(head.weight), None, 8))
     return model
 
 
 def install_int8_embedding(model: nn.Module, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> None:
     """Make INT8 rows `weight [vocab, hidden]` with fp16 `weight_scale [vocab]` the model's tied head and
     input embedding (computing in `dtype`); also used by the loader, which quantizes them while reading."""
-    head = QuantizedLinear.from_parts(weight, weight_scale, None, 8)
-    model.set_input_embeddings(QuantizedEmbedding(head, dtype))
-    model.set_output_embeddings(head)
+    embedding = QuantizedEmbedding.from_parts(weight, weight_scale, dtype)
+    model.set_input_embeddings(embedding)
+    model.set_output_embeddings(QuantizedLinear.from_parts(embedding.weight, embedding.weight_scale, None, 8))
+
+
+def refuse_int8_embedding(state: dict[str, Tensor], scale_keys: tuple[str, ...]) -> None:
+    """ValueError when the state dict to save holds an INT8 embedding or head (`quantize_embedding`: one of
+    `scale_keys`, their `weight_scale` keys), a runtime form that no official layout has."""
+    held = [k for k in scale_keys if k in state]
+    if held:
+        raise ValueError(f"this model holds its embedding in INT8 (quantize_embedding: {', '.join(held)}), a runtime "
+                         "form with no official layout: save a model loaded without it")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -261,8 +261,8 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
     as the run's base was (QLoRA, P-tuning on INT4), with a LoRA adapter beside the integer weights.
     4 or 8 asks for INT4/INT8 block Linears: a LoRA adapter is then merged into the float base first
     (`merge_lora_and_quantize`), as it is always merged into a float base, where decoding pays nothing
-    for it. `quantize_embedding` None follows the run; True holds the tied embedding / head as one
-    INT8 copy.
+    for it. `quantize_embedding` None follows the run; True holds the embedding and head in INT8 (ChatGLM-6B's
+    tied pair as one copy, the untied ones of ChatGLM2/3 and GLM-4 as one each).
     """
     version = versions.of_directory(source.base)
     follow_run = quantization_bit is None
@@ -282,9 +282,9 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
         model = version.load_model(source.base, dtype=dtype, device=device)
         model = merge_lora_and_quantize(model, source.lora_dir, bits, group_size, source.base)
         if embedding:  # after the merge, which refuses integer weights (LoRA never targets the head)
-            from .quantization import quantize_embedding as quantize_tied_embedding
+            from .quantization import quantize_embedding as int8_embedding_and_head
 
-            quantize_tied_embedding(model)
+            int8_embedding_and_head(model)
     return model.eval()
 
 

@@ -144,11 +144,9 @@ class GLMFamilyVersion(Version):
     prefix_module: str = "prefix_encoder"
     labelled_prompt_tokens: int = 0
 
-    def load_model(self, path, *, quantize_embedding: bool = False, **kwargs):
+    def load_model(self, path, **kwargs):
         from .glm import load_glm
 
-        if quantize_embedding:
-            raise ValueError(f"{self.name} has an untied embedding and head: quantize_embedding is for ChatGLM-6B")
         return load_glm(path, **kwargs)
 
     def load_tokenizer(self, directory):
