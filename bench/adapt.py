@@ -38,8 +38,9 @@ What the design has been through (P-tuning v2 dev F1 on the new relations):
 On a tiny ChatGLM3 base (--version chatglm3, the same design; base 0.997 on its own relations, 0 on the
 new ones) these P-tuning flags reach only 0.176 after the full 5000 steps (dev loss 1.05 at step 500,
 0.38 at the end; F1 0.02 at step 1000, 0.13 at 3500), where LoRA reaches 0.99. Why, measured: the GLM
-base's attention logits sit well below 0, so the 128 prefix entries, whose keys start near 0, take
-86% of every layer-0 head's attention before any training, and after it 77-100% of every head of
+base's layer-0 attention is nearly uniform over the text (its queries are near 0, the logits about
+-0.7), so the 128 prefix entries, whose keys start near 0, take 86% of every layer-0 head's attention
+before any training (the prefix there adds one vector to every position), and after it 77-100% of every head of
 every layer: the copying heads no longer find the text, and the answers name entities that are not in
 it (密封圈是减振器的零部件 -> 车速信号_组成_减振器). Tried without success: pre_seq_len 16 (F1 0.004 at
 step 1000), no projection at lr 3e-3 (0 at step 500), a prefix of 32 started from the base's own keys
@@ -49,8 +50,7 @@ value: 0 at step 2000, dev loss 1.41), an 8-layer base (base 0.997; P-tuning tra
 against 0.7 on the 4-layer base). What the 0.176 run gets wrong: it writes the right relation and often the
 right second entity, but the first entity or a state word is recalled from the new relations' pools rather
 than copied (密封圈是减振器的零部件 -> 轴承_组成_减振器, 怠速始终忽高忽低 -> 怠速_性能故障_跳变): the prefix
-cannot point the base's copy heads, which only ever copied parts and tools, at new kinds of span. Layer 0 of
-the base attends uniformly (its queries are near 0), so there the prefix adds one vector to every position.
+cannot point the base's copy heads, which only ever copied parts and tools, at new kinds of span.
 Still open for ChatGLM3 and GLM-4 (issues 12, 13).
 
     OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
