@@ -10,20 +10,24 @@ prefill time and peak memory side by side, and batched extraction records/s.
     python bench/peer.py --step report                     # peer.json, peer.md, the closing JSON line
     python bench/peer.py --step clean                      # delete the checkpoint and GGML files
     python bench/peer.py --quick --step all                # a 2-layer slice, every step, into /tmp
+    python bench/peer.py --version chatglm3 --step all     # the same for ChatGLM3-6B (results: peer-chatglm3.*)
 
 chatglm.cpp is optional, for this bench only: `CMAKE_ARGS="-DCMAKE_POLICY_VERSION_MINIMUM=3.5" pip install
 chatglm-cpp==0.4.2` (built from source, about 4 minutes). Without it the convert-*/cpp-* steps are skipped
 (recorded as such) and the report shows the toolkit alone.
 
 What each step measures, each in a fresh process (`measure.run`: the process's own peak RSS):
-- `write`: `bench/checkpoint_writer.py` (fp16 shards, config.json, index; keys, shapes and order of the
-  official files). One checkpoint feeds both runtimes.
-- `convert-*` (`bench/peer_cpp.py`, as `cpp-*`): a GGML file in chatglm.cpp 0.4.2's ChatGLM-6B format,
+- `write`: `bench/checkpoint_writer.py --version V` (fp16 shards, config.json, index; keys, shapes and order of
+  the official files; ChatGLM3-6B's real tokenizer beside them). One checkpoint feeds both runtimes.
+  `--version` (`chatglm`: ChatGLM-6B, the default; `chatglm3`: ChatGLM3-6B) picks the row of
+  bench/scale_versions.py: config, layout, and the prompt frame (ChatGLM-6B: random ids, then [gMASK] <sop>;
+  ChatGLM3-6B: [gMASK] sop <|user|>, random ids, <|assistant|>), resolved here and passed to every child.
+- `convert-*` (`bench/peer_cpp.py`, as `cpp-*`): a GGML file in chatglm.cpp 0.4.2's format of the version,
   written here from the state dict (`write_ggml`; chatglm.cpp's own converter needs the official remote code,
-  which this checkout does not have): header, config, a SentencePiece model (a tiny one trained here: the ids
-  are given, never encoded), then every tensor: f16, or ggml's q8_0 / q4_0 blocks (32 weights and an fp16
-  scale each; q4_0 scaled by the block's signed absmax / -8) for the embedding (tied head) and the four block
-  Linears, f32 LayerNorms and biases.
+  which this checkout does not have): header, config, a SentencePiece model (ChatGLM-6B: a tiny one trained
+  here, the ids are given, never encoded; ChatGLM3-6B: its real one), then every tensor: f16, or ggml's q8_0 /
+  q4_0 blocks (32 weights and an fp16 scale each; q4_0 scaled by the block's signed absmax / -8) for the
+  embedding, the head and the block Linears, f32 norms and biases.
 - `cpp-*`: `chatglm_cpp.Pipeline(file).model.generate_next_token` (0.4.2's `Pipeline.generate` is broken),
   greedy, after an 8-token warm-up that also faults the mapped weights in: a 64-token prompt then 64 new
   tokens (prefill = the first call; decode ms/token = the other 63 calls), then one extraction record (a
@@ -38,12 +42,14 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   64 tokens (ending [gMASK] <sop>, no padding), 32 new tokens each; records/s = N / wall time of the call.
 `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
 without AVX-512); results are kept beside the native ones under a `+avx2` suffix, as `+e8` marks
-`--quantize-embedding`. chatglm.cpp is built for the machine it runs on (ggml's native build).
+`--quantize-embedding`. chatglm.cpp is built for the machine it runs on (ggml's native build). On a CPU with AMX,
+`--capability avx2` works for ChatGLM-6B only: transformers' GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16
+flash attention, which fails under that setting ("pack_vnni2 is only supported when avx512 is supported").
 
-Step records accumulate in `peer_steps.json` (bench/results at full size); `report` (`bench/peer_report.py`)
-writes `peer.json` (the issue's shape: the fastest honest setting of each variant at the reported thread count)
-and `peer.md` (every run). Every process stays under ~14 GB (bf16 and cpp f16 are the largest, about 13 GB);
-run one at a time.
+Step records accumulate in `peer_steps.json` (bench/results at full size; ChatGLM3-6B: `peer-chatglm3_steps.json`);
+`report` (`bench/peer_report.py`) writes `peer.json` (the issue's shape: the fastest honest setting of each
+variant at the reported thread count) and `peer.md` (every run), or `peer-chatglm3.json` / `.md`. Every
+process stays under ~14 GB (bf16 and cpp f16 are the largest, about 13 GB); run one at a time.
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ from measure import run_python  # noqa: E402
 from peer_children import BATCHES, BITS, GB, child_batch, child_toolkit  # noqa: E402
 from peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
 from peer_report import report  # noqa: E402
+from scale_versions import VERSIONS  # noqa: E402
 
 QUICK_LAYERS = 2
+PEER_VERSIONS = ("chatglm", "chatglm3")  # what chatglm.cpp 0.4.2 and `peer_cpp.write_ggml` both run here
 STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES] + [f"toolkit-{b}" for b in BITS]
          + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
 
@@ -74,10 +82,20 @@ STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in 
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.model_dir = args.model_dir or Path("/tmp/chatglm6b-peer" + ("-2l" if args.quick else ""))
-        self.out = args.out or (Path("/tmp/chatglm6b-peer-quick") if args.quick else HERE / "results")
+        self.version = VERSIONS[args.version]
+        slug = self.version.slug
+        self.model_dir = args.model_dir or Path(f"/tmp/{slug}-peer" + ("-2l" if args.quick else ""))
+        self.out = args.out or (Path(f"/tmp/{slug}-peer-quick") if args.quick else HERE / "results")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.steps_file = self.out / "peer_steps.json"
+        self.stem = "peer" if args.version == "chatglm" else f"peer-{args.version}"
+        self.steps_file = self.out / f"{self.stem}_steps.json"
+        self._frame = None
+
+    def frame(self) -> str:
+        """The prompt frame's ids (JSON) for the measuring processes, read once from the checkpoint."""
+        if self._frame is None:
+            self._frame = json.dumps(self.version.frame.resolve(self.model_dir))
+        return self._frame
 
     def ggml(self, dtype: str) -> Path:
         return self.model_dir.with_name(self.model_dir.name + f"-{dtype}.ggml")
@@ -105,14 +123,15 @@ class Bench:
         return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch") else step
 
     def child(self, kind: str, *extra, env: dict | None = None):
-        return run_python(__file__, "--child", kind, "--threads", self.args.threads, *extra, env=env)
+        return run_python(__file__, "--child", kind, "--threads", self.args.threads, "--version", self.args.version, *extra, env=env)
 
     def run(self, step: str) -> None:
         a = self.args
         env = {"ATEN_CPU_CAPABILITY": a.capability} if a.capability else None
         e8 = ["--quantize-embedding"] if a.quantize_embedding else []
         if step == "write":
-            done = run_python(HERE / "checkpoint_writer.py", self.model_dir, *(["--num-layers", QUICK_LAYERS, "--shards", 3] if a.quick else []))
+            done = run_python(HERE / "checkpoint_writer.py", self.model_dir, "--version", a.version,
+                              *(["--num-layers", QUICK_LAYERS, "--shards", 3] if a.quick else []))
             self.save(step, {**done.last_json(), "seconds": done.seconds, "peak_rss_gb": done.peak_rss / GB, "dir": str(self.model_dir)})
         elif step.startswith(("convert-", "cpp-")) and not has_chatglm_cpp():
             print(f"[{step}] skipped: chatglm_cpp is not installed (optional, this bench only: {INSTALL})", flush=True)
@@ -125,18 +144,18 @@ class Bench:
                   f"cannot change that; run it with --threads {cpp_threads()}", flush=True)
         elif step.startswith("cpp-"):
             dtype = step.split("-", 1)[1]
-            done = self.child("cpp", "--ggml", self.ggml(dtype))
+            done = self.child("cpp", "--ggml", self.ggml(dtype), "--frame", self.frame())
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds,
                                        "file_gb": self.ggml(dtype).stat().st_size / GB})
         elif step.startswith("toolkit-"):
-            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, *e8, env=env)
+            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, "--frame", self.frame(), *e8, env=env)
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
         elif step.startswith("batch-"):
             _, variant, b = step.split("-")
-            done = self.child("batch", "--variant", variant, "--batch", b[1:], "--model-dir", self.model_dir, *e8, env=env)
+            done = self.child("batch", "--variant", variant, "--batch", b[1:], "--model-dir", self.model_dir, "--frame", self.frame(), *e8, env=env)
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
         elif step == "report":
-            report(self.load(), self.out, a.threads, quick=a.quick)
+            report(self.load(), self.out, a.threads, title=self.version.title, stem=self.stem, quick=a.quick)
         elif step == "clean":
             shutil.rmtree(self.model_dir, ignore_errors=True)
             for dtype in CPP_TYPES:
@@ -150,17 +169,19 @@ class Bench:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step", choices=STEPS + ["all", "clean"], help="one step per command at full size; `all` runs every step")
-    p.add_argument("--quick", action="store_true", help=f"a {QUICK_LAYERS}-layer slice, results in /tmp/chatglm6b-peer-quick")
+    p.add_argument("--version", choices=PEER_VERSIONS, default="chatglm", help="ChatGLM-6B (default) or ChatGLM3-6B")
+    p.add_argument("--quick", action="store_true", help=f"a {QUICK_LAYERS}-layer slice, results in /tmp/<version>-peer-quick")
     p.add_argument("--threads", type=int, default=2, help="threads of the measured process (default %(default)s)")
-    p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the tied embedding / head as one INT8 copy (+e8)")
+    p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
     p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels (+avx2)")
-    p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/chatglm6b-peer[-2l]); GGML files go beside it")
-    p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/chatglm6b-peer-quick)")
+    p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML files go beside it")
+    p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
     p.add_argument("--child", choices=["convert", "cpp", "toolkit", "batch"], help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--ggml", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=list(BITS), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--frame", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps({"convert": child_convert, "cpp": child_cpp, "toolkit": child_toolkit, "batch": child_batch}[args.child](args)))

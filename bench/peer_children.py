@@ -1,10 +1,10 @@
 """The workload of bench/peer.py and the toolkit's measuring processes (`toolkit-*`, `batch-*-bN`).
 
 The workload is shared with chatglm.cpp's process (bench/peer_cpp.py): random prompts of ids both
-runtimes accept, ending ChatGLM-6B's [gMASK] <sop>, an 8-token warm-up of 2 new tokens, a 64-token prompt
-then 64 new tokens, and extraction records of 64 + 32 tokens. Each child runs fresh (started by peer.py
-with `--child`), returns one dict that peer.py prints as a JSON line, and is measured from outside (its
-peak RSS and wall time) by `measure.run`.
+runtimes accept, in the version's frame (`--frame`, resolved by peer.py: ChatGLM-6B's end [gMASK] <sop>),
+an 8-token warm-up of 2 new tokens, a 64-token prompt then 64 new tokens, and extraction records of 64 + 32
+tokens. Each child runs fresh (started by peer.py with `--child`), returns one dict that peer.py prints as a
+JSON line, and is measured from outside (its peak RSS and wall time) by `measure.run`.
 """
 
 from __future__ import annotations
@@ -17,28 +17,33 @@ from scale_children import _bytes_read_per_token
 GB = 1e9
 PROMPT_LEN, NEW_TOKENS, WARMUP_PROMPT, WARMUP_TOKENS = 64, 64, 8, 2
 EXTRACT_NEW_TOKENS, BATCHES = 32, (1, 8, 32)
-GMASK, BOS = 130001, 130004  # ChatGLM-6B's [gMASK] and <sop> ids (the toolkit's config; chatglm.cpp gets the same ids)
 BITS = {"bf16": 0, "int8": 8, "int4": 4}
 
 
-def prompt(length: int, seed: int, batch: int = 1) -> list[list[int]]:
-    """`batch` random prompts of `length` ids ending [gMASK] <sop>, from ids both tokenizers' models accept."""
+def prompt(frame: str, length: int, seed: int, batch: int = 1) -> list[list[int]]:
+    """`batch` random prompts of `length` ids: the frame's (JSON, `PromptFrame.resolve`) head, random ordinary
+    ids, its tail."""
+    import json
+
     import torch
 
-    ids = torch.randint(5, 130000, (batch, length), generator=torch.Generator().manual_seed(seed))
-    ids[:, -2:] = torch.tensor([GMASK, BOS])
+    frame = json.loads(frame)
+    ids = torch.randint(*frame["plain"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    head, tail = frame["head"], frame["tail"]
+    ids[:, : len(head)] = torch.tensor(head, dtype=ids.dtype)
+    ids[:, length - len(tail) :] = torch.tensor(tail, dtype=ids.dtype)
     return ids.tolist()
 
 
 def _load_toolkit(args):
     import torch
 
-    from chatglm_tune import ChatGLMForConditionalGeneration
+    from chatglm_tune import from_pretrained
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model = ChatGLMForConditionalGeneration.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, quantization_bit=BITS[args.variant] or None, quantize_embedding=args.quantize_embedding)
+    model = from_pretrained(args.model_dir, dtype=torch.bfloat16, quantization_bit=BITS[args.variant] or None,
+                            quantize_embedding=args.quantize_embedding)
     return model, time.perf_counter() - start
 
 
@@ -57,16 +62,16 @@ def child_toolkit(args) -> dict:
     copy_gb_s = copy_bandwidth() / GB  # before the load: its two 256 MiB buffers stay out of the model's peak RSS
     model, load_s = _load_toolkit(args)
     rss_load = peak_rss()
-    generate(model, torch.tensor(prompt(WARMUP_PROMPT, 1)), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
+    generate(model, torch.tensor(prompt(args.frame, WARMUP_PROMPT, 1)), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
     calls: list[float] = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
     start = time.perf_counter()
-    out = generate(model, torch.tensor(prompt(PROMPT_LEN, 0)), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
+    out = generate(model, torch.tensor(prompt(args.frame, PROMPT_LEN, 0)), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
     end = time.perf_counter()
     hook.remove()
     assert len(out) == NEW_TOKENS == len(calls), (len(out), len(calls))
     return {"load_s": load_s, "prefill_ms": (calls[1] - start) * 1e3, "decode_ms": (end - calls[1]) / (NEW_TOKENS - 1) * 1e3,
-            "rss_load_gb": rss_load / GB, "kernels": _kernels(model), "distinct_tokens": len(set(out)),
+            "rss_load_gb": rss_load / GB, "kernels": _kernels(model), "distinct_tokens": len(set(out)), "first_tokens": list(out[:8]),
             "weight_bytes_per_token": _bytes_read_per_token(model),
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gb_s": copy_gb_s}
 
@@ -77,8 +82,8 @@ def child_batch(args) -> dict:
     from chatglm_tune.generation import generate
 
     model, load_s = _load_toolkit(args)
-    generate(model, torch.tensor(prompt(WARMUP_PROMPT, 1)), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
-    ids = torch.tensor(prompt(PROMPT_LEN, 3, args.batch))
+    generate(model, torch.tensor(prompt(args.frame, WARMUP_PROMPT, 1)), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)
+    ids = torch.tensor(prompt(args.frame, PROMPT_LEN, 3, args.batch))
     start = time.perf_counter()
     out = generate(model, ids, max_new_tokens=EXTRACT_NEW_TOKENS, eos_token_id=None)
     seconds = time.perf_counter() - start

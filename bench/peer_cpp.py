@@ -1,5 +1,5 @@
 """chatglm.cpp 0.4.2's side of bench/peer.py: whether it is installed, the GGML file it reads (written here from
-an official-layout ChatGLM-6B checkpoint), the threads it computes with, and its two measuring processes
+an official-layout ChatGLM-6B or ChatGLM3-6B checkpoint), the threads it computes with, and its two measuring processes
 (`convert-*`: write the file; `cpp-*`: greedy next-token decoding through its Python API, on the workload of
 bench/peer_children.py).
 
@@ -71,26 +71,14 @@ def ggml_q4_0(rows):
     return torch.cat((d.half().view(torch.int8), packed), dim=-1)  # (blocks, 2 + 16) bytes
 
 
-def write_ggml(out: Path, model_dir: Path, dtype: str) -> dict:
-    """chatglm.cpp 0.4.2's ChatGLM-6B file from an official-layout checkpoint: tensor by tensor (row chunks for
-    the quantized ones), so memory stays about one shard's map plus a chunk."""
-    import torch
-
-    config = json.loads((model_dir / "config.json").read_text())
-    weight_map = json.loads((model_dir / "pytorch_model.bin.index.json").read_text())["weight_map"]
-    shards: dict[str, dict] = {}
-
-    def tensor(key: str):
-        name = weight_map[key]
-        if name not in shards:
-            shards.clear()  # keys come shard by shard: keep one map open
-            shards[name] = torch.load(model_dir / name, mmap=True, weights_only=True)
-        return shards[name][key]
-
-    gtype = CPP_TYPES[dtype]
-    layers = config["num_layers"]
+def _chatglm6b_layout(config: dict, gtype: int) -> tuple[bytes, list[tuple[str, int]]]:
+    """ChatGLM-6B (model type 1): its config record and its tensors (key, ggml type) in chatglm.cpp's order."""
+    header = struct.pack("i", 1) + struct.pack(
+        "iiiiiiiififiii", 2, gtype, config["vocab_size"], config["hidden_size"], config["num_attention_heads"],
+        config["num_attention_heads"], config["num_layers"], config["inner_hidden_size"], config["layernorm_epsilon"], 0,
+        10000.0, config["max_sequence_length"], config["eos_token_id"], config["pad_token_id"])
     keys = [("transformer.word_embeddings.weight", gtype)]
-    for i in range(layers):
+    for i in range(config["num_layers"]):
         p = f"transformer.layers.{i}."
         keys += [(p + "input_layernorm.weight", 0), (p + "input_layernorm.bias", 0),
                  (p + "attention.query_key_value.weight", gtype), (p + "attention.query_key_value.bias", 0),
@@ -98,18 +86,65 @@ def write_ggml(out: Path, model_dir: Path, dtype: str) -> dict:
                  (p + "post_attention_layernorm.weight", 0), (p + "post_attention_layernorm.bias", 0),
                  (p + "mlp.dense_h_to_4h.weight", gtype), (p + "mlp.dense_h_to_4h.bias", 0),
                  (p + "mlp.dense_4h_to_h.weight", gtype), (p + "mlp.dense_4h_to_h.bias", 0)]
-    keys += [("transformer.final_layernorm.weight", 0), ("transformer.final_layernorm.bias", 0)]
-    head = tensor("lm_head.weight")
-    assert torch.equal(head[:64], tensor("transformer.word_embeddings.weight")[:64]), "the head must be tied"
+    return header, keys + [("transformer.final_layernorm.weight", 0), ("transformer.final_layernorm.bias", 0)]
+
+
+def _chatglm3_layout(config: dict, gtype: int) -> tuple[bytes, list[tuple[str, int]]]:
+    """ChatGLM3-6B (model type 3; ChatGLM2's record): its config record and tensors, untied head last."""
+    header = struct.pack("i", 3) + struct.pack(
+        "iiiiiiiififiii", 2, gtype, config["padded_vocab_size"], config["hidden_size"], config["num_attention_heads"],
+        config["multi_query_group_num"], config["num_layers"], config["ffn_hidden_size"], config["layernorm_epsilon"], 0,
+        10000.0 * config.get("rope_ratio", 1), config["seq_length"], config["eos_token_id"], config["pad_token_id"])
+    keys = [("transformer.embedding.word_embeddings.weight", gtype)]
+    for i in range(config["num_layers"]):
+        p = f"transformer.encoder.layers.{i}."
+        keys += [(p + "input_layernorm.weight", 0), (p + "self_attention.query_key_value.weight", gtype),
+                 (p + "self_attention.query_key_value.bias", 0), (p + "self_attention.dense.weight", gtype),
+                 (p + "post_attention_layernorm.weight", 0), (p + "mlp.dense_h_to_4h.weight", gtype),
+                 (p + "mlp.dense_4h_to_h.weight", gtype)]
+    return header, keys + [("transformer.encoder.final_layernorm.weight", 0), ("transformer.output_layer.weight", gtype)]
+
+
+def _shard_reader(model_dir: Path):
+    """key -> tensor of an official checkpoint (`.bin` or safetensors shards), one shard open at a time."""
+    import torch
+    from safetensors import safe_open
+
+    index = next(model_dir / n for n in ("pytorch_model.bin.index.json", "model.safetensors.index.json") if (model_dir / n).is_file())
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shards: dict[str, dict] = {}
+
+    def tensor(key: str):
+        name = weight_map[key]
+        if name not in shards:
+            shards.clear()  # keys come shard by shard: keep one open
+            path = model_dir / name
+            shards[name] = safe_open(path, "pt") if path.suffix == ".safetensors" else torch.load(path, mmap=True, weights_only=True)
+        shard = shards[name]
+        return shard[key] if isinstance(shard, dict) else shard.get_tensor(key)
+
+    return tensor
+
+
+def write_ggml(out: Path, model_dir: Path, dtype: str, version: str = "chatglm") -> dict:
+    """chatglm.cpp 0.4.2's file of `version` (ChatGLM-6B or ChatGLM3-6B) from an official-layout checkpoint:
+    tensor by tensor (row chunks for the quantized ones), so memory stays about one shard plus a chunk."""
+    import torch
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tensor = _shard_reader(model_dir)
+    gtype = CPP_TYPES[dtype]
+    if version == "chatglm":
+        header, keys = _chatglm6b_layout(config, gtype)
+        head = tensor("lm_head.weight")
+        assert torch.equal(head[:64], tensor("transformer.word_embeddings.weight")[:64]), "the head must be tied"
+        proto = _tiny_sentencepiece()
+    else:
+        header, keys = _chatglm3_layout(config, gtype)
+        proto = (model_dir / "tokenizer.model").read_bytes()  # a serialized SentencePiece model, as chatglm.cpp stores it
     tmp = out.with_suffix(".tmp")
     with open(tmp, "wb") as f:
-        f.write(b"ggml")
-        f.write(struct.pack("i", 1))  # model type: ChatGLM-6B
-        f.write(struct.pack("iiiiiiiififiii", 2, gtype, config["vocab_size"], config["hidden_size"],
-                            config["num_attention_heads"], config["num_attention_heads"], layers,
-                            config["inner_hidden_size"], config["layernorm_epsilon"], 0, 10000.0,
-                            config["max_sequence_length"], config["eos_token_id"], config["pad_token_id"]))
-        proto = _tiny_sentencepiece()
+        f.write(b"ggml" + header)
         f.write(struct.pack("i", len(proto)))
         f.write(proto)
         for key, kind in keys:
@@ -135,7 +170,7 @@ def write_ggml(out: Path, model_dir: Path, dtype: str) -> dict:
 
 def child_convert(args) -> dict:
     start = time.perf_counter()
-    info = write_ggml(Path(args.ggml), Path(args.model_dir), args.dtype)
+    info = write_ggml(Path(args.ggml), Path(args.model_dir), args.dtype, args.version)
     return {**info, "seconds": time.perf_counter() - start}
 
 
@@ -170,11 +205,11 @@ def child_cpp(args) -> dict:
             out.append(token)
         return stamps, out
 
-    run(prompt(WARMUP_PROMPT, 1)[0], WARMUP_TOKENS)
-    stamps, out = run(prompt(PROMPT_LEN, 0)[0], NEW_TOKENS)
+    run(prompt(args.frame, WARMUP_PROMPT, 1)[0], WARMUP_TOKENS)
+    stamps, out = run(prompt(args.frame, PROMPT_LEN, 0)[0], NEW_TOKENS)
     threads = len(os.listdir("/proc/self/task"))
-    record, _ = run(prompt(PROMPT_LEN, 2)[0], EXTRACT_NEW_TOKENS)
+    record, _ = run(prompt(args.frame, PROMPT_LEN, 2)[0], EXTRACT_NEW_TOKENS)
     return {"load_s": load_s, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
             "decode_ms": (stamps[-1] - stamps[1]) / (NEW_TOKENS - 1) * 1e3, "record_s": record[-1] - record[0],
-            "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "os_threads": threads,
+            "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "first_tokens": out[:8], "os_threads": threads,
             "threads": cpp_threads()}

@@ -38,8 +38,12 @@ TILE_ELEMENTS = 1 << 21
 
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """Whether this CPU runs bf16 GEMMs natively (oneDNN with AVX-512 BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU runs bf16 GEMMs natively (oneDNN with AVX-512 BF16 or AMX), and PyTorch's own kernels
+    may use them: under `ATEN_CPU_CAPABILITY=avx2` on such a CPU oneDNN still reports bf16, but PyTorch's bf16
+    flash attention then fails ("pack_vnni2 is only supported when avx512 is supported"), so that setting
+    counts as a CPU without them, as it is meant to act."""
+    return (torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def slow_bf16(x: Tensor) -> bool:

@@ -4,21 +4,31 @@ On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slow
 the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json, shared notes cpu-kernels.md).
 `matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
 even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
-intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, sign-extend to 8 int32 lanes, take
-the high nibble by an arithmetic shift and the low one by shifting it to the top and back, convert to
-fp32 and FMA with the even and odd columns of x, kept in fp32; the row's sum times its scale is the
-dequantized math (`q * scale` is exact in fp32), fp32 throughout, so more exact than the bf16 kernels.
-Four rows share each load of x. With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column chunk
-of the weight is unpacked once into an fp32 buffer (8 KB, L1) that every row of x then reads.
+intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, zero-extend to 8 int32 lanes and XOR
+0x88 (each signed nibble q becomes q + 8, offset binary), take the high nibble by a shift and the low one
+by a mask, convert to fp32 and FMA with the even and odd columns of x, kept in fp32; the row's sum less
+8 * sum(x), times its scale, is the dequantized math (`q * scale` is exact in fp32), fp32 throughout, so
+more exact than the bf16 kernels. Four rows share each load of x, and each row prefetches the weight two
+blocks ahead (rows of 2 KB, as most of ChatGLM's are, defeat the hardware prefetcher: the prefetch made the
+kernel 1.7-1.9x faster at 4096 columns). With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column
+chunk of the weight is unpacked once (less 8) into an fp32 buffer (8 KB, L1) that every row of x then reads.
 
-Measured (bench/int4_kernels.py, results/int4_kernels.json; AMD EPYC, one thread, batch 1, weights
-streamed from memory): with PyTorch at the AVX2 level it takes 1.06 / 2.96 / 4.65 / 7.63 ms at ChatGLM-6B's
-4096x4096 / 12288x4096 / 16384x4096 / 4096x16384 against 1.67 / 4.33 / 5.24 / 9.42 for int8pack
-(1.13-1.59x faster) and 1.93 / 5.68 / 7.55 / 13.85 for int4pack, exact to fp32 rounding (relative error
-~1e-6, where the bf16 kernels give ~2e-3). It is still compute-bound, not memory-bound: 4.4-8.5 GB/s of packed
-weights read per core against ~16 GB/s that one core can read. With AVX-512, PyTorch's int4pack is faster
-still (0.65-2.47 ms, near the bandwidth), so `available()` is True only where PyTorch's CPU capability is
-AVX2. No repacking: the official weight is the only copy, and nothing ISA-dependent is built from it.
+Measured (bench/int4_kernels.py, results/int4_kernels.json; an AVX-512 Xeon with PyTorch at the AVX2 level,
+2 threads, batch 1, weights streamed from memory): 0.66 / 1.71 / 2.17 / 2.01 ms at ChatGLM-6B's 4096x4096 /
+12288x4096 / 16384x4096 / 4096x16384 against 1.13 / 2.77 / 3.53 / 3.39 for int8pack (1.6-1.7x faster) and
+0.89 / 2.53 / 3.26 / 3.19 for int4pack; one thread: 1.24 / 3.16 / 4.35 / 3.89 against 2.25 / 5.36 / 6.32 /
+6.46 and 1.68 / 4.82 / 6.22 / 6.08 (an AMD EPYC, before the prefetch: 1.06 / 2.96 / 4.65 / 7.63 against
+int8pack's 1.67 / 4.33 / 5.24 / 9.42). Exact to fp32 rounding (relative error ~1e-6, where the bf16 kernels
+give ~2e-3). ChatGLM-6B at full size (bench/peer.py, `--capability avx2`) decodes INT4 at 1.40x INT8. At the
+AVX-512 level it beats PyTorch's int4pack too (0.62 / 1.66 / 2.07 / 2.09 against 0.68 / 1.94 / 2.50 / 2.47 ms;
+decode 232 against 250 ms a token), but prefill is then slower (6.6 against 4.8 s for 64 tokens: the
+dequantizing path unpacks the official layout more slowly than it reads int4pack's back), so `available()`
+is True only where PyTorch's CPU capability is AVX2. No repacking: the official weight is the only copy, and
+nothing ISA-dependent is built from it.
+
+Rows of the weight are split over PyTorch's intra-op threads by `at::parallel_for`, which is OpenMP inside
+this extension too: it is built with `-fopenmp` (without it the same code compiles and runs on one thread:
+the kernel was 1.9x slower at 2 threads, and INT4 decoded at 0.54x INT8 on an AVX2-level run of a Xeon).
 
 The kernel is compiled once per machine at first use (`torch.utils.cpp_extension.load_inline`, about
 20-40 s; cached under ~/.cache/torch_extensions) with the same compiler torch.compile's C++ backend
@@ -49,12 +59,14 @@ _SOURCE = r"""
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace {
 
 constexpr int64_t R = 4;    // weight rows per block: they share each load of x
 constexpr int64_t C = 256;  // packed bytes (512 columns) per buffered chunk
+constexpr int64_t PREFETCH_ROWS = 2 * R;  // each row prefetches the weight this many rows ahead (the block after next)
 
 inline float hsum(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -62,11 +74,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// 8 packed bytes -> (high nibbles, low nibbles) as 8 fp32 each, signed
-inline void unpack8(const int8_t* p, __m256& hi, __m256& lo) {
-  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 4));
-  lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+// 8 packed bytes -> (high nibbles, low nibbles) + 8 as 8 fp32 each: the bytes XOR 0x88 hold the signed nibbles
+// in offset binary, so a shift and a mask give them (2 of the 4 instructions run on any vector port, not only the
+// two that also convert and multiply); `block_direct` subtracts 8 * sum(x) once per row, `block_buffered` 8 per value
+inline void unpack8_biased(const int8_t* p, __m256& hi, __m256& lo) {
+  const __m256i b = _mm256_xor_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+                                     _mm256_set1_epi32(0x88));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
 }
 
 // sums[r] = the dot product of columns [0, len) of x's even and odd halves e, o with weight row r of a
@@ -91,12 +106,16 @@ __attribute__((always_inline)) inline void dot_rows(const float* e, const float*
 
 // rows [n, n + R) for every row m of x: unpacked in registers, once per row of x
 void block_direct(const float* xe, const float* xo, const int8_t* w, const float* scale, float* y,
-                  int64_t M, int64_t K2, int64_t N, int64_t n) {
-  const auto unpacked = [&](int r, int64_t j, __m256& hi, __m256& lo) { unpack8(w + (n + r) * K2 + j, hi, lo); };
+                  int64_t M, int64_t K2, int64_t N, int64_t n, const float* xsum) {
+  const auto unpacked = [&](int r, int64_t j, __m256& hi, __m256& lo) {
+    const int8_t* p = w + (n + r) * K2 + j;
+    if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K2), _MM_HINT_T0);
+    unpack8_biased(p, hi, lo);
+  };
   for (int64_t m = 0; m < M; ++m) {
     float sums[R];
     dot_rows(xe + m * K2, xo + m * K2, K2, unpacked, sums);
-    for (int r = 0; r < R; ++r) y[m * N + n + r] = sums[r] * scale[n + r];
+    for (int r = 0; r < R; ++r) y[m * N + n + r] = (sums[r] - 8.f * xsum[m]) * scale[n + r];
   }
 }
 
@@ -110,9 +129,11 @@ void block_buffered(const float* xe, const float* xo, const int8_t* w, const flo
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < len; j += 8) {
         __m256 hi, lo;
-        unpack8(w + (n + r) * K2 + j0 + j, hi, lo);
-        _mm256_store_ps(bh[r] + j, hi);
-        _mm256_store_ps(bl[r] + j, lo);
+        const int8_t* p = w + (n + r) * K2 + j0 + j;
+        if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K2), _MM_HINT_T0);
+        unpack8_biased(p, hi, lo);
+        _mm256_store_ps(bh[r] + j, _mm256_sub_ps(hi, _mm256_set1_ps(8.f)));
+        _mm256_store_ps(bl[r] + j, _mm256_sub_ps(lo, _mm256_set1_ps(8.f)));
       }
     const auto buffered = [&](int r, int64_t j, __m256& hi, __m256& lo) {
       hi = _mm256_load_ps(bh[r] + j);
@@ -144,20 +165,32 @@ at::Tensor rows_mm(const at::Tensor& xe, const at::Tensor& xo, const at::Tensor&
   const int8_t* pw = w.data_ptr<int8_t>();
   const float* ps = scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
+  std::vector<float> xsum(M <= direct_rows ? M : 0);  // sum(x) per row, for the offset of `unpack8_biased`
+  for (size_t m = 0; m < xsum.size(); ++m)
+    for (int64_t j = 0; j < K2; ++j) xsum[m] += pe[m * K2 + j] + po[m * K2 + j];
   at::parallel_for(0, N / R, 8, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(M <= direct_rows ? 0 : M * R);
     for (int64_t b = b0; b < b1; ++b) {
-      if (M <= direct_rows) block_direct(pe, po, pw, ps, py, M, K2, N, b * R);
+      if (M <= direct_rows) block_direct(pe, po, pw, ps, py, M, K2, N, b * R, xsum.data());
       else block_buffered(pe, po, pw, ps, py, M, K2, N, b * R, acc.data());
     }
   });
   return y;
 }
 
+// the chunks at::parallel_for splits a range into here: PyTorch's thread count where the build has OpenMP, 1 where
+// it silently runs serially (a build without -fopenmp)
+int64_t parallel_chunks() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { chunks += 1; });
+  return chunks.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chatglm_int4_cpu, lib) {
   lib.def("rows_mm(Tensor xe, Tensor xo, Tensor w, Tensor scale, int direct_rows) -> Tensor", &rows_mm);
+  lib.def("parallel_chunks() -> int", &parallel_chunks);
 }
 """
 
@@ -171,7 +204,8 @@ def _build() -> bool:
     lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {}
     try:
         cpp_extension.load_inline(
-            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False, **lean
+            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, **lean
         )
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
         warnings.warn(f"chatglm_tune.int4_cpu: the AVX2 INT4 kernel could not be built ({type(e).__name__}: "

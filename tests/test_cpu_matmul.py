@@ -124,3 +124,25 @@ def test_upcast_tiles_all_live_in_the_workspace(monkeypatch):
     tiles = list((rows, t.data_ptr(), t.clone()) for rows, t in cpu_matmul._upcast_tiles(w))
     assert len(tiles) == 5 and len({ptr for _, ptr, _ in tiles}) == 1
     assert torch.equal(torch.cat([t for _, _, t in tiles]), w.float())
+
+
+def test_capability_avx2_counts_as_a_cpu_without_native_bf16(tmp_path):
+    """`ATEN_CPU_CAPABILITY=avx2` (how the benches act as an AVX2-only CPU) must take the fp32 attention: on an
+    AMX CPU oneDNN still reports bf16 there, and PyTorch's bf16 flash attention over many queries then fails."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ATEN_CPU_CAPABILITY=avx2 is an x86 setting")
+    code = ("import torch; from chatglm_tune import cpu_matmul\n"
+            "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
+            "assert not cpu_matmul.native_bf16_gemm()\n"
+            "q = torch.randn(1, 2, 64, 16).bfloat16()\n"
+            "mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()\n"
+            "out = cpu_matmul.scaled_dot_product_attention(q, q, q, attn_mask=mask)\n"
+            "assert out.dtype == torch.bfloat16 and out.isfinite().all()\n")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -69,6 +69,18 @@ def test_chatglm_6b_shape_at_batch_one():
 
 
 @needs_kernel
+@needs_kernel
+def test_the_kernel_runs_on_pytorchs_threads():
+    """Built with OpenMP, `at::parallel_for` splits the rows over PyTorch's threads; built without it, the same
+    code compiles and silently runs on one (it once did: 1.9x slower at 2 threads)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.chatglm_int4_cpu.parallel_chunks() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_shapes_it_cannot_take_are_refused_not_misread():
     assert not int4_cpu.usable(1032, 64, 0)  # in % 16
     assert not int4_cpu.usable(1024, 66, 0)  # out % 4
