@@ -23,7 +23,10 @@ give ~2e-3). ChatGLM-6B at full size (bench/peer.py, `--capability avx2`) decode
 AVX-512 level it beats PyTorch's int4pack too (0.62 / 1.66 / 2.07 / 2.09 against 0.68 / 1.94 / 2.50 / 2.47 ms;
 decode 232 against 250 ms a token), but prefill is then slower (6.6 against 4.8 s for 64 tokens: the
 dequantizing path unpacks the official layout more slowly than it reads int4pack's back), so `available()`
-is True only where PyTorch's CPU capability is AVX2. No repacking: the official weight is the only copy, and
+is True only where PyTorch's CPU capability is AVX2. What limits it: at the AVX2 level the full model's INT4
+decode reads 3.36 GB a token in 234 ms, 14.4 GB/s, 56% of the 25.8 GB/s that two threads read here; the rest is
+arithmetic, 5 of the 8 instructions per 16 weights needing the two vector ports that convert and multiply (int8pack
+reads twice the bytes at 70-77% of that bandwidth). No repacking: the official weight is the only copy, and
 nothing ISA-dependent is built from it.
 
 Rows of the weight are split over PyTorch's intra-op threads by `at::parallel_for`, which is OpenMP inside
