@@ -71,7 +71,7 @@ from measure import run_python  # noqa: E402
 from peer_children import BATCHES, BITS, GB, child_batch, child_toolkit  # noqa: E402
 from peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
 from peer_report import report  # noqa: E402
-from scale_versions import VERSIONS  # noqa: E402
+from scale_versions import VERSIONS, frame_json  # noqa: E402
 
 QUICK_LAYERS = 2
 PEER_VERSIONS = ("chatglm", "chatglm3")  # what chatglm.cpp 0.4.2 and `peer_cpp.write_ggml` both run here
@@ -89,13 +89,10 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.stem = "peer" if args.version == "chatglm" else f"peer-{args.version}"
         self.steps_file = self.out / f"{self.stem}_steps.json"
-        self._frame = None
 
     def frame(self) -> str:
-        """The prompt frame's ids (JSON) for the measuring processes, read once from the checkpoint."""
-        if self._frame is None:
-            self._frame = json.dumps(self.version.frame.resolve(self.model_dir))
-        return self._frame
+        """The prompt frame's ids (JSON) for the measuring processes (`scale_versions.frame_json`)."""
+        return frame_json(self.version.name, self.model_dir)
 
     def ggml(self, dtype: str) -> Path:
         return self.model_dir.with_name(self.model_dir.name + f"-{dtype}.ggml")
@@ -181,7 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--ggml", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=list(BITS), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--frame", help=argparse.SUPPRESS)
+    p.add_argument("--frame", type=json.loads, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps({"convert": child_convert, "cpp": child_cpp, "toolkit": child_toolkit, "batch": child_batch}[args.child](args)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from measure import copy_bandwidth, peak_rss
-from scale_children import _bytes_read_per_token
+from scale_children import _bytes_read_per_token, _framed
 
 GB = 1e9
 PROMPT_LEN, NEW_TOKENS, WARMUP_PROMPT, WARMUP_TOKENS = 64, 64, 8, 2
@@ -20,19 +20,10 @@ EXTRACT_NEW_TOKENS, BATCHES = 32, (1, 8, 32)
 BITS = {"bf16": 0, "int8": 8, "int4": 4}
 
 
-def prompt(frame: str, length: int, seed: int, batch: int = 1) -> list[list[int]]:
-    """`batch` random prompts of `length` ids: the frame's (JSON, `PromptFrame.resolve`) head, random ordinary
+def prompt(frame: dict, length: int, seed: int, batch: int = 1) -> list[list[int]]:
+    """`batch` random prompts of `length` ids in the frame (`PromptFrame.resolve`): its head, random ordinary
     ids, its tail."""
-    import json
-
-    import torch
-
-    frame = json.loads(frame)
-    ids = torch.randint(*frame["plain"], (batch, length), generator=torch.Generator().manual_seed(seed))
-    head, tail = frame["head"], frame["tail"]
-    ids[:, : len(head)] = torch.tensor(head, dtype=ids.dtype)
-    ids[:, length - len(tail) :] = torch.tensor(tail, dtype=ids.dtype)
-    return ids.tolist()
+    return _framed(frame, length, length, seed, batch).tolist()
 
 
 def _load_toolkit(args):

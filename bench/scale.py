@@ -77,7 +77,7 @@ from chatglm_tune.cpu_matmul import native_bf16_gemm  # noqa: E402
 from measure import run_python  # noqa: E402
 from scale_children import GB, INFER, TRAIN  # noqa: E402
 from scale_report import report  # noqa: E402
-from scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS  # noqa: E402
+from scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS, frame_json  # noqa: E402
 
 STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "report"]
 
@@ -93,7 +93,6 @@ class Bench:
         self.out = args.out or (Path(f"/tmp/{slug}-scale-quick") if args.quick else ROOT / "bench" / "results")
         self.out.mkdir(parents=True, exist_ok=True)
         self.results_file = self.out / f"{self.version.stem}.json"
-        self._frame = None
 
     def dirs(self, which: str) -> Path:
         return self.model_dir if which == "source" else Path(f"{self.model_dir}-{which}")
@@ -126,10 +125,8 @@ class Bench:
         return suffix, env
 
     def frame(self) -> str:
-        """The prompt frame's ids (JSON) for the measuring processes, read once from the checkpoint."""
-        if self._frame is None:
-            self._frame = json.dumps(self.version.frame.resolve(self.model_dir))
-        return self._frame
+        """The prompt frame's ids (JSON) for the measuring processes (`scale_versions.frame_json`)."""
+        return frame_json(self.version.name, self.model_dir)
 
     def check_memory(self, step: str) -> None:
         """Refuse a bf16 step whose weights alone (the fp16 checkpoint's files) + 1 GB do not fit in the memory

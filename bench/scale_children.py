@@ -47,12 +47,13 @@ INFER = {"bf16": (0, "source"), "int8-load": (8, "source"), "int8-file": (8, "in
 TRAIN = [f"{tuning}-{base}" for tuning in ("ptuning", "lora") for base in BITS]
 
 
-def _framed(frame: dict, length: int, prompt_len: int, seed: int) -> torch.Tensor:
-    """[1, length] random ordinary ids with the frame's head at 0 and its tail ending at `prompt_len`."""
-    ids = torch.randint(*frame["plain"], (1, length), generator=torch.Generator().manual_seed(seed))
+def _framed(frame: dict, length: int, prompt_len: int, seed: int, batch: int = 1) -> torch.Tensor:
+    """[batch, length] random ordinary ids with the frame's head at 0 and its tail ending at `prompt_len`
+    (bench/peer.py's prompts too)."""
+    ids = torch.randint(*frame["plain"], (batch, length), generator=torch.Generator().manual_seed(seed))
     head, tail = frame["head"], frame["tail"]
-    ids[0, : len(head)] = torch.tensor(head, dtype=ids.dtype)
-    ids[0, prompt_len - len(tail) : prompt_len] = torch.tensor(tail, dtype=ids.dtype)
+    ids[:, : len(head)] = torch.tensor(head, dtype=ids.dtype)
+    ids[:, prompt_len - len(tail) : prompt_len] = torch.tensor(tail, dtype=ids.dtype)
     return ids
 
 

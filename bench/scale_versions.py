@@ -19,6 +19,7 @@ quantized as they are read. Issue 13 holds GLM-4-9B's INT4 inference to <= 6.0 G
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,3 +151,9 @@ VERSIONS = {
         fit_steps=("infer-int4-load", "infer-int4-file", "train-ptuning-int4", "train-lora-int4"),
         e8_targets={"inference": {"int4": 6.0}}),
 }
+
+
+@functools.cache
+def frame_json(version: str, model_dir: Path) -> str:
+    """The prompt frame's ids of `version`'s checkpoint as JSON, for the measuring processes (`--frame`): read once."""
+    return json.dumps(VERSIONS[version].frame.resolve(model_dir))

@@ -1,7 +1,7 @@
 """A batch-1 INT4 matmul for CPUs without AVX-512, reading the official packed INT4 weight as it is.
 
-On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for half
-the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json, shared notes cpu-kernels.md).
+On an AVX2-only AMD EPYC PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for
+half the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json, shared notes cpu-kernels.md).
 `matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
 even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
 intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, zero-extend to 8 int32 lanes and XOR
@@ -87,6 +87,14 @@ inline void unpack8_biased(const int8_t* p, __m256& hi, __m256& lo) {
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
 }
 
+// `unpack8_biased` of weight row `row` at packed byte `j` (of `K2` per row), prefetching the same bytes
+// PREFETCH_ROWS rows ahead once per 64-byte line
+inline void load8(const int8_t* w, int64_t K2, int64_t row, int64_t j, __m256& hi, __m256& lo) {
+  const int8_t* p = w + row * K2 + j;
+  if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K2), _MM_HINT_T0);
+  unpack8_biased(p, hi, lo);
+}
+
 // sums[r] = the dot product of columns [0, len) of x's even and odd halves e, o with weight row r of a
 // block, for r < R: `load(r, j, hi, lo)` gives that row's 8 (high, low) nibble pairs at column j; each
 // load of x serves the R rows. Both blocks below accumulate here (inlined: one loop, two weight sources).
@@ -110,11 +118,7 @@ __attribute__((always_inline)) inline void dot_rows(const float* e, const float*
 // rows [n, n + R) for every row m of x: unpacked in registers, once per row of x
 void block_direct(const float* xe, const float* xo, const int8_t* w, const float* scale, float* y,
                   int64_t M, int64_t K2, int64_t N, int64_t n, const float* xsum) {
-  const auto unpacked = [&](int r, int64_t j, __m256& hi, __m256& lo) {
-    const int8_t* p = w + (n + r) * K2 + j;
-    if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K2), _MM_HINT_T0);
-    unpack8_biased(p, hi, lo);
-  };
+  const auto unpacked = [&](int r, int64_t j, __m256& hi, __m256& lo) { load8(w, K2, n + r, j, hi, lo); };
   for (int64_t m = 0; m < M; ++m) {
     float sums[R];
     dot_rows(xe + m * K2, xo + m * K2, K2, unpacked, sums);
@@ -132,9 +136,7 @@ void block_buffered(const float* xe, const float* xo, const int8_t* w, const flo
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < len; j += 8) {
         __m256 hi, lo;
-        const int8_t* p = w + (n + r) * K2 + j0 + j;
-        if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * K2), _MM_HINT_T0);
-        unpack8_biased(p, hi, lo);
+        load8(w, K2, n + r, j0 + j, hi, lo);
         _mm256_store_ps(bh[r] + j, _mm256_sub_ps(hi, _mm256_set1_ps(8.f)));
         _mm256_store_ps(bl[r] + j, _mm256_sub_ps(lo, _mm256_set1_ps(8.f)));
       }
