@@ -402,7 +402,7 @@ class SpecialIds:
         return cls(**{name: getattr(source, name, None) for name in cls.__dataclass_fields__})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EncodedExample:
     """One training row: `input_ids` and `labels` of equal length (<= max_len), and truncation flags."""
 

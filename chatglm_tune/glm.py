@@ -93,6 +93,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
+        *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,

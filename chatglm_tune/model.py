@@ -361,18 +361,10 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor,
-        position_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | None = None,
-        return_dict: bool | None = None,
-        **unsupported,
-    ):
+    def forward(self, input_ids: torch.LongTensor, *, position_ids: torch.LongTensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
+                labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                logits_to_keep: int | None = None, return_dict: bool | None = None, **unsupported):
         """Logits, loss and cache for `input_ids` [b, s].
 
         position_ids: [b, 2, s] GLM positions; computed from `input_ids` when omitted (prompt steps only).
