@@ -11,7 +11,7 @@ import sys
 
 from chatglm_tune.options import (
     BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
-    TINY_DEMO, TINY_PRESETS, TUNINGS,
+    TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, tiny_demo,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "query_key_value for ChatGLM-6B, q_proj k_proj v_proj for ChatGLM2/3 and GLM-4)")
     g = p.add_argument_group("optimisation").add_argument
     g("--max-steps", type=int, help="optimizer steps (default: --epochs, else the budget of the method, "
-      f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['budget_steps']})")
+      f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demos: {TINY_DEMO_STEPS})")
     g("--epochs", type=int, help="passes over the train file, instead of a number of steps (default: none)")
     g("--patience", type=int, default=D.patience, help="with --dev-file: stop after this many evaluations without a better "
       "checkpoint (dev F1, ties by dev loss); 0 = never (default %(default)s)")
@@ -94,7 +94,7 @@ def _resolve(args, names, preset, defaults) -> dict:
 
 def options_from(args, base_run: dict) -> TrainOptions:
     """The run's options; tuning a train.py run, its prompt and lengths are the defaults (the base learned that format)."""
-    demo = TINY_DEMO if args.model in TINY_PRESETS and args.tuning == "full" else {}
+    demo = tiny_demo(args.model) if args.model in TINY_PRESETS and args.tuning == "full" else {}
     columns = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
     if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
         base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}

@@ -88,8 +88,8 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def make_model_dir(path: Path, seed: int = 0, embedding_std: float = 1.0, **overrides) -> Path:
-    """A random fp16 model directory (the `tiny` preset: hidden 128, inner 512, 2 layers, 4 heads, so
-    every CPU kernel applies) with trained-like scales: Linears N(0, 1/fan_in), biases and LayerNorm
+    """A random fp16 model directory (the `tiny` preset of config.PRESETS, whose widths every CPU kernel
+    takes) with trained-like scales: Linears N(0, 1/fan_in), biases and LayerNorm
     offsets N(0, 0.02), embeddings N(0, embedding_std). `overrides`: config fields (default: a
     512-token vocabulary)."""
     torch.manual_seed(seed)

@@ -59,14 +59,14 @@ def load_run(directory):
 def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_path):
     options = TrainOptions(tuning="full")
     plain_model, plain = build_tiny(records, tmp_path / "plain", options)
-    model, tokenizer = build_tiny(records, tmp_path / "extra", options, extra_texts=("鑫淼",), num_layers=3)
+    model, tokenizer = build_tiny(records, tmp_path / "extra", options, extra_texts=("鑫淼",), num_layers=4)
 
     def pieces(tok, text):
         return tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False))
 
     assert "鑫" not in pieces(plain, "鑫")  # in no record: byte pieces
     assert pieces(tokenizer, "鑫淼") == ["▁", "鑫", "淼"]  # one piece a character
-    assert (plain_model.config.num_layers, model.config.num_layers) == (2, 3)
+    assert (plain_model.config.num_layers, model.config.num_layers) == (3, 4)
 
 
 def _losses(log):
