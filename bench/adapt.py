@@ -14,7 +14,10 @@ for each, and LoRA puts adapters on the version's block Linears (attention and M
    vocabulary (character-level; GLM-4: bytes, every character, then merges) is trained on
    that corpus, the relation names and the base's train file, as a real base's covers every character.
 1. The pretrained base is then trained (full fine-tuning, the tiny demo's settings) on synthetic
-   records that state facts of two relations (部件故障, 检测工具) only.
+   records that state facts of two relations (部件故障, 检测工具) only, mixed with records of the three
+   other domains of make_domains.py (people and organisations, products, medicine: 22 relations,
+   `--other-domain-records` of each; the pretraining corpus holds as many more of their texts), as a
+   real base has learnt many kinds of extraction before it meets yours.
 2. Its dev F1 is measured on records that state facts of the two other relations (性能故障, 组成) only,
    and on its own.
 3. P-tuning v2 (prefix only) and LoRA (adapters on the block Linears) each train on the new relations'
@@ -31,9 +34,10 @@ What the design has been through (P-tuning v2 dev F1 on the new relations):
   格能故障 / 给能故障, never having written 性).
 - The same with glossary rows too: 0.432 (组成 0.63, 性能故障 0.02: the relation is written now, but the
   prefix did not overturn the base's learned silence on quantity/state facts); LoRA 0.988.
-- The present design (each file states the facts of its own relations only; pretraining on a corpus
-  of all four): 0.904 (性能故障 0.88, 组成 0.92); LoRA 1.000; the base 0.999 on its own relations and
-  0 on the new ones (bench/results/adapt.json, 54 min on one thread).
+- Each file states the facts of its own relations only; pretraining on a corpus of all four: 0.904
+  (性能故障 0.88, 组成 0.92); LoRA 1.000; the base 0.999 on its own relations and 0 on the new ones
+  (bench/results/adapt.json, 54 min on one thread, 20 P-tuning epochs, no other domains: not yet
+  measured again on the present design).
 
 On a tiny ChatGLM3 base (--version chatglm3, the same design; base 0.997 on its own relations, 0 on the
 new ones) these P-tuning flags reach only 0.176 after the full 5000 steps (dev loss 1.05 at step 500,
@@ -51,7 +55,10 @@ against 0.7 on the 4-layer base). What the 0.176 run gets wrong: it writes the r
 right second entity, but the first entity or a state word is recalled from the new relations' pools rather
 than copied (密封圈是减振器的零部件 -> 轴承_组成_减振器, 怠速始终忽高忽低 -> 怠速_性能故障_跳变): the prefix
 cannot point the base's copy heads, which only ever copied parts and tools, at new kinds of span.
-Still open for ChatGLM3 and GLM-4 (issues 12, 13).
+The present design gives the base more kinds of span to copy (stage 1: the other domains' 22 relations
+beside its own two, 6 base epochs of the larger set): on it the same flags reach 0.796 in 20 epochs
+(0.13, 0.33, 0.63, 0.78, 0.80 at each 1000 steps) and 0.843 in 30 (性能故障 0.934, 组成 0.781;
+0.23, 0.41, 0.67, 0.80, 0.84 at each 1500 steps: bench/results/adapt-chatglm3.json).
 
     OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
 """
@@ -77,6 +84,7 @@ from chatglm_tune.options import TINY_DEMO, TINY_PRESETS, EncodingOptions, Train
 from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "data"))
+import make_domains  # noqa: E402
 import make_spo  # noqa: E402
 
 BASE_RELATIONS = ("部件故障", "检测工具")
@@ -85,6 +93,8 @@ SEED = 42
 COPY_PROMPT = "复述下面的文本。\n文本："  # the pretraining task's instruction (the SPO prompt is another)
 COPY_TOKENS = 96  # pretraining rows: at most this many source tokens, and as many of the text repeated
 GLOSSARY_EVERY = 10  # pretraining: one row of relation names per this many texts
+OTHER_DOMAIN_SEED = 100  # + the domain's index: the other domains' records
+MIX_SEED = 5  # the shuffle that mixes them into the base's train file
 # The base's recipe: the tiny demo's (train.py --model tiny --tuning full), spelled out for a prepared base
 # directory, at the rate and weight decay the results were measured with (the demo has since moved on).
 BASE_LR, BASE_WEIGHT_DECAY = 3e-3, 0.01
@@ -94,11 +104,12 @@ BASE_FLAGS = ["--tuning", "full", "--batch-size", str(TINY_DEMO["batch_size"]),
               "--max-len", str(TINY_DEMO["max_len"])]
 ADAPTATIONS = {
     # Prefix only (the trunk and the tied LM head stay frozen): the official width (128) with the MLP
-    # reparameterisation. On the present design, lr 5e-3 did a little better than this 1e-2 (best dev
-    # F1 0.923 against 0.904, same base, one run each). Tried on the earlier designs (module docstring):
+    # reparameterisation, 30 epochs (20 left a tiny ChatGLM3 base at 0.796, still climbing). On ChatGLM-6B's
+    # base of the earlier design, lr 5e-3 did a little better than this 1e-2 (best dev F1 0.923 against
+    # 0.904, same base, one run each). Tried on the earlier designs (module docstring):
     # lr 2e-2 (diverged), 64 no projection lr 3e-2 10 epochs (0.14), 64 projection lr 1e-2 10 epochs (0.18).
     # --grad-accum 1: P-tuning's method default (the official 1 row x 16 accumulated) would make it 16 x 16.
-    "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "128", "--prefix-projection", "--lr", "1e-2", "--epochs", "20",
+    "ptuning": ["--tuning", "ptuning", "--pre-seq-len", "128", "--prefix-projection", "--lr", "1e-2", "--epochs", "30",
                 "--batch-size", "16", "--grad-accum", "1"],
     # Adapters on every block Linear (the version's quantizable Linears: attention and MLP).
     "lora": ["--tuning", "lora", "--lora-r", "16", "--lora-alpha", "32", "--lr", "5e-3", "--epochs", "10",
@@ -113,18 +124,27 @@ def adaptation_flags(name: str, version: str) -> list[str]:
     return [*ADAPTATIONS[name], *targets]
 
 
-def make_data(work: Path, n_base: int, n_new: int) -> tuple[dict, list[str]]:
+def make_data(work: Path, n_base: int, n_new: int, per_domain: int) -> tuple[dict, list[str]]:
     """The base's files state facts of the base relations only, the adaptation files facts of the new
-    relations only; the pretraining corpus (returned as texts) states facts of all four, no dev text."""
+    relations only; the pretraining corpus (returned as texts) states facts of all four, no dev text.
+    With `per_domain`, the base's train file also holds that many records of each other domain
+    (make_domains.py), and the corpus as many more of their texts (module docstring, stage 1)."""
     work.mkdir(parents=True, exist_ok=True)
     base_train, base_dev = make_spo.make_splits(n_base, 200, seed=11, relations=BASE_RELATIONS)
     new_train, new_dev = make_spo.make_splits(n_new, 200, seed=21, relations=NEW_RELATIONS)
     corpus = make_spo.generate_records(n_base, seed=31, exclude_texts=frozenset(r.text for r in base_dev + new_dev))
+    texts = [r.text for r in corpus]
+    if per_domain:
+        for i, domain in enumerate(make_domains.DOMAINS.values()):
+            drawn = make_domains.generate_records(domain, 2 * per_domain, seed=OTHER_DOMAIN_SEED + i)
+            base_train += drawn[:per_domain]
+            texts += [r.text for r in drawn[per_domain:]]
+        random.Random(MIX_SEED).shuffle(base_train)
     files = {}
     for name, records in (("base_train", base_train), ("base_dev", base_dev), ("new_train", new_train), ("new_dev", new_dev)):
         files[name] = work / f"{name}.jsonl"
         make_spo.write_jsonl(records, files[name])
-    return files, [r.text for r in corpus]
+    return files, texts
 
 
 def make_init(directory: Path, corpus: list[str], train_file: Path, num_layers: int, version: str) -> Path:
@@ -189,6 +209,16 @@ def dev_f1(run_dir: Path, dev_file: Path) -> dict:
     return scores
 
 
+def earlier_results(args) -> dict:
+    """With --reuse-base, the `--results` file's numbers of the same base (version and design), which this
+    run's numbers update: an adaptation can be (re)run alone on a base measured before."""
+    if not (args.reuse_base and args.results and args.results.exists()):
+        return {}
+    earlier = json.loads(args.results.read_text())["adapt"]
+    same = (earlier.get("version"), earlier.get("other_domain_records", 0)) == (args.version, args.other_domain_records)
+    return earlier if same else {}
+
+
 def run(argv: list[str]) -> float:
     start = time.time()
     if train_cli.main([*argv, "--threads", "1"]) != 0:
@@ -203,16 +233,18 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="also write the closing JSON here (e.g. bench/results/adapt-chatglm3.json)")
     parser.add_argument("--base-records", type=int, default=10000, help="train records of the base, and texts of its pretraining corpus")
     parser.add_argument("--new-records", type=int, default=4000, help="train records of the adaptations")
+    parser.add_argument("--other-domain-records", type=int, default=1500,
+                        help="records of each other domain (make_domains.py) in the base's train file (0: none, the earlier design)")
     parser.add_argument("--base-layers", type=int, default=4, help="GLM blocks of the base (the tiny preset has 2)")
     parser.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of the copy pretraining (0: none)")
-    parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (the tiny demo trains 5)")
+    parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
     parser.add_argument("--reuse-base", action="store_true", help="keep a base already trained in the work dir")
     parser.add_argument("--only", nargs="+", choices=tuple(ADAPTATIONS), default=list(ADAPTATIONS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = args.work_dir or Path("/tmp/chatglm_tune_adapt" + ("" if args.version == "chatglm" else f"-{args.version}"))
     bench_start = time.time()
-    files, corpus = make_data(work, args.base_records, args.new_records)
+    files, corpus = make_data(work, args.base_records, args.new_records, args.other_domain_records)
     results, seconds = {}, {}
     if not (args.reuse_base and (work / "base" / "model.safetensors").exists()):
         shutil.rmtree(work / "base", ignore_errors=True)
@@ -232,7 +264,6 @@ def main() -> None:
                              str(files["new_dev"]), "--output-dir", str(work / name), *adaptation_flags(name, args.version)])
         scores[f"{name}_on_new_relations"] = dev_f1(work / name, files["new_dev"])
     results = {k: s["micro"]["f1"] for k, s in scores.items()}
-    seconds["total"] = time.time() - bench_start
 
     print(f"\ntiny {args.version} base trained on {'/'.join(BASE_RELATIONS)}, adapted to {'/'.join(NEW_RELATIONS)}"
           " (dev, 200 records)")
@@ -247,9 +278,14 @@ def main() -> None:
     for name in args.only:
         per = scores[f"{name}_on_new_relations"]["per_relation"]
         print(f"  {name} per relation: " + ", ".join(f"{rel} {per[rel]['f1']:.3f}" for rel in NEW_RELATIONS if rel in per))
-    print(f"whole bench: {seconds['total']:.0f} s")
-    line = json.dumps({"adapt": {"version": args.version, **{k: round(v, 4) for k, v in results.items()},
-                                 "train_seconds": {k: round(v) for k, v in seconds.items()}}}, ensure_ascii=False)
+    print(f"whole bench: {time.time() - bench_start:.0f} s")
+    earlier = earlier_results(args)
+    stages = earlier.get("train_seconds", {}) | {k: round(v) for k, v in seconds.items() if k != "total"}
+    stages["total"] = sum(v for k, v in stages.items() if k != "total")  # training time of every stage
+    line = json.dumps({"adapt": earlier | {"version": args.version, "other_domain_records": args.other_domain_records,
+                                           **({} if args.reuse_base else {"base_epochs": args.base_epochs}),
+                                           **{k: round(v, 4) for k, v in results.items()}, "train_seconds": stages}},
+                      ensure_ascii=False)
     if args.results:
         args.results.write_text(line + "\n")
     print(line)
