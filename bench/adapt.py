@@ -58,7 +58,10 @@ cannot point the base's copy heads, which only ever copied parts and tools, at n
 The present design gives the base more kinds of span to copy (stage 1: the other domains' 22 relations
 beside its own two, 6 base epochs of the larger set): on it the same flags reach 0.796 in 20 epochs
 (0.13, 0.33, 0.63, 0.78, 0.80 at each 1000 steps) and 0.843 in 30 (性能故障 0.934, 组成 0.781;
-0.23, 0.41, 0.67, 0.80, 0.84 at each 1500 steps: bench/results/adapt-chatglm3.json).
+0.23, 0.41, 0.67, 0.80, 0.84 at each 1500 steps: bench/results/adapt-chatglm3.json). On a tiny GLM-4
+base (byte-level vocabulary, 8 base epochs; base 1.000 / 0.000) they reach 0.728 (0.25, 0.38, 0.61,
+0.68, 0.73 at each 1500 steps, still climbing; LoRA 0.994: bench/results/adapt-glm4.json): short of 0.8
+there (issue 13).
 
     OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
 """
@@ -235,7 +238,7 @@ def main() -> None:
     parser.add_argument("--new-records", type=int, default=4000, help="train records of the adaptations")
     parser.add_argument("--other-domain-records", type=int, default=1500,
                         help="records of each other domain (make_domains.py) in the base's train file (0: none, the earlier design)")
-    parser.add_argument("--base-layers", type=int, default=4, help="GLM blocks of the base (the tiny preset has 2)")
+    parser.add_argument("--base-layers", type=int, default=4, help="blocks of the base (the tiny presets have 2 or 3)")
     parser.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of the copy pretraining (0: none)")
     parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
     parser.add_argument("--reuse-base", action="store_true", help="keep a base already trained in the work dir")

@@ -203,12 +203,15 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # weight decay 0.01); weight decay 0.1, lr 3e-3 lifted that set to 0.92 and the shipped one to 0.94, but not
 # data/domains/people (0.71); with the model's dropout (config.PRESETS["tiny"]) 0.1 and lr 4e-3, people
 # reached 0.871, with dropout 0.2 0.908, and 0.880 on a people set drawn with another seed (dropout 0.3:
-# 0.830 there; lr 6e-3: 0.867). Depth rather than width then (same set, one thread, two runs side by side):
-# 2 layers of MLP 512 for 3200 steps 0.908, 3 of 256 for 2800 steps 0.932 (1.17x the time a step, about
-# the same a run), 4 of 128 for 2300 steps 0.928 (1.39x a step), 3 of 512 for 3200 steps 0.944 (1.55x a
-# run); bench/domains.py has the no-flag runs. Two threads: ~170-255 s of training on the two cores of a
-# quiet machine, by CPU kind (on a shared machine, --threads 1: OpenMP threads that outnumber the free
-# cores slow the tiny model down tenfold). The GLM presets keep 3200 steps of their 2-layer models.
+# 0.830 there; lr 6e-3: 0.867; 3 layers of MLP 512: 0.944, at 1.55x the time). Depth rather than width
+# then (that set on an AVX-512 EPYC, one thread, runs side by side): 2 layers of MLP 512 for 3200 steps
+# 0.908, 3 of 256 for 2800 steps 0.932 (1.17x the time a step, about the same a run), 4 of 128 for 2300
+# steps 0.928 (1.39x a step); bench/domains.py has the no-flag runs. 2600 steps left data/domains/products
+# at 0.893. The demo's training, same machine: one thread 236 s against 234 s for 2 layers x 3200 steps
+# (F1 0.968 against 0.959); two threads of a quiet machine 190 s against 169 s (1.12x: more, smaller ops;
+# F1 0.976 against 0.986), train + infer 206 s against 183 s; the 2-layer demo trained ~255 s on the
+# slowest CPU kind seen. On a shared machine, --threads 1: OpenMP threads that outnumber the free cores
+# slow the tiny model down tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4"}  # --model NAME: a random tiny model of that version
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
@@ -218,6 +221,8 @@ TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200}  # bu
 def tiny_demo(preset: str) -> dict:
     """The settings `train.py --model PRESET --tuning full` trains with when no flag says otherwise."""
     return {**TINY_DEMO, "budget_steps": TINY_DEMO_STEPS[preset]}
+
+
 # tiny-glm4's tokenizer: ranks of a byte-level BPE trained on the corpus (bytes, every character, then
 # merges up to this many ranks), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`). 256: no
 # merges past the characters (the vocabulary grows to hold each one), so a word in the text and in an
