@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or 'tiny' / 'tiny-chatglm3' / "
       "'tiny-glm4' (a random tiny ChatGLM-6B / ChatGLM3 / GLM-4 and a tokenizer trained on the train file in that "
       "version's format; with --tuning full and no other flag, "
-      f"the demo settings {TINY_DEMO})")
+      f"the demo settings {TINY_DEMO} and step budgets {TINY_DEMO_STEPS})")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")
     g("--quantization-bit", type=int, choices=QUANTIZATION_BITS, help="quantize the base to INT8/INT4 while loading (default: no)")
     g("--quantize-embedding", action="store_true", help="hold the frozen embedding and output head in INT8, quantized "
