@@ -210,8 +210,9 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # at 0.893. The demo's training, same machine: one thread 236 s against 234 s for 2 layers x 3200 steps
 # (F1 0.968 against 0.959); two threads of a quiet machine 190 s against 169 s (1.12x: more, smaller ops;
 # F1 0.976 against 0.986), train + infer 206 s against 183 s; the 2-layer demo trained ~255 s on the
-# slowest CPU kind seen. On a shared machine, --threads 1: OpenMP threads that outnumber the free cores
-# slow the tiny model down tenfold. The GLM presets keep 3200 steps of their 2-layer models.
+# slowest CPU kind seen; bench/demo.py times the README's demo as it stands (bench/results/demo.json).
+# On a shared machine, --threads 1: OpenMP threads that outnumber the free cores slow the tiny model down
+# tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4"}  # --model NAME: a random tiny model of that version
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)

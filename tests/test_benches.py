@@ -20,3 +20,15 @@ def test_generate_bench_runs_and_ends_with_its_json():
     methods = {row["method"] for row in summary["results"]}
     assert {"kv-cache", "recompute"} <= methods
     assert all(row["tokens_per_s"] > 0 for row in summary["results"])
+
+
+def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
+    sys.path.insert(0, str(REPO / "bench"))
+    import demo
+
+    train, infer = demo.readme_commands()
+    assert train[:4] == ["python", "train.py", "--model", "tiny"]
+    run_dir = train[train.index("--output-dir") + 1]
+    assert run_dir == demo.README_OUTPUT  # the directory the bench swaps for its own
+    assert infer[infer.index("--model") + 1] == run_dir  # infer.py scores the model the demo just trained
+    assert infer[infer.index("--input") + 1] == train[train.index("--dev-file") + 1]
