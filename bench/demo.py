@@ -21,11 +21,14 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from domains import dev_f1s, read_entries  # noqa: E402
+from measure import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 README_OUTPUT = "checkpoints/tiny"  # the README demo's output directory, replaced by the work directory
@@ -53,26 +56,10 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def first_step_at(metrics: Path, f1: float) -> int | None:
-    """The first evaluation step whose dev micro-F1 reached `f1` (None if none did)."""
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        entry = json.loads(line) if line.strip() else {}
-        micro = entry.get("eval", {}).get("micro")
-        if micro and micro["f1"] >= f1:
-            return entry["step"]
-    return None
-
-
-def timed(cmd: list[str], log: Path) -> float:
+def timed(cmd: list[str]) -> float:
+    """Wall seconds of a README command (`python ...`), run with this interpreter in a fresh process."""
     print("$ " + shlex.join(cmd), flush=True)
-    started = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as f:
-        code = subprocess.run([sys.executable, *cmd[1:]], cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
-    seconds = time.perf_counter() - started
-    if code != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"bench/demo.py: `{shlex.join(cmd)}` failed (exit {code}); the end of {log}:\n{tail}")
-    return seconds
+    return run([sys.executable, *cmd[1:]]).seconds
 
 
 def main(argv=None) -> None:
@@ -86,8 +73,7 @@ def main(argv=None) -> None:
     commands = [[str(work) + arg[len(README_OUTPUT):] if arg.startswith(README_OUTPUT) else arg for arg in cmd]
                 for cmd in readme_commands()]
     work.parent.mkdir(parents=True, exist_ok=True)
-    train_s = timed(commands[0], work.parent / "train.log")
-    infer_s = timed(commands[1], work.parent / "infer.log")
+    train_s, infer_s = (timed(cmd) for cmd in commands)
     predictions = Path(commands[1][commands[1].index("--output") + 1])
     summary = json.loads(predictions.with_name(predictions.name + ".summary.json").read_text(encoding="utf-8"))
     f1 = summary["scores"]["micro"]["f1"]
@@ -99,7 +85,7 @@ def main(argv=None) -> None:
     print(f"\n{machine['cpu']} ({machine['capability']}, {machine['cores']} cores)")
     for label, seconds in rows:
         print(f"{label:28s} {seconds:7.1f} s")
-    reached = first_step_at(work / "metrics.jsonl", TARGET_F1)
+    reached = next((step for f1_at, step in dev_f1s(read_entries(work / "metrics.jsonl")) if f1_at >= TARGET_F1), None)
     print(f"dev micro-F1 (infer.py): {f1:.4f}; the first checkpoint with F1 >= {TARGET_F1}: step {reached}")
     print(f"target: F1 >= {TARGET_F1} within {TARGET_SECONDS} s: "
           f"{'met' if f1 >= TARGET_F1 and total <= TARGET_SECONDS else 'missed'} ({total / TARGET_SECONDS:.2f} of the time)")

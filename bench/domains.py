@@ -53,10 +53,20 @@ def find_sets(dirs: list[Path]) -> dict[str, Path]:
     return sets
 
 
+def read_entries(metrics: Path) -> list[dict]:
+    """The entries of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def dev_f1s(entries: list[dict]) -> list[tuple[float, int]]:
+    """(dev micro-F1, step) of each evaluation among metrics.jsonl `entries`, in order."""
+    return [(e["eval"]["micro"]["f1"], e["step"]) for e in entries if "eval" in e and e["eval"].get("micro")]
+
+
 def read_run(metrics: Path) -> dict:
     """Best dev micro-F1 (and its step) and the optimizer steps of a finished run's metrics.jsonl."""
-    entries = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
-    evals = [(e["eval"]["micro"]["f1"], e["step"]) for e in entries if "eval" in e and e["eval"].get("micro")]
+    entries = read_entries(metrics)
+    evals = dev_f1s(entries)
     final = next((e["final"] for e in reversed(entries) if "final" in e), {})
     best = max(evals, key=lambda fs: fs[0], default=(None, None))  # the first of equal F1s
     steps = final.get("step", max((e.get("step", 0) for e in entries), default=0))
