@@ -1,4 +1,5 @@
-"""Extract SPO triples with a (fine-tuned) ChatGLM-6B: batched KV-cache decoding over a jsonl/json file.
+"""Extract SPO triples (or answer prompts) with a fine-tuned ChatGLM-6B, ChatGLM2/3 or GLM-4 model: batched
+KV-cache decoding over a .jsonl/.json file, or one --text.
 
     python infer.py --model checkpoints/run1 --input data/spo_dev.jsonl --output out.jsonl
     python infer.py --model BASE --lora ADAPTER --input dev.jsonl --output out.jsonl --resume
@@ -14,14 +15,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from chatglm_tune.options import BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings
+from chatglm_tune.options import (
+    BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings, choose_threads,
+)
 
 DEFAULT_SETTINGS = ExtractionSettings()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory, or a train.py run directory (it names its base)")
+    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or a train.py run "
+                   "directory (it names its base)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", type=Path, help="records to extract from (.jsonl or .json; gold answers optional)")
     what.add_argument("--text", help="extract from this one text and print the result")
@@ -58,8 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
                    help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: what the train.py run used, else torch's)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else what the "
+                   "train.py run used, else torch's)")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.output is not None:
+        if args.output.is_dir():
+            p.error(f"--output {args.output} is a directory: name a .jsonl file to write")
+        if args.input is not None and args.output.resolve() == args.input.resolve():
+            p.error(f"--output {args.output} is the --input file: name another file to write")
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
     if given and not args.do_sample:
         p.error(f"{', '.join(given)} apply only with --do-sample")
@@ -85,13 +97,21 @@ def load(args, source):
     from chatglm_tune import rundir
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available to this torch ({torch.__version__}, "
+                         f"{'a CPU build' if torch.version.cuda is None else 'no GPU found'}); use --device cpu")
     dtype = args.dtype or ("float16" if str(device).startswith("cuda") else "float32")
-    if args.threads or source.threads:
-        torch.set_num_threads(args.threads or source.threads)
+    if dtype == "float16" and device == "cpu":
+        print("infer.py: note: float16 on a CPU has no fast kernels (about 10x slower than float32 here) and "
+              "may overflow: prefer float32 or bfloat16", file=sys.stderr)
+    threads, origin = choose_threads(args.threads, source.threads, "the run's")
+    if threads:
+        torch.set_num_threads(threads)
     model, tokenizer = rundir.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
                                        quantize_embedding=args.quantize_embedding)
     bits = model.config.quantization_bit
-    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device})", file=sys.stderr)
+    threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
+    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device}{threads})", file=sys.stderr)
     return model, tokenizer
 
 
@@ -102,25 +122,27 @@ def run_text(args, settings, source) -> None:
     model, tokenizer = load(args, source)
     record = SPORecord(text=args.text, triples=None, source="--text")
     row = next(r for rows in extraction.extract(model, tokenizer, [record], settings) for r in rows)
+    if row["text_truncated"]:
+        print(f"infer.py: note: the text was cut to fit max_src_len={settings.encoding.max_src_len} tokens", file=sys.stderr)
     print(row["generated"])
-    for s, p, o in row["triples"]:
+    for s, p, o in row["triples"] or ():
         print(f"  ({s}, {p}, {o})")
 
 
 def run_file(args, settings, source) -> None:
     import json
     import time
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from tqdm import tqdm
 
     from chatglm_tune import extraction
     from chatglm_tune.checkpoint import atomic_write
     from chatglm_tune.data import read_records
-    from chatglm_tune.options import DataColumns
 
-    given = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
-    records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=given if given.active else source.columns)
+    records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=columns_of(args, source))
+    if any(record.response is not None for record in records):  # conversations: free-text gold answers
+        settings = replace(settings, free_text=True)
     if bad.total:
         print(bad.summary(), file=sys.stderr)
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -133,11 +155,16 @@ def run_file(args, settings, source) -> None:
     began, tokens = time.perf_counter(), 0
     with open(args.output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
         if model is not None:
-            for ready in extraction.extract(model, tokenizer, records, settings, start=start):
-                extraction.append_rows(f, ready)
-                rows.extend(ready)
-                tokens += sum(r["new_tokens"] for r in ready)
-                bar.update(len(ready))
+            try:
+                for ready in extraction.extract(model, tokenizer, records, settings, start=start):
+                    extraction.append_rows(f, ready)
+                    rows.extend(ready)
+                    tokens += sum(r["new_tokens"] for r in ready)
+                    bar.update(len(ready))
+            except KeyboardInterrupt:
+                bar.close()
+                raise KeyboardInterrupt(f"after {len(rows)} of {len(records)} records (in {args.output}); the same "
+                                        "command with --resume continues from there") from None
     summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began)
     summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
                    settings=asdict(settings))
@@ -145,6 +172,14 @@ def run_file(args, settings, source) -> None:
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(summary, ensure_ascii=False, indent=2)))
     print(extraction.format_summary(summary))
     print(f"wrote {args.output} and {path}")
+
+
+def columns_of(args, source):
+    """The data shape: the prompt/response columns given, else the run's."""
+    from chatglm_tune.options import DataColumns
+
+    given = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
+    return given if given.active else source.columns
 
 
 def main(argv=None) -> None:
@@ -155,13 +190,18 @@ def main(argv=None) -> None:
         from chatglm_tune import rundir
 
         source = rundir.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
-        settings = replace(settings_from(args), encoding=source.encoding)  # the prompt and budget it was trained with
+        # the prompt and budget it was trained with; free-text answers are not parsed as triples
+        settings = replace(settings_from(args), encoding=source.encoding, free_text=columns_of(args, source).active)
         if args.text is not None:
             run_text(args, settings, source)
         else:
             run_file(args, settings, source)
     except (ValueError, FileNotFoundError) as err:  # bad input, settings or model directory; RecordError included
-        sys.exit(f"infer.py: error: {err}")
+        print(f"infer.py: error: {err}", file=sys.stderr)
+        sys.exit(2)  # as argparse's usage errors and train.py's
+    except KeyboardInterrupt as interrupt:
+        print(f"infer.py: interrupted {interrupt}".rstrip(), file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ r"""Fine-tune ChatGLM on SPO extraction data: P-tuning v2, LoRA or full fine-tun
 """
 
 import argparse
+import importlib.util
 import sys
 
 from chatglm_tune.options import (
     BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
-    TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, tiny_demo,
+    TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -44,13 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
       "while loading (ChatGLM-6B's tied pair as one copy; ptuning and lora only; default: no)")
     g = p.add_argument_group("tuning").add_argument
     g("--tuning", choices=TUNINGS, default=D.tuning, help="what to train (default %(default)s)")
-    g("--pre-seq-len", type=int, default=D.pre_seq_len, help="P-tuning v2 prefix length (default %(default)s)")
-    g("--prefix-projection", action=argparse.BooleanOptionalAction, default=D.prefix_projection,
-      help="P-tuning v2 with the two-layer MLP reparameterisation (default off, as the official scripts; "
+    g("--pre-seq-len", type=int, help=f"P-tuning v2 prefix length (ptuning only; default {D.pre_seq_len})")
+    g("--prefix-projection", action=argparse.BooleanOptionalAction,
+      help="P-tuning v2 with the two-layer MLP reparameterisation (ptuning only; default off, as the official scripts; "
            "with it use a lower --lr: at 2e-2 it diverged on bench/adapt.py's tiny GLM-4 base)")
-    g("--lora-r", type=int, default=L.r, help="LoRA rank (default %(default)s)")
-    g("--lora-alpha", type=int, default=L.alpha, help="LoRA alpha (default %(default)s)")
-    g("--lora-dropout", type=float, default=L.dropout, help="LoRA dropout (default %(default)s)")
+    g("--lora-r", type=int, help=f"LoRA rank (lora only; default {L.r})")
+    g("--lora-alpha", type=int, help=f"LoRA alpha (lora only; default {L.alpha})")
+    g("--lora-dropout", type=float, help=f"LoRA dropout (lora only; default {L.dropout})")
     g("--lora-target", nargs="+", help="Linears that get adapters (default: the attention projections of the version: "
       "query_key_value for ChatGLM-6B, q_proj k_proj v_proj for ChatGLM2/3 and GLM-4)")
     g = p.add_argument_group("optimisation").add_argument
@@ -79,32 +80,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--save-every", type=int, help="also save the resumable state every N steps (default: at evaluations)")
     g("--eval-batch-size", type=int, default=D.eval_batch_size, help="dev rows decoded together (default %(default)s)")
     g("--log-every", type=int, default=D.log_every, help="log the mean loss every N steps (default %(default)s)")
-    g("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir")
+    g("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir (needs the tensorboard package)")
     g = p.add_argument_group("hardware").add_argument
     g("--mixed-precision", choices=MIXED_PRECISIONS, default=D.mixed_precision, help="autocast (default %(default)s)")
     g("--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)")
-    g("--threads", type=int, help=f"torch CPU threads (default: torch's; the tiny demo: {TINY_DEMO['threads']})")
+    g("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else the tiny demo's "
+      f"{TINY_DEMO['threads']}, else torch's)")
     return p.parse_args(argv)
 
 
-def _resolve(args, names, preset, defaults) -> dict:
-    """Each option as given on the command line, else the preset's (tiny demo, base run), else the default."""
+def _resolve(args, names, preset, defaults, strip: str = "") -> dict:
+    """Each option as given on the command line, else the preset's (tiny demo, base run), else the default;
+    keyed by its name less `strip` (`lora_r` -> `r`)."""
     given = {k: getattr(args, k, None) for k in names}
-    return {k: v if v is not None else preset.get(k, getattr(defaults, k)) for k, v in given.items()}
+    return {k.removeprefix(strip): v if v is not None else preset.get(k, getattr(defaults, k.removeprefix(strip)))
+            for k, v in given.items()}
 
 
-def options_from(args, base_run: dict) -> TrainOptions:
-    """The run's options; tuning a train.py run, its prompt and lengths are the defaults (the base learned that format)."""
+# Flags that belong to one tuning method: given with another, they would be recorded and silently ignored.
+METHOD_FLAGS = {"ptuning": ("pre_seq_len", "prefix_projection"), "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_target")}
+
+
+def misplaced_flags(args) -> list[str]:
+    """The problems of flags given together that contradict each other."""
+    problems = [f"--{name.replace('_', '-')} applies only to --tuning {tuning}, not {args.tuning}"
+                for tuning, names in METHOD_FLAGS.items() if args.tuning != tuning
+                for name in names if getattr(args, name) is not None]
+    if args.epochs is not None and args.max_steps is not None:
+        problems.append("give --epochs or --max-steps, not both")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    return problems
+
+
+def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
+    """(the run's options, where its thread count came from); tuning a train.py run, its prompt and
+    lengths are the defaults (the base learned that format). Every problem of the flags in one error."""
     demo = tiny_demo(args.model) if args.model in TINY_PRESETS and args.tuning == "full" else {}
-    columns = DataColumns(prompt=args.prompt_column, response=args.response_column, history=args.history_column)
+    threads, threads_origin = choose_threads(args.threads, demo.get("threads"), "the tiny demo's")
+    problems = misplaced_flags(args)
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads must be >= 1, got {args.threads}")
+        threads = None  # reported once
+    columns = part(problems, DataColumns, prompt=args.prompt_column, response=args.response_column, history=args.history_column)
     if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
         base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}
-    return TrainOptions(
-        **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio", "threads"), demo, D),
-        epochs=args.epochs, patience=args.patience,
-        tuning=args.tuning, pre_seq_len=args.pre_seq_len, prefix_projection=args.prefix_projection,
-        lora=LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target=tuple(args.lora_target) if args.lora_target else None),
-        encoding=EncodingOptions(**_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E)),
+    lora = part(problems, LoraOptions, **_resolve(args, ("lora_r", "lora_alpha", "lora_dropout"), {}, L, strip="lora_"),
+                target=tuple(args.lora_target) if args.lora_target else None)
+    encoding = part(problems, EncodingOptions,
+                    **_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E))
+    options = part(problems, TrainOptions,
+        **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio"), demo, D),
+        **_resolve(args, ("pre_seq_len", "prefix_projection"), {}, D),
+        threads=threads, epochs=args.epochs, patience=args.patience, tuning=args.tuning, lora=lora, encoding=encoding,
         columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
@@ -112,6 +140,28 @@ def options_from(args, base_run: dict) -> TrainOptions:
         save_every=args.save_every, eval_batch_size=args.eval_batch_size, log_every=args.log_every,
         tensorboard=args.tensorboard,
     )
+    raise_problems(problems, "the options do not fit together: " if len(problems) > 1 else "")
+    return options, threads_origin
+
+
+def part(problems: list[str], cls, **fields):
+    """`cls(**fields)`, or its defaults with the validation's message added to `problems`: so one error
+    names every problem of the command line, not only the first."""
+    try:
+        return cls(**fields)
+    except ValueError as err:
+        problems.append(str(err))
+        return cls()
+
+
+def own_instructions(args, options: TrainOptions, train_records) -> TrainOptions:
+    """Records that hold their own instruction (instruction/input/output data, conversations) get no other
+    before them unless --prompt gives one; the run records that empty prompt, so infer.py does the same."""
+    from dataclasses import replace
+
+    if args.prompt is None and all(record.instructed for record in train_records):
+        return replace(options, encoding=replace(options.encoding, prompt=""))
+    return options
 
 
 def read_data(args, columns: DataColumns):
@@ -137,23 +187,53 @@ def main(argv=None) -> int:
 
         base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
         rundir.prepare_output_dir(args.output_dir, base=base, resume=args.resume, overwrite=args.overwrite)
-        options = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
+        options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
         train_records, dev_records, bad_records = read_data(args, options.columns)
+        options = own_instructions(args, options, train_records)
+        record = rundir.run_record(args.model, options, args.train_file, args.dev_file)
+        if args.resume:  # before anything is loaded or written
+            rundir.check_resume(args.output_dir, record)
     except (ValueError, FileNotFoundError) as e:  # RecordError and RunDirectoryError included
         return fail(e)
+    except KeyboardInterrupt:
+        return interrupted("before training started; nothing was written")
+    try:
+        return run(args, options, threads_origin, record, train_records, dev_records, bad_records)
+    except KeyboardInterrupt as e:
+        step = getattr(e, "step", None)
+        if step is None:
+            return interrupted("before the first step; nothing to resume")
+        return interrupted(f"after step {step}: its state is saved in {args.output_dir}; the same command with "
+                           "--resume continues from there")
+
+
+def run(args, options, threads_origin, record, train_records, dev_records, bad_records) -> int:
+    """Load, train, and say where the model is."""
+    import torch
+
     from chatglm_tune import heap
+    from chatglm_tune.metrics import format_score
     from chatglm_tune.training import TrainingError, prepare_model, train
 
     try:
         model, tokenizer = prepare_model(args.model, train_records, args.output_dir, options)
+        print(f"threads: {torch.get_num_threads()} ({threads_origin})")
+        if options.dtype == "float16" and not torch.cuda.is_available():
+            print("train.py: note: float16 on a CPU has no fast kernels (about 10x slower than float32) and overflows "
+                  "easily: prefer float32 or bfloat16", file=sys.stderr)
         heap.mmap_large_blocks(model)
         summary = train(model, tokenizer, train_records, dev_records, args.output_dir, options,
-                        model_arg=args.model, resume=args.resume, bad_records=bad_records)
+                        record=record, resume=args.resume, bad_records=bad_records)
     except (ValueError, FileNotFoundError, TrainingError) as e:
         return fail(e)
-    f1 = "n/a" if summary["best_f1"] is None else f"{summary['best_f1']:.3f}"
-    print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {f1}, model in {args.output_dir}")
+    score = "n/a" if summary["best_f1"] is None else format_score(summary["best_f1"], options.columns.active)
+    print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {score}, model in {args.output_dir}")
     return 0
+
+
+def interrupted(what: str) -> int:
+    print(f"train.py: interrupted {what}", file=sys.stderr)
+    return 130
 
 
 def fail(error: Exception) -> int:

@@ -6,6 +6,11 @@ GLM-4 config.json as a `ChatGLMFamilyConfig`, which maps to the GlmForCausalLM-b
 The model and tokenizer modules are imported at first use, not at registration: the Auto mappings hold
 stand-ins whose `from_pretrained` imports the real class and hands over. So `import chatglm_tune` costs
 only torch and transformers' configuration code, and the command lines answer `--help` at once.
+
+A train.py P-tuning or LoRA run directory loads as its base with the run's prefix or adapter (as
+`chatglm_tune.from_pretrained` loads it), and so does a LoRA adapter directory whose adapter_config.json
+names its base (transformers hands it over with that base); with peft's `AutoPeftModelForCausalLM`, a
+LoRA run loads as any peft adapter does, on the base it records.
 """
 
 from __future__ import annotations
@@ -38,18 +43,49 @@ class _Deferred:
         return cls.resolve().from_pretrained(*args, **kwargs)
 
 
-class ChatGLMForConditionalGeneration(_Deferred):
+class _Model(_Deferred):
+    """A model class: a directory loads as the class does, a train.py run or LoRA adapter as `_adapted` says."""
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        if kwargs.get("trust_remote_code"):
+            raise ValueError("chatglm_tune runs ChatGLM natively: trust_remote_code is never needed")
+        model = _adapted(path, args, kwargs)
+        return model if model is not None else cls.load(path, *args, **kwargs)
+
+    @classmethod
+    def load(cls, path, *args, **kwargs):
+        return cls.resolve().from_pretrained(path, *args, **kwargs)
+
+
+def _adapted(path, args: tuple, kwargs: dict):
+    """The model of a train.py P-tuning or LoRA run directory (base + prefix, or base + adapter:
+    `rundir.load_adapted`), or of a LoRA adapter transformers hands over (its PEFT integration
+    passes the adapter as `adapter_kwargs["_adapter_model_path"]`, and as `path` the base that the adapter
+    records); None for a model directory."""
+    from . import rundir
+
+    adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
+    source = rundir.adapter_run(path if adapter is None else adapter)
+    if source is None and adapter is not None:
+        source = rundir.resolve_run(path, lora=adapter)
+    if source is None:
+        return None
+    if args:
+        raise TypeError(f"{source.describe()}: a run directory takes keyword arguments only")
+    return rundir.load_adapted(source, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING and k != "config"})
+
+
+class ChatGLMForConditionalGeneration(_Model):
     module, name = ".model", "ChatGLMForConditionalGeneration"
 
 
-class GlmForCausalLMWithPrefix(_Deferred):
+class GlmForCausalLMWithPrefix(_Model):
     module, name = ".glm", "GlmForCausalLMWithPrefix"
     config_class = ChatGLMFamilyConfig
 
     @classmethod
-    def from_pretrained(cls, path, *args, **kwargs):
-        if kwargs.pop("trust_remote_code", False):
-            raise ValueError("chatglm_tune runs ChatGLM natively: trust_remote_code is never needed")
+    def load(cls, path, *args, **kwargs):
         kwargs.pop("config", None)  # read again, with the directory (ChatGLM2 and ChatGLM3 differ only by name)
         return cls.resolve().from_pretrained(path, *args, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING})
 

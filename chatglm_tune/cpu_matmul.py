@@ -130,7 +130,8 @@ def workspace(name: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
     buffer = _buffers.__dict__.get(key)
     if buffer is None or buffer.numel() < numel:
         _buffers.__dict__[key] = None  # free the old one before the new one is allocated
-        buffer = _buffers.__dict__[key] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: one made under inference_mode (generate's) could
+            buffer = _buffers.__dict__[key] = torch.empty(numel, dtype=dtype)  # not be written outside it
     return buffer[:numel].view(shape)
 
 

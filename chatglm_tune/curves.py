@@ -7,18 +7,27 @@ exponential moving average (`smooth`) over them, so the trend reads through the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 SMOOTHING = 0.9  # weight of the running average: the line follows about the last 10 logged values
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
-    """Exponential moving average, debiased at the start (as TensorBoard's smoothing)."""
-    out, running = [], 0.0
-    for i, value in enumerate(values, start=1):
-        running = weight * running + (1 - weight) * value
-        out.append(running / (1 - weight**i))
-    return out
+    """Exponential moving average run forward and backward, debiased at each start (as TensorBoard's
+    smoothing), and the two averaged. A one-way average lags: on a falling loss it sits above every raw
+    point. The forward lag and the backward one cancel on a straight trend, so the line runs through the
+    points."""
+
+    def one_way(xs: list[float]) -> list[float]:
+        out, running = [], 0.0
+        for i, value in enumerate(xs, start=1):
+            running = weight * running + (1 - weight) * value
+            out.append(running / (1 - weight**i))
+        return out
+
+    forward, backward = one_way(values), one_way(values[::-1])[::-1]
+    return [(f + b) / 2 for f, b in zip(forward, backward)]
 
 
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
@@ -28,12 +37,15 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     entries = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    train = [(e["step"], e["loss"]) for e in entries if "loss" in e]
-    evals = [(e["step"], e["eval"]["score"], e["eval"]["dev_loss"]) for e in entries if e.get("eval", {}).get("score") is not None]
+    drawable = lambda loss: math.isfinite(loss) and loss > 0  # noqa: E731  (the loss axis is logarithmic)
+    train = [(e["step"], e["loss"]) for e in entries if "loss" in e and drawable(e["loss"])]
+    evals = [(e["step"], e["eval"]["score"], e["eval"]["dev_loss"]) for e in entries
+             if e.get("eval", {}).get("score") is not None and drawable(e["eval"]["dev_loss"])]
     fig, loss_ax = plt.subplots(figsize=(7, 4))
     if train:
         steps, losses = zip(*train)
-        loss_ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss (each log)")
+        loss_ax.plot(steps, losses, ".-" if len(steps) == 1 else "-", color="tab:blue", alpha=0.25, linewidth=0.8,
+                     label="train loss (each log)")
         loss_ax.plot(steps, smooth(list(losses)), color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
     if evals:
         loss_ax.plot([s for s, _, _ in evals], [l for _, _, l in evals], "o--", label="dev loss", color="tab:cyan")
@@ -44,8 +56,9 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
         f1_ax.legend(loc="center right")
     loss_ax.set_xlabel("optimizer step")
     loss_ax.set_ylabel("loss")
-    loss_ax.set_yscale("log")
-    loss_ax.legend(loc="upper right")
+    if train or evals:
+        loss_ax.set_yscale("log")
+        loss_ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

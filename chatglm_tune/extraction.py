@@ -14,9 +14,10 @@
 
 Loading the model a `--model` directory describes is `rundir.load_run`'s job.
 
-A row: `index` (0-based, among the records read), `source` (file:line), `text`, `answer` (the gold
-answer text, or null), `generated` (decoded, stripped), `triples` ([[s, p, o], ...]), `malformed`
-(generated lines that are not triples), `new_tokens` (generated ids, `<eop>` included), `stopped`
+A row: `index` (0-based, among the records read), `source` (file:line), `text`, `text_truncated` (the
+prompt was cut to max_src_len tokens), `answer` (the gold answer text, or null), `generated` (decoded,
+stripped), `triples` ([[s, p, o], ...]; null for free-text answers, which are not triples), `malformed`
+(generated lines that are not triples; null for free text), `new_tokens` (generated ids, `<eop>` included), `stopped`
 ("eos" or "length"), and `precision`/`recall`/`f1` of the record (null without gold). Rows hold no
 timings, so a resumed greedy run writes the same file as an uninterrupted one.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from . import versions
 from .checkpoint import atomic_write
-from .data import SpecialIds, SPORecord, collate_prompts, prompt_ids
+from .data import SpecialIds, SPORecord, collate_prompts
 from .generation import generate
 from .metrics import describe_scores, parse_triples, score_answers, score_record
 from .options import ExtractionSettings
@@ -47,16 +48,19 @@ def extract(
 ) -> Iterator[list[dict]]:
     """Rows for `records[start:]`, yielded after each batch: the rows that became ready, in input order."""
     window = SORT_WINDOW_BATCHES * settings.batch_size
+    version = versions.of_tokenizer(tokenizer)
     for lo in range(start, len(records), window):
         indices = range(lo, min(lo + window, len(records)))
-        prompts = {i: prompt_ids(records[i], tokenizer, settings.encoding) for i in indices}
+        encoded = {i: version.prompt_ids(tokenizer, records[i], settings.encoding) for i in indices}
+        prompts = {i: ids for i, (ids, _) in encoded.items()}
         order = sorted(indices, key=lambda i: -len(prompts[i]))  # stable: ties keep input order
         done: dict[int, dict] = {}
         next_out = lo
         for b in range(0, len(order), settings.batch_size):
             batch = order[b : b + settings.batch_size]
             for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings)):
-                done[i] = make_row(i, records[i], tokenizer, new_ids)
+                done[i] = make_row(i, records[i], tokenizer, new_ids, text_truncated=encoded[i][1],
+                                   free_text=settings.free_text)
             ready = []
             while next_out in done:
                 ready.append(done.pop(next_out))
@@ -72,20 +76,23 @@ def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int]
                     vocab_limit=len(tokenizer))
 
 
-def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int]) -> dict:
-    """The output row of one record (fields in the module docstring)."""
+def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, text_truncated: bool = False,
+             free_text: bool = False) -> dict:
+    """The output row of one record (fields in the module docstring); a free-text answer is not parsed
+    as triples."""
     version = versions.of_tokenizer(tokenizer)
     generated = version.decode_answer(tokenizer, new_ids)
-    parsed = parse_triples(generated)
-    score = None if record.triples is None else score_record(parsed.triples, record.triples)
+    parsed = None if free_text else parse_triples(generated)
+    score = None if record.triples is None or parsed is None else score_record(parsed.triples, record.triples)
     return {
         "index": index,
         "source": record.source,
         "text": record.text,
+        "text_truncated": text_truncated,
         "answer": record.answer,
         "generated": generated,
-        "triples": [[t.subject, t.predicate, t.object] for t in parsed.triples],
-        "malformed": list(parsed.malformed),
+        "triples": None if parsed is None else [[t.subject, t.predicate, t.object] for t in parsed.triples],
+        "malformed": None if parsed is None else list(parsed.malformed),
         "new_tokens": len(new_ids),
         "stopped": "eos" if new_ids and new_ids[-1] in version.stop_ids(tokenizer) else "length",
         "precision": None if score is None else score.precision,
@@ -165,6 +172,7 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
             "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
         },
         "stopped_at_length": sum(row["stopped"] == "length" for row in rows),
+        "texts_truncated": sum(bool(row.get("text_truncated")) for row in rows),
         "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows]),
     }
 
@@ -174,6 +182,10 @@ def format_summary(summary: dict) -> str:
     scores, run = summary["scores"], summary["this_run"]
     lines = [f"records: {summary['records']} ({run['records']} this run), cut at max_new_tokens: {summary['stopped_at_length']}",
              describe_scores(scores)]
+    if summary.get("texts_truncated"):
+        max_src_len = summary.get("settings", {}).get("encoding", {}).get("max_src_len", "max_src_len")
+        lines.insert(1, f"texts cut to fit max_src_len={max_src_len} tokens: {summary['texts_truncated']} "
+                        "(their rows say text_truncated: true)")
     if scores.get("micro") is not None:
         lines[-1] += f"   per-sample F1: {scores['sample_f1']:.4f}   malformed lines: {scores['malformed_lines']}"
         for relation, prf in scores["per_relation"].items():

@@ -1,4 +1,4 @@
-"""Decoding for ChatGLM-6B: small pure samplers and batched KV-cache generation (spec section 7).
+"""Decoding for every version: small pure samplers, batched KV-cache generation (spec section 7), chat.
 
 Samplers (pure functions on a `[b, V]` float score tensor, applied in this order by `next_tokens`):
 1. `guard_invalid_scores`: a row holding any NaN or +-inf (an fp16 overflow, a broken checkpoint) is
@@ -30,25 +30,40 @@ positions for new tokens (the last prompt position with its block position + 1 p
 `[mask_pos, n]` for the n-th token from `<sop>` on), a transformers `DynamicCache` filled once by the
 prompt (its first `pre_seq_len` entries are the P-tuning prefix, put there by the model) and one token a
 step after. Finished rows leave the batch and the cache (`batch_select_indices`), so they cost nothing.
-`generate_recompute` is the reference script's loop (no cache: the whole sequence and all its logits
-every step) kept for tests and benchmarks.
+`generate_steps` is the same loop one step at a time (a generator of each step's new tokens, which
+`generate` consumes; a stream runs no step it is not asked for). `generate_recompute` is the reference
+script's loop (no cache: the whole sequence and all its logits every step) kept for tests and benchmarks.
 
-`chat` is the official `model.chat(tokenizer, query, history)`: its prompt (`data.chat_prompt`),
-its sampling defaults (`CHAT_SAMPLING`), its `max_length` and its post-processing (`process_response`).
+`chat` / `stream_chat` (and `Chat`, their methods on the model classes) are the official `model.chat` /
+`model.stream_chat` of the tokenizer's version, with its prompt, sampling defaults and `max_length`
+(`chat_defaults`: ChatGLM-6B top_p 0.7, temperature 0.95, 2048 tokens; ChatGLM2/3 and GLM-4 0.8, 0.8,
+8192), and its post-processing:
+- ChatGLM-6B and ChatGLM2: history is (query, response) pairs, returned as `history + [(query, response)]`;
+  ChatGLM-6B's `process_response` (punctuation made full-width next to CJK), ChatGLM2 strips;
+- ChatGLM3 and GLM-4: history is role messages (`ROLES`, pairs converted), the query a message of `role`,
+  the prompt its tokenizer's (`versions.GLMFamilyVersion.chat_ids`), the answer split where the model
+  wrote `<|assistant|>` and each part an assistant message `{"role", "metadata", "content"}`; a response
+  is text or a tool call dict (`process_chat_response`).
+`stream_chat` yields (response so far, history) from `generate_steps`, holding back text that ends in a
+character cut between its bytes; its last item equals `chat`'s result for the same seed.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import copy
+import json
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .options import CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, EncodingOptions, SamplingOptions
+from .options import (CHAT_MAX_LENGTH, CHAT_SAMPLING, DEFAULT_SAMPLING, GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING,
+                      EncodingOptions, SamplingOptions)
 from . import versions
 from .data import SPORecord
 
@@ -200,12 +215,43 @@ def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     return generate(model, input_ids, attention_mask, use_cache=False, **options)
 
 
+@torch.inference_mode()  # on a generator: entered while a step runs, left at each yield
+def generate_steps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingOptions = DEFAULT_SAMPLING,
+    eos_token_id: int | Sequence[int] | None | _UseConfigEos = CONFIG_EOS,
+    seed: int | Sequence[int] | None = None,
+    vocab_limit: int | None = None,
+) -> Iterator[tuple[list[int], list[int]]]:
+    """`generate` one KV-cached step at a time: yields, each step, (the prompt index of every row still
+    decoding, the new token of each). The tokens are `generate`'s with the same arguments. A step runs when
+    the next item is asked for, so a consumer that stops early runs no more; the model stays in eval mode
+    until the iteration ends or the generator is closed (inference mode holds only while a step runs)."""
+    d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
+    with _eval_mode(model):
+        yield from _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
+
+
 def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in range(d.input_ids.shape[0])]
+    for rows, tokens in _cached_steps(model, d, max_new_tokens, sampling, vocab_limit):
+        for row, token in zip(rows, tokens):
+            results[row].append(token)
+    return results
+
+
+def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions,
+                  vocab_limit) -> Iterator[tuple[list[int], list[int]]]:
+    """The KV-cached decoding loop: yields (live rows, their new tokens) after each sampling step, before the
+    stop check and the next forward (so a consumer that stops at a stop id runs no forward past it)."""
     input_ids, mask, stop, generators = d.input_ids, d.mask, d.stop, d.generators
     b = input_ids.shape[0]
-    results: list[list[int]] = [[] for _ in range(b)]
     if max_new_tokens == 0:
-        return results
+        return
     positions = versions.of_config(model.config).positions(model.config, input_ids, mask)  # ChatGLM-6B: [b, 2, s]
     step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
     cache = DynamicCache()
@@ -214,8 +260,7 @@ def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingO
     next_pos = None if positions is None else positions[:, :, -1:] + step  # [b, 2, 1]
     for n in range(max_new_tokens):
         tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
-        for row, token in zip(live, tokens.tolist()):
-            results[row].append(token)
+        yield live, tokens.tolist()
         if n == max_new_tokens - 1:
             break
         stopped = torch.isin(tokens, stop) if stop is not None else None
@@ -233,7 +278,6 @@ def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingO
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
         out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
         next_pos = None if next_pos is None else next_pos + step
-    return results
 
 
 def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
@@ -295,56 +339,286 @@ def _eval_mode(model):
 
 
 # ----------------------------------------------------------------------------------------------
-# The official chat()
+# The official chat() and stream_chat()
 
+ROLES = ("system", "user", "assistant", "observation")  # ChatGLM3 / GLM-4 message roles
+PAIR_VERSIONS = ("chatglm", "chatglm2")  # their chat history is (query, response) pairs
+# What the official post-processing writes for the `[[训练时间]]` placeholder.
+_TRAINING_TIME = {"chatglm": "2023年", "chatglm2": "2023年", "chatglm3": "2023年", "glm4": "2024年"}
 _PUNCTUATION = ((",", "，"), ("!", "！"), (":", "："), (";", "；"), (r"\?", "？"))
 _CJK = r"[\u4e00-\u9fff]"
 
 
+def chat_defaults(version: str) -> tuple[SamplingOptions, int]:
+    """(sampling, max_length) of the official chat() of a version: ChatGLM-6B's, or ChatGLM2/3 and GLM-4's."""
+    return (CHAT_SAMPLING, CHAT_MAX_LENGTH) if version == "chatglm" else (GLM_CHAT_SAMPLING, GLM_CHAT_MAX_LENGTH)
+
+
 def process_response(response: str) -> str:
-    """The official post-processing: strip, `[[训练时间]]` -> `2023年`, ASCII `, ! : ; ?` next to a CJK
-    character made full-width."""
-    response = response.strip().replace("[[训练时间]]", "2023年")
+    """ChatGLM-6B's official post-processing: strip, `[[训练时间]]` -> `2023年`, ASCII `, ! : ; ?` next to a
+    CJK character made full-width."""
+    response = response.strip().replace("[[训练时间]]", _TRAINING_TIME["chatglm"])
     for ascii_mark, full_width in _PUNCTUATION:
         response = re.sub(rf"({_CJK}){ascii_mark}", rf"\g<1>{full_width}", response)
         response = re.sub(rf"{ascii_mark}({_CJK})", rf"{full_width}\g<1>", response)
     return response
 
 
+def process_chat_response(segments: Sequence[str], history: Sequence[dict], version: str) -> tuple[str | dict, list[dict]]:
+    """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
+
+    `segments`: the decoded answer split where the model wrote `<|assistant|>` (one text for a plain answer).
+    `history`: the messages so far, the query last; it is not changed. Each segment becomes
+    `{"role": "assistant", "metadata": its first line, "content": the rest}` (a segment of one line is all
+    content). The response is the last segment's:
+    - no metadata: the content stripped, with `[[训练时间]]` written as the training year (in the response
+      only, as officially);
+    - metadata (a tool name) and a first message that is a system message with `tools`: the tool call
+      `{"name": metadata stripped, "parameters": ...}`, from ChatGLM3's code block holding `tool_call(k=v, ...)`
+      (its arguments read as Python literals; the official code evaluates the block, this runs nothing) or
+      GLM-4's JSON; content that does not parse (a call still being streamed) gives `{"name", "content"}`;
+    - metadata without tools: `{"name": metadata stripped, "content": content}`.
+    """
+    history = list(history)
+    tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
+    response: str | dict = ""
+    for text in segments:
+        metadata, content = text.split("\n", 1) if "\n" in text else ("", text)
+        if not metadata.strip():
+            content = content.strip()
+            history.append({"role": "assistant", "metadata": metadata, "content": content})
+            response = content.replace("[[训练时间]]", _TRAINING_TIME[version])
+            continue
+        history.append({"role": "assistant", "metadata": metadata, "content": content})
+        parameters = _tool_parameters(content, version) if tools else None
+        response = {"name": metadata.strip(), **({"content": content} if parameters is None else {"parameters": parameters})}
+    return response, history
+
+
+def _tool_parameters(content: str, version: str):
+    """The parameters of a tool call (GLM-4: JSON; ChatGLM3: `tool_call(...)`'s keyword literals), or None."""
+    if version == "glm4":
+        try:
+            return json.loads(content)
+        except json.JSONDecodeError:
+            return None
+    lines = content.strip().split("\n")
+    if lines[0].startswith("```"):
+        lines = lines[1:]
+    if lines and lines[-1].strip() == "```":
+        lines = lines[:-1]
+    try:
+        call = ast.parse("\n".join(lines).strip(), mode="eval").body
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"
+                and not call.args and all(k.arg is not None for k in call.keywords)):
+            return None
+        return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """One chat turn, set up: its prompt, its answer budget, and how answer ids become (response, history)."""
+
+    version: str
+    tokenizer: object
+    query: str
+    history: list  # ChatGLM-6B / ChatGLM2: the (query, response) pairs before; ChatGLM3 / GLM-4: the messages, query last
+    prompt: list[int]
+    budget: int  # new tokens at most: max_length - prompt
+    sampling: SamplingOptions
+    stop: list[int]
+
+    def texts(self, new_ids: Sequence[int]) -> list[str]:
+        """The answer's decoded text without the stop id that ended it; ChatGLM3 / GLM-4: one text per
+        `<|assistant|>`-separated segment (the empty ones left out)."""
+        ids = list(new_ids)
+        if ids and ids[-1] in self.stop:
+            ids.pop()
+        if self.version in PAIR_VERSIONS:
+            return [self.tokenizer.decode(ids)]
+        assistant = self.tokenizer.get_command("<|assistant|>")
+        segments: list[list[int]] = [[]]
+        for i in ids:
+            if i == assistant:
+                segments.append([])
+            else:
+                segments[-1].append(i)
+        return [self.tokenizer.decode(segment) for segment in segments if segment] or [""]
+
+    def result(self, texts: list[str]) -> tuple:
+        """(response, history): ChatGLM-6B / ChatGLM2 history + [(query, response)]; ChatGLM3 / GLM-4
+        `process_chat_response`."""
+        if self.version == "chatglm":
+            response = process_response(texts[0])
+        elif self.version == "chatglm2":  # the official post-processing: strip, the training year
+            response = texts[0].strip().replace("[[训练时间]]", _TRAINING_TIME["chatglm2"])
+        else:
+            return process_chat_response(texts, self.history, self.version)
+        return response, [*self.history, (self.query, response)]
+
+
+def _turn(tokenizer, query: str, history, role: str, max_length: int | None, sampling: SamplingOptions | None) -> _Turn:
+    version = versions.of_tokenizer(tokenizer)
+    name = version.name
+    default_sampling, default_length = chat_defaults(name)
+    sampling = default_sampling if sampling is None else sampling
+    max_length = default_length if max_length is None else max_length
+    if not isinstance(query, str):
+        raise TypeError(f"query must be a str, got {type(query).__name__}")
+    if not (isinstance(max_length, int) and max_length >= 2):
+        raise ValueError(f"max_length must be an integer >= 2 (prompt and answer tokens), got {max_length!r}")
+    if name in PAIR_VERSIONS:
+        if role != "user":
+            raise ValueError(f"{name}'s chat has no roles (a query is the user's), got role={role!r}")
+        turn_history = _pairs(history or (), name)
+        record = SPORecord(query, None, history=tuple(turn_history) or None)
+        encoding = EncodingOptions(prompt="", max_src_len=max_length, max_len=max_length + 2)
+        prompt = version.prompt_ids(tokenizer, record, encoding)[0]
+    else:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        turn_history = [*_messages(history or ()), {"role": role, "content": query}]
+        prompt = version.chat_ids(tokenizer, turn_history)
+    budget = max_length - len(prompt)
+    if budget < 1:
+        raise ValueError(f"the prompt has {len(prompt)} tokens, no room left under max_length={max_length}")
+    return _Turn(name, tokenizer, query, turn_history, prompt, budget, sampling, version.stop_ids(tokenizer))
+
+
+def _pairs(history, name: str) -> list[tuple[str, str]]:
+    """ChatGLM-6B / ChatGLM2 history as (query, response) tuples; a role message is a ValueError."""
+    pairs = []
+    for i, item in enumerate(history):
+        if isinstance(item, Mapping):
+            raise ValueError(f"{name}'s chat history is (query, response) pairs, as its official chat(); history[{i}] "
+                             "is a role message (the ChatGLM3 / GLM-4 form)")
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise ValueError(f"history[{i}] must be a (query, response) pair of strings, got {item!r:.100}")
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _messages(history) -> list[dict]:
+    """ChatGLM3 / GLM-4 history as role messages (copies): messages are checked, (query, response) pairs become
+    a user and an assistant message."""
+    messages = []
+    for i, item in enumerate(history):
+        if isinstance(item, Mapping):
+            if item.get("role") not in ROLES or not isinstance(item.get("content"), str):
+                raise ValueError(f"history[{i}] must have a role in {ROLES} and a str content, got {dict(item)!r:.100}")
+            messages.append(copy.deepcopy(dict(item)))
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item):
+            messages += [{"role": "user", "content": item[0]}, {"role": "assistant", "metadata": "", "content": item[1]}]
+        else:
+            raise ValueError(f"history[{i}] must be a {{'role', 'content'}} message or a (query, response) pair, "
+                             f"got {item!r:.100}")
+    return messages
+
+
 def chat(
     model,
     tokenizer,
     query: str,
-    history: Sequence[tuple[str, str]] = (),
+    history: Sequence = (),
     *,
-    max_length: int = CHAT_MAX_LENGTH,
-    sampling: SamplingOptions = CHAT_SAMPLING,
+    role: str = "user",
+    max_length: int | None = None,
+    sampling: SamplingOptions | None = None,
     seed: int | None = None,
-) -> tuple[str, list[tuple[str, str]]]:
-    """The official `model.chat(tokenizer, query, history)` of every version: (response, history +
-    [(query, response)]), the prompt the version's chat builds (`versions`), stopping on its stop ids.
+) -> tuple:
+    """The official `model.chat(tokenizer, query, history)` of the tokenizer's version: (response, history).
 
-    `max_length` counts prompt and answer tokens, as the official default of 2048 does.
+    ChatGLM-6B / ChatGLM2: history is (query, response) pairs (a role message is a ValueError), the answer
+    `history + [(query, response)]`, `role` only "user". ChatGLM3 / GLM-4: history is role messages
+    (`ROLES`; pairs are converted), the query is a message of `role` ("observation" for a tool's result),
+    the answer `history + [query message, assistant message(s)]` (`process_chat_response`: a response is
+    text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
+    tokens; it and `sampling` default to the version's official values (`chat_defaults`).
     """
-    version = versions.of_tokenizer(tokenizer)
-    record = SPORecord(query, None, history=tuple(history) or None)
-    ids = version.prompt_ids(tokenizer, record, EncodingOptions(prompt="", max_src_len=max_length, max_len=max_length + 2))[0]
-    budget = max_length - len(ids)
-    if budget < 1:
-        raise ValueError(f"the prompt has {len(ids)} tokens, no room left under max_length={max_length}")
-    new_ids = generate(model, torch.tensor([ids]), max_new_tokens=budget, sampling=sampling, seed=seed,
-                       eos_token_id=version.stop_ids(tokenizer), vocab_limit=len(tokenizer))[0]
-    text = version.decode_answer(tokenizer, new_ids)
-    response = process_response(text) if version.name == "chatglm" else text
-    return response, [*history, (query, response)]
+    turn = _turn(tokenizer, query, history, role, max_length, sampling)
+    new_ids = generate(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling, seed=seed,
+                       eos_token_id=turn.stop, vocab_limit=len(tokenizer))[0]
+    return turn.result(turn.texts(new_ids))
+
+
+def stream_chat(
+    model,
+    tokenizer,
+    query: str,
+    history: Sequence = (),
+    *,
+    role: str = "user",
+    max_length: int | None = None,
+    sampling: SamplingOptions | None = None,
+    seed: int | None = None,
+) -> Iterator[tuple]:
+    """The official `model.stream_chat`: yields (response so far, history as `chat` would return it) while
+    the answer grows, one KV-cached step a token (`generate_steps`), the last one `chat`'s result (same
+    arguments, same seed). A step whose text ends in U+FFFD (a character whose bytes have not all come)
+    or whose response is still empty yields nothing, and neither does one that changes nothing; the
+    final answer is always yielded. Arguments are checked here, before the first step."""
+    turn = _turn(tokenizer, query, history, role, max_length, sampling)
+    return _stream(model, turn, seed)
+
+
+def _stream(model, turn: _Turn, seed: int | None) -> Iterator[tuple]:
+    ids: list[int] = []
+    last = None
+    for _, tokens in generate_steps(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling,
+                                    seed=seed, eos_token_id=turn.stop, vocab_limit=len(turn.tokenizer)):
+        ids.append(tokens[0])
+        texts = turn.texts(ids)
+        if texts[-1].endswith("\ufffd"):
+            continue
+        current = turn.result(texts)
+        if current[0] != "" and current != last:
+            last = current
+            yield current
+    final = turn.result(turn.texts(ids))
+    if final != last:
+        yield final
 
 
 class Chat:
-    """`model.chat(tokenizer, query, history)` on the model classes, as the official ones have it."""
+    """`model.chat` and `model.stream_chat` on the model classes, with the official arguments of the model's
+    version (see `chat`): sampling arguments left as None take the version's official default; `top_k` 0
+    turns top-k off; `seed` makes sampling reproducible. Beam search, logits processors and continuing from
+    a returned cache are not implemented (a ValueError names the argument)."""
 
-    def chat(self, tokenizer, query: str, history=None, *, max_length: int = CHAT_MAX_LENGTH,
-             do_sample: bool = CHAT_SAMPLING.do_sample, top_p: float = CHAT_SAMPLING.top_p,
-             temperature: float = CHAT_SAMPLING.temperature, top_k: int | None = CHAT_SAMPLING.top_k, seed: int | None = None):
-        """(response, history + [(query, response)]), sampling as the official defaults (`chat`)."""
-        sampling = SamplingOptions(do_sample=do_sample, top_p=top_p, temperature=temperature, top_k=top_k)
-        return chat(self, tokenizer, query, history or [], max_length=max_length, sampling=sampling, seed=seed)
+    def chat(self, tokenizer, query: str, history=None, role: str = "user", *, max_length: int | None = None,
+             num_beams: int = 1, do_sample: bool | None = None, top_p: float | None = None,
+             temperature: float | None = None, top_k: int | None = None, logits_processor=None, seed: int | None = None):
+        """(response, history): see `chat`."""
+        sampling = _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k,
+                                  num_beams=num_beams, logits_processor=logits_processor)
+        return chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling, seed=seed)
+
+    def stream_chat(self, tokenizer, query: str, history=None, role: str = "user", past_key_values=None, *,
+                    max_length: int | None = None, do_sample: bool | None = None, top_p: float | None = None,
+                    temperature: float | None = None, top_k: int | None = None, logits_processor=None,
+                    return_past_key_values: bool = False, seed: int | None = None):
+        """Yields (response so far, history): see `stream_chat`."""
+        if past_key_values is not None or return_past_key_values:
+            raise ValueError("past_key_values / return_past_key_values are not supported: pass the history, the "
+                             "prompt is built from it")
+        sampling = _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k, logits_processor=logits_processor)
+        return stream_chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling,
+                           seed=seed)
+
+
+def _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k, *, num_beams: int = 1,
+                   logits_processor=None) -> SamplingOptions:
+    """The sampling of a `Chat` call: the version's official default where an argument is None."""
+    if num_beams != 1:
+        raise ValueError(f"num_beams must be 1 (beam search is not implemented), got {num_beams!r}")
+    if logits_processor is not None:
+        raise ValueError("logits_processor is not supported (the samplers are generation.next_tokens)")
+    default, _ = chat_defaults(versions.of_tokenizer(tokenizer).name)
+    return SamplingOptions(
+        do_sample=default.do_sample if do_sample is None else do_sample,
+        top_p=default.top_p if top_p is None else top_p,
+        temperature=default.temperature if temperature is None else temperature,
+        top_k=default.top_k if top_k is None else (top_k or None),
+    )

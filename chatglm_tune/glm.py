@@ -44,7 +44,8 @@ from .checkpoint import CheckpointError
 from .glm_config import detect_version, glm_config, official_config, read_config_file, stored_format
 from .generation import Chat
 from .glm_prefix import prefix_encoder, prefix_width
-from .prefix import PREFIX_DROPOUT, PrefixCache, prefix_key_values, seed_cache
+from .prefix import PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, check_prefix_version, not_a_model, only_prefix_weights
+from .prefix import prefix_key_values, seed_cache
 from .quantization import QuantizedEmbedding, QuantizedLinear, check_bits, quantize_model, quantize_rows, refuse_int8_embedding
 from .quantization import quantize_embedding as int8_embedding_and_head
 from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
@@ -159,7 +160,9 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
         with config.json + weights) onto this model.
 
         A model built without `pre_seq_len` takes the checkpoint's settings (read from its tensors);
-        one built with other settings refuses it, naming both.
+        one built with other settings refuses it, naming both. So is refused, naming both, a checkpoint of
+        another version (its config.json: a ChatGLM3-6B prefix on GLM-4, ...) or of another width than
+        this model's W = num_layers * 2 * kv_channels * multi_query_group_num.
         """
         source = Path(path)
         tensors: dict[str, torch.Tensor] = {}
@@ -189,10 +192,12 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
         expected = encoder.state_dict()
         if set(tensors) != set(expected):
             raise CheckpointError(f"{source}: prefix keys {sorted(tensors)}, expected {sorted(expected)}")
-        for key, tensor in tensors.items():
-            if tensor.shape != expected[key].shape:
-                raise CheckpointError(f"{source}: {OFFICIAL_PREFIX_ENCODER}{key} has shape {list(tensor.shape)}, this model "
-                                      f"expects {list(expected[key].shape)} (prefix width {prefix_width(self.config)})")
+        c = self.config
+        formula = (f"num_layers * 2 * kv_channels * multi_query_group_num = {c.num_hidden_layers} * 2 * {c.head_dim} * "
+                   f"{c.num_key_value_heads}")
+        check_prefix_shapes(source, {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in tensors.items()},
+                            {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in expected.items()}, prefix_width(c), formula)
+        check_prefix_version(source, c.chatglm_version, "this model")  # ChatGLM3-6B and GLM-4 prefixes can be of equal shape
         encoder.load_state_dict({k: t.float() for k, t in tensors.items()})  # kept in float32
         if self.prefix_encoder is None:
             self.config.pre_seq_len, self.config.prefix_projection = theirs
@@ -241,7 +246,9 @@ def load_glm(
         is read, as the Linears are: no float copy of either ever exists. Any `quantization_bit` or stored
         format beside it. A runtime form, which `save_official` refuses (`quantization.quantize_embedding`).
     Prefix-encoder weights may be absent (a fresh P-tuning start, PyTorch's init); any other missing,
-    unexpected, wrong-shaped or wrong-typed tensor raises `CheckpointError` naming the file and key.
+    unexpected, wrong-shaped or wrong-typed tensor raises `CheckpointError` naming the file and key, and a
+    directory of prefix weights only (a P-tuning run or checkpoint) one saying what to load instead.
+    `config.name_or_path` is the absolute directory loaded (what a LoRA adapter trained on it records).
     """
     raw = read_config_file(path)
     version = detect_version(raw, path)
@@ -249,6 +256,8 @@ def load_glm(
         raise CheckpointError(f"{path}: a ChatGLM-6B (v1) checkpoint; load it with ChatGLMForConditionalGeneration")
     bits, group_size, stored = _load_format(raw, path, quantization_bit, group_size, quantization_group_size)
     config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
+    # Where it came from, as an absolute directory: peft records it as an adapter's base_model_name_or_path.
+    config.name_or_path = str((Path(path) if Path(path).is_dir() else Path(path).parent).resolve())
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
     official_keys = raw.get("model_type") != "glm"
@@ -274,6 +283,8 @@ def load_glm(
         pages.close()
     not_prefix = [k for k in expected if not k.startswith(PREFIX_ENCODER)]
     if not_prefix:
+        if only_prefix_weights(path, OFFICIAL_PREFIX_ENCODER):
+            raise CheckpointError(not_a_model(path))
         shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
         raise CheckpointError(f"{path}: missing weights: {shown}")
     if expected:  # a fresh prefix encoder, initialised as the official one is

@@ -144,6 +144,17 @@ class ChatGLMFamilyConfig(GlmConfig):
 
     model_type = "chatglm"
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """An official config.json (ChatGLM2/3 and GLM-4 keys: `padded_vocab_size`, ...) reads as `glm_config`
+        makes it, as `AutoConfig` reads it (peft's save compares the vocabulary size of the base this way);
+        transformers' own fields read as `GlmConfig` reads them."""
+        if "padded_vocab_size" not in config_dict:
+            return super().from_dict(config_dict, **kwargs)
+        from .config import ChatGLMConfig
+
+        return ChatGLMConfig.from_dict(config_dict, **kwargs)
+
 
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
     """transformers' `GlmConfig` for an official (or -hf) config.json dict of `version`.

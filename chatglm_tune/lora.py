@@ -130,7 +130,7 @@ def _converted(file: Path, rows) -> dict:
 def _check_fits(peft_model: PeftModel, state: dict, file: Path) -> None:
     """CheckpointError naming the file and key of the first converted tensor the injected adapter has no
     place for, or the wrong shape for, and naming the adapter weights the file lacks."""
-    expected = get_peft_model_state_dict(peft_model)
+    expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)  # adapter weights only
     for key, (origin, tensor) in state.items():
         if key not in expected:
             raise CheckpointError(f"{file}: unexpected key {origin} (its module is not among target_modules)")

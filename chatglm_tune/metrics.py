@@ -179,6 +179,12 @@ def score_answers(generated: Sequence[str], records: Sequence) -> dict:
     return {**scores, "score": None if scores["micro"] is None else scores["micro"]["f1"]}
 
 
+def format_score(score: float, free_text: bool) -> str:
+    """A best-checkpoint `score` as the evaluations print it: `rouge-l 45.8712` for free-text answers (the
+    score is ROUGE-L / 100), `micro F1 0.9760` for triples."""
+    return f"rouge-l {score * 100:.4f}" if free_text else f"micro F1 {score:.4f}"
+
+
 def describe_scores(scores: dict) -> str:
     """One line of a run's scores: triple P/R/F1, or the generation metrics (`rouge-l`, `bleu-4`...)."""
     if "rouge-l" in scores:

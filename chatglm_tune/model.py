@@ -39,7 +39,8 @@ from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
 from .generation import Chat
 from .positions import build_position_ids, context_lengths, glm_mask
-from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, prefix_key_values, seed_cache
+from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version, prefix_key_values
+from .prefix import not_a_model, only_prefix_weights, seed_cache
 
 ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
 
@@ -279,7 +280,9 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         `quantization_bit` 4/8 quantizes the block Linears of a half/float checkpoint while loading (the
         official `model.quantize(bits)`); a checkpoint whose config says `quantization_bit` loads as is.
         `quantize_embedding` keeps the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
-        Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start).
+        Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start). A
+        directory of prefix weights only (a P-tuning run or checkpoint) is refused with what to load instead
+        (`chatglm_tune.from_pretrained` loads a train.py run's base with its prefix).
         """
         for name in [n for n in overrides if n in AUTO_PLUMBING]:
             value = overrides.pop(name)
@@ -309,6 +312,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         missing = checkpoint.load_weights(model, path, dtype=dtype, place=place)
         not_prefix = [k for k in missing if not k.startswith(checkpoint.PREFIX_KEY)]
         if not_prefix:
+            if only_prefix_weights(path, checkpoint.PREFIX_KEY):
+                raise checkpoint.CheckpointError(not_a_model(path))
             shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
             raise checkpoint.CheckpointError(f"{path}: missing weights: {shown}")
         if missing:  # a fresh prefix encoder, initialised as the official one is, kept in float32
@@ -338,7 +343,9 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
     def load_prefix(self, path) -> None:
         """Load a P-tuning v2 checkpoint (`transformer.prefix_encoder.*`, official or ours) onto this model.
 
-        Refuses a checkpoint trained with another `pre_seq_len`/`prefix_projection`, naming both.
+        Refuses, naming both, a checkpoint trained with another `pre_seq_len`/`prefix_projection`, one of
+        another width than this model's W = 2 * num_layers * hidden_size, and one of another version (its
+        config.json says ChatGLM2/3 or GLM-4).
         """
         cfg = self.config
         if cfg.pre_seq_len is None:
@@ -353,6 +360,16 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
                     f"prefix_projection={bool(theirs.get('prefix_projection'))}; this model has "
                     f"pre_seq_len={cfg.pre_seq_len}, prefix_projection={cfg.prefix_projection}"
                 )
+        # A width that no pre_seq_len / prefix_projection of this model makes is another model's prefix (the
+        # embedding is W wide, or hidden_size with the projection, whose output is W); other differences are
+        # named by load_weights, with the settings the checkpoint was trained with.
+        width, hidden = 2 * cfg.num_layers * cfg.hidden_size, cfg.hidden_size
+        expected = {checkpoint.PREFIX_KEY + k: t.shape for k, t in self.transformer.prefix_encoder.state_dict().items()}
+        shapes = {key: t.shape for file in checkpoint.weight_files(path) for key, t in checkpoint.iter_tensors(file)}
+        foreign = {k: s for k, s in shapes.items() if (k.endswith("embedding.weight") and s[-1] not in (hidden, width))
+                   or (k.endswith("trans.2.weight") and s[0] != width)}
+        check_prefix_shapes(source, foreign, expected, width, f"2 * num_layers * hidden_size = 2 * {cfg.num_layers} * {hidden}")
+        check_prefix_version(source, "chatglm", "this model")
         missing = checkpoint.load_weights(self, path, dtype=torch.float32, only_prefix=True)
         missing = [k for k in missing if k.startswith(checkpoint.PREFIX_KEY)]
         if missing:

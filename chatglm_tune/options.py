@@ -8,6 +8,7 @@ same objects, so a default is written once. Validation lives with each class (`_
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -109,6 +110,12 @@ class LoraOptions:
     dropout: float = 0.1
     target: tuple[str, ...] | None = None
 
+    def __post_init__(self):
+        problems = [f"lora_{name} must be >= 1, got {getattr(self, name)}" for name in ("r", "alpha") if getattr(self, name) < 1]
+        if not 0 <= self.dropout < 1:
+            problems.append(f"lora_dropout must be in [0, 1), got {self.dropout}")
+        raise_problems(problems)
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -164,6 +171,14 @@ class TrainOptions:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.patience < 0:
             problems.append(f"patience must be >= 0 (0 = no early stopping), got {self.patience}")
+        for name in ("save_every", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1:
+            problems.append(f"warmup_ratio is a share of the steps, in [0, 1), got {self.warmup_ratio}")
+        for name in ("lr", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         raise_problems(problems)
 
     @property
@@ -219,6 +234,22 @@ TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200}  # budget_steps of each tiny preset
 
 
+def threads_from_environment() -> int | None:
+    """OMP_NUM_THREADS when the user set it to a positive integer (torch's own default follows it too)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -> tuple[int | None, str]:
+    """(torch CPU threads, where the number came from): `--threads`, else OMP_NUM_THREADS (what the user set
+    in the environment wins over a preset or a run's record), else `fallback` (named `fallback_name`), else
+    torch's default (None)."""
+    for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"), (fallback, fallback_name)):
+        if threads is not None:
+            return threads, origin
+    return None, "torch's default"
+
+
 def tiny_demo(preset: str) -> dict:
     """The settings `train.py --model PRESET --tuning full` trains with when no flag says otherwise."""
     return {**TINY_DEMO, "budget_steps": TINY_DEMO_STEPS[preset]}
@@ -265,6 +296,10 @@ DEFAULT_SAMPLING = SamplingOptions()
 # The official chat(): do_sample, top_p 0.7, temperature 0.95, and transformers' default top_k of 50.
 CHAT_SAMPLING = SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50)
 CHAT_MAX_LENGTH = 2048  # the official chat(): prompt + answer tokens
+# The official chat() and stream_chat() of ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B-chat: do_sample, top_p 0.8,
+# temperature 0.8, transformers' default top_k of 50, max_length 8192 (prompt + answer tokens).
+GLM_CHAT_SAMPLING = SamplingOptions(do_sample=True, top_p=0.8, temperature=0.8, top_k=50)
+GLM_CHAT_MAX_LENGTH = 8192
 
 
 @dataclass(frozen=True)
@@ -280,6 +315,7 @@ class ExtractionSettings:
     sampling: SamplingOptions = DEFAULT_SAMPLING
     seed: int | None = None  # record i samples with seed + i
     encoding: EncodingOptions = field(default_factory=EncodingOptions)
+    free_text: bool = False  # prompt/response data: answers are free text, not parsed as triples
 
     def __post_init__(self):
         if self.batch_size < 1:

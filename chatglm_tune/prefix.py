@@ -13,15 +13,22 @@ training only). Initialisation is PyTorch's default, as in the official code.
 The prefix is always the first P entries of the KV cache, keys not rotated: `seed_cache` writes it into
 a cache that decoding then extends; a forward that keeps no cache (training) reads it from a
 `PrefixCache`, which stores nothing new.
+
+A checkpoint fits a model when it was trained on the same version (`check_prefix_version`, from its
+config.json) and its shapes are the model's: `pre_seq_len` rows, width W (`check_prefix_shapes`). ChatGLM3-6B
+and GLM-4 prefixes of equal shape exist (the tiny models' are), so the shapes alone do not tell.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 PREFIX_DROPOUT = 0.1
+VERSION_NAMES = {"chatglm": "ChatGLM-6B", "chatglm2": "ChatGLM2-6B", "chatglm3": "ChatGLM3-6B", "glm4": "GLM-4"}
 
 
 class PrefixEncoder(nn.Module):
@@ -87,3 +94,77 @@ class PrefixCache(Cache):
 
     def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__(layers=[_PrefixLayer(k, v) for k, v in prefix])
+
+
+def prefix_version(source) -> str | None:
+    """The version a P-tuning checkpoint (a directory, or a weights file beside its config.json) was trained
+    on, read from its config.json as `versions.of_directory` reads a model's (model_type, the version
+    fields, names); None when it has no config.json or one too bare to tell (only `pre_seq_len`)."""
+    from .checkpoint import CheckpointError
+    from .glm_config import detect_version, read_config_file
+
+    try:
+        return detect_version(read_config_file(source), source)
+    except CheckpointError:
+        return None
+
+
+def check_prefix_version(source, version: str, model="the model", error: type[Exception] | None = None) -> None:
+    """Refuse (`error`, default `CheckpointError`) a P-tuning checkpoint trained on another version than
+    `version`, the version of `model` (a path or a description), naming both; a checkpoint whose version
+    cannot be read passes (its shapes are checked when it loads)."""
+    from .checkpoint import CheckpointError
+
+    theirs = prefix_version(source)
+    if theirs is None or theirs == version:
+        return
+    where = Path(source) if Path(source).is_dir() else Path(source).parent
+    hint = ""
+    if {theirs, version} == {"chatglm2", "chatglm3"}:  # one architecture; their config.json files differ in names only
+        hint = (f" (ChatGLM2-6B and ChatGLM3-6B config.json files differ only in their names; if {where / 'config.json'} "
+                f'is wrong, add "chatglm_version": "{version}" to it)')
+    raise (error or CheckpointError)(
+        f"{source} is a P-tuning prefix of a {VERSION_NAMES[theirs]} model (its config.json), and {model} is "
+        f"{VERSION_NAMES[version]}: a prefix runs only on the version it was trained on{hint}"
+    )
+
+
+def check_prefix_shapes(source, shapes: dict, expected: dict, width: int, formula: str) -> None:
+    """Refuse (`CheckpointError`) prefix-encoder tensors (`shapes`: key -> shape) whose shapes are not the
+    model's (`expected`: key -> shape; keys it lacks are left to the caller), naming both: another width
+    than the model's W (`width`, made as `formula` says), or another row count than its `pre_seq_len`."""
+    from .checkpoint import CheckpointError
+
+    for key, shape in shapes.items():
+        want = expected.get(key)
+        if want is None or tuple(shape) == tuple(want):
+            continue
+        if key.endswith("embedding.weight") and tuple(shape[1:]) == tuple(want[1:]):
+            raise CheckpointError(f"{source}: {key} has {shape[0]} rows, the prefix positions it was trained with "
+                                  f"(pre_seq_len), and this model has pre_seq_len={want[0]}")
+        raise CheckpointError(f"{source}: {key} has shape {list(shape)}, the model expects {list(want)} (prefix width "
+                              f"{width}: {formula}): the prefix was trained on another model")
+
+
+def only_prefix_weights(path, key_prefix: str) -> bool:
+    """Whether the weight files of `path` hold prefix-encoder tensors (keys under `key_prefix`) and nothing else."""
+    from .checkpoint import iter_tensors, weight_files
+
+    keys = [key for file in weight_files(path) for key, _ in iter_tensors(file)]
+    return bool(keys) and all(key.startswith(key_prefix) for key in keys)
+
+
+def not_a_model(path) -> str:
+    """What to say when a P-tuning checkpoint (prefix weights only) is loaded as a model: what it is, and
+    what loads it (for a train.py run, which names its base in run_args.json, that base)."""
+    import json
+
+    directory = Path(path) if Path(path).is_dir() else Path(path).parent
+    run_args = directory / "run_args.json"
+    base = json.loads(run_args.read_text(encoding="utf-8")).get("model") if run_args.is_file() else None
+    if base is not None:
+        return (f"{directory} is a P-tuning run: its weights are a prefix trained on {base}, not a model. "
+                f"chatglm_tune.from_pretrained('{directory}') and AutoModel.from_pretrained('{directory}') load that base "
+                f"with the prefix; or load {base} and call load_prefix('{directory}')")
+    return (f"{directory} holds only P-tuning prefix weights, not a model: load the base model it was trained on and "
+            f"call load_prefix('{directory}'), or run it with infer.py --model BASE --ptuning-checkpoint {directory}")

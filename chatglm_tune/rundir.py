@@ -18,6 +18,9 @@ official, merged, quantized, or a full fine-tuning run), or a P-tuning or LoRA r
 The result, a `ModelSource`, also carries what the run was trained with: its prompt and length
 budget (`EncodingOptions`), and the quantization of its base (a QLoRA run trained on INT4 weights is
 run on INT4 weights). `load_run` turns a source into a model and its tokenizer.
+`chatglm_tune.from_pretrained(run)` and the Auto classes load a P-tuning or LoRA run the same way
+(`adapter_run`, `load_adapted`); train.py refuses one as the base to tune (`require_model_dir`): it
+names the run's base, which --model tunes afresh and with which --resume continues the run.
 """
 
 from __future__ import annotations
@@ -53,6 +56,67 @@ def write_run_args(directory: Path, args: dict) -> None:
 def read_run_args(directory: Path) -> dict | None:
     path = Path(directory) / RUN_ARGS
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+# Options a resumed run may change: how long it runs and how it reports, not what it learns.
+RESUMABLE_CHANGES = ("epochs", "max_steps", "budget_steps", "patience", "threads", "eval_batch_size", "log_every",
+                     "tensorboard")
+
+
+def file_identity(path) -> dict:
+    """The absolute path, size and SHA-256 of a data file: what a run trained on, checked on --resume."""
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def run_record(model_arg: str, options, train_file, dev_file=None) -> dict:
+    """The `run_args.json` of a new run: the base (`tiny` or a resolved path), every option, and the data
+    files it trains and evaluates on."""
+    from dataclasses import asdict
+
+    from .options import TINY_PRESETS
+
+    plain = asdict(options)
+    if plain["lora"]["target"] is not None:
+        plain["lora"]["target"] = list(plain["lora"]["target"])
+    data = {"train": file_identity(train_file), "dev": file_identity(dev_file) if dev_file else None}
+    return {"model": model_arg if model_arg in TINY_PRESETS else str(Path(model_arg).resolve()), **plain, "data": data}
+
+
+def check_resume(output_dir: Path, record: dict) -> dict:
+    """The stopped run's record when `record` continues it: same base, data and options but for
+    RESUMABLE_CHANGES; else an error naming each difference (the directory is left as it is)."""
+    saved = read_run_args(output_dir)
+    if saved is None or state_dir(output_dir) is None:
+        raise RunDirectoryError(f"{output_dir}: nothing to resume (no {RUN_ARGS} or {STATE_DIR}/)")
+    differences = []
+    for key, value in record.items():
+        if key in RESUMABLE_CHANGES or (key == "data" and key not in saved):  # runs recorded before data was
+            continue
+        if key == "data":
+            differences += [f"--{name}-file: the run used {_describe_file(saved['data'].get(name))}, now "
+                            f"{_describe_file(value[name])}" for name in ("train", "dev")
+                            if _file_key(saved["data"].get(name)) != _file_key(value[name])]
+        elif saved.get(key) != value:
+            differences.append(f"{key}: the run used {saved.get(key)!r}, now {value!r}")
+    if differences:
+        raise RunDirectoryError(f"--resume would change the stopped run in {output_dir}: " + "; ".join(differences)
+                                + ". Resume with the run's own data and options, or train into a new --output-dir")
+    return saved
+
+
+def _file_key(identity: dict | None):
+    return None if identity is None else identity["sha256"]  # the same data moved elsewhere is the same data
+
+
+def _describe_file(identity: dict | None) -> str:
+    return "none" if identity is None else f"{identity['path']} ({identity['bytes']:,} bytes, sha256 {identity['sha256'][:12]})"
 
 
 def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, overwrite: bool) -> None:
@@ -99,6 +163,8 @@ def save_trained(model, tokenizer, directory: Path, tuning: str) -> None:
     def write(tmp: Path) -> None:
         if tuning == "ptuning":
             model.save_pretrained(tmp, state_dict=versions.of_config(model.config).prefix_state(model))
+        elif tuning == "lora":  # the adapter only: peft's "auto" adds the whole embedding and head whenever it
+            model.save_pretrained(tmp, save_embedding_layers=False)  # believes the vocabulary was resized
         else:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -120,6 +186,12 @@ def replace_dir(write, target: Path) -> None:
         os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def has_trained_model(run: Path) -> bool:
+    """Whether `save_trained` has published a model (whole, prefix or adapter) into `run`."""
+    return any((Path(run) / name).exists() for name in ("model.safetensors", "adapter_model.safetensors",
+                                                        "model.safetensors.index.json"))
 
 
 def state_dir(run: Path) -> Path | None:
@@ -176,9 +248,24 @@ def is_model_dir(directory: Path) -> bool:
     return (Path(directory) / CONFIG).is_file()
 
 
+ADAPTER_TUNINGS = {"ptuning": "a P-tuning prefix", "lora": "a LoRA adapter"}  # what such a run holds instead of a model
+
+
 def require_model_dir(directory: Path) -> Path:
-    """`directory` when it holds a model (config.json); a clear error otherwise (also for a LoRA adapter)."""
+    """`directory` when it holds a whole model (config.json + weights), the base a training run tunes; a
+    clear error otherwise: for a train.py P-tuning or LoRA run (its weights are a prefix or an adapter
+    only), one naming its base, the flags that tune that base or continue the run, and how to run it;
+    for a bare LoRA adapter, one saying to pass its base, and the adapter with --lora."""
     directory = Path(directory)
+    run_args = read_run_args(directory) or {}
+    holds = ADAPTER_TUNINGS.get(run_args.get("tuning"))
+    if holds is not None:
+        base = run_args.get("model")
+        raise RunDirectoryError(
+            f"{directory} is a --tuning {run_args['tuning']} run: it holds {holds} trained on {base}, not a model to "
+            f"tune: pass --model {base} to tune that base afresh, or --model {base} --resume --output-dir {directory} "
+            f"(with the run's options) to continue this run; infer.py --model {directory} runs it"
+        )
     if is_model_dir(directory):
         return directory
     if (directory / ADAPTER_CONFIG).exists():
@@ -188,7 +275,13 @@ def require_model_dir(directory: Path) -> Path:
 
 
 def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource:
-    """Work out base, adapter, tokenizer and training settings from `--model` (+ `--ptuning-checkpoint` / `--lora`)."""
+    """Work out base, adapter, tokenizer and training settings from `--model` (+ `--ptuning-checkpoint` / `--lora`).
+
+    A P-tuning prefix of another version than the base (its config.json, read as `versions.of_directory`
+    reads a model's) is refused, naming both. The training settings (prompt, lengths, data columns) are the
+    adapter's run_args.json; an adapter without one (a bare prefix or peft adapter) takes the base's, when
+    the base is a train.py run.
+    """
     model_dir = Path(model_dir)
     if ptuning_checkpoint is not None and lora is not None:
         raise RunDirectoryError("pass at most one of --ptuning-checkpoint and --lora")
@@ -222,10 +315,13 @@ def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource
         pre_seq_len, projection = prefix_config.get("pre_seq_len"), bool(prefix_config.get("prefix_projection"))
         if not pre_seq_len:
             raise RunDirectoryError(f"{prefix_dir}/{CONFIG} has no pre_seq_len: not a P-tuning checkpoint")
+        from .prefix import check_prefix_version
+
+        check_prefix_version(prefix_dir, versions.of_directory(base).name, base, error=RunDirectoryError)
     tuned = prefix_dir or lora_dir or model_dir  # the directory that was trained last
     candidates = list(dict.fromkeys([tuned, model_dir, base]))
     tokenizer_dir = next((d for d in candidates if versions.has_tokenizer(d)), None)
-    trained = read_run_args(tuned) or {}
+    trained = read_run_args(tuned) or read_run_args(model_dir) or {}  # a bare adapter: what its base was trained with
     encoding = EncodingOptions(**trained["encoding"]) if trained.get("encoding") else EncodingOptions()
     # A run trained on a base quantized at load runs on that base (not on the float one beneath it).
     adapter_run = trained if trained.get("tuning") in ("ptuning", "lora") else {}
@@ -288,6 +384,35 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
     return model.eval()
 
 
+def adapter_run(directory) -> ModelSource | None:
+    """`resolve_run` of a train.py P-tuning or LoRA run directory (its run_args.json names the base it
+    tuned); None for any other directory."""
+    tuning = (read_run_args(directory) or {}).get("tuning") if Path(directory).is_dir() else None
+    return resolve_run(directory) if tuning in ADAPTER_TUNINGS else None
+
+
+def load_adapted(source: ModelSource, *, dtype=None, torch_dtype=None, device="cpu", quantization_bit: int | None = None,
+                 group_size: int = 0, quantization_group_size: int | None = None, quantize_embedding: bool | None = None,
+                 pre_seq_len: int | None = None, prefix_projection: bool | None = None):
+    """`load_model` for `from_pretrained`'s arguments (`versions.from_pretrained`, the Auto classes): the base
+    of `source` with its prefix or its LoRA adapter. The prefix settings are the checkpoint's; others given
+    are refused. dtype (or torch_dtype) default float32."""
+    given = {"pre_seq_len": pre_seq_len, "prefix_projection": prefix_projection}
+    own = {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
+    clashes = [f"{k}={v!r}" for k, v in given.items() if v is not None and (source.prefix_dir is None or v != own[k])]
+    if clashes:
+        has = (f"pre_seq_len={source.pre_seq_len}, prefix_projection={source.prefix_projection}"
+               if source.prefix_dir is not None else "no prefix")
+        raise RunDirectoryError(f"{source.describe()} has {has}: cannot load it with {', '.join(clashes)}")
+    if quantization_group_size is not None:
+        if group_size and group_size != quantization_group_size:
+            raise ValueError(f"group_size={group_size} and quantization_group_size={quantization_group_size} disagree")
+        group_size = quantization_group_size
+    dtype = dtype if dtype is not None else torch_dtype
+    return load_model(source, dtype="float32" if dtype is None else dtype, device=device,
+                      quantization_bit=quantization_bit, group_size=group_size, quantize_embedding=quantize_embedding)
+
+
 def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size: int = 0, base: Path | None = None):
     """`model` with the LoRA adapter in `lora_dir` folded into its weights, then (bits 4/8) its block
     Linears quantized. On a base stored quantized the adapter cannot be merged: it runs beside the
@@ -310,7 +435,8 @@ def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size:
 
 def derived_run_args(source: ModelSource, **changes) -> dict:
     """The `run_args.json` of a directory made from `source` (a merged or quantized copy): the run's
-    own settings (prompt, lengths, threads), loaded as a whole model from now on."""
+    own settings (prompt, lengths, threads), loaded as a whole model from now on; a bare adapter's are its
+    base run's, as `resolve_run` reads them."""
     tuned = source.prefix_dir or source.lora_dir or source.base
-    args = dict(read_run_args(tuned) or {})
+    args = dict(read_run_args(tuned) or read_run_args(source.base) or {})
     return {**args, "tuning": "full", "derived_from": source.describe(), **changes}

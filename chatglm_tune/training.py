@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -61,6 +61,14 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a non-finite loss); the last good checkpoint stays in place."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the loop, after the state of the last finished step (`step`) was saved for --resume."""
+
+    def __init__(self, step: int, output_dir: Path):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.output_dir = step, output_dir
 
 
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
@@ -115,8 +123,12 @@ def set_trainable(model, options: TrainOptions):
 
 
 def train(model, tokenizer, train_records, dev_records, output_dir, options: TrainOptions, *,
-          model_arg: str, resume: bool = False, bad_records: dict | None = None) -> dict:
-    """Run the loop; returns the final summary (also in metrics.jsonl). See the module docstring."""
+          record: dict, resume: bool = False, bad_records: dict | None = None) -> dict:
+    """Run the loop; returns the final summary (also in metrics.jsonl). See the module docstring.
+
+    `record`: the run's `run_args.json` (`rundir.run_record`); with `resume`, checked against the stopped
+    run's (`rundir.check_resume`). Ctrl-C saves the state of the last finished step and raises
+    `TrainingInterrupted`."""
     output_dir = Path(output_dir)
     if not train_records:
         raise TrainingError("no training records: nothing to train on")
@@ -134,19 +146,25 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     _keep_only_trainable_in_state(accelerator)
 
-    run_args = {"model": model_arg if model_arg in TINY_PRESETS else str(Path(model_arg).resolve()), **_plain(options)}
     if resume:
-        progress = _resume(accelerator, output_dir, run_args)
+        progress = _resume(accelerator, output_dir, record)
     else:
         progress = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "best_f1": None, "best_loss": None, "since_best": 0}
-        _start_run(accelerator, output_dir, run_args, dataset, bad_records)
+        _start_run(accelerator, output_dir, record, dataset, bad_records)
     accelerator.print(start_summary(accelerator.unwrap_model(model), dataset, dev_records, bad_records, options,
-                                    total_steps, steps_per_epoch * accelerator.num_processes * options.accumulation))
+                                    total_steps, steps_per_epoch * accelerator.num_processes * options.accumulation,
+                                    tiny=record["model"] in TINY_PRESETS))
     if options.tensorboard:
         accelerator.init_trackers("tensorboard")
     started = time.time()
-    _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
-          total_steps, steps_per_epoch, output_dir)
+    finished = dict(progress)  # the progress of the last finished optimizer step, kept up by _loop
+    try:
+        _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
+              total_steps, steps_per_epoch, output_dir, finished)
+    except KeyboardInterrupt:  # save what the finished steps learned; a step under way is done again on --resume
+        if finished.get("state_step") != finished["step"]:
+            _save_state(accelerator, output_dir, finished)
+        raise TrainingInterrupted(finished["step"], output_dir) from None
     summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
@@ -167,56 +185,59 @@ def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLo
 
 
 def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
-          total_steps, steps_per_epoch, output_dir) -> None:
-    """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save."""
+          total_steps, steps_per_epoch, output_dir, finished: dict) -> None:
+    """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save.
+    `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves)."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
-    bar = tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train")
-    eval_due = options.eval_every or max(1, total_steps // EVALUATIONS)
-    window = []  # micro-batch losses since the last log line
-    model.train()
-    while progress["step"] < total_steps and not progress.get("stopped_early"):
-        batches = loader
-        if progress["batches_in_epoch"]:  # resuming mid-epoch
-            batches = accelerator.skip_first_batches(loader, progress["batches_in_epoch"])
-        batches.set_epoch(progress["epoch"])  # accelerate's loaders pass it on to the sampler
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                _check_finite(accelerator, loss, progress, output_dir)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and options.max_grad_norm:
-                    accelerator.clip_grad_norm_(params, options.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            progress["batches_in_epoch"] += 1
-            window.append(loss.detach())
-            if not accelerator.sync_gradients:
-                continue
-            progress["step"] += 1
-            step = progress["step"]
-            bar.update(1)
-            if step % options.log_every == 0 or step == total_steps:
-                mean = accelerator.gather(torch.stack(window).mean()[None]).mean().item()
-                window.clear()
-                lr = scheduler.get_last_lr()[0]
-                bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
-                log.write({"step": step, "epoch": progress["epoch"], "loss": mean, "lr": lr})
-            if step % eval_due == 0 or step == total_steps:
-                _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
-                model.train()
-                if dev_records and options.patience and progress["since_best"] >= options.patience:
-                    bar.write(f"step {step}: no better dev checkpoint in {options.patience} evaluations, stopping early")
-                    progress["stopped_early"] = True
+    with tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train") as bar:
+        eval_due = options.eval_every or max(1, total_steps // EVALUATIONS)
+        window = []  # micro-batch losses since the last log line
+        model.train()
+        while progress["step"] < total_steps and not progress.get("stopped_early"):
+            batches = loader
+            if progress["batches_in_epoch"]:  # resuming mid-epoch
+                batches = accelerator.skip_first_batches(loader, progress["batches_in_epoch"])
+            batches.set_epoch(progress["epoch"])  # accelerate's loaders pass it on to the sampler
+            for batch in batches:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    _check_finite(accelerator, loss, progress, output_dir)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and options.max_grad_norm:
+                        accelerator.clip_grad_norm_(params, options.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                progress["batches_in_epoch"] += 1
+                window.append(loss.detach())
+                if not accelerator.sync_gradients:
+                    continue
+                progress["step"] += 1
+                finished.update(progress)
+                step = progress["step"]
+                bar.update(1)
+                if step % options.log_every == 0 or step == total_steps:
+                    mean = accelerator.gather(torch.stack(window).mean()[None]).mean().item()
+                    window.clear()
+                    lr = scheduler.get_last_lr()[0]
+                    bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
+                    log.write({"step": step, "epoch": progress["epoch"], "loss": mean, "lr": lr})
+                if step % eval_due == 0 or step == total_steps:
+                    _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
+                    model.train()
+                    if dev_records and options.patience and progress["since_best"] >= options.patience:
+                        bar.write(f"step {step}: no better dev checkpoint in {options.patience} evaluations, stopping early")
+                        progress["stopped_early"] = True
+                        break
+                elif options.save_every and step % options.save_every == 0:
+                    _save_state(accelerator, output_dir, progress)
+                finished.update(progress)
+                if step >= total_steps:
                     break
-            elif options.save_every and step % options.save_every == 0:
-                _save_state(accelerator, output_dir, progress)
-            if step >= total_steps:
-                break
-        else:
-            progress["epoch"] += 1
-            progress["batches_in_epoch"] = 0
-    bar.close()
+            else:
+                progress["epoch"] += 1
+                progress["batches_in_epoch"] = 0
+                finished.update(progress)
 
 
 def _start_run(accelerator, output_dir: Path, run_args: dict, dataset, bad_records) -> None:
@@ -231,12 +252,12 @@ def _start_run(accelerator, output_dir: Path, run_args: dict, dataset, bad_recor
 
 
 def start_summary(model, dataset, dev_records, bad_records: dict | None, options: TrainOptions, total_steps: int,
-                  batches_per_epoch: int) -> str:
-    """The lines printed before the first step: data, truncation, trainable parameters, steps, stopping."""
+                  batches_per_epoch: int, *, tiny: bool = False) -> str:
+    """The lines printed before the first step: data, truncation, trainable parameters, steps, stopping;
+    and, for a real model, the method's defaults for real models (a tiny demo has its own)."""
     skipped = {k: (v or {}).get("skipped", 0) for k, v in (bad_records or {}).items()}
     cut = dataset.truncation_counts()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable, total = parameter_counts(model)
     epochs = total_steps * options.accumulation * options.rows_per_batch / max(len(dataset), 1)
     accumulated = f" x {options.accumulation} accumulated" if options.accumulation > 1 else ""
     stopping = (f"after {options.patience} evaluations without a better dev checkpoint" if options.patience and dev_records
@@ -250,8 +271,23 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
         f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable",
         f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
         f"rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
-        f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}",
+        *([] if tiny else [f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}"]),
     ])
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable, all) parameters, an INT8/INT4 weight counted as the float weight it stands for (INT4
+    packs two values a byte; its scales are not counted): a QLoRA run reads as the same model in float."""
+    from .quantization import QuantizedEmbedding, QuantizedLinear
+
+    stand_in = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            stand_in[id(module.weight)] = module.out_features * module.in_features
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            stand_in[id(module.weight_scale)] = 0
+    counts = [(p.requires_grad, stand_in.get(id(p), p.numel())) for p in model.parameters()]
+    return sum(n for trains, n in counts if trains), sum(n for _, n in counts)
 
 
 def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Accelerator | None = None) -> dict:
@@ -302,6 +338,8 @@ def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, p
 
 
 def _save_state(accelerator, output_dir, progress) -> None:
+    progress["state_step"] = progress["step"]
+
     def write(tmp):
         accelerator.save_state(str(tmp))
         if accelerator.is_main_process:
@@ -354,17 +392,9 @@ def _keep_only_trainable_in_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
-LENGTH_OPTIONS = ("epochs", "max_steps", "budget_steps", "patience")  # a resumed run may be made longer or shorter
-
-
-def _resume(accelerator, output_dir, run_args) -> dict:
-    saved_args = rundir.read_run_args(output_dir)
+def _resume(accelerator, output_dir, record) -> dict:
+    rundir.check_resume(output_dir, record)
     state = rundir.state_dir(output_dir)
-    if saved_args is None or state is None:
-        raise TrainingError(f"{output_dir}: nothing to resume (no {rundir.RUN_ARGS} or {rundir.STATE_DIR}/)")
-    changed = {k for k in run_args if k not in LENGTH_OPTIONS and saved_args.get(k) != run_args[k]}
-    if changed:
-        raise TrainingError(f"--resume with options that differ from the stopped run: {', '.join(sorted(changed))}")
     accelerator.load_state(str(state))
     progress = {"best_loss": None, "since_best": 0, **json.loads((state / "progress.json").read_text())}
     accelerator.print(f"resuming {output_dir} at step {progress['step']} (epoch {progress['epoch']})")
@@ -374,19 +404,15 @@ def _resume(accelerator, output_dir, run_args) -> dict:
 def _check_finite(accelerator, loss, progress, output_dir) -> None:
     if bool(torch.isfinite(accelerator.gather(loss.detach()[None])).all()):
         return
+    state = rundir.state_dir(output_dir)
+    kept = (f"The last good checkpoint is in {output_dir}" if rundir.has_trained_model(output_dir) else
+            "No checkpoint was written yet")
+    kept += f" (and its state of step {json.loads((state / 'progress.json').read_text())['step']} for --resume)" if state else ""
     raise TrainingError(
         f"the loss became {loss.item()} at step {progress['step'] + 1} (epoch {progress['epoch']}); the run stopped. "
-        f"The last good checkpoint is in {output_dir} (and its state/ for --resume). "
-        "Lower the learning rate, or use bf16 instead of fp16."
+        f"{kept}. Lower the learning rate; in half precision (--dtype float16, --mixed-precision fp16) use bfloat16 "
+        "or float32 instead."
     )
-
-
-def _plain(options: TrainOptions) -> dict:
-    """The options as JSON-ready values (the record of the run, checked on --resume)."""
-    out = asdict(options)
-    if out["lora"]["target"] is not None:
-        out["lora"]["target"] = list(out["lora"]["target"])
-    return out
 
 
 class _Log:

@@ -175,6 +175,17 @@ class GLMFamilyVersion(Version):
     def stop_ids(self, tokenizer) -> list[int]:
         return list(tokenizer.stop_token_ids)
 
+    def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """The official chat() prompt of ChatGLM3 / GLM-4 for `messages` (`role`, `content`, optional `metadata`,
+        a system message's `tools`), the last one being the query: ChatGLM3 its tokenizer's `build_chat_input`,
+        GLM-4 its chat template (`encode_chat`: message text stays data). Ends with `<|assistant|>`."""
+        if self.name == "chatglm3":
+            *history, last = messages
+            return tokenizer.build_chat_input(last["content"], history, role=last["role"])["input_ids"][0].tolist()
+        if self.name == "glm4":
+            return tokenizer.encode_chat(messages)
+        raise ValueError(f"{self.name} chats in (query, response) pairs, not role messages")
+
     def tiny(self, corpus: list[str], directory: Path, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
         architecture and the version's own tokenizer files, small: ChatGLM2/3 a character-level SentencePiece
@@ -272,7 +283,17 @@ def of_tokenizer(tokenizer) -> Version:
 
 def from_pretrained(directory, **kwargs):
     """The model of any version from its directory (`Version.load_model`'s arguments: dtype, device,
-    pre_seq_len, prefix_projection, quantization_bit, group_size, quantize_embedding)."""
+    pre_seq_len, prefix_projection, quantization_bit, group_size, quantize_embedding).
+
+    A train.py P-tuning or LoRA run directory (its run_args.json names the base) loads as that base with
+    the run's prefix or LoRA adapter (`rundir.load_adapted`, `rundir.load_model`: the base quantized as the
+    run trained on it unless quantization_bit says otherwise; an adapter merged into a float base, beside
+    the integer weights of a quantized one)."""
+    from . import rundir
+
+    source = rundir.adapter_run(directory)
+    if source is not None:
+        return rundir.load_adapted(source, **kwargs)
     return of_directory(directory).load_model(directory, **kwargs)
 
 

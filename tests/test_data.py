@@ -65,9 +65,10 @@ def load_make_spo():
 # Reading
 
 
+INSTRUCTION = "抽取三元组。"
 SHAPES = {
     "text_answer": {"text": TEXT, "answer": ANSWER},
-    "instruction": {"instruction": "抽取三元组。文本：", "input": TEXT, "output": ANSWER},
+    "instruction": {"instruction": INSTRUCTION, "input": TEXT, "output": ANSWER},
     "spo_list": {"text": TEXT, "spo_list": [{"subject": t.subject, "predicate": t.predicate, "object": t.object} for t in TRIPLES]},
     "competition": {"text": TEXT, "spo_list": [{"h": {"name": t.subject}, "t": {"name": t.object}, "relation": t.predicate} for t in TRIPLES]},
 }
@@ -77,7 +78,8 @@ SHAPES = {
 def test_every_shape_gives_the_same_record(tmp_path, shape):
     records, report = read_records(write_jsonl(tmp_path / "a.jsonl", [SHAPES[shape]]))
     assert report.total == 0
-    assert [(r.text, r.triples) for r in records] == [(TEXT, TRIPLES)]
+    text = INSTRUCTION + "\n" + TEXT if shape == "instruction" else TEXT  # the instruction leads the prompt text
+    assert [(r.text, r.triples, r.response) for r in records] == [(text, TRIPLES, None)]
     assert records[0].source == f"{tmp_path / 'a.jsonl'}:1"
     assert records[0].answer == ANSWER
 
@@ -113,7 +115,8 @@ BAD = [
     ({"text": 5, "answer": ANSWER}, "not_string", ["line 2", "field 'text'", "expected a string, got int"]),
     ({"text": TEXT, "answer": None}, "not_string", ["line 2", "field 'answer'", "got null"]),
     ({"text": "  ", "answer": ANSWER}, "empty_text", ["line 2", "field 'text'", "empty"]),
-    ({"instruction": "x", "output": ANSWER}, "missing_field", ["line 2", "field 'input'"]),
+    ({"instruction": " ", "output": ANSWER}, "empty_text", ["line 2", "field 'instruction'", "both missing or blank"]),
+    ({"instruction": "x", "input": 3}, "not_string", ["line 2", "field 'input'", "got int"]),
     ({"text": TEXT, "answer": "发动机_异响"}, "bad_triple", ["line 2", "field 'answer line 1'", "'发动机_异响'", "2 part(s)"]),
     ({"text": TEXT, "answer": ANSWER + "\n水_泵_部件故障_漏油"}, "bad_triple", ["line 2", "answer line 3", "4 part(s)"]),
     ({"text": TEXT, "answer": "发动机__异响"}, "empty_triple_part", ["line 2", "predicate is empty"]),
@@ -143,15 +146,15 @@ def test_bad_record_names_file_line_and_field(tmp_path, bad, reason, expected):
 def test_bad_item_of_a_json_array_names_its_index(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps([SHAPES["text_answer"], {"text": ""}]), encoding="utf-8")
-    with pytest.raises(RecordError, match=r"a\.json, array index 1, field 'text': the text is empty"):
+    with pytest.raises(RecordError, match=r"a\.json, array index 1 \(line 1\), field 'text': the text is empty"):
         read_records(path)
 
 
-def test_json_file_must_hold_an_array(tmp_path):
-    path = tmp_path / "a.json"
-    path.write_text(json.dumps(SHAPES["text_answer"]), encoding="utf-8")
-    with pytest.raises(RecordError, match="must hold an array"):
-        read_records(path, on_bad_record="skip")
+def test_a_json_file_of_one_object_a_line_is_read_as_json_lines(tmp_path):
+    path = write_jsonl(tmp_path / "train.json", [SHAPES["text_answer"], SHAPES["spo_list"]])
+    records, report = read_records(path)
+    assert report.total == 0 and [(r.text, r.triples, r.source) for r in records] == [
+        (TEXT, TRIPLES, f"{path}:1"), (TEXT, TRIPLES, f"{path}:2")]
 
 
 def test_skip_mode_counts_and_reports_every_skip(tmp_path):

@@ -182,7 +182,7 @@ def test_a_qlora_run_infers_on_its_int4_base(work, tmp_path):
     assert blocks and all(m.bits == 4 for m in blocks)
     assert any("lora_A" in name for name, _ in model.named_parameters())  # beside the integers, as trained
     done = ok(cli("infer.py", "--model", root / "qlora", "--input", root / "data.jsonl", "--output", tmp_path / "o.jsonl"))
-    assert "(INT4 float32, cpu)" in done.stderr
+    assert "(INT4 float32, cpu, " in done.stderr
 
 
 # 6. File permissions

@@ -8,6 +8,7 @@ loaded from the directory layouts `train.py` writes.
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,11 +156,12 @@ def test_resume_of_a_complete_run_changes_nothing(workdir, tmp_path):
     assert out.read_bytes() == before
 
 
-def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path):
+def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     run_infer(workdir, out, "--batch-size", 4)
-    with pytest.raises(SystemExit, match="pass --resume"):
+    with pytest.raises(SystemExit) as stopped:
         run_infer(workdir, out)
+    assert stopped.value.code == 2 and "pass --resume" in capsys.readouterr().err
     records, _ = read_records(workdir / "input.jsonl")
     rows = out.read_text(encoding="utf-8").splitlines()
     out.write_text("\n".join(rows[1:]) + "\n", encoding="utf-8")  # not a prefix of the input any more
@@ -167,12 +169,14 @@ def test_existing_output_needs_resume_and_must_match_the_input(workdir, tmp_path
         rows_to_resume(out, records, resolve_run(workdir / "model").identity(), resume=True)
 
 
-def test_resume_with_another_model_is_refused_naming_both(workdir, tmp_path):
+def test_resume_with_another_model_is_refused_naming_both(workdir, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     run_infer(workdir, out, "--batch-size", 4)
     before = out.read_bytes()
-    with pytest.raises(SystemExit, match=r"written by .*model, weights as stored; this run's model is .*model, INT8"):
+    with pytest.raises(SystemExit) as stopped:
         run_infer(workdir, out, "--batch-size", 4, "--resume", "--quantization-bit", "8")
+    assert stopped.value.code == 2
+    assert re.search(r"written by .*model, weights as stored; this run's model is .*model, INT8", capsys.readouterr().err)
     assert out.read_bytes() == before
 
 
@@ -186,8 +190,9 @@ def test_sampling_flags_need_do_sample(workdir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_infer(workdir, tmp_path / "x.jsonl", "--top-p", "0.5")
     assert "apply only with --do-sample" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match=r"top_p must be in \(0, 1\]"):
+    with pytest.raises(SystemExit) as stopped:
         run_infer(workdir, tmp_path / "x.jsonl", "--do-sample", "--top-p", "1.5")
+    assert stopped.value.code == 2 and re.search(r"top_p must be in \(0, 1\]", capsys.readouterr().err)
 
 
 def test_seeded_sampling_is_resumable(workdir, tmp_path):

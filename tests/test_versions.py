@@ -217,4 +217,6 @@ def test_chat_on_chatglm3_is_the_official_chat(runs):
     stop = tokenizer.stop_token_ids
     new = generate(model, official, max_new_tokens=96 - official.shape[1], eos_token_id=stop, vocab_limit=len(tokenizer))[0]
     assert new[-1] in stop and response == tokenizer.decode(new[:-1]).strip()
-    assert "_" in response and history == [("早", "早上好"), ("诊断过程：水泵漏油。", response)]
+    assert "_" in response and history == [  # the official ChatGLM3 history: role dicts, whatever was given
+        {"role": "user", "content": "早"}, {"role": "assistant", "metadata": "", "content": "早上好"},
+        {"role": "user", "content": "诊断过程：水泵漏油。"}, {"role": "assistant", "metadata": "", "content": response}]

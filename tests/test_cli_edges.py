@@ -1,0 +1,361 @@
+"""What a new user meets at the edges of the command lines, on every version's tiny preset: threads,
+--resume with other data, contradicting flags, Ctrl-C, misleading messages, small output faults.
+
+Each test names the mistake or surprise it guards against; the command lines run as a user runs them, in
+fresh processes.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_first_hour import ok, tree_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / "data" / "spo_dev.jsonl"
+PRESETS = ("tiny", "tiny-chatglm3", "tiny-glm4")
+SMALL = ["--max-src-len", "96", "--max-len", "160", "--batch-size", "8"]
+
+
+def cli(script: str, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command line as a user runs it, with OMP_NUM_THREADS only where `env` sets it."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          env={**environment, **(env or {})}, cwd=ROOT, timeout=timeout)
+
+
+def train_here(*args, capsys) -> tuple[int, str, str]:
+    """train.py in this process (no interpreter start): (exit code, stdout, stderr)."""
+    import train as train_cli
+
+    code = train_cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def infer_here(*args, capsys) -> tuple[int, str, str]:
+    """infer.py in this process: (exit code, stdout, stderr)."""
+    from infer import main as infer_main
+
+    try:
+        infer_main([str(a) for a in args])
+        code = 0
+    except SystemExit as stopped:
+        code = stopped.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("edges")
+    lines = DEV.read_text(encoding="utf-8").splitlines()
+    (root / "a.jsonl").write_text("\n".join(lines[:24]) + "\n", encoding="utf-8")
+    (root / "b.jsonl").write_text("\n".join(lines[24:40]) + "\n", encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(data):
+    """A 2-step full run of each preset (with a dev file), trained with OMP_NUM_THREADS=1 and no --threads."""
+    out = {}
+    for preset in PRESETS:
+        done = ok(cli("train.py", "--model", preset, "--tuning", "full", "--train-file", data / "a.jsonl",
+                      "--dev-file", data / "a.jsonl", *SMALL, "--max-steps", 2, "--output-dir", data / preset,
+                      env={"OMP_NUM_THREADS": "1"}))
+        out[preset] = (data / preset, done)
+    return out
+
+
+# Threads: an environment the user set wins over a preset, and the summary says which
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_omp_num_threads_wins_over_the_tiny_demo_and_the_summary_says_so(runs, preset):
+    run, done = runs[preset]
+    assert re.search(r"^threads: 1 \(OMP_NUM_THREADS\)$", done.stdout, re.M), done.stdout
+    assert json.loads((run / "run_args.json").read_text())["threads"] == 1
+    # the tiny demo's own summary does not go on about real models' defaults after stating its own lr
+    assert "for real models" not in done.stdout
+
+
+def test_threads_flag_beats_the_environment_and_the_preset_applies_without_either(data, tmp_path, capsys, monkeypatch):
+    args = ["--model", "tiny", "--tuning", "full", "--train-file", data / "b.jsonl", *SMALL, "--max-steps", 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    code, out, _ = train_here(*args, "--threads", 1, "--output-dir", tmp_path / "f", capsys=capsys)
+    assert code == 0 and re.search(r"^threads: 1 \(--threads\)$", out, re.M)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    code, out, _ = train_here(*args, "--output-dir", tmp_path / "p", capsys=capsys)
+    assert code == 0 and re.search(r"^threads: 2 \(the tiny demo's\)$", out, re.M)
+
+
+def test_infer_takes_omp_num_threads_over_the_run_s_threads(runs, capsys, monkeypatch):
+    run, _ = runs["tiny-glm4"]
+    args = json.loads((run / "run_args.json").read_text())
+    args["threads"] = 2
+    (run / "run_args.json").write_text(json.dumps(args))
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        code, _, err = infer_here("--model", run, "--text", "一辆车。", capsys=capsys)
+        assert code == 0 and "1 threads (OMP_NUM_THREADS)" in err
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        code, _, err = infer_here("--model", run, "--text", "一辆车。", capsys=capsys)
+        assert code == 0 and "2 threads (the run's)" in err
+    finally:
+        args["threads"] = 1
+        (run / "run_args.json").write_text(json.dumps(args))
+
+
+# --resume continues the run it was given, nothing else
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_resume_with_other_data_or_options_is_refused_and_the_run_is_untouched(runs, data, preset, capsys, monkeypatch):
+    run, _ = runs[preset]
+    before = tree_bytes(run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    base = ["--model", preset, "--tuning", "full", *SMALL, "--output-dir", run, "--resume"]
+    code, _, err = train_here(*base, "--train-file", data / "b.jsonl", "--max-steps", 4, capsys=capsys)
+    assert code == 2 and f"--train-file: the run used {(data / 'a.jsonl').resolve()}" in err
+    assert f"now {(data / 'b.jsonl').resolve()}" in err
+    assert "--dev-file: the run used" in err and "now none" in err
+    code, _, err = train_here(*base, "--train-file", data / "a.jsonl", "--dev-file", data / "a.jsonl", "--lr", "0.1",
+                              capsys=capsys)
+    assert code == 2 and "lr: the run used 0.004, now 0.1" in err
+    assert tree_bytes(run) == before
+
+
+def test_resume_may_change_the_length_and_the_threads(runs):
+    from chatglm_tune import rundir
+
+    run, _ = runs["tiny"]
+    record = rundir.read_run_args(run)
+    rundir.check_resume(run, {**record, "max_steps": 40, "threads": 2, "patience": 0})
+    with pytest.raises(rundir.RunDirectoryError, match="seed: the run used 42, now 7"):
+        rundir.check_resume(run, {**record, "seed": 7})
+
+
+# Flags that contradict each other
+
+
+def test_contradicting_flags_are_refused_in_one_message(data, tmp_path, capsys):
+    import train as train_cli
+
+    code = train_cli.main(["--model", "tiny-chatglm3", "--tuning", "lora", "--pre-seq-len", "8", "--prefix-projection",
+                           "--warmup-ratio", "1.5", "--threads", "0", "--epochs", "2", "--max-steps", "3", "--lr", "-1",
+                           "--train-file", str(data / "a.jsonl"), "--output-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2
+    for problem in ("--pre-seq-len applies only to --tuning ptuning, not lora",
+                    "--prefix-projection applies only to --tuning ptuning, not lora",
+                    "warmup_ratio is a share of the steps, in [0, 1), got 1.5", "--threads must be >= 1, got 0",
+                    "give --epochs or --max-steps, not both", "lr must be >= 0, got -1.0"):
+        assert problem in err, problem
+    assert err.count("train.py: error:") == 1 and not (tmp_path / "r").exists()
+    for flags, problem in ((["--tuning", "full", "--prefix-projection"], "--prefix-projection applies only to --tuning ptuning"),
+                           (["--tuning", "ptuning", "--lora-r", "4"], "--lora-r applies only to --tuning lora, not ptuning")):
+        code = train_cli.main(["--model", "tiny", *flags, "--train-file", str(data / "a.jsonl"), "--output-dir",
+                               str(tmp_path / "r")])
+        assert code == 2 and problem in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_tensorboard_without_its_package_is_refused(data, tmp_path):
+    done = cli("train.py", "--model", "tiny", "--tuning", "full", "--tensorboard", "--train-file", data / "a.jsonl",
+               "--output-dir", tmp_path / "r")
+    assert done.returncode == 2 and "--tensorboard needs the tensorboard package" in done.stderr
+
+
+# Ctrl-C
+
+
+def interrupt_when(args: list, ready, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a command, send it SIGINT (Ctrl-C) once `ready()` holds, and return what it did."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not ready() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def logged_steps(run: Path) -> int:
+    log = run / "metrics.jsonl"
+    return log.read_text().count('"loss"') if log.exists() else 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm4"])
+def test_ctrl_c_in_training_saves_the_state_and_says_how_to_resume(data, tmp_path, preset, capsys):
+    run = tmp_path / "run"
+    args = ["--model", preset, "--tuning", "full", "--train-file", data / "a.jsonl", *SMALL, "--log-every", 1,
+            "--threads", 1, "--output-dir", run]
+    done = interrupt_when([ROOT / "train.py", *args, "--max-steps", 2000], lambda: logged_steps(run) >= 3)
+    assert done.returncode == 130 and "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    match = re.search(r"train\.py: interrupted after step (\d+): its state is saved in .*--resume", done.stderr)
+    assert match, done.stderr[-2000:]
+    assert json.loads((run / "state" / "progress.json").read_text())["step"] == int(match.group(1)) >= 3
+    code, out, _ = train_here(*args, "--max-steps", int(match.group(1)) + 2, "--resume", capsys=capsys)  # a run may be shortened
+    assert code == 0 and f"resuming {run} at step {match.group(1)}" in out
+
+
+def test_ctrl_c_in_infer_keeps_the_rows_and_says_how_to_resume(runs, data, tmp_path, capsys):
+    run, _ = runs["tiny-chatglm3"]
+    out = tmp_path / "out.jsonl"
+    lines = lambda: out.read_text().count("\n") if out.exists() else 0  # noqa: E731
+    args = [ROOT / "infer.py", "--model", run, "--input", data / "a.jsonl", "--output", out, "--batch-size", 1]
+    done = interrupt_when(args, lambda: lines() >= 2)
+    assert done.returncode == 130 and "Traceback" not in done.stderr
+    kept = lines()
+    assert f"interrupted after {kept} of 24 records" in done.stderr and "--resume" in done.stderr
+    code, _, _ = infer_here(*args[1:], "--resume", capsys=capsys)
+    assert code == 0 and lines() == 24
+
+
+# Messages that misled
+
+
+def test_infer_refuses_its_input_or_a_directory_as_output_and_exits_2(runs, data, tmp_path, capsys):
+    from infer import main as infer_main
+
+    run, _ = runs["tiny"]
+    for output, message in ((data / "a.jsonl", "is the --input file"), (run, "is a directory")):
+        with pytest.raises(SystemExit) as stopped:
+            infer_main(["--model", str(run), "--input", str(data / "a.jsonl"), "--output", str(output)])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and message in err and "remove it" not in err
+    with pytest.raises(SystemExit) as stopped:
+        infer_main(["--model", str(tmp_path / "nowhere"), "--text", "x"])
+    assert stopped.value.code == 2 and "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")
+def test_infer_on_cuda_without_cuda_is_an_error_not_a_traceback(runs, capsys):
+    run, _ = runs["tiny"]
+    code, _, err = infer_here("--model", run, "--text", "x", "--device", "cuda", capsys=capsys)
+    assert code == 2 and "CUDA is not available" in err
+
+
+def test_float16_on_a_cpu_says_it_is_slow(runs, capsys):
+    run, _ = runs["tiny"]
+    code, _, err = infer_here("--model", run, "--text", "一辆车。", "--dtype", "float16", "--device", "cpu", capsys=capsys)
+    assert code == 0 and "float16 on a CPU has no fast kernels" in err
+
+
+def test_a_non_finite_loss_before_any_save_does_not_point_at_a_checkpoint(tmp_path):
+    from accelerate import Accelerator
+
+    from chatglm_tune.training import TrainingError, _check_finite
+
+    with pytest.raises(TrainingError) as caught:
+        _check_finite(Accelerator(cpu=True), torch.tensor(float("nan")), {"step": 0, "epoch": 0}, tmp_path)
+    assert "No checkpoint was written yet" in str(caught.value) and "state" not in str(caught.value)
+    assert "bfloat16" in str(caught.value)
+
+
+# Small output faults
+
+
+def test_the_smoothed_loss_runs_through_a_falling_curve():
+    from chatglm_tune.curves import smooth
+
+    noise = torch.Generator().manual_seed(0)
+    falling = [5 - 0.01 * i + 0.3 * float(torch.rand(1, generator=noise) - 0.5) for i in range(300)]
+    above = sum(s > x for s, x in zip(smooth(falling), falling))
+    assert 0.3 < above / len(falling) < 0.7  # a one-way average sat above nearly every point
+    line = [5 - 0.01 * i for i in range(300)]
+    assert max(abs(s - x) for s, x in zip(smooth(line)[60:-60], line[60:-60])) < 1e-3  # edges: each start's debiasing
+
+
+@pytest.mark.parametrize("entries", [
+    [{"step": 1, "epoch": 0, "loss": 2.0, "lr": 0.0}],
+    [{"step": 1, "epoch": 0, "loss": 2.0, "lr": 0.0}, {"step": 1, "epoch": 0, "eval": {"score": 0.0, "dev_loss": 1.9}}],
+    [{"step": 1, "epoch": 0, "loss": 0.0, "lr": 0.0}],
+    [],
+], ids=["one-point", "one-point-and-eval", "zero-loss", "empty"])
+def test_a_curve_of_few_points_draws_without_warnings(tmp_path, entries):
+    from chatglm_tune.curves import plot_curves
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_curves(log, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_prompt_response_runs_report_one_score_and_no_triples(tmp_path, capsys):
+    pairs = [{"content": f"类型#裙*颜色#{c}*长度#{n}", "summary": f"这条{c}的裙子是{n}的。"}
+             for c in ("红色", "蓝色", "白色", "黑色") for n in ("长款", "短款", "中长款")]
+    data = tmp_path / "ad.json"
+    data.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs) + "\n", encoding="utf-8")
+    columns = ["--prompt-column", "content", "--response-column", "summary"]
+    code, out, _ = train_here("--model", "tiny", "--tuning", "full", "--train-file", data, "--dev-file", data, *columns,
+                              *SMALL, "--max-steps", 2, "--threads", 1, "--output-dir", tmp_path / "run", capsys=capsys)
+    evaluated = re.findall(r"rouge-l ([\d.]+)", out)
+    best = re.search(r"best dev score rouge-l ([\d.]+)", out)
+    assert code == 0 and evaluated and best and best.group(1) in evaluated, out
+    code, _, _ = infer_here("--model", tmp_path / "run", "--input", data, "--output", tmp_path / "p.jsonl", capsys=capsys)
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert code == 0 and rows and all(row["triples"] is None and row["malformed"] is None for row in rows)
+
+
+def test_infer_says_when_it_cuts_a_text(runs, tmp_path, capsys):
+    run, _ = runs["tiny-chatglm3"]
+    long = "发动机水温高，风扇始终是低速转动。" * 400
+    code, _, err = infer_here("--model", run, "--text", long, "--max-new-tokens", 2, capsys=capsys)
+    assert code == 0 and "the text was cut to fit max_src_len=96 tokens" in err
+    records = tmp_path / "long.jsonl"
+    records.write_text(json.dumps({"text": long}, ensure_ascii=False) + "\n" + DEV.read_text(encoding="utf-8").splitlines()[0]
+                       + "\n", encoding="utf-8")
+    code, out, _ = infer_here("--model", run, "--input", records, "--output", tmp_path / "o.jsonl", "--max-new-tokens", 2,
+                              capsys=capsys)
+    assert code == 0 and "texts cut to fit max_src_len=96 tokens: 1" in out
+    assert [json.loads(line)["text_truncated"] for line in (tmp_path / "o.jsonl").read_text().splitlines()] == [True, False]
+
+
+@pytest.mark.parametrize("name", ["chatglm", "chatglm3", "glm4"])
+def test_a_quantized_model_counts_the_parameters_of_its_float_form(name, tmp_path):
+    from chatglm_tune.quantization import quantize_model
+    from chatglm_tune.training import parameter_counts
+    from chatglm_tune.versions import VERSIONS
+
+    version = VERSIONS[name]
+    model, _ = version.tiny([json.loads(line)["text"] for line in DEV.read_text(encoding="utf-8").splitlines()[:20]], tmp_path)
+    float_counts = parameter_counts(model)
+    assert float_counts[0] == float_counts[1] == sum(p.numel() for p in model.parameters())
+    for bits in (8, 4):
+        quantized = quantize_model(type(model)(model.config), bits, targets=version.quantizable_linears)
+        assert parameter_counts(quantized)[1] == float_counts[1], bits
+
+
+def test_infer_help_names_every_version():
+    done = ok(cli("infer.py", "--help", timeout=60))
+    flat = " ".join(done.stdout.split())
+    assert "ChatGLM-6B, ChatGLM2/3 or GLM-4" in flat
+
+
+def test_records_with_their_own_instruction_get_no_other_and_conversations_are_free_text(tmp_path, capsys):
+    talks = [{"conversations": [{"role": "user", "content": f"介绍{c}的裙子"}, {"role": "assistant", "content": f"这条{c}的裙子很好看。"}]}
+             for c in ("红色", "蓝色", "白色", "黑色", "灰色", "绿色")]
+    data = tmp_path / "talks.json"
+    data.write_text(json.dumps(talks, ensure_ascii=False), encoding="utf-8")
+    code, _, _ = train_here("--model", "tiny-chatglm3", "--tuning", "full", "--train-file", data, *SMALL, "--max-steps", 1,
+                            "--threads", 1, "--output-dir", tmp_path / "run", capsys=capsys)
+    assert code == 0 and json.loads((tmp_path / "run" / "run_args.json").read_text())["encoding"]["prompt"] == ""
+    code, _, _ = infer_here("--model", tmp_path / "run", "--input", data, "--output", tmp_path / "p.jsonl",
+                            "--max-new-tokens", 4, capsys=capsys)
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert code == 0 and len(rows) == 6 and all(row["triples"] is None for row in rows)
+    summary = json.loads((tmp_path / "p.jsonl.summary.json").read_text())
+    assert "rouge-l" in summary["scores"]
