@@ -7,7 +7,7 @@ fresh work directory instead of checkpoints/tiny, and runs them one after the ot
 with the machine's cores as they are (the demo's own thread count). It reports the wall time of each
 (imports, data, tokenizer, training with its evaluations, saving; loading, extraction, scoring), the
 dev micro-F1 that infer.py measured on the saved model, and when the training first had a checkpoint
-of dev F1 >= 0.9 (the step, from metrics.jsonl). Issue 14's target: F1 >= 0.9, train + infer within 5
+of dev F1 >= 0.9 (the step, from metrics.jsonl). The target: F1 >= 0.9, train + infer within 5
 minutes on 2 cores. Times are this machine's: the CPU's name and capability are printed beside them.
 The last line is JSON.
 

@@ -11,7 +11,7 @@ then reads the run's best dev micro-F1 from its metrics.jsonl (the `eval` entrie
 optimizer steps (the `final` entry) and the wall time of the process. Prints a table, writes
 bench/results/domains.json (`--results`) and ends with the same JSON on one line:
 `{"domains": {name: {"f1", "steps", "seconds", "best_step", "train_records"}}, "extra": [...]}`.
-The acceptance target of issue 14 is f1 >= 0.9 on every set with no extra flag.
+The target is f1 >= 0.9 on every set with no extra flag.
 Sets of the same kinds drawn with other seeds, never run while the defaults were chosen
 (`python data/make_domains.py --domain products --seed 8|9 --out-dir DIR`, `--domain people --seed 8`),
 one thread each: products 0.950 and 0.917, people 0.937 (bench/results/domains-unseen.json).

@@ -1,5 +1,5 @@
 """Benchmark: INT4 matmul kernels against int8pack at batch 1, ChatGLM-6B's layer shapes, on this CPU as it is
-and as an AVX2-only CPU (issue 15: INT4 no slower than INT8 without AVX-512).
+and as an AVX2-only CPU (the target: INT4 no slower than INT8 without AVX-512).
 
     python bench/int4_kernels.py           # both capabilities, 1 and 2 threads (about 6 minutes)
     python bench/int4_kernels.py --quick   # smoke run: one small shape, few repeats

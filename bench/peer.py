@@ -1,4 +1,4 @@
-"""Benchmark: ChatGLM-6B at full size on CPU against the C++ peer, chatglm.cpp (issue 15): decode speed,
+"""Benchmark: ChatGLM-6B at full size on CPU against the C++ peer, chatglm.cpp: decode speed,
 prefill time and peak memory side by side, and batched extraction records/s.
 
     python bench/peer.py --step write                      # the random fp16 checkpoint (official layout)
@@ -47,7 +47,7 @@ without AVX-512); results are kept beside the native ones under a `+avx2` suffix
 flash attention, which fails under that setting ("pack_vnni2 is only supported when avx512 is supported").
 
 Step records accumulate in `peer_steps.json` (bench/results at full size; ChatGLM3-6B: `peer-chatglm3_steps.json`);
-`report` (`bench/peer_report.py`) writes `peer.json` (the issue's shape: the fastest honest setting of each
+`report` (`bench/peer_report.py`) writes `peer.json` (the reported shape: the fastest honest setting of each
 variant at the reported thread count) and `peer.md` (every run), or `peer-chatglm3.json` / `.md`. Every
 process stays under ~14 GB (bf16 and cpp f16 are the largest, about 13 GB); run one at a time.
 """

@@ -1,6 +1,6 @@
-"""The report of bench/peer.py: from the step records (`peer_steps.json`), the summary in the issue's shape
+"""The report of bench/peer.py: from the step records (`peer_steps.json`), the summary
 (`peer.json`: per variant the fastest honest setting at the reported thread count), the tables of every run,
-side by side and the acceptance checks of issue 15 (`peer.md`, also printed), and the closing JSON line
+side by side and the acceptance checks (`peer.md`, also printed), and the closing JSON line
 (ChatGLM3-6B: `peer-chatglm3.*`).
 """
 
@@ -37,7 +37,7 @@ def _best(steps: dict, base: str, threads: int, field: str, higher: bool = True)
 
 
 def summarize(steps: dict, threads: int) -> dict:
-    """The issue's shape: per variant the fastest honest setting (native capability, as is or +e8) at `threads`."""
+    """The reported shape: per variant the fastest honest setting (native capability, as is or +e8) at `threads`."""
     decode, rss, records, chosen = {}, {}, {}, {}
     for variant, cpp in PAIRS:
         for name, base in ((variant, f"toolkit-{variant}"), (f"cpp_{cpp}", f"cpp-{cpp}")):
@@ -122,7 +122,7 @@ def _acceptance(peer: dict, avx2: dict) -> list[str]:
               ("INT4 peak RSS <= chatglm.cpp q4_0 + 10%", m["cpp_q4_0"], m["int4"], 1 / 1.1),
               ("INT8 batch 32 records/s >= 1.5x chatglm.cpp q8_0 sequential", rec["int8_b32"], rec["cpp_q8_0"], 1.5),
               ("INT4 batch 32 records/s >= 1.5x chatglm.cpp q4_0 sequential", rec["int4_b32"], rec["cpp_q4_0"], 1.5)]
-    lines = ["", "## Acceptance (issue 15)", ""]
+    lines = ["", "## Acceptance", ""]
     for text, a, b, need in checks:
         verdict = "not measured" if not (a and b) else f"{a / b:.2f} (needs >= {need:.2f}): {'met' if a / b >= need else 'MISSED'}"
         lines.append(f"- {text}: {verdict}")
@@ -133,7 +133,7 @@ def report(steps: dict, out: Path, threads: int, title: str = "ChatGLM-6B", stem
     """Print and write `<stem>.md` and `<stem>.json` into `out`, then print the closing JSON line."""
     summary = summarize(steps, threads)
     peer = summary["peer"]
-    lines = [f"# {title} on CPU: the toolkit against chatglm.cpp 0.4.2 (issue 15){' (--quick: 2 layers)' if quick else ''}", "",
+    lines = [f"# {title} on CPU: the toolkit against chatglm.cpp 0.4.2{' (--quick: 2 layers)' if quick else ''}", "",
              *INTRO, *_runs_table(steps), *_batch_table(steps), *_side_by_side(summary, threads),
              *_acceptance(peer, _avx2_decode(steps, threads))]
     text = "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """Benchmark: a ChatGLM version at full size on this machine: peak memory and speed of inference and of
 one training step, bf16 / INT8 / INT4. `--version` (bench/scale_versions.py, one row per version):
-`chatglm` (default) ChatGLM-6B, issue 6, beside the seed's GPU figures (Table 18-1); `chatglm3`
-ChatGLM3-6B, issue 12; `glm4` GLM-4-9B, issue 13.
+`chatglm` (default) ChatGLM-6B, beside the seed's GPU figures (Table 18-1); `chatglm3`
+ChatGLM3-6B; `glm4` GLM-4-9B.
 
     python bench/scale.py --quick [--version V]              # 2-layer slice of the real config, every step in one go
     python bench/scale.py [--version V] --step write          # full size, one step per command:
@@ -14,8 +14,8 @@ Steps:
   (`bench/checkpoint_writer.py`; ChatGLM-6B: `ChatGLMConfig.from_name("chatglm-6b")`, the model's own keys
   from its meta-device `state_dict` plus `lm_head.weight` and the `rotary_emb.inv_freq` buffers, fp16 `.bin`
   shards, M = 8; ChatGLM3-6B / GLM-4-9B: the official config.json and keys, fp16 safetensors shards, M = 7 /
-  10, and the real tokenizer copied from ../shared/assets; 3 shards with `--quick`). Generated shard by
-  shard (std 0.02, seeded per key): at most one shard in memory.
+  10, and the real tokenizer, copied from the shared assets when they sit beside this checkout; 3 shards
+  with `--quick`). Generated shard by shard (std 0.02, seeded per key): at most one shard in memory.
 - `quantize-int8`, `quantize-int4`: `quantize.py --bits B` of that checkpoint (official per-row layout);
   its time and peak RSS are recorded.
 - `infer-*` (`bench/scale_children.py infer`): in a fresh process, load with `chatglm_tune.from_pretrained(dir,
@@ -40,7 +40,7 @@ Steps:
   10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
   are measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
 - `report` (`bench/scale_report.py`): the table (also `<results>.md`; ChatGLM-6B beside the seed's GPU
-  figures, with a bar chart `scale.png`), the version's issue targets, and the closing JSON line
+  figures, with a bar chart `scale.png`), the version's targets, and the closing JSON line
   (`{"<results>": {...}}`).
 
 Peak RSS is the whole measuring process's own `ru_maxrss` (`measure.run`), the Python + torch baseline
@@ -199,7 +199,7 @@ class Bench:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--version", choices=VERSIONS, default=DEFAULT_VERSION,
-                   help="chatglm: ChatGLM-6B (issue 6); chatglm3: ChatGLM3-6B (issue 12); glm4: GLM-4-9B (issue 13) "
+                   help="chatglm: ChatGLM-6B; chatglm3: ChatGLM3-6B; glm4: GLM-4-9B "
                         "(default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help=f"a {QUICK_LAYERS}-layer slice of the real config (default: full size, 28 layers; GLM-4-9B 40)")

@@ -1,20 +1,20 @@
 """The versions bench/scale.py measures, one row each: full-size config, checkpoint layout, tokenizer,
-prompt frame, result files and the issue's targets. Everything that differs between the versions'
+prompt frame, result files and the targets. Everything that differs between the versions'
 scale benches is here; scale.py, checkpoint_writer.py, scale_children.py and scale_report.py ask a row.
 
-    chatglm   ChatGLM-6B   (issue 6)   `ChatGLMConfig.from_name("chatglm-6b")`; 8 `.bin` shards; no tokenizer
-    chatglm3  ChatGLM3-6B  (issue 12)  THUDM/chatglm3-6b's config.json; 7 safetensors shards; its tokenizer
-    glm4      GLM-4-9B     (issue 13)  THUDM/glm-4-9b-chat's config.json; 10 safetensors shards; its tokenizer
+    chatglm   ChatGLM-6B   `ChatGLMConfig.from_name("chatglm-6b")`; 8 `.bin` shards; no tokenizer
+    chatglm3  ChatGLM3-6B  THUDM/chatglm3-6b's config.json; 7 safetensors shards; its tokenizer
+    glm4      GLM-4-9B     THUDM/glm-4-9b-chat's config.json; 10 safetensors shards; its tokenizer
 
 The GLM configs are the official config.json files field for field (the names the toolkit reads:
-chatglm_tune/glm_config.py; ../shared/golden/README-glm.md), but `torch_dtype`: "float16" for both,
-since the bench writes fp16 shards (glm-4-9b-chat's own says bfloat16). The tokenizers are the real
-ones, copied from ../shared/assets/{chatglm3,glm4}/ (the bench's prompts are ids anyway: the real
-special ids, random ordinary ids between them).
+chatglm_tune/glm_config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
+(glm-4-9b-chat's own says bfloat16). The tokenizers are the real ones, copied from the shared assets'
+chatglm3/ and glm4/ folders when a checkout of them sits beside this one (the bench's prompts are ids
+anyway: the real special ids, random ordinary ids between them).
 
 `--quantize-embedding` (`+e8`, every version) loads with `quantize_embedding=True`: ChatGLM-6B's tied embedding /
 head as one INT8 copy; ChatGLM3-6B's and GLM-4-9B's untied ones (GLM-4-9B: 2 x 0.62 B) as one INT8 copy each,
-quantized as they are read. Issue 13 holds GLM-4-9B's INT4 inference to <= 6.0 GB with them (`e8_targets`).
+quantized as they are read. The target holds GLM-4-9B's INT4 inference to <= 6.0 GB with them (`e8_targets`).
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ class BenchVersion:
     shards: int  # as the official checkpoint
     layout: str  # checkpoint_writer.LAYOUTS: "chatglm6b" (.bin shards) or "glm" (safetensors shards)
     frame: PromptFrame
-    # issue targets, peak RSS GB: {"inference" | "ptuning": {"bf16" | "int8" | "int4": GB}}
+    # targets, peak RSS GB: {"inference" | "ptuning": {"bf16" | "int8" | "int4": GB}}
     targets: dict
     official_config: dict | None = None  # None: ChatGLM-6B's ChatGLMConfig preset
-    tokenizer_assets: str | None = None  # ../shared/assets/<this>, copied into the checkpoint
+    tokenizer_assets: str | None = None  # the shared assets' tokenizer folder of this name, copied into the checkpoint
     seed_gpu_gb: dict | None = None  # the seed's Table 18-1 (ChatGLM-6B's)
-    decode_targets: bool = False  # issue 6's decode targets (of the bandwidth bound, INT4 x bf16)
+    decode_targets: bool = False  # the decode targets (of the bandwidth bound, INT4 x bf16)
     fit_steps: tuple[str, ...] = ()  # steps that must run to the end on this machine
-    e8_targets: dict | None = None  # issue targets of the +e8 rows (`--quantize-embedding`), peak RSS GB, as `targets`
+    e8_targets: dict | None = None  # targets of the +e8 rows (`--quantize-embedding`), peak RSS GB, as `targets`
     chart: bool = False
 
     def config_json(self, num_layers: int | None = None) -> dict:

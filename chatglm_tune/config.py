@@ -1,6 +1,6 @@
 """ChatGLM-6B configuration: the official `config.json` field names, and named presets.
 
-Reference: THUDM/chatglm-6b `configuration_chatglm.py` (see spec section 1). The class defaults of the
+Reference: THUDM/chatglm-6b `configuration_chatglm.py`. The class defaults of the
 official file are stale (pre-"slim" vocabulary of 150528); ours are the released ChatGLM-6B values,
 and a `config.json` always wins over them.
 """
@@ -51,7 +51,7 @@ class ChatGLMConfig(PreTrainedConfig):
     quantization_group_size: int = 0
     tie_word_embeddings: bool = True
     # Dropout on each block's attention and MLP outputs while training. The released model has none
-    # (spec: no dropout); the from-scratch tiny preset uses it against memorising small sets.
+    # (the official code: no dropout); the from-scratch tiny preset uses it against memorising small sets.
     hidden_dropout: float = 0.0
 
     def validate_architecture(self):
@@ -92,7 +92,7 @@ class ChatGLMConfig(PreTrainedConfig):
 
 
 PRESETS: dict[str, dict] = {
-    # The released model (spec section 1).
+    # The released model: THUDM/chatglm-6b's config.json values.
     "chatglm-6b": {},
     # The mid-size config of the benchmarks: real vocabulary, small trunk.
     "mid": dict(hidden_size=1024, num_layers=8, num_attention_heads=16, inner_hidden_size=4096),

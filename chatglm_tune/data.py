@@ -34,7 +34,7 @@ array index (0-based) and the line it starts on, the field and what was expected
 of each). An array that is not valid JSON, and a UTF-16 file, raise either way.
 
 Encoding: the tokenizer's version (`versions`) builds the prompt and the training row as its official
-fine-tuning does. ChatGLM-6B (spec section 8, `ptuning/main.py` preprocess_function, with
+fine-tuning does. ChatGLM-6B (`ptuning/main.py` preprocess_function, with
 max_target_length = max_len - max_src_len):
 
     source = encode(prompt + text)[: max_src_len - 1]        # room for [gMASK]
@@ -493,7 +493,7 @@ def chat_prompt(query: str, history: Sequence[tuple[str, str]] | None) -> str:
     """ChatGLM-6B's multi-turn prompt: the query alone when `history` is None, else `[Round i]\n问：q\n答：r\n`
     for each earlier turn, then `[Round n]\n问：{query}\n答：`. The official `ptuning/main.py` builds the
     rounds whenever there is a history column (even an empty one); the official `chat()` only for a
-    non-empty history (spec section 7)."""
+    non-empty history."""
     if history is None:
         return query
     rounds = "".join(f"[Round {i}]\n问：{q}\n答：{r}\n" for i, (q, r) in enumerate(history))

@@ -15,15 +15,16 @@ glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this 
   q/k/v, o_proj, gate_up_proj, down_proj as `quantization.QuantizedLinear`), in the official ChatGLM2
   layout of its fused Linears (`query_key_value` / `dense` / `dense_h_to_4h` / `dense_4h_to_h`: int8
   `weight` [out, in] or INT4 packed [out, in/2], fp16 per-row `weight_scale` [out], config.json's
-  `quantization_bit`; spec chatglm-6b.md section 6): `load_glm` reads such a directory (q/k/v split by
+  `quantization_bit`; the official ChatGLM-6B quantization format): `load_glm` reads such a directory (q/k/v split by
   rows, scales included) or quantizes a half/float one while reading it, `save_official` writes it;
 - with `quantize_embedding`, the untied embedding and head in INT8 too (`QuantizedEmbedding`, a `QuantizedLinear`
   head), quantized as they are read: a runtime form, beyond the official format, that saving refuses;
 - `save_official`: the official key layout and config.json, so an official directory round-trips;
-- `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the seam of DESIGN.md).
+- `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the one place where versions differ).
 Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
-References: ../shared/golden/README-glm.md; the official code (ChatGLM2 `syjjhl/chatglm2-6b`,
-ChatGLM3 `czk1997/chatglm3-copy`); transformers `models/glm/modeling_glm.py`.
+References: the official ChatGLM2/3 and GLM-4 checkpoint layout, as the official modeling code names it;
+the official code (ChatGLM2 `syjjhl/chatglm2-6b`, ChatGLM3 `czk1997/chatglm3-copy`);
+transformers `models/glm/modeling_glm.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .glm_config import detect_version, glm_config, official_config, read_config_file, stored_format
-from .generation import Chat
+from .chat import Chat
 from .glm_prefix import prefix_encoder, prefix_width
 from .prefix import PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, check_prefix_version, not_a_model, only_prefix_weights
 from .prefix import prefix_key_values, seed_cache
@@ -431,7 +432,7 @@ def _castable(key: str, tensor: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class GlmFamily:
-    """What the toolkit asks one version of this family (DESIGN.md's seam); the model is the same for all.
+    """What the toolkit asks one version of this family (where versions differ); the model is the same for all.
 
     stop_tokens: special tokens that end a reply besides config.json's `eos_token_id` (the tokenizer
     resolves them to ids). lora_targets / quantizable_linears: transformers module names (inside

@@ -5,7 +5,7 @@ The official `configuration_chatglm.py` of all three names its fields Megatron-s
 `seq_length`, GLM-4's `rope_ratio`); the architecture is transformers 5's own `GlmForCausalLM` with
 rotary on half of each head (`partial_rotary_factor` 0.5), `head_dim = kv_channels`,
 `num_key_value_heads = multi_query_group_num`, a bias on q/k/v only and
-`rope_theta = 10000 * rope_ratio` (absent = 1). References: ../shared/golden/README-glm.md, the
+`rope_theta = 10000 * rope_ratio` (absent = 1). References: the official checkpoint layout and the
 official `modeling_chatglm.py` (ChatGLM2 `syjjhl/chatglm2-6b`, ChatGLM3 `czk1997/chatglm3-copy`).
 transformers' own converter reads `rope_ratio` from the wrong place and always gets 1: here it is read
 from the config.json itself.

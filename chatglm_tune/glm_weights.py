@@ -1,6 +1,6 @@
 """Official ChatGLM2/3 / GLM-4 checkpoint keys <-> transformers `GlmForCausalLM` keys.
 
-Official layout (../shared/golden/README-glm.md; NH heads, G = multi_query_group_num, D = kv_channels):
+Official layout (the official modeling code's names; NH heads, G = multi_query_group_num, D = kv_channels):
 `transformer.embedding.word_embeddings`, `transformer.encoder.layers.N.{input_layernorm,
 self_attention.query_key_value, self_attention.dense, post_attention_layernorm, mlp.dense_h_to_4h,
 mlp.dense_4h_to_h}`, `transformer.encoder.final_layernorm`, `transformer.output_layer` (untied),

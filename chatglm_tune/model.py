@@ -1,4 +1,4 @@
-"""ChatGLM-6B (v1) in plain PyTorch, exact to the official `modeling_chatglm.py` (spec section 3).
+"""ChatGLM-6B (v1) in plain PyTorch, exact to the official `modeling_chatglm.py`.
 
 Module names equal the official checkpoint keys (`transformer.word_embeddings`,
 `transformer.layers.N.attention.query_key_value`, `.mlp.dense_h_to_4h`, `transformer.final_layernorm`,
@@ -37,7 +37,7 @@ from . import checkpoint, cpu_matmul, quantization
 from .auto import AUTO_PLUMBING
 from .cpu_matmul import Linear
 from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
-from .generation import Chat
+from .chat import Chat
 from .positions import build_position_ids, context_lengths, glm_mask
 from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version, prefix_key_values
 from .prefix import not_a_model, only_prefix_weights, seed_cache

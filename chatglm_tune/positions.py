@@ -1,4 +1,4 @@
-"""GLM 2D position ids and the GLM attention mask, vectorised over a batch (spec sections 3.6, 3.7).
+"""GLM 2D position ids and the GLM attention mask, vectorised over a batch.
 
 A ChatGLM prompt is `context [gMASK] <sop> generated...`. Tokens before `<sop>` (the context) see the
 whole context in both directions; `<sop>` and later tokens are causal, plus the full context.

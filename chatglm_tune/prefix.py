@@ -2,7 +2,7 @@
 
 The encoder (official `PrefixEncoder`): an embedding of the P prefix positions, optionally through a
 Tanh MLP (`prefix_projection`), giving each position one vector of width
-W = 2 * num_layers * heads * head_dim. ChatGLM-6B (spec section 4): heads x head_dim = hidden, and the
+W = 2 * num_layers * heads * head_dim. ChatGLM-6B: heads x head_dim = hidden, and the
 projection starts from an embedding of width hidden. ChatGLM2/3 and GLM-4: heads = kv groups, head_dim =
 kv_channels, and the projection starts from an embedding of width W. Official key names
 (`transformer.prefix_encoder.embedding.weight`, `trans.0`/`trans.2` with projection), so official

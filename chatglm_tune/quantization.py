@@ -6,7 +6,7 @@ Opt-in, beyond the official format: `quantize_embedding` holds the word embeddin
 ChatGLM-6B's tied pair as one copy, the untied ChatGLM2/3 / GLM-4 pair as one each (a runtime form,
 never saved).
 
-Format (spec `chatglm-6b.md` section 6), for `W [out, in]`:
+Format (the official ChatGLM quantization format), for `W [out, in]`:
 - per-row symmetric scale `weight_scale = (absmax(W, row) / (2**(bits-1) - 1)).half()`, fp16 `[out]`;
 - `q = round(W / weight_scale)`, INT8 in [-127, 127] stored as int8 `weight [out, in]`; INT4 in [-7, 7]
   packed two per byte, int8 `weight [out, in/2]`, `byte = (q[2j] << 4) | (q[2j+1] & 0xF)` (even column
@@ -40,13 +40,13 @@ from . import cpu_matmul, heap, int4_cpu
 from .options import raise_problems
 from .versions import VERSIONS
 
-# The four Linears of every ChatGLM-6B block (spec section 6): the default of the module swaps; the other
+# The four Linears of every ChatGLM-6B block: the default of the module swaps; the other
 # versions' lists are theirs in `versions`.
 TARGETS = VERSIONS["chatglm"].quantizable_linears
 
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
-KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "dequant")  # int4cpu: chatglm_tune.int4_cpu (issue 15)
+KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "dequant")  # int4cpu: int4_cpu, for AVX2-only CPUs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class _QuantizedMatmul(torch.autograd.Function):
         x2d = x.reshape(-1, layer.in_features)
         if kernel == "int8pack":
             y = _int8pack_mm(x2d, layer.weight, layer.weight_scale)
-        elif kernel == "int4cpu":  # issue 15: official INT4 read as it is, fp32 math (AVX2-only CPUs)
+        elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)
             y = int4_cpu.matmul(x2d, layer.weight, layer.weight_scale)
         elif kernel == "int4pack":
             y = _int4pack_mm(x2d, *layer._int4pack())
@@ -399,14 +399,14 @@ class QuantizedLinear(nn.Module):
             "int4pack": self.bits == 4
             and self.out_features % 16 == 0
             and (self.group_size or self.in_features) % 32 == 0,
-            # issue 15: where it beats int4pack (AVX2-only CPUs) and the official weight is still held
+            # where it beats int4pack (AVX2-only CPUs) and the official weight is still held
             "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
             and not self.holds_int4pack_only and int4_cpu.available(),
         }
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
         if self.kernel == "auto":
-            fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"  # issue 15
+            fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"
             return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
         return self.kernel if usable.get(self.kernel, True) else "dequant"
 

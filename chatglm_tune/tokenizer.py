@@ -1,7 +1,7 @@
 """The ChatGLM-6B tokenizer (a transformers 5 slow tokenizer over SentencePiece), and training a small one.
 
 Reproduces the official THUDM/chatglm-6b `tokenization_chatglm.py` as run under transformers 4.27.1
-(spec sections 5 and 9; golden outputs in `tests/fixtures/tokenizer_golden.json`):
+(golden outputs in `tests/fixtures/tokenizer_golden.json`):
 
 - encoding: `\\n` -> `<n>`, `\\t` -> `<|tab|>`, runs of 80..2 spaces -> `<|blank_N|>`, then the
   SentencePiece unigram model `ice_text.model` (NFKC, dummy prefix, byte fallback);
@@ -142,7 +142,7 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
         if options:
             raise ValueError(f"ChatGLMTokenizer supports no extra special tokens, got {options}")
 
-        # The SentencePiece model must exist before the base __init__, which calls get_vocab() (spec 9).
+        # The SentencePiece model must exist before the base __init__, which calls get_vocab().
         self.vocab_file = vocab_file
         self.num_image_tokens = num_image_tokens
         self.glm_masks = glm_masks
@@ -252,7 +252,7 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
                 encoded_inputs[key] = [fill] * n_pad + list(encoded_inputs[key])
         row = torch.tensor([encoded_inputs["input_ids"]])  # [1, s]
         pad_mask = torch.tensor([[0] * n_pad + [1] * len(ids)])  # [1, s], 1 = token
-        # The official `_pad` looks for [MASK] before [gMASK] (the model does the opposite, spec section 5),
+        # The official `_pad` looks for [MASK] before [gMASK] (the model does the opposite),
         # hence the two ids swapped in this call.
         encoded_inputs["position_ids"] = build_position_ids(
             row, bos_token_id=self.bos_token_id, gmask_token_id=self.mask_token_id,

@@ -1,4 +1,4 @@
-"""What differs between the ChatGLM versions, in one place per version (DESIGN.md's seam).
+"""What differs between the ChatGLM versions, in one place per version.
 
 Every layer above (data, training, generation, extraction, quantization, run directories) asks a
 `Version` instead of testing the version itself. A version knows:

@@ -1,4 +1,4 @@
-"""The official `model.chat` / `model.stream_chat` of every version (chatglm_tune.generation's chat section).
+"""The official `model.chat` / `model.stream_chat` of every version (chatglm_tune.chat).
 
 - ChatGLM3 / GLM-4 take and return history as role messages (system, user, assistant, observation; the query's
   role is `role=`), build the official prompt (ChatGLM3's `build_chat_input`, GLM-4's chat template), and
@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune import generation, versions
-from chatglm_tune.generation import (
-    chat,
-    chat_defaults,
-    generate,
-    process_chat_response,
-    stream_chat,
-)
+import chatglm_tune.chat as chat_module
+from chatglm_tune import versions
+from chatglm_tune.chat import chat, chat_defaults, process_chat_response, stream_chat
+from chatglm_tune.generation import generate
 from chatglm_tune.glm_tokenizer import ChatGLM2Tokenizer, load_glm_tokenizer
 from chatglm_tune.options import SamplingOptions
 
@@ -56,7 +52,7 @@ def history_of_every_role():
 
 
 class GenerateSpy:
-    """Stands in for `generation.generate`: records its calls and answers `answer` ids (or runs the real one)."""
+    """Stands in for `generate` in the chat module: records its calls and answers `answer` ids (or runs the real one)."""
 
     def __init__(self, answer=None):
         self.calls, self.answer = [], answer
@@ -68,7 +64,7 @@ class GenerateSpy:
 
 def spy_on_generate(monkeypatch, answer=None) -> GenerateSpy:
     spy = GenerateSpy(answer)
-    monkeypatch.setattr(generation, "generate", spy)
+    monkeypatch.setattr(chat_module, "generate", spy)
     return spy
 
 
@@ -310,7 +306,7 @@ def test_stream_chat_holds_back_half_characters(tiny, version, monkeypatch):
         for token in ids:
             yield [0], [token]
 
-    monkeypatch.setattr(generation, "generate_steps", scripted_steps)
+    monkeypatch.setattr(chat_module, "generate_steps", scripted_steps)
     yields = list(model.stream_chat(tokenizer, "你好"))
     responses = [r for r, _ in yields]
     assert responses == [RARE, f"{RARE}好", f"{RARE}好{RARE}"]

@@ -1,4 +1,4 @@
-"""What a new user meets in the first hour (issue: nothing lost, nothing surprising), run as the user
+"""What a new user meets in the first hour (the aim: nothing lost, nothing surprising), run as the user
 runs it: the three command lines in fresh processes, on a tiny model trained here.
 
 Each test names the mistake or surprise it guards against: an empty training file, a run into an

@@ -10,19 +10,17 @@ import pytest
 import torch
 from conftest import left_pad_mask
 
+from chatglm_tune.chat import chat, process_response
 from chatglm_tune.generation import (
-    CHAT_SAMPLING,
-    SamplingOptions,
-    chat,
     generate,
     generate_recompute,
     guard_invalid_scores,
     limit_vocab,
     next_tokens,
-    process_response,
     top_k_filter,
     top_p_filter,
 )
+from chatglm_tune.options import CHAT_SAMPLING, SamplingOptions
 
 MARGIN = 1e-3
 

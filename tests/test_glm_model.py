@@ -1,10 +1,10 @@
 """ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B model core (chatglm_tune.glm) against the official code's golden outputs.
 
-Fixtures: tests/fixtures/{chatglm2,chatglm3,glm4}-tiny, copied whole from ../shared/golden (README-glm.md
-there describes them): official config.json and fp16 weights under official keys, cases.json, every
-position's fp32 logits, and for ChatGLM2/3 official P-tuning v2 prefix files. Tolerances are the golden
-README's: max |diff| of logits < 1e-3 where attention_mask == 1, loss < 1e-3, greedy ids equal up to a
-step whose top-1/top-2 margin is below 1e-3.
+Fixtures: tests/fixtures/{chatglm2,chatglm3,glm4}-tiny, the official code's golden outputs
+copied whole: official config.json and fp16 weights under official keys, cases.json, every position's
+fp32 logits, and for ChatGLM2/3 official P-tuning v2 prefix files. Tolerances are the ones the golden
+outputs were made for: max |diff| of logits < 1e-3 where attention_mask == 1, loss < 1e-3, greedy ids
+equal up to a step whose top-1/top-2 margin is below 1e-3.
 """
 
 import json

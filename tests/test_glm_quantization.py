@@ -1,7 +1,7 @@
 """INT8/INT4 ChatGLM2/3 and GLM-4 (chatglm_tune.glm): quantizing while loading, the official
 `weight` + `weight_scale` layout of the fused Linears, loading it back, kernels, LoRA / P-tuning beside it.
 
-The reference here is written from the spec (../shared/spec/chatglm-6b.md section 6, which the official
+The reference here is written from the official ChatGLM-6B quantization format (which the official
 ChatGLM2 `quantization.py` follows for its four fused Linears `query_key_value`, `dense`,
 `dense_h_to_4h`, `dense_4h_to_h`), independently of chatglm_tune.quantization: per output row,
 `weight_scale = (absmax / (2^(b-1) - 1)).half()`, `q = round(W / weight_scale)` in fp16 (the official code
@@ -50,7 +50,7 @@ def linear_keys(state: dict) -> list[str]:
     return sorted(k for k in state if k.endswith(".weight") and any(f".{m}." in k for m in OFFICIAL_LINEARS))
 
 
-# --- the official rule, from the spec ---------------------------------------------------------------------------
+# --- the official rule, from its format ---------------------------------------------------------------------------
 
 
 def official_quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +268,7 @@ def test_int4_logits_stay_within_a_looser_bound(version, bits, group_size):
 
 @pytest.mark.parametrize("bits, group_size", FORMATS)
 def test_the_quantized_model_is_the_float_model_with_dequantized_weights(bits, group_size):
-    """What the integers mean, checked against the spec's dequantization: the quantized model (dequant path)
+    """What the integers mean, checked against the official dequantization: the quantized model (dequant path)
     computes what the float model computes with `scale * q` as its weights."""
     version = "glm4"
     model = load_glm(golden_dir(version), quantization_bit=bits, group_size=group_size)
@@ -290,7 +290,7 @@ def test_the_quantized_model_is_the_float_model_with_dequantized_weights(bits, g
 @pytest.mark.parametrize("version", VERSIONS)
 def test_cpu_kernels_run_at_batch_one(version, bits, group_size):
     """Every golden width is a multiple of 16 and 32 (hidden 64/128, ffn 128/160/192, rows of q/k/v 32/64/128),
-    so no layer falls back at batch 1: int8pack for INT8, int4pack (or the AVX2-only `int4cpu` of issue 15,
+    so no layer falls back at batch 1: int8pack for INT8, int4pack (or the AVX2-only `int4cpu`,
     per-row INT4 on such CPUs) for INT4. A prefill longer than `max_kernel_rows` takes the dequant path."""
     model = load_glm(golden_dir(version), quantization_bit=bits, group_size=group_size)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]

@@ -1,6 +1,6 @@
 """`quantize_embedding` on ChatGLM2/3 and GLM-4 (chatglm_tune.glm, chatglm_tune.quantization): the untied input
 embedding becomes a `QuantizedEmbedding` of its own INT8 rows and `lm_head` an INT8 `QuantizedLinear`, both with
-the official per-row rule (spec chatglm-6b.md section 6), quantized while loading (no float copy of either),
+the official per-row rule of the ChatGLM quantization format, quantized while loading (no float copy of either),
 beside any block format, under a P-tuning prefix or LoRA, refused by saving, and reachable from the commands.
 
 Fixtures: the golden tiny models of tests/fixtures/{chatglm3,glm4}-tiny (structure and integers). Their random

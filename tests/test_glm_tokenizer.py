@@ -1,10 +1,11 @@
 """Tests of `chatglm_tune.glm_tokenizer` and `chatglm_tune.glm4_tokenizer` (ChatGLM2, ChatGLM3, GLM-4).
 
-Golden data: `fixtures/tokenizer-glm.json`, a copy of `shared/golden/tokenizer-glm.json` (the official
+Golden data: `fixtures/tokenizer-glm.json`, the official golden outputs (the official
 tokenizers on the real files: ids, decodes and chat prompts per version). The real tokenizer files
-are read from `../shared/assets` (`chatglm3/` SentencePiece, `glm4/` tiktoken ranks); those tests skip
-when it is absent. The rest builds small tokenizers here (a SentencePiece model trained on a few
-lines, a tiktoken rank file written by hand) and needs nothing outside the repo.
+are read from the shared assets when a checkout of them sits beside this one (`chatglm3/` SentencePiece,
+`glm4/` tiktoken ranks); those tests skip when they are absent. The rest builds small tokenizers here
+(a SentencePiece model trained on a few lines, a tiktoken rank file written by hand) and needs nothing
+outside the repo.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The model against the official implementation's golden outputs, and its invariants.
 
-Golden tolerance (shared/golden/README.md): fp32 logits within 1e-3 (values are around 30); greedy ids
+Golden tolerance (the one the golden outputs were made for): fp32 logits within 1e-3 (values are around 30); greedy ids
 equal except after a step whose top-1/top-2 margin is below 1e-3.
 """
 

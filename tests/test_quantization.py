@@ -1,6 +1,6 @@
-"""Tests for chatglm_tune.quantization: the official INT8/INT4 format (spec section 6), every matmul
-path of QuantizedLinear against `F.linear(x, dequantize(...), bias)`, the kernel guards of
-/work/shared/notes/cpu-kernels.md, input-only gradients, save/load, and the module swaps.
+"""Tests for chatglm_tune.quantization: the official INT8/INT4 format, every matmul
+path of QuantizedLinear against `F.linear(x, dequantize(...), bias)`, the kernel guards
+(shapes the CPU kernels cannot take fall back to dequant), input-only gradients, save/load, and the module swaps.
 
 Tolerances (relative Frobenius error against the dequantized reference): 1e-5 when the path computes
 in fp32, 1e-2 when it computes in bf16 (the CPU kernels always do; bf16 has an 8-bit significand).
@@ -137,7 +137,7 @@ def test_invalid_formats_are_rejected():
 # ---------------------------------------------------------------------------------------------- (b)
 
 EXPECTED_FAST = {8: "int8pack", 4: "int4pack"}
-# What `auto` picks for a per-row-scale layer at decode: on AVX2-only CPUs INT4 goes to int4_cpu (issue 15).
+# What `auto` picks for a per-row-scale layer at decode: on AVX2-only CPUs INT4 goes to int4_cpu.
 AUTO_FAST = {8: "int8pack", 4: "int4cpu" if int4_cpu.available() else "int4pack"}
 
 

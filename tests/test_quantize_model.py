@@ -1,7 +1,7 @@
 """Quantized whole models: quantize.py's exported format, save/load identity, accuracy against fp32,
 training on an INT4 base, the official int4/int8 `.bin` layout, the `--lora` merge path, CLI errors.
 
-The expected integers are computed here from the spec's formula (section 6), not with
+The expected integers are computed here from the official format's formula, not with
 `chatglm_tune.quantization`: `scale = (W.abs().max(-1) / (2**(bits-1) - 1))` and `q = round(W / scale)`,
 all in fp16; INT4 bytes hold the even column in the high nibble.
 
@@ -57,7 +57,7 @@ def run_quantize(*args) -> None:
 
 
 def official(w16: torch.Tensor, bits: int, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec's rule on an fp16 weight [out, in]: (q int16 [out, in], fp16 scale [out] or [out, G])."""
+    """The official rule on an fp16 weight [out, in]: (q int16 [out, in], fp16 scale [out] or [out, G])."""
     out_f, in_f = w16.shape
     groups = w16.view(out_f, -1, group_size or in_f)  # (out, G, group), fp16
     scale = groups.abs().amax(-1) / (2 ** (bits - 1) - 1)  # fp16 arithmetic
@@ -176,7 +176,7 @@ def test_the_cpu_kernels_apply_to_both_test_models(source, bits, h128):
     model = ChatGLMForConditionalGeneration.from_pretrained(SMALL_VOCAB if source == "small-vocab" else h128, quantization_bit=bits)
     model(torch.tensor([[5, 6, 7, model.config.gmask_token_id, model.config.bos_token_id]]))
     kernels = {m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
-    int4 = "int4cpu" if int4_cpu.available() else "int4pack"  # AVX2-only CPUs: issue 15's kernel
+    int4 = "int4cpu" if int4_cpu.available() else "int4pack"  # int4cpu: the kernel for AVX2-only CPUs
     assert kernels == {"int8pack" if bits == 8 else int4}
 
 

@@ -1,13 +1,14 @@
 """Tests of `chatglm_tune.tokenizer`: parity with the official ChatGLM-6B tokenizer, and `train_tokenizer`.
 
-Golden data (spec sections 5 and 9), produced by the official `tokenization_chatglm.py` under
-transformers 4.27.1 on the real `ice_text.model`:
-- `fixtures/tokenizer_golden.json`: a copy of `shared/golden/tokenizer.json` (ids, ids with specials,
+Golden data, produced by the official `tokenization_chatglm.py` under transformers 4.27.1 on the real
+`ice_text.model`:
+- `fixtures/tokenizer_golden.json`: the official golden tokenizer outputs (ids, ids with specials,
   decoded text per record);
-- `fixtures/tokenizer_batch_golden.json`: the `batch_left_padded` case of
-  `shared/golden/model-tiny/cases.json` (left-padded ids, position ids and the boolean GLM mask).
-The real `ice_text.model` is read from `../shared/assets`; those tests skip when it is absent. The
-`train_tokenizer` tests train a small model on a synthetic corpus and need nothing outside the repo.
+- `fixtures/tokenizer_batch_golden.json`: the `batch_left_padded` case of the tiny golden model's cases
+  (left-padded ids, position ids and the boolean GLM mask).
+The real `ice_text.model` is read from the shared assets when a checkout of them sits beside this one;
+those tests skip when it is absent. The `train_tokenizer` tests train a small model on a synthetic corpus
+and need nothing outside the repo.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The version seam (`chatglm_tune.versions`) and the toolkit's commands on ChatGLM3.
+"""What differs between versions (`chatglm_tune.versions`) and the toolkit's commands on ChatGLM3.
 
 - Prompts equal the official ones (`tokenizer-glm.json` chats, from the official tokenizers; the real
   tokenizer files live in shared/ beside the checkout and those checks skip cleanly without them).
