@@ -374,6 +374,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         missing = [k for k in missing if k.startswith(checkpoint.PREFIX_KEY)]
         if missing:
             raise checkpoint.CheckpointError(f"{source}: missing prefix weights: {', '.join(missing)}")
+        # load_weights builds the tensors on the CPU: the prefix goes where the model is (a GPU, say)
+        self.transformer.prefix_encoder.to(self.transformer.word_embeddings.weight.device)
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings

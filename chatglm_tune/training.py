@@ -314,7 +314,7 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
         from accelerate.utils import gather_object
 
         indexed = gather_object(indexed)
-        loss_sum = accelerator.reduce(torch.tensor(loss_sum), reduction="sum").item()
+        loss_sum = accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), reduction="sum").item()  # NCCL: GPU tensors
     texts = [text for _, text in sorted(indexed)]
     return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records)}
 

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +35,11 @@ def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
     assert run_dir == demo.README_OUTPUT  # the directory the bench swaps for its own
     assert infer[infer.index("--model") + 1] == run_dir  # infer.py scores the model the demo just trained
     assert infer[infer.index("--input") + 1] == train[train.index("--dev-file") + 1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench/gpu.py runs for real there")
+def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    message = done.stderr.strip()
+    assert "\n" not in message and message.startswith("bench/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
