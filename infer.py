@@ -110,8 +110,8 @@ def load(args, source):
     model, tokenizer = rundir.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
                                        quantize_embedding=args.quantize_embedding)
     bits = model.config.quantization_bit
-    threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
-    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device}{threads})", file=sys.stderr)
+    cpu_threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
+    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device}{cpu_threads})", file=sys.stderr)
     return model, tokenizer
 
 
