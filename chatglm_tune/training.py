@@ -66,9 +66,9 @@ class TrainingError(RuntimeError):
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during the loop, after the state of the last finished step (`step`) was saved for --resume."""
 
-    def __init__(self, step: int, output_dir: Path):
+    def __init__(self, step: int):
         super().__init__(f"interrupted after step {step}")
-        self.step, self.output_dir = step, output_dir
+        self.step = step
 
 
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
@@ -164,7 +164,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     except KeyboardInterrupt:  # save what the finished steps learned; a step under way is done again on --resume
         if finished.get("state_step") != finished["step"]:
             _save_state(accelerator, output_dir, finished)
-        raise TrainingInterrupted(finished["step"], output_dir) from None
+        raise TrainingInterrupted(finished["step"]) from None
     summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
