@@ -94,7 +94,6 @@ def load(args, source):
     """(model, tokenizer) of `source` on the asked device, dtype and quantization."""
     import torch
 
-    from chatglm_tune import rundir
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -107,7 +106,9 @@ def load(args, source):
     threads, origin = choose_threads(args.threads, source.threads, "the run's")
     if threads:
         torch.set_num_threads(threads)
-    model, tokenizer = rundir.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
+    from chatglm_tune import loading
+
+    model, tokenizer = loading.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
                                        quantize_embedding=args.quantize_embedding)
     bits = model.config.quantization_bit
     cpu_threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
@@ -117,7 +118,7 @@ def load(args, source):
 
 def run_text(args, settings, source) -> None:
     from chatglm_tune import extraction
-    from chatglm_tune.data import SPORecord
+    from chatglm_tune.records import SPORecord
 
     model, tokenizer = load(args, source)
     record = SPORecord(text=args.text, triples=None, source="--text")
@@ -138,7 +139,7 @@ def run_file(args, settings, source) -> None:
 
     from chatglm_tune import extraction
     from chatglm_tune.checkpoint import atomic_write
-    from chatglm_tune.data import read_records
+    from chatglm_tune.records import read_records
 
     records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=columns_of(args, source))
     if any(record.response is not None for record in records):  # conversations: free-text gold answers
@@ -187,9 +188,9 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     try:
-        from chatglm_tune import rundir
+        from chatglm_tune import loading
 
-        source = rundir.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
+        source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
         # the prompt and budget it was trained with; free-text answers are not parsed as triples
         settings = replace(settings_from(args), encoding=source.encoding, free_text=columns_of(args, source).active)
         if args.text is not None:

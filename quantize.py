@@ -63,23 +63,23 @@ def check_args(args, source) -> None:
 
 def quantize(args, source) -> None:
     """Load `source` quantized (an adapter merged first), write it with its tokenizer and the run's settings."""
-    from chatglm_tune import rundir
+    from chatglm_tune import loading, rundir
 
-    model = rundir.load_model(source, dtype=args.dtype, quantization_bit=args.bits, group_size=args.group_size,
+    model = loading.load_model(source, dtype=args.dtype, quantization_bit=args.bits, group_size=args.group_size,
                               quantize_embedding=False)
     model.save_pretrained(args.out_dir)
     if source.tokenizer_dir is not None:
-        rundir.load_tokenizer(source).save_pretrained(args.out_dir)
-    rundir.write_run_args(args.out_dir, rundir.derived_run_args(source, quantization_bit=args.bits))
+        loading.load_tokenizer(source).save_pretrained(args.out_dir)
+    rundir.write_run_args(args.out_dir, loading.derived_run_args(source, quantization_bit=args.bits))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        from chatglm_tune import rundir
+        from chatglm_tune import loading
         from chatglm_tune.checkpoint import weight_files
 
-        source = rundir.resolve_run(args.model_dir, lora=args.lora)
+        source = loading.resolve_run(args.model_dir, lora=args.lora)
         check_args(args, source)
         start = time.perf_counter()
         quantize(args, source)

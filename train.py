@@ -166,7 +166,7 @@ def own_instructions(args, options: TrainOptions, train_records) -> TrainOptions
 
 def read_data(args, columns: DataColumns):
     """(train records, dev records, bad-record reports); an error naming the file when nothing is left to train on."""
-    from chatglm_tune.data import read_records
+    from chatglm_tune.records import read_records
 
     read = dict(on_bad_record=args.on_bad_record, columns=columns)
     train_records, bad = read_records(args.train_file, **read)

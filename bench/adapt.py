@@ -87,9 +87,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train as train_cli  # noqa: E402
-from chatglm_tune import rundir, versions  # noqa: E402
-from chatglm_tune.data import SPORecord, SpecialIds, collate_train, read_records  # noqa: E402
+from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.batches import SpecialIds, collate_train  # noqa: E402
+from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.options import TINY_DEMO, TINY_PRESETS, EncodingOptions, TrainOptions  # noqa: E402
+from chatglm_tune.records import SPORecord, read_records  # noqa: E402
 from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "data"))
@@ -129,7 +131,7 @@ PRESET_OF_VERSION = {version: preset for preset, version in TINY_PRESETS.items()
 
 def adaptation_flags(name: str, version: str) -> list[str]:
     """train.py flags of adaptation `name` on a base of `version`."""
-    targets = ["--lora-target", *versions.VERSIONS[version].quantizable_linears] if name == "lora" else []
+    targets = ["--lora-target", *registry.VERSIONS[version].quantizable_linears] if name == "lora" else []
     return [*ADAPTATIONS[name], *targets]
 
 
@@ -178,14 +180,14 @@ def glossary(n: int) -> list[str]:
 
 def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     """Stage 0 (module docstring): teach the random model in `directory` to repeat texts, in place."""
-    version = versions.of_directory(directory)
+    version = registry.of_directory(directory)
     tokenizer, model = version.load_tokenizer(directory), version.load_model(directory)
     special = SpecialIds.of(tokenizer)
     # The version's own prompt format (as its training rows): COPY_PROMPT + text, answered by the text.
-    prompt_tokens = len(version.prompt_ids(tokenizer, SPORecord("", None), EncodingOptions(prompt=COPY_PROMPT))[0])
+    prompt_tokens = len(version.format.prompt_ids(tokenizer, SPORecord("", None), EncodingOptions(prompt=COPY_PROMPT))[0])
     encoding = EncodingOptions(prompt=COPY_PROMPT, max_src_len=prompt_tokens + COPY_TOKENS,
                                max_len=prompt_tokens + 2 * COPY_TOKENS + 4)
-    rows = [version.training_row(tokenizer, SPORecord(text, None, response=text), encoding) for text in texts]
+    rows = [version.format.training_row(tokenizer, SPORecord(text, None, response=text), encoding) for text in texts]
     batch_size = TINY_DEMO["batch_size"]
     sampler = LengthGroupedSampler([len(r.input_ids) for r in rows], batch_size, seed=SEED)
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=sampler,
@@ -210,8 +212,8 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
 
 
 def dev_f1(run_dir: Path, dev_file: Path) -> dict:
-    source = rundir.resolve_run(run_dir)
-    model, tokenizer = rundir.load_run(source)
+    source = loading.resolve_run(run_dir)
+    model, tokenizer = loading.load_run(source)
     records, _ = read_records(dev_file)
     with torch.no_grad():  # the prompt and lengths the run was trained with
         scores = evaluate(model, tokenizer, records, TrainOptions(tuning="full", encoding=source.encoding))

@@ -15,7 +15,7 @@ ChatGLM3-6B / GLM-4-9B (`glm_tensors`): the official `modeling_chatglm.py` state
 `transformer.encoder.layers.N.{input_layernorm.weight, self_attention.query_key_value.{weight,bias},
 self_attention.dense.weight, post_attention_layernorm.weight, mlp.dense_h_to_4h.weight,
 mlp.dense_4h_to_h.weight}`, `transformer.encoder.final_layernorm.weight`, `transformer.output_layer.weight`
-(untied); checked against the toolkit's key map (glm_weights.to_official of its meta-device model). fp16
+(untied); checked against the toolkit's key map (models.glm.weights.to_official of its meta-device model). fp16
 `model-0000N-of-0000M.safetensors` shards (7 / 10 at full size), `model.safetensors.index.json`, and the
 real tokenizer files copied beside them.
 
@@ -92,13 +92,14 @@ def glm_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
 
 def _check_against_toolkit(raw: dict, tensors) -> None:
     """AssertionError unless `tensors` are the official keys and shapes of the toolkit's model for `raw`
-    (its meta-device state dict through `glm_weights.to_official`), the unused inv_freq buffer aside."""
-    from chatglm_tune.glm import GlmForCausalLMWithPrefix
-    from chatglm_tune.glm_config import detect_version, glm_config
-    from chatglm_tune.glm_weights import IGNORED, to_official
+    (its meta-device state dict through `models.glm.weights.to_official`), the unused inv_freq buffer aside."""
+    from chatglm_tune.models.glm.config import glm_config
+    from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
+    from chatglm_tune.models.glm.weights import IGNORED, to_official
+    from chatglm_tune.models.registry import detect
 
     with torch.device("meta"):
-        model = GlmForCausalLMWithPrefix(glm_config(raw, version=detect_version(raw)))
+        model = GlmForCausalLMWithPrefix(glm_config(raw, version=detect(raw)))
     theirs = {k: tuple(v.shape) for k, v in to_official(model.state_dict()).items()}
     ours = {k: shape for k, shape, _ in tensors if not IGNORED.match(k)}
     assert ours == theirs, (sorted(set(ours) ^ set(theirs)), [k for k in ours if ours[k] != theirs.get(k)])

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
-from chatglm_tune.data import SpecialIds, collate_prompts  # noqa: E402
+from chatglm_tune.batches import SpecialIds, collate_prompts  # noqa: E402
 from chatglm_tune.generation import generate, generate_recompute  # noqa: E402
 from measure import PeakRSS, median_seconds  # noqa: E402
 

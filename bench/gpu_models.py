@@ -5,8 +5,8 @@ Models: random weights of a real shape, initialised directly on the GPU in bf16 
     mid          ChatGLM3-6B's config.json with 8 layers of hidden 2048 (16 heads of 128, 2 KV groups, MLP 6848)
     chatglm3-6b  THUDM/chatglm3-6b's config.json (bench/scale_versions.py), 6.2 B parameters
     glm4-9b      THUDM/glm-4-9b-chat's config.json (bench/scale_versions.py), 9.4 B parameters
-INT8 / INT4: `quantization.quantize_model` of the bf16 model on the GPU (the official per-row format; the GPU
-runs its `dequant` path); bitsandbytes LLM.int8() / NF4: `quantization.to_bitsandbytes`.
+INT8 / INT4: `quant.apply.quantize_model` of the bf16 model on the GPU (the official per-row format; the GPU
+runs its `dequant` path); bitsandbytes LLM.int8() / NF4: `quant.apply.to_bitsandbytes`.
 
 Prompts: the version's chat frame (`[gMASK] sop <|user|> ... <|assistant|>`, GLM-4: `<sop>`) around random
 ordinary ids, every row of the batch the same length.
@@ -40,7 +40,7 @@ FRAMES = {"chatglm3": ((64790, 64792, 64795), (64796,), 64789), "glm4": ((151331
 
 
 def config_of(name: str):
-    from chatglm_tune.glm_config import glm_config
+    from chatglm_tune.models.glm.config import glm_config
 
     version, raw = MODELS[name]
     return glm_config(dict(raw), version=version)
@@ -48,7 +48,7 @@ def config_of(name: str):
 
 def parameter_count(name: str) -> int:
     """Parameters of the model (counted on the meta device: nothing allocated)."""
-    from chatglm_tune.glm import GlmForCausalLMWithPrefix
+    from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
 
     with torch.device("meta"):
         return sum(p.numel() for p in GlmForCausalLMWithPrefix(config_of(name)).parameters())
@@ -56,7 +56,7 @@ def parameter_count(name: str) -> int:
 
 def build(name: str, seed: int = 0):
     """The toolkit's model of `name`, random (transformers' init, std 0.02), built on the GPU in bf16."""
-    from chatglm_tune.glm import GlmForCausalLMWithPrefix
+    from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
     from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 
     config = config_of(name)
@@ -76,8 +76,8 @@ def build(name: str, seed: int = 0):
 def quantize(model, precision: str):
     """`model` with its block Linears as `precision` says: bf16 as built, int8 / int4 (`quantize_model`, on the
     GPU), bnb-int8 / bnb-nf4 (`to_bitsandbytes`)."""
-    from chatglm_tune.quantization import quantize_model, to_bitsandbytes
-    from chatglm_tune.versions import of_config
+    from chatglm_tune.models.registry import of_config
+    from chatglm_tune.quant.apply import quantize_model, to_bitsandbytes
 
     targets = of_config(model.config).quantizable_linears
     if precision in ("int8", "int4"):
@@ -199,7 +199,7 @@ def checkpointing(model, on: bool) -> None:
 def ptuning_step(model, batch: dict, steps: int, ckpt: bool) -> dict:
     """A P-tuning v2 step of the toolkit: the library's defaults (`TrainOptions()`: pre_seq_len 128, no projection,
     lr 2e-2), the prefix encoder in fp32 as the official code keeps it; the prefix is taken off afterwards."""
-    from chatglm_tune.glm_prefix import prefix_encoder
+    from chatglm_tune.models.glm.prefix import prefix_encoder
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
     from chatglm_tune.training import set_trainable
 
@@ -223,9 +223,9 @@ def lora_step(model, batch: dict, steps: int, ckpt: bool, *, transformers: bool 
     The model is left wrapped: measure it last."""
     from peft import LoraConfig, get_peft_model
 
+    from chatglm_tune.models.registry import VERSIONS
     from chatglm_tune.options import DEFAULT_LR, LoraOptions, TrainOptions
     from chatglm_tune.training import set_trainable
-    from chatglm_tune.versions import VERSIONS
 
     checkpointing(model, ckpt)
     if transformers:

@@ -10,7 +10,7 @@ int4pack layout and inductor's C++ code take their AVX2 paths on an AVX-512 CPU;
 rounds (median kept), on the same random weights, quantized with the official per-row rule:
 - `int8pack`: `torch._weight_int8pack_mm`, bf16 x, INT8 weight (the toolkit's INT8 path; the bar to beat);
 - `int4pack`: `aten._weight_int4pack_mm_for_cpu` on the repacked weight (the toolkit's INT4 path so far);
-- `int4cpu`: `chatglm_tune.int4_cpu.matmul`, the official packed weight read as it is by a small AVX2 C++
+- `int4cpu`: `chatglm_tune.quant.int4_cpu.matmul`, the official packed weight read as it is by a small AVX2 C++
   kernel, fp32 math (the candidate "other layout": no layout at all);
 - `tiles`: INT4 unpacked into cache-sized INT8 tiles (arithmetic shifts into a reused buffer, columns
   permuted to [even | odd] so that each shift writes contiguous halves) feeding `_weight_int8pack_mm`;
@@ -57,8 +57,9 @@ BNB_NOTE = ("bitsandbytes 4-bit: NF4/FP4 codebooks (non-uniform levels) with blo
 
 def _candidates(torch, N: int, K: int, copies: int):
     """name -> (fn(i, x) over copy i, bytes read per call); plus the fp32 references' inputs."""
-    from chatglm_tune import int4_cpu
-    from chatglm_tune.quantization import _int4pack_mm, _int4pack_weight, dequantize, pack_int4, quantize_weight
+    from chatglm_tune.quant import int4_cpu
+    from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
+    from chatglm_tune.quant.kernels import int4pack_mm, int4pack_weight
 
     g = torch.Generator().manual_seed(N * 7 + K)
     layers = []
@@ -70,7 +71,7 @@ def _candidates(torch, N: int, K: int, copies: int):
         layers.append({"q8": q8, "s8": s8.bfloat16(), "p4": p4, "s4": s4, "s4b": s4.bfloat16(), "s4f": s4.float()})
         del w, q4
     for layer in layers:
-        layer["int4pack"] = _int4pack_weight(layer["p4"], layer["s4"])
+        layer["int4pack"] = int4pack_weight(layer["p4"], layer["s4"])
     tile_rows = max(1, TILE_BYTES // K)
     tile = torch.empty(tile_rows, K, dtype=torch.int8)
     K2 = K // 2
@@ -79,7 +80,7 @@ def _candidates(torch, N: int, K: int, copies: int):
         return torch._weight_int8pack_mm(x.bfloat16(), layers[i]["q8"], layers[i]["s8"])
 
     def int4pack(i, x):
-        return _int4pack_mm(x.bfloat16(), *layers[i]["int4pack"])
+        return int4pack_mm(x.bfloat16(), *layers[i]["int4pack"])
 
     def int4cpu(i, x):
         return int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"])
@@ -154,9 +155,9 @@ def child(args) -> dict:
     want = os.environ.get("ATEN_CPU_CAPABILITY")
     if want and capability.lower() != want.lower():
         raise SystemExit(f"ATEN_CPU_CAPABILITY={want} did not take effect: get_cpu_capability() = {capability}")
-    from chatglm_tune import quantization
+    from chatglm_tune.quant import kernels
 
-    block = quantization._int4pack_block_rows()  # the int4pack layout's block rows where it reads back (32 AVX2, 64 AVX-512)
+    block = kernels.int4pack_block_rows()  # the int4pack layout's block rows where it reads back (32 AVX2, 64 AVX-512)
     out = {"capability": capability, "int4pack_layout": f"{block}-row blocks" if block else "other",
            "torch": torch.__version__, "threads": {}}
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -208,8 +209,8 @@ def child(args) -> dict:
 
 def _rows_sweep(torch, args) -> dict:
     """ms per call at 16384x4096 for M rows of x, the INT4 and INT8 kernels and QuantizedLinear's dequant path."""
-    from chatglm_tune import int4_cpu
-    from chatglm_tune.quantization import QuantizedLinear
+    from chatglm_tune.quant import int4_cpu
+    from chatglm_tune.quant.modules import QuantizedLinear
 
     N, K, copies = 16384, 4096, 8
     fns, _, layers, _ = _candidates(torch, N, K, copies)

@@ -39,7 +39,7 @@ def _load_toolkit(args):
 
 
 def _kernels(model) -> list[str]:
-    from chatglm_tune.quantization import QuantizedLinear
+    from chatglm_tune.quant.modules import QuantizedLinear
 
     return sorted({m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear) and m.last_kernel})
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
 from chatglm_tune.generation import generate  # noqa: E402
-from chatglm_tune.quantization import TARGETS as BLOCK_LINEARS  # noqa: E402
+from chatglm_tune.models.chatglm6b.config import QUANTIZABLE_LINEARS as BLOCK_LINEARS  # noqa: E402
 from measure import copy_bandwidth, median_seconds, peak_rss, run_python  # noqa: E402
 
 MID = dict(hidden_size=2048, num_layers=8, num_attention_heads=16, inner_hidden_size=8192)

@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from chatglm_tune.cpu_matmul import native_bf16_gemm  # noqa: E402
+from chatglm_tune.quant.cpu_matmul import native_bf16_gemm  # noqa: E402
 from measure import run_python  # noqa: E402
 from scale_children import GB, INFER, TRAIN  # noqa: E402
 from scale_report import report  # noqa: E402

@@ -65,7 +65,7 @@ def _bytes_read_per_token(model) -> int:
     """Weight bytes one decode step reads: every unique parameter once (the tied head too), with an
     INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
     (ChatGLM2/3, GLM-4; float or INT8 rows and scales) is not counted: a step reads one row of it."""
-    from chatglm_tune.quantization import QuantizedLinear
+    from chatglm_tune.quant.modules import QuantizedLinear
 
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = head is not None and head.weight is not embedding.weight
@@ -230,7 +230,7 @@ def main(argv=None) -> None:
         print(copy_bandwidth())
         return
     if args.max_kernel_rows is not None:
-        from chatglm_tune.quantization import QuantizedLinear
+        from chatglm_tune.quant.modules import QuantizedLinear
 
         QuantizedLinear.max_kernel_rows = args.max_kernel_rows
     if args.frame is None or args.model_dir is None:

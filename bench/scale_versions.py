@@ -7,7 +7,7 @@ scale benches is here; scale.py, checkpoint_writer.py, scale_children.py and sca
     glm4      GLM-4-9B     THUDM/glm-4-9b-chat's config.json; 10 safetensors shards; its tokenizer
 
 The GLM configs are the official config.json files field for field (the names the toolkit reads:
-chatglm_tune/glm_config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
+chatglm_tune/models/glm/config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
 (glm-4-9b-chat's own says bfloat16). The tokenizers are the real ones, copied from the shared assets'
 chatglm3/ and glm4/ folders when a checkout of them sits beside this one (the bench's prompts are ids
 anyway: the real special ids, random ordinary ids between them).
@@ -82,7 +82,7 @@ class PromptFrame:
 
 @dataclass(frozen=True)
 class BenchVersion:
-    name: str  # the toolkit's version name (chatglm_tune.versions.VERSIONS)
+    name: str  # the toolkit's version name (chatglm_tune.models.registry.VERSIONS)
     title: str
     issue: int
     stem: str  # results: bench/results/<stem>.json, .md (and .png with `chart`)

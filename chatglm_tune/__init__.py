@@ -9,16 +9,16 @@ when first used: `import chatglm_tune` (and every command's `--help`) stays ligh
 
 import importlib
 
-from . import auto  # noqa: F401  (registers with the Auto classes)
+from chatglm_tune import auto  # noqa: F401  (registers with the Auto classes)
 
 _PUBLIC = {
-    "ChatGLMConfig": ".config",
-    "ChatGLMForConditionalGeneration": ".model",
-    "ChatGLMModel": ".model",
-    "ChatGLMTokenizer": ".tokenizer",
+    "ChatGLMConfig": ".models.chatglm6b.config",
+    "ChatGLMForConditionalGeneration": ".models.chatglm6b.modeling",
+    "ChatGLMModel": ".models.chatglm6b.modeling",
+    "ChatGLMTokenizer": ".models.chatglm6b.tokenizer",
     "generate": ".generation",
-    "from_pretrained": ".versions",
-    "load_tokenizer": ".versions",
+    "from_pretrained": ".loading",
+    "load_tokenizer": ".models.registry",
 }
 __all__ = sorted(_PUBLIC)
 

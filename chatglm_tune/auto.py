@@ -1,7 +1,8 @@
 """Registration with transformers' Auto classes: `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and
 `AutoTokenizer` load every ChatGLM version's directory after `import chatglm_tune`, with no
-`trust_remote_code`. All say `model_type: chatglm`; `ChatGLMConfig.from_dict` reads a ChatGLM2/3 or
-GLM-4 config.json as a `ChatGLMFamilyConfig`, which maps to the GlmForCausalLM-based model.
+`trust_remote_code`. All say `model_type: chatglm`: the config class registered for it reads a
+config.json as its version's own (`models.registry.detect`): ChatGLM-6B's `ChatGLMConfig`, or a
+`ChatGLMFamilyConfig` for ChatGLM2/3 and GLM-4, which maps to the GlmForCausalLM-based model.
 
 The model and tokenizer modules are imported at first use, not at registration: the Auto mappings hold
 stand-ins whose `from_pretrained` imports the real class and hands over. So `import chatglm_tune` costs
@@ -19,12 +20,18 @@ import importlib
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .config import ChatGLMConfig
-from .glm_config import ChatGLMFamilyConfig
+from chatglm_tune.checkpoint import AUTO_PLUMBING
+from chatglm_tune.models import registry
+from chatglm_tune.models.chatglm6b.config import ChatGLMConfig
+from chatglm_tune.models.glm.config import ChatGLMFamilyConfig
 
-# Arguments the Auto classes pass along to from_pretrained; meaningless for a local directory.
-AUTO_PLUMBING = {"_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
-                 "local_files_only", "proxies", "token", "subfolder", "_commit_hash", "code_revision", "name_or_path"}
+
+class AnyChatGLMConfig(ChatGLMConfig):
+    """`model_type: chatglm` in AutoConfig: a config.json of any version reads as its version's config class."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        return registry.VERSIONS[registry.detect(config_dict)].config_class.from_dict(config_dict, **kwargs)
 
 
 class _Deferred:
@@ -60,28 +67,28 @@ class _Model(_Deferred):
 
 def _adapted(path, args: tuple, kwargs: dict):
     """The model of a train.py P-tuning or LoRA run directory (base + prefix, or base + adapter:
-    `rundir.load_adapted`), or of a LoRA adapter transformers hands over (its PEFT integration
+    `loading.load_adapted`), or of a LoRA adapter transformers hands over (its PEFT integration
     passes the adapter as `adapter_kwargs["_adapter_model_path"]`, and as `path` the base that the adapter
     records); None for a model directory."""
-    from . import rundir
+    from chatglm_tune import loading
 
     adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
-    source = rundir.adapter_run(path if adapter is None else adapter)
+    source = loading.adapter_run(path if adapter is None else adapter)
     if source is None and adapter is not None:
-        source = rundir.resolve_run(path, lora=adapter)
+        source = loading.resolve_run(path, lora=adapter)
     if source is None:
         return None
     if args:
         raise TypeError(f"{source.describe()}: a run directory takes keyword arguments only")
-    return rundir.load_adapted(source, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING and k != "config"})
+    return loading.load_adapted(source, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING and k != "config"})
 
 
 class ChatGLMForConditionalGeneration(_Model):
-    module, name = ".model", "ChatGLMForConditionalGeneration"
+    module, name = ".models.chatglm6b.modeling", "ChatGLMForConditionalGeneration"
 
 
 class GlmForCausalLMWithPrefix(_Model):
-    module, name = ".glm", "GlmForCausalLMWithPrefix"
+    module, name = ".models.glm.modeling", "GlmForCausalLMWithPrefix"
     config_class = ChatGLMFamilyConfig
 
     @classmethod
@@ -95,24 +102,16 @@ class _Tokenizer(_Deferred):
 
     @classmethod
     def from_pretrained(cls, directory, *args, **kwargs):
-        from .glm_tokenizer import detect_tokenizer_version, load_glm_tokenizer
-
-        kwargs = {k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING}
-        if detect_tokenizer_version(directory) == "chatglm":
-            from .tokenizer import ChatGLMTokenizer
-
-            return ChatGLMTokenizer.from_pretrained(directory, *args, **kwargs)
-        return load_glm_tokenizer(directory, **kwargs)
+        if args:
+            raise TypeError(f"{directory}: a tokenizer directory takes keyword arguments only")
+        return registry.load_tokenizer(directory, **{k: v for k, v in kwargs.items() if k not in AUTO_PLUMBING})
 
 
-# tokenizer_config.json names: the official one ("ChatGLMTokenizer", all versions) and ours
-TOKENIZER_NAMES = ("ChatGLM2Tokenizer", "ChatGLM3Tokenizer", "GLM4Tokenizer", "ChatGLMTokenizer")
-
-AutoConfig.register("chatglm", ChatGLMConfig, exist_ok=True)
+AutoConfig.register("chatglm", AnyChatGLMConfig, exist_ok=True)
 for config_class, model_class in ((ChatGLMConfig, ChatGLMForConditionalGeneration), (ChatGLMFamilyConfig, GlmForCausalLMWithPrefix)):
     AutoModel.register(config_class, model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
-for name in TOKENIZER_NAMES:
+for name in registry.TOKENIZER_CLASSES:  # tokenizer_config.json's class names, ours and the official ones
     stand_in = type(name, (_Tokenizer,), {"module": "", "name": name})
     for config_class in (ChatGLMFamilyConfig, ChatGLMConfig):  # the last registered name serves the mapping
         AutoTokenizer.register(config_class, tokenizer_class=stand_in, exist_ok=True)

@@ -1,117 +1,45 @@
 """The official `model.chat` / `model.stream_chat` of every version, on `generation.generate` and
 `generation.generate_steps`.
 
-`chat` / `stream_chat` (and `Chat`, their methods on the model classes) take the tokenizer's version's
-prompt, sampling defaults and `max_length` (`chat_defaults`: ChatGLM-6B top_p 0.7, temperature 0.95, 2048
-tokens; ChatGLM2/3 and GLM-4 0.8, 0.8, 8192), and its post-processing:
-- ChatGLM-6B and ChatGLM2: history is (query, response) pairs, returned as `history + [(query, response)]`;
-  ChatGLM-6B's `process_response` (punctuation made full-width next to CJK), ChatGLM2 strips;
+`chat` / `stream_chat` (and `Chat`, their methods on the model classes) take from the tokenizer's prompt
+format (`tokenizer.prompt_format`, a `batches.PromptFormat`) the version's prompt, sampling defaults and
+`max_length` (ChatGLM-6B top_p 0.7, temperature 0.95, 2048 tokens; ChatGLM2/3 and GLM-4 0.8, 0.8, 8192),
+and its post-processing (`PromptFormat.chat_response`):
+- ChatGLM-6B and ChatGLM2 (`chat_in_pairs`): history is (query, response) pairs, returned as
+  `history + [(query, response)]`; ChatGLM-6B makes punctuation full-width next to CJK, ChatGLM2 strips;
 - ChatGLM3 and GLM-4: history is role messages (`ROLES`, pairs converted), the query a message of `role`,
-  the prompt its tokenizer's (`versions.GLMFamilyVersion.chat_ids`), the answer split where the model
-  wrote `<|assistant|>` and each part an assistant message `{"role", "metadata", "content"}`; a response
-  is text or a tool call dict (`process_chat_response`).
+  the prompt the format's `chat_ids`, the answer split where the model wrote `<|assistant|>` and each part
+  an assistant message `{"role", "metadata", "content"}`; a response is text or a tool call dict.
 `stream_chat` yields (response so far, history) from `generate_steps`, holding back text that ends in a
 character cut between its bytes; its last item equals `chat`'s result for the same seed.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
-import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import versions
-from .data import SPORecord
-from .generation import generate, generate_steps
-from .options import (CHAT_MAX_LENGTH, CHAT_SAMPLING, GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions,
-                      SamplingOptions)
+from chatglm_tune.batches import PromptFormat
+from chatglm_tune.generation import generate, generate_steps
+from chatglm_tune.options import EncodingOptions, SamplingOptions
+from chatglm_tune.records import SPORecord
 
 ROLES = ("system", "user", "assistant", "observation")  # ChatGLM3 / GLM-4 message roles
-PAIR_VERSIONS = ("chatglm", "chatglm2")  # their chat history is (query, response) pairs
-# What the official post-processing writes for the `[[训练时间]]` placeholder.
-_TRAINING_TIME = {"chatglm": "2023年", "chatglm2": "2023年", "chatglm3": "2023年", "glm4": "2024年"}
-_PUNCTUATION = ((",", "，"), ("!", "！"), (":", "："), (";", "；"), (r"\?", "？"))
-_CJK = r"[\u4e00-\u9fff]"
 
 
-def chat_defaults(version: str) -> tuple[SamplingOptions, int]:
-    """(sampling, max_length) of the official chat() of a version: ChatGLM-6B's, or ChatGLM2/3 and GLM-4's."""
-    return (CHAT_SAMPLING, CHAT_MAX_LENGTH) if version == "chatglm" else (GLM_CHAT_SAMPLING, GLM_CHAT_MAX_LENGTH)
-
-
-def process_response(response: str) -> str:
-    """ChatGLM-6B's official post-processing: strip, `[[训练时间]]` -> `2023年`, ASCII `, ! : ; ?` next to a
-    CJK character made full-width."""
-    response = response.strip().replace("[[训练时间]]", _TRAINING_TIME["chatglm"])
-    for ascii_mark, full_width in _PUNCTUATION:
-        response = re.sub(rf"({_CJK}){ascii_mark}", rf"\g<1>{full_width}", response)
-        response = re.sub(rf"{ascii_mark}({_CJK})", rf"{full_width}\g<1>", response)
-    return response
-
-
-def process_chat_response(segments: Sequence[str], history: Sequence[dict], version: str) -> tuple[str | dict, list[dict]]:
-    """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
-
-    `segments`: the decoded answer split where the model wrote `<|assistant|>` (one text for a plain answer).
-    `history`: the messages so far, the query last; it is not changed. Each segment becomes
-    `{"role": "assistant", "metadata": its first line, "content": the rest}` (a segment of one line is all
-    content). The response is the last segment's:
-    - no metadata: the content stripped, with `[[训练时间]]` written as the training year (in the response
-      only, as officially);
-    - metadata (a tool name) and a first message that is a system message with `tools`: the tool call
-      `{"name": metadata stripped, "parameters": ...}`, from ChatGLM3's code block holding `tool_call(k=v, ...)`
-      (its arguments read as Python literals; the official code evaluates the block, this runs nothing) or
-      GLM-4's JSON; content that does not parse (a call still being streamed) gives `{"name", "content"}`;
-    - metadata without tools: `{"name": metadata stripped, "content": content}`.
-    """
-    history = list(history)
-    tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
-    response: str | dict = ""
-    for text in segments:
-        metadata, content = text.split("\n", 1) if "\n" in text else ("", text)
-        if not metadata.strip():
-            content = content.strip()
-            history.append({"role": "assistant", "metadata": metadata, "content": content})
-            response = content.replace("[[训练时间]]", _TRAINING_TIME[version])
-            continue
-        history.append({"role": "assistant", "metadata": metadata, "content": content})
-        parameters = _tool_parameters(content, version) if tools else None
-        response = {"name": metadata.strip(), **({"content": content} if parameters is None else {"parameters": parameters})}
-    return response, history
-
-
-def _tool_parameters(content: str, version: str):
-    """The parameters of a tool call (GLM-4: JSON; ChatGLM3: `tool_call(...)`'s keyword literals), or None."""
-    if version == "glm4":
-        try:
-            return json.loads(content)
-        except json.JSONDecodeError:
-            return None
-    lines = content.strip().split("\n")
-    if lines[0].startswith("```"):
-        lines = lines[1:]
-    if lines and lines[-1].strip() == "```":
-        lines = lines[:-1]
-    try:
-        call = ast.parse("\n".join(lines).strip(), mode="eval").body
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"
-                and not call.args and all(k.arg is not None for k in call.keywords)):
-            return None
-        return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-        return None
+def chat_defaults(prompt_format: PromptFormat) -> tuple[SamplingOptions, int]:
+    """(sampling, max_length) of the official chat() of a version (its prompt format)."""
+    return prompt_format.chat_sampling, prompt_format.chat_max_length
 
 
 @dataclass(frozen=True)
 class _Turn:
     """One chat turn, set up: its prompt, its answer budget, and how answer ids become (response, history)."""
 
-    version: str
+    format: PromptFormat
     tokenizer: object
     query: str
     history: list  # ChatGLM-6B / ChatGLM2: the (query, response) pairs before; ChatGLM3 / GLM-4: the messages, query last
@@ -126,7 +54,7 @@ class _Turn:
         ids = list(new_ids)
         if ids and ids[-1] in self.stop:
             ids.pop()
-        if self.version in PAIR_VERSIONS:
+        if self.format.chat_in_pairs:
             return [self.tokenizer.decode(ids)]
         assistant = self.tokenizer.get_command("<|assistant|>")
         segments: list[list[int]] = [[]]
@@ -138,43 +66,37 @@ class _Turn:
         return [self.tokenizer.decode(segment) for segment in segments if segment] or [""]
 
     def result(self, texts: list[str]) -> tuple:
-        """(response, history): ChatGLM-6B / ChatGLM2 history + [(query, response)]; ChatGLM3 / GLM-4
-        `process_chat_response`."""
-        if self.version == "chatglm":
-            response = process_response(texts[0])
-        elif self.version == "chatglm2":  # the official post-processing: strip, the training year
-            response = texts[0].strip().replace("[[训练时间]]", _TRAINING_TIME["chatglm2"])
-        else:
-            return process_chat_response(texts, self.history, self.version)
-        return response, [*self.history, (self.query, response)]
+        """(response, history): ChatGLM-6B / ChatGLM2 history + [(query, response)]; ChatGLM3 / GLM-4 the
+        messages, the answer's added."""
+        return self.format.chat_response(texts, self.query, self.history)
 
 
 def _turn(tokenizer, query: str, history, role: str, max_length: int | None, sampling: SamplingOptions | None) -> _Turn:
-    version = versions.of_tokenizer(tokenizer)
-    name = version.name
-    default_sampling, default_length = chat_defaults(name)
+    prompt_format = tokenizer.prompt_format
+    name = prompt_format.title
+    default_sampling, default_length = chat_defaults(prompt_format)
     sampling = default_sampling if sampling is None else sampling
     max_length = default_length if max_length is None else max_length
     if not isinstance(query, str):
         raise TypeError(f"query must be a str, got {type(query).__name__}")
     if not (isinstance(max_length, int) and max_length >= 2):
         raise ValueError(f"max_length must be an integer >= 2 (prompt and answer tokens), got {max_length!r}")
-    if name in PAIR_VERSIONS:
+    if prompt_format.chat_in_pairs:
         if role != "user":
             raise ValueError(f"{name}'s chat has no roles (a query is the user's), got role={role!r}")
         turn_history = _pairs(history or (), name)
         record = SPORecord(query, None, history=tuple(turn_history) or None)
         encoding = EncodingOptions(prompt="", max_src_len=max_length, max_len=max_length + 2)
-        prompt = version.prompt_ids(tokenizer, record, encoding)[0]
+        prompt = prompt_format.prompt_ids(tokenizer, record, encoding)[0]
     else:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         turn_history = [*_messages(history or ()), {"role": role, "content": query}]
-        prompt = version.chat_ids(tokenizer, turn_history)
+        prompt = prompt_format.chat_ids(tokenizer, turn_history)
     budget = max_length - len(prompt)
     if budget < 1:
         raise ValueError(f"the prompt has {len(prompt)} tokens, no room left under max_length={max_length}")
-    return _Turn(name, tokenizer, query, turn_history, prompt, budget, sampling, version.stop_ids(tokenizer))
+    return _Turn(prompt_format, tokenizer, query, turn_history, prompt, budget, sampling, prompt_format.stop_ids(tokenizer))
 
 
 def _pairs(history, name: str) -> list[tuple[str, str]]:
@@ -223,8 +145,7 @@ def chat(
     ChatGLM-6B / ChatGLM2: history is (query, response) pairs (a role message is a ValueError), the answer
     `history + [(query, response)]`, `role` only "user". ChatGLM3 / GLM-4: history is role messages
     (`ROLES`; pairs are converted), the query is a message of `role` ("observation" for a tool's result),
-    the answer `history + [query message, assistant message(s)]` (`process_chat_response`: a response is
-    text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
+    the answer `history + [query message, assistant message(s)]` (a response is text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
     tokens; it and `sampling` default to the version's official values (`chat_defaults`).
     """
     turn = _turn(tokenizer, query, history, role, max_length, sampling)
@@ -305,7 +226,7 @@ def _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k, *, num_beams
         raise ValueError(f"num_beams must be 1 (beam search is not implemented), got {num_beams!r}")
     if logits_processor is not None:
         raise ValueError("logits_processor is not supported (the samplers are generation.next_tokens)")
-    default, _ = chat_defaults(versions.of_tokenizer(tokenizer).name)
+    default, _ = chat_defaults(tokenizer.prompt_format)
     return SamplingOptions(
         do_sample=default.do_sample if do_sample is None else do_sample,
         top_p=default.top_p if top_p is None else top_p,

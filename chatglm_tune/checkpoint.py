@@ -36,11 +36,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from . import heap
+from chatglm_tune import heap
 
 IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
 PREFIX_KEY = "transformer.prefix_encoder."
 TORCH_SUFFIXES = (".bin", ".pth", ".pt")
+# Arguments the Auto classes pass along to from_pretrained; meaningless for a local directory.
+AUTO_PLUMBING = {"_from_auto", "trust_remote_code", "adapter_kwargs", "revision", "cache_dir", "force_download",
+                 "local_files_only", "proxies", "token", "subfolder", "_commit_hash", "code_revision", "name_or_path"}
 
 
 class CheckpointError(ValueError):
@@ -333,3 +336,17 @@ def follow_umask(path: Path) -> None:
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
     for file in files:
         os.chmod(file, 0o666 & ~mask)
+
+
+def read_config_file(directory: str | Path) -> dict:
+    """The config.json of a model directory (or of the directory holding a weights file)."""
+    path = Path(directory)
+    if path.is_file():
+        path = path.parent
+    file = path / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"{path}: no config.json beside the weights")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e

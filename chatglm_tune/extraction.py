@@ -12,7 +12,7 @@
 - `summarize`: micro P/R/F1, per-sample average F1 and per-relation F1 over every row of the
   output (resumed ones included), plus this run's records/s and tokens/s.
 
-Loading the model a `--model` directory describes is `rundir.load_run`'s job.
+Loading the model a `--model` directory describes is `loading.load_run`'s job.
 
 A row: `index` (0-based, among the records read), `source` (file:line), `text`, `text_truncated` (the
 prompt was cut to max_src_len tokens), `answer` (the gold answer text, or null), `generated` (decoded,
@@ -29,12 +29,12 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from . import versions
-from .checkpoint import atomic_write
-from .data import SpecialIds, SPORecord, collate_prompts
-from .generation import generate
-from .metrics import describe_scores, parse_triples, score_answers, score_record
-from .options import ExtractionSettings
+from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.checkpoint import atomic_write
+from chatglm_tune.generation import generate
+from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
+from chatglm_tune.options import ExtractionSettings
+from chatglm_tune.records import SPORecord
 
 SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many batches
 
@@ -48,10 +48,10 @@ def extract(
 ) -> Iterator[list[dict]]:
     """Rows for `records[start:]`, yielded after each batch: the rows that became ready, in input order."""
     window = SORT_WINDOW_BATCHES * settings.batch_size
-    version = versions.of_tokenizer(tokenizer)
+    prompt_format = tokenizer.prompt_format
     for lo in range(start, len(records), window):
         indices = range(lo, min(lo + window, len(records)))
-        encoded = {i: version.prompt_ids(tokenizer, records[i], settings.encoding) for i in indices}
+        encoded = {i: prompt_format.prompt_ids(tokenizer, records[i], settings.encoding) for i in indices}
         prompts = {i: ids for i, (ids, _) in encoded.items()}
         order = sorted(indices, key=lambda i: -len(prompts[i]))  # stable: ties keep input order
         done: dict[int, dict] = {}
@@ -72,7 +72,7 @@ def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int]
     batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
-                    sampling=settings.sampling, eos_token_id=versions.of_tokenizer(tokenizer).stop_ids(tokenizer), seed=seeds,
+                    sampling=settings.sampling, eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), seed=seeds,
                     vocab_limit=len(tokenizer))
 
 
@@ -80,8 +80,8 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
              free_text: bool = False) -> dict:
     """The output row of one record (fields in the module docstring); a free-text answer is not parsed
     as triples."""
-    version = versions.of_tokenizer(tokenizer)
-    generated = version.decode_answer(tokenizer, new_ids)
+    prompt_format = tokenizer.prompt_format
+    generated = prompt_format.decode_answer(tokenizer, new_ids)
     parsed = None if free_text else parse_triples(generated)
     score = None if record.triples is None or parsed is None else score_record(parsed.triples, record.triples)
     return {
@@ -94,7 +94,7 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
         "triples": None if parsed is None else [[t.subject, t.predicate, t.object] for t in parsed.triples],
         "malformed": None if parsed is None else list(parsed.malformed),
         "new_tokens": len(new_ids),
-        "stopped": "eos" if new_ids and new_ids[-1] in version.stop_ids(tokenizer) else "length",
+        "stopped": "eos" if new_ids and new_ids[-1] in prompt_format.stop_ids(tokenizer) else "length",
         "precision": None if score is None else score.precision,
         "recall": None if score is None else score.recall,
         "f1": None if score is None else score.f1,

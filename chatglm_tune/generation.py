@@ -25,9 +25,10 @@ so a row's sample never depends on the other rows of its batch, on their length 
 
 `generate` returns the new ids of each row. A row that stops on `eos_token_id` ends *with* that id (as
 transformers' and the official generate do, so the caller can tell a finished answer from a cut one; it
-decodes to ""). Decoding: left-padded prompts (2D mask, 1 = token, 0 = left pad), the official 2D
-positions for new tokens (the last prompt position with its block position + 1 per step, i.e.
-`[mask_pos, n]` for the n-th token from `<sop>` on), a transformers `DynamicCache` filled once by the
+decodes to ""). Decoding: left-padded prompts (2D mask, 1 = token, 0 = left pad); positions asked of the
+model (`model.prompt_positions`, then `model.next_positions` a step: ChatGLM-6B's 2D GLM positions, the
+n-th token from `<sop>` at `[mask_pos, n]`; the other models return None and derive them from the
+mask), a transformers `DynamicCache` filled once by the
 prompt (its first `pre_seq_len` entries are the P-tuning prefix, put there by the model) and one token a
 step after. Finished rows leave the batch and the cache (`batch_select_indices`), so they cost nothing.
 `generate_steps` is the same loop one step at a time (a generator of each step's new tokens, which
@@ -47,8 +48,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .options import DEFAULT_SAMPLING, SamplingOptions
-from . import versions
+from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,12 +235,11 @@ def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOp
     b = input_ids.shape[0]
     if max_new_tokens == 0:
         return
-    positions = versions.of_config(model.config).positions(model.config, input_ids, mask)  # ChatGLM-6B: [b, 2, s]
-    step = torch.tensor([0, 1], device=input_ids.device)[None, :, None]  # block position + 1 per new token
+    positions = model.prompt_positions(input_ids, mask)  # ChatGLM-6B: [b, 2, s]; the others: None (from the mask)
     cache = DynamicCache()
     out = model(input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
     live = list(range(b))  # batch row -> index of the prompt it decodes
-    next_pos = None if positions is None else positions[:, :, -1:] + step  # [b, 2, 1]
+    next_pos = None if positions is None else model.next_positions(positions[..., -1:])
     for n in range(max_new_tokens):
         tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
         yield live, tokens.tolist()
@@ -260,7 +259,7 @@ def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOp
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
         out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-        next_pos = None if next_pos is None else next_pos + step
+        next_pos = None if next_pos is None else model.next_positions(next_pos)
 
 
 def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
@@ -269,7 +268,7 @@ def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: Sampli
     results: list[list[int]] = [[] for _ in range(b)]
     running = [True] * b
     for _ in range(max_new_tokens):
-        positions = versions.of_config(model.config).positions(model.config, seq, mask)
+        positions = model.prompt_positions(seq, mask)
         logits = model(seq, position_ids=positions, attention_mask=mask, use_cache=False).logits  # [b, s, V]
         tokens = next_tokens(logits[:, -1], sampling, d.generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
         for row, token in enumerate(tokens.tolist()):

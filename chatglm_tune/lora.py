@@ -5,7 +5,7 @@ Adapters are plain peft directories (`adapter_config.json` + `adapter_model.safe
 adapter runs beside the frozen integer weights; peft is told how to wrap those layers here.
 `load_lora` also takes an adapter trained with peft on the official ChatGLM2/3 or GLM-4 code (fused
 `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`): it is converted on the way to the
-equivalent adapter on q/k/v, o_proj, gate_up_proj, down_proj (the mapping: glm_weights.py).
+equivalent adapter on q/k/v, o_proj, gate_up_proj, down_proj (the mapping: models/glm/weights.py).
 Reference: peft `tuners/lora`; litgpt `lora.py`.
 """
 
@@ -22,10 +22,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import GlmConfig
 
-from .checkpoint import CheckpointError, iter_tensors
-from .glm_weights import adapter_targets, adapter_to_transformers, is_official_adapter, qkv_rows
-from .options import LoraOptions
-from .quantization import QuantizedLinear
+from chatglm_tune.checkpoint import CheckpointError, iter_tensors
+from chatglm_tune.models.glm.weights import adapter_targets, adapter_to_transformers, is_official_adapter, qkv_rows
+from chatglm_tune.options import LoraOptions
+from chatglm_tune.quant.modules import QuantizedLinear
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, in its order of preference
 

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from .data import Triple, answer_lines
+from chatglm_tune.records import Triple, answer_lines
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def score_answers(generated: Sequence[str], records: Sequence) -> dict:
     if len(generated) != len(records):
         raise ValueError(f"{len(generated)} generations for {len(records)} records")
     if any(r.response is not None for r in records):
-        from .textmetrics import GenerationScorer
+        from chatglm_tune.textmetrics import GenerationScorer
 
         scorer = GenerationScorer()
         pairs = [(g, r.response) for g, r in zip(generated, records) if r.response is not None]
@@ -188,7 +188,7 @@ def format_score(score: float, free_text: bool) -> str:
 def describe_scores(scores: dict) -> str:
     """One line of a run's scores: triple P/R/F1, or the generation metrics (`rouge-l`, `bleu-4`...)."""
     if "rouge-l" in scores:
-        from .textmetrics import format as format_generation
+        from chatglm_tune.textmetrics import format as format_generation
 
         return format_generation(scores)
     if scores["micro"] is None:

@@ -85,7 +85,7 @@ class DataColumns:
     """Prompt/response data in the official ChatGLM P-tuning shape (`--prompt-column content
     --response-column summary`, AdvertiseGen's): the prompt (with the `history` column's earlier turns as
     the official multi-turn prompt) and a free-text answer, scored by the generation metrics. None (the
-    default): the SPO shapes of `data.read_records`."""
+    default): the SPO shapes of `records.read_records`."""
 
     prompt: str | None = None
     response: str | None = None
@@ -103,7 +103,7 @@ class DataColumns:
 @dataclass(frozen=True)
 class LoraOptions:
     """LoRA hyper-parameters (peft's `LoraConfig` is built from them in `lora.py`); `target` None: the
-    version's attention projections (`versions`: query_key_value, or q_proj k_proj v_proj)."""
+    version's attention projections (its `Version.lora_targets`: query_key_value, or q_proj k_proj v_proj)."""
 
     r: int = 8
     alpha: int = 32
@@ -144,7 +144,7 @@ class TrainOptions:
     mixed_precision: str = "no"
     dtype: str = "float32"
     quantization_bit: int = 0
-    quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quantization.quantize_embedding`)
+    quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quant.apply.quantize_embedding`)
     gradient_checkpointing: bool = False
     seed: int = 42
     eval_every: int | None = None  # steps; None = EVALUATIONS times over the run

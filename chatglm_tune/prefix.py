@@ -14,9 +14,10 @@ The prefix is always the first P entries of the KV cache, keys not rotated: `see
 a cache that decoding then extends; a forward that keeps no cache (training) reads it from a
 `PrefixCache`, which stores nothing new.
 
-A checkpoint fits a model when it was trained on the same version (`check_prefix_version`, from its
-config.json) and its shapes are the model's: `pre_seq_len` rows, width W (`check_prefix_shapes`). ChatGLM3-6B
-and GLM-4 prefixes of equal shape exist (the tiny models' are), so the shapes alone do not tell.
+A checkpoint fits a model when it was trained on the same version (`check_prefix_version`, its
+config.json read by the model's family) and its shapes are the model's: `pre_seq_len` rows, width W
+(`check_prefix_shapes`). ChatGLM3-6B and GLM-4 prefixes of equal shape exist (the tiny models' are), so
+the shapes alone do not tell.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 PREFIX_DROPOUT = 0.1
-VERSION_NAMES = {"chatglm": "ChatGLM-6B", "chatglm2": "ChatGLM2-6B", "chatglm3": "ChatGLM3-6B", "glm4": "GLM-4"}
 
 
 class PrefixEncoder(nn.Module):
@@ -96,36 +96,18 @@ class PrefixCache(Cache):
         super().__init__(layers=[_PrefixLayer(k, v) for k, v in prefix])
 
 
-def prefix_version(source) -> str | None:
-    """The version a P-tuning checkpoint (a directory, or a weights file beside its config.json) was trained
-    on, read from its config.json as `versions.of_directory` reads a model's (model_type, the version
-    fields, names); None when it has no config.json or one too bare to tell (only `pre_seq_len`)."""
-    from .checkpoint import CheckpointError
-    from .glm_config import detect_version, read_config_file
+def check_prefix_version(source, theirs: str | None, ours: str, model="the model", error: type[Exception] | None = None,
+                         hint: str = "") -> None:
+    """Refuse (`error`, default `CheckpointError`) a P-tuning checkpoint trained on version `theirs` (as its
+    config.json says; None: it cannot tell, and the shapes decide when it loads) for `model` (a path or a
+    description) of version `ours`, naming both (the versions as a reader knows them: "ChatGLM3-6B")."""
+    from chatglm_tune.checkpoint import CheckpointError
 
-    try:
-        return detect_version(read_config_file(source), source)
-    except CheckpointError:
-        return None
-
-
-def check_prefix_version(source, version: str, model="the model", error: type[Exception] | None = None) -> None:
-    """Refuse (`error`, default `CheckpointError`) a P-tuning checkpoint trained on another version than
-    `version`, the version of `model` (a path or a description), naming both; a checkpoint whose version
-    cannot be read passes (its shapes are checked when it loads)."""
-    from .checkpoint import CheckpointError
-
-    theirs = prefix_version(source)
-    if theirs is None or theirs == version:
+    if theirs is None or theirs == ours:
         return
-    where = Path(source) if Path(source).is_dir() else Path(source).parent
-    hint = ""
-    if {theirs, version} == {"chatglm2", "chatglm3"}:  # one architecture; their config.json files differ in names only
-        hint = (f" (ChatGLM2-6B and ChatGLM3-6B config.json files differ only in their names; if {where / 'config.json'} "
-                f'is wrong, add "chatglm_version": "{version}" to it)')
     raise (error or CheckpointError)(
-        f"{source} is a P-tuning prefix of a {VERSION_NAMES[theirs]} model (its config.json), and {model} is "
-        f"{VERSION_NAMES[version]}: a prefix runs only on the version it was trained on{hint}"
+        f"{source} is a P-tuning prefix of a {theirs} model (its config.json), and {model} is {ours}: a prefix runs "
+        f"only on the version it was trained on{hint}"
     )
 
 
@@ -133,7 +115,7 @@ def check_prefix_shapes(source, shapes: dict, expected: dict, width: int, formul
     """Refuse (`CheckpointError`) prefix-encoder tensors (`shapes`: key -> shape) whose shapes are not the
     model's (`expected`: key -> shape; keys it lacks are left to the caller), naming both: another width
     than the model's W (`width`, made as `formula` says), or another row count than its `pre_seq_len`."""
-    from .checkpoint import CheckpointError
+    from chatglm_tune.checkpoint import CheckpointError
 
     for key, shape in shapes.items():
         want = expected.get(key)
@@ -148,7 +130,7 @@ def check_prefix_shapes(source, shapes: dict, expected: dict, width: int, formul
 
 def only_prefix_weights(path, key_prefix: str) -> bool:
     """Whether the weight files of `path` hold prefix-encoder tensors (keys under `key_prefix`) and nothing else."""
-    from .checkpoint import iter_tensors, weight_files
+    from chatglm_tune.checkpoint import iter_tensors, weight_files
 
     keys = [key for file in weight_files(path) for key, _ in iter_tensors(file)]
     return bool(keys) and all(key.startswith(key_prefix) for key in keys)

@@ -24,12 +24,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from . import rundir, versions
-from .data import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
-from .generation import generate
-from .lora import apply_lora
-from .metrics import describe_scores, score_answers
-from .options import EVALUATIONS, METHOD_DEFAULTS, TINY_PRESETS, TrainOptions
+from chatglm_tune import rundir
+from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
+from chatglm_tune.generation import generate
+from chatglm_tune.lora import apply_lora
+from chatglm_tune.metrics import describe_scores, score_answers
+from chatglm_tune.models import registry
+from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_PRESETS, TrainOptions
+
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
     """A shuffled order whose consecutive runs of `batch_size` rows have similar lengths.
@@ -76,7 +78,7 @@ def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_
     """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers,
     and a random tiny model of the preset's version (with `config_overrides`) for it."""
     corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
-    return versions.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), **config_overrides)
+    return registry.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), **config_overrides)
 
 
 def optimizer_and_schedule(params, options: TrainOptions, total_steps: int):
@@ -98,7 +100,7 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
                              "then P-tune or LoRA-tune the result with --model <that run>")
         model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg)
     else:
-        version = versions.of_directory(rundir.require_model_dir(model_arg))
+        version = registry.of_directory(rundir.require_model_dir(model_arg))
         tokenizer = version.load_tokenizer(model_arg)
         prefix = dict(pre_seq_len=options.pre_seq_len, prefix_projection=options.prefix_projection)
         quantized = dict(quantization_bit=options.quantization_bit, group_size=0) if options.quantization_bit else {}
@@ -113,7 +115,7 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
 def set_trainable(model, options: TrainOptions):
     """The model with only what `options.tuning` trains left trainable: the prefix encoder (P-tuning v2,
     the official behaviour), LoRA adapters (returned wrapped by peft), or every weight (full)."""
-    version = versions.of_config(model.config)
+    version = registry.of_config(model.config)
     if options.tuning == "lora":  # on the version's attention projections unless told otherwise
         return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets))
     model.requires_grad_(options.tuning == "full")
@@ -169,7 +171,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
     if accelerator.is_main_process:
-        from .curves import plot_curves
+        from chatglm_tune.curves import plot_curves
 
         plot_curves(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
     accelerator.end_training()
@@ -278,7 +280,7 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
 def parameter_counts(model) -> tuple[int, int]:
     """(trainable, all) parameters, an INT8/INT4 weight counted as the float weight it stands for (INT4
     packs two values a byte; its scales are not counted): a QLoRA run reads as the same model in float."""
-    from .quantization import QuantizedEmbedding, QuantizedLinear
+    from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
 
     stand_in = {}
     for module in model.modules():
@@ -293,7 +295,7 @@ def parameter_counts(model) -> tuple[int, int]:
 def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Accelerator | None = None) -> dict:
     """Dev loss and triple P/R/F1 of greedy generations (records split over the processes)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    special, version = SpecialIds.of(tokenizer), versions.of_tokenizer(tokenizer)
+    special, prompt_format = SpecialIds.of(tokenizer), tokenizer.prompt_format
     mine = records[rank::world]
     enc = options.encoding
     losses, generated = [], []
@@ -306,8 +308,8 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
             losses.append(model(**{k: v.to(device) for k, v in batch.items()}).loss.item() * len(chunk))
             prompts = collate_prompts([prompt_ids(r, tokenizer, enc) for r in chunk], special)
             new = generate(model, prompts["input_ids"], prompts["attention_mask"], max_new_tokens=enc.answer_budget,
-                           eos_token_id=version.stop_ids(tokenizer), vocab_limit=len(tokenizer))
-            generated += [version.decode_answer(tokenizer, ids) for ids in new]
+                           eos_token_id=prompt_format.stop_ids(tokenizer), vocab_limit=len(tokenizer))
+            generated += [prompt_format.decode_answer(tokenizer, ids) for ids in new]
     indexed = list(zip(range(rank, len(records), world), generated))
     loss_sum = sum(losses)
     if accelerator is not None and world > 1:

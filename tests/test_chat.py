@@ -17,10 +17,12 @@ import pytest
 import torch
 
 import chatglm_tune.chat as chat_module
-from chatglm_tune import versions
-from chatglm_tune.chat import chat, chat_defaults, process_chat_response, stream_chat
+from chatglm_tune.chat import chat, chat_defaults, stream_chat
 from chatglm_tune.generation import generate
-from chatglm_tune.glm_tokenizer import ChatGLM2Tokenizer, load_glm_tokenizer
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.formats import FORMATS
+from chatglm_tune.models.glm.sp_tokenizer import ChatGLM2Tokenizer
+from chatglm_tune.models.glm.versions import load_glm_tokenizer
 from chatglm_tune.options import SamplingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ def tiny(tmp_path_factory):
     built = {}
     for name in ALL:
         torch.manual_seed(0)
-        model, tokenizer = versions.VERSIONS[name].tiny(TEXTS + ["你好，世界。Hello!"], tmp_path_factory.mktemp(name))
+        model, tokenizer = registry.VERSIONS[name].tiny(TEXTS + ["你好，世界。Hello!"], tmp_path_factory.mktemp(name))
         built[name] = model.eval(), tokenizer
     assert RARE not in "".join(TEXTS)
     return built
@@ -124,7 +126,7 @@ def test_glm_prompts_equal_the_official_ones_on_the_real_tokenizers(version):
             messages = golden["messages"]
             if "<|" in json.dumps(messages):
                 continue  # GLM-4's official template makes typed "<|user|>" special; chat keeps text as data
-        assert versions.VERSIONS[version].chat_ids(tokenizer, messages) == golden["input_ids"]
+        assert registry.VERSIONS[version].format.chat_ids(tokenizer, messages) == golden["input_ids"]
         checked += any(m["role"] == "observation" for m in messages) and "tools" in messages[0]
     assert checked == 1  # a system message with tools, an assistant tool call and an observation
 
@@ -146,14 +148,16 @@ def test_glm_chat_converts_pair_history(tiny, version, monkeypatch):
 
 def test_glm_defaults_are_the_official_ones(tiny, monkeypatch):
     official = SamplingOptions(do_sample=True, top_p=0.8, temperature=0.8, top_k=50)
-    assert chat_defaults("chatglm2") == chat_defaults("chatglm3") == chat_defaults("glm4") == (official, 8192)
-    assert chat_defaults("chatglm") == (SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50), 2048)
+    formats = {name: version.format for name, version in registry.VERSIONS.items()}
+    assert (chat_defaults(formats["chatglm2"]) == chat_defaults(formats["chatglm3"]) == chat_defaults(formats["glm4"])
+            == (official, 8192))
+    assert chat_defaults(formats["chatglm"]) == (SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50), 2048)
     for version in ALL:
         model, tokenizer = tiny[version]
-        stop = versions.VERSIONS[version].stop_ids(tokenizer)
+        stop = formats[version].stop_ids(tokenizer)
         spy = spy_on_generate(monkeypatch, answer=stop)
         model.chat(tokenizer, "你好")
-        sampling, max_length = chat_defaults(version)
+        sampling, max_length = chat_defaults(formats[version])
         assert spy.calls[0]["sampling"] == sampling
         assert spy.calls[0]["max_new_tokens"] == max_length - len(spy.calls[0]["input_ids"])
         model.chat(tokenizer, "你好", top_p=0.5, top_k=0, do_sample=False)
@@ -165,6 +169,11 @@ def test_glm_defaults_are_the_official_ones(tiny, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------
 # process_response of ChatGLM3 / GLM-4: text, tool calls
+
+
+def process_chat_response(texts, history, version):
+    """ChatGLM3's / GLM-4's post-processing of an answer (its format's `chat_response`)."""
+    return FORMATS[version].chat_response(texts, "", history)
 
 
 def test_process_chat_response_text_and_tool_calls():

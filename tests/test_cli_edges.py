@@ -326,9 +326,9 @@ def test_infer_says_when_it_cuts_a_text(runs, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["chatglm", "chatglm3", "glm4"])
 def test_a_quantized_model_counts_the_parameters_of_its_float_form(name, tmp_path):
-    from chatglm_tune.quantization import quantize_model
+    from chatglm_tune.models.registry import VERSIONS
+    from chatglm_tune.quant.apply import quantize_model
     from chatglm_tune.training import parameter_counts
-    from chatglm_tune.versions import VERSIONS
 
     version = VERSIONS[name]
     model, _ = version.tiny([json.loads(line)["text"] for line in DEV.read_text(encoding="utf-8").splitlines()[:20]], tmp_path)

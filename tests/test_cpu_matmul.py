@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, cpu_matmul
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
+from chatglm_tune.quant import cpu_matmul
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_capability_avx2_counts_as_a_cpu_without_native_bf16(tmp_path):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("ATEN_CPU_CAPABILITY=avx2 is an x86 setting")
-    code = ("import torch; from chatglm_tune import cpu_matmul\n"
+    code = ("import torch; from chatglm_tune.quant import cpu_matmul\n"
             "assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
             "assert not cpu_matmul.native_bf16_gemm()\n"
             "q = torch.randn(1, 2, 64, 16).bfloat16()\n"

@@ -10,12 +10,12 @@ here (`Version.tiny` on the texts and answers of data/spo_dev.jsonl), against th
   INT8 / INT4 base (`--quantization-bit`, QLoRA) on the GPU: every logged loss finite, the last below the first
   (8 steps on one batch of 8 records, lr 1e-2; P-tuning with `--prefix-projection`: a bare prefix barely moves
   the loss of a random ChatGLM-6B, whose blocks add their attention to sqrt(56) x the normalised input);
-- a run trained on the GPU loads on the CPU (`rundir.load_run(rundir.resolve_run(run))`) with the logits of the
-  trained GPU model moved to the CPU; `rundir.load_run(..., device="cuda")` puts every tensor on the GPU;
+- a run trained on the GPU loads on the CPU (`loading.load_run(loading.resolve_run(run))`) with the logits of the
+  trained GPU model moved to the CPU; `loading.load_run(..., device="cuda")` puts every tensor on the GPU;
 - infer.py `--device cuda` runs a P-tuning and a LoRA run;
-- INT8 / INT4 through the toolkit (`quantization.quantize_model` on the GPU: the CPU's integers and scales; the
+- INT8 / INT4 through the toolkit (`quant.apply.quantize_model` on the GPU: the CPU's integers and scales; the
   loader's `quantization_bit`, with and without `quantize_embedding`): logits and greedy tokens as on the CPU;
-- bitsandbytes INT8 / NF4 (`quantization.to_bitsandbytes`), when bitsandbytes imports: logits near the float
+- bitsandbytes INT8 / NF4 (`quant.apply.to_bitsandbytes`), when bitsandbytes imports: logits near the float
   ones, generation, and a LoRA step on it.
 
 Marked `cuda`; the whole module is skipped where `torch.cuda.is_available()` is False (collection touches no
@@ -33,13 +33,16 @@ from accelerate.state import AcceleratorState
 
 import infer as infer_cli
 import train as train_cli
-from chatglm_tune import rundir, training
-from chatglm_tune.data import SPORecord, SpecialIds, collate_prompts, collate_train, encode_record, prompt_ids, read_records
+from chatglm_tune import loading, rundir, training
+from chatglm_tune.batches import SpecialIds, collate_prompts, collate_train, encode_record, prompt_ids
 from chatglm_tune.generation import generate
 from chatglm_tune.lora import apply_lora
+from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import EncodingOptions, LoraOptions
-from chatglm_tune.quantization import QuantizedLinear, quantize_model, unpack_int4
-from chatglm_tune.versions import VERSIONS
+from chatglm_tune.quant.apply import quantize_model
+from chatglm_tune.quant.format import unpack_int4
+from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.records import SPORecord, read_records
 
 pytestmark = [
     pytest.mark.cuda,
@@ -280,7 +283,7 @@ def test_train_py_qlora_on_an_int8_int4_base_on_the_gpu(name, bits, runs):
     assert_learns(model, losses)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.bits == bits and m.weight.device.type == torch.device(GPU).type for m in layers)
-    assert rundir.resolve_run(out).quantization_bit == bits
+    assert loading.resolve_run(out).quantization_bit == bits
 
 
 RUNS = [("ptuning", "bf16", 0), ("lora", "fp16", 0), ("lora", "bf16", 4)]
@@ -292,7 +295,7 @@ def test_a_run_trained_on_the_gpu_loads_on_the_cpu_with_the_same_outputs(name, t
     from accelerate.utils import extract_model_from_parallel
 
     out, model, _ = runs(name, tuning, precision, bits)
-    loaded, tokenizer = rundir.load_run(rundir.resolve_run(out))
+    loaded, tokenizer = loading.load_run(loading.resolve_run(out))
     assert not tensors_on(loaded, "cpu")
     batch = prompts(tokenizer)
     trained = extract_model_from_parallel(model, keep_fp32_wrapper=False)  # without accelerate's autocast wrapper
@@ -307,10 +310,10 @@ def test_a_run_trained_on_the_gpu_loads_on_the_cpu_with_the_same_outputs(name, t
 @pytest.mark.parametrize("name", NAMES)
 def test_a_run_loads_onto_the_gpu(name, tuning, precision, bits, runs):
     out = runs(name, tuning, precision, bits)[0]
-    source = rundir.resolve_run(out)
-    gpu, tokenizer = rundir.load_run(source, device=GPU)
+    source = loading.resolve_run(out)
+    gpu, tokenizer = loading.load_run(source, device=GPU)
     assert not tensors_on(gpu, "cuda"), f"left on another device: {tensors_on(gpu, 'cuda')}"
-    cpu, _ = rundir.load_run(source)
+    cpu, _ = loading.load_run(source)
     batch = prompts(tokenizer)
     assert_logits_close(logits_of(gpu, batch, GPU), logits_of(dequantizing(cpu), batch, "cpu"), "float32",
                         f"{name} {tuning} run")
@@ -401,7 +404,7 @@ def test_a_bitsandbytes_base_runs_generates_and_trains_lora(name, mode, toleranc
     relative error of the float model's (the bound says 'the same model', not a precision figure), greedy decoding,
     and a LoRA step with gradients on the adapters only."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'chatglm_tune[bnb]')")
-    from chatglm_tune.quantization import to_bitsandbytes
+    from chatglm_tune.quant.apply import to_bitsandbytes
 
     version = VERSIONS[name]
     model, tokenizer = load(name, bases(name), dtype=torch.float16, device=GPU)

@@ -1,5 +1,5 @@
-"""Tests of chatglm_tune.data (reading, validation, official P-tuning encoding, collators) and of the
-shipped synthetic set's generator `data/make_spo.py`."""
+"""Tests of chatglm_tune.records (reading, validation) and chatglm_tune.batches (official P-tuning encoding,
+collators), and of the shipped synthetic set's generator `data/make_spo.py`."""
 
 from __future__ import annotations
 
@@ -11,23 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.data import (
+from chatglm_tune.batches import (
     IGNORE_INDEX,
     EncodedDataset,
-    EncodingOptions,
-    RecordError,
     SpecialIds,
-    SPORecord,
-    Triple,
-    answer_text,
     collate_prompts,
     collate_train,
     encode_record,
     prompt_ids,
-    read_records,
 )
-from chatglm_tune.positions import build_position_ids
-from chatglm_tune.tokenizer import train_tokenizer
+from chatglm_tune.models.chatglm6b.positions import build_position_ids
+from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
+from chatglm_tune.options import EncodingOptions
+from chatglm_tune.records import RecordError, SPORecord, Triple, answer_text, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "发动机出现异响，水泵漏油。"
@@ -251,7 +247,9 @@ def test_collate_train_pads_right_to_the_longest_row(tok, special):
     longest = max(len(e.input_ids) for e in batch)
     assert out["input_ids"].shape == out["labels"].shape == out["attention_mask"].shape == (3, longest)
     assert longest < options.max_len  # padded to the batch, not to max_len
-    assert out["position_ids"].shape == (3, 2, longest)
+    positions = build_position_ids(out["input_ids"], bos_token_id=tok.bos_token_id, gmask_token_id=tok.gmask_token_id,
+                                   mask_token_id=tok.mask_token_id, pad_mask=out["attention_mask"])
+    assert positions.shape == (3, 2, longest)
     for i, ex in enumerate(batch):
         n = len(ex.input_ids)
         assert out["input_ids"][i, :n].tolist() == list(ex.input_ids)
@@ -261,8 +259,8 @@ def test_collate_train_pads_right_to_the_longest_row(tok, special):
         assert out["attention_mask"][i].tolist() == [1] * n + [0] * (longest - n)
         alone = build_position_ids(torch.tensor([ex.input_ids]), bos_token_id=tok.bos_token_id,
                                    gmask_token_id=tok.gmask_token_id, mask_token_id=tok.mask_token_id)
-        assert torch.equal(out["position_ids"][i, :, :n], alone[0])
-        assert (out["position_ids"][i, :, n:] == 0).all()
+        assert torch.equal(positions[i, :, :n], alone[0])
+        assert (positions[i, :, n:] == 0).all()
 
 
 def test_collate_prompts_pads_left_and_keeps_each_rows_positions(tok, special):
@@ -270,18 +268,20 @@ def test_collate_prompts_pads_left_and_keeps_each_rows_positions(tok, special):
     out = collate_prompts(prompts, special)
     s = max(map(len, prompts))
     assert out["input_ids"].shape == out["attention_mask"].shape == (3, s)
+    positions = build_position_ids(out["input_ids"], bos_token_id=tok.bos_token_id, gmask_token_id=tok.gmask_token_id,
+                                   mask_token_id=tok.mask_token_id, pad_mask=out["attention_mask"])
     for i, p in enumerate(prompts):
         pad = s - len(p)
         assert out["input_ids"][i].tolist() == [special.pad_token_id] * pad + p
         assert out["attention_mask"][i].tolist() == [0] * pad + [1] * len(p)
         alone = build_position_ids(torch.tensor([p]), bos_token_id=tok.bos_token_id,
                                    gmask_token_id=tok.gmask_token_id, mask_token_id=tok.mask_token_id)
-        assert torch.equal(out["position_ids"][i, :, pad:], alone[0])
-        assert (out["position_ids"][i, :, :pad] == 0).all()
+        assert torch.equal(positions[i, :, pad:], alone[0])
+        assert (positions[i, :, :pad] == 0).all()
 
 
 def test_special_ids_come_from_the_tokenizer_or_config(tok):
-    from chatglm_tune.config import ChatGLMConfig
+    from chatglm_tune.models.chatglm6b.config import ChatGLMConfig
 
     assert SpecialIds.of(tok).gmask_token_id == tok.gmask_token_id != 130001
     config = ChatGLMConfig.from_name("tiny", **tok.config_overrides())
@@ -335,7 +335,7 @@ def test_shipped_files_equal_what_the_script_writes(tmp_path):
 
 
 def test_columns_read_prompt_response_and_history_as_the_official_prompt(tok, tmp_path):
-    from chatglm_tune.data import chat_prompt
+    from chatglm_tune.models.chatglm6b.format import chat_prompt
     from chatglm_tune.options import DataColumns
 
     path = tmp_path / "chat.jsonl"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune import rundir
-from chatglm_tune.quantization import QuantizedLinear
+from chatglm_tune import loading, rundir
+from chatglm_tune.quant.modules import QuantizedLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -164,7 +164,7 @@ def test_a_run_directory_of_each_kind_quantizes(work, tmp_path):
     for kind in ("lora", "ptuning"):
         done = ok(cli("quantize.py", "--bits", 4, root / kind, tmp_path / kind))
         assert "run it:" in done.stdout
-        model, _ = rundir.load_run(rundir.resolve_run(tmp_path / kind))
+        model, _ = loading.load_run(loading.resolve_run(tmp_path / kind))
         assert model.config.quantization_bit == 4
         assert not any("lora" in name for name, _ in model.named_parameters())  # merged, then quantized
         assert (model.config.pre_seq_len == 4) == (kind == "ptuning")  # the prefix travels with the weights
@@ -175,9 +175,9 @@ def test_a_run_directory_of_each_kind_quantizes(work, tmp_path):
 
 def test_a_qlora_run_infers_on_its_int4_base(work, tmp_path):
     root, _ = work
-    source = rundir.resolve_run(root / "qlora")
+    source = loading.resolve_run(root / "qlora")
     assert source.quantization_bit == 4
-    model, _ = rundir.load_run(source)
+    model, _ = loading.load_run(source)
     blocks = [m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and ".layers." in name]
     assert blocks and all(m.bits == 4 for m in blocks)
     assert any("lora_A" in name for name, _ in model.named_parameters())  # beside the integers, as trained
@@ -240,7 +240,7 @@ def test_a_lora_run_loads_with_plain_peft_auto_classes(work):
     adapter_config = json.loads((root / "lora" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((root / "base").resolve())
     model = AutoPeftModelForCausalLM.from_pretrained(root / "lora")
-    ours, tokenizer = rundir.load_run(rundir.resolve_run(root / "lora"))
+    ours, tokenizer = loading.load_run(loading.resolve_run(root / "lora"))
     ids = torch.tensor([tokenizer.encode("诊断过程：发动机异响。")])
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(input_ids=ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
@@ -264,7 +264,7 @@ def test_quantize_on_an_adapter_directory_points_at_its_base(work, tmp_path):
 def test_help_is_quick_and_loads_no_model_code(script):
     probe = ("import runpy, sys; sys.argv = [{0!r}, '--help']\n"
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "heavy = [m for m in ('chatglm_tune.model', 'peft', 'accelerate', 'transformers.modeling_utils') if m in sys.modules]\n"
+             "heavy = [m for m in ('chatglm_tune.models.chatglm6b.modeling', 'peft', 'accelerate', 'transformers.modeling_utils') if m in sys.modules]\n"
              "print('HEAVY', heavy)").format(str(ROOT / script))
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import left_pad_mask
 
-from chatglm_tune.chat import chat, process_response
+from chatglm_tune.chat import chat
 from chatglm_tune.generation import (
     generate,
     generate_recompute,
@@ -20,6 +20,7 @@ from chatglm_tune.generation import (
     top_k_filter,
     top_p_filter,
 )
+from chatglm_tune.models.chatglm6b.format import process_response
 from chatglm_tune.options import CHAT_SAMPLING, SamplingOptions
 
 MARGIN = 1e-3
@@ -322,8 +323,8 @@ def test_process_response_official_rules():
 
 def test_chat_uses_the_official_prompt_and_history(tmp_path):
     from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-    from chatglm_tune.data import chat_prompt
-    from chatglm_tune.tokenizer import train_tokenizer
+    from chatglm_tune.models.chatglm6b.format import chat_prompt
+    from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["你好，我是人工智能助手。", "问：答：Round"] * 20, tmp_path, vocab_size=400)
     torch.manual_seed(0)

@@ -22,11 +22,11 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.glm import load_glm
-from chatglm_tune.glm_weights import adapter_targets, adapter_to_transformers
+from chatglm_tune.loading import load_model, resolve_run
 from chatglm_tune.lora import load_lora
-from chatglm_tune.quantization import QuantizedLinear
-from chatglm_tune.rundir import load_model, resolve_run
+from chatglm_tune.models.glm.modeling import load_glm
+from chatglm_tune.models.glm.weights import adapter_targets, adapter_to_transformers
+from chatglm_tune.quant.modules import QuantizedLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -130,7 +130,7 @@ def test_the_converted_adapter_is_frozen_or_trainable_and_saves_as_our_own(tmp_p
 def test_infer_runs_an_official_adapter_given_with_lora(tmp_path, capsys):
     """`infer.py --model BASE --lora ADAPTER` (a tiny ChatGLM3 with its tokenizer) prints what the
     hand-merged checkpoint prints."""
-    from chatglm_tune.versions import VERSIONS
+    from chatglm_tune.models.registry import VERSIONS
 
     lines = (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B model core (chatglm_tune.glm) against the official code's golden outputs.
+"""ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B model core (chatglm_tune.models.glm) against the official code's golden outputs.
 
 Fixtures: tests/fixtures/{chatglm2,chatglm3,glm4}-tiny, the official code's golden outputs
 copied whole: official config.json and fp16 weights under official keys, cases.json, every position's
@@ -18,10 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, GlmConfig
 
 from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.glm import FAMILIES, GlmForCausalLMWithPrefix, family_of, load_glm, positions_from_mask, save_official
-from chatglm_tune.glm_config import detect_version, glm_config, official_config
-from chatglm_tune.glm_prefix import prefix_width
-from chatglm_tune.glm_weights import qkv_rows, to_official, to_transformers
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.config import detect_version, glm_config, official_config
+from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix, load_glm, positions_from_mask, save_official
+from chatglm_tune.models.glm.prefix import prefix_width
+from chatglm_tune.models.glm.weights import qkv_rows, to_official, to_transformers
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VERSIONS = ("chatglm2", "chatglm3", "glm4")
@@ -420,8 +421,10 @@ def test_missing_and_unexpected_keys_are_refused(tmp_path):
 
 def test_a_v1_directory_is_told_apart_and_refused():
     v1 = FIXTURES / "model-small-vocab"
-    assert detect_version(json.loads((v1 / "config.json").read_text()), v1) == "chatglm"
-    assert family_of(v1) is None
+    raw = json.loads((v1 / "config.json").read_text())
+    assert registry.detect(raw, v1) == "chatglm"
+    assert detect_version(raw, v1) is None  # not a version of this family
+    assert registry.of_directory(v1) is registry.VERSIONS["chatglm"]
     with pytest.raises(CheckpointError, match="v1"):
         load_glm(v1)
 
@@ -431,7 +434,7 @@ def test_a_v1_directory_is_told_apart_and_refused():
 
 def test_versions_are_told_apart():
     for version in VERSIONS:
-        assert family_of(GOLDEN[version].dir) is FAMILIES[version]
+        assert registry.of_directory(GOLDEN[version].dir) is registry.VERSIONS[version]
     raw = json.loads((GOLDEN["chatglm3"].dir / "config.json").read_text())
     assert detect_version({**raw, "_name_or_path": "THUDM/chatglm2-6b"}) == "chatglm2"
     assert detect_version({**raw, "transformers_version": "4.27.1"}) == "chatglm2"
@@ -439,8 +442,9 @@ def test_versions_are_told_apart():
     assert detect_version({**raw, "eos_token_id": [2, 5]}) == "glm4"
     assert detect_version({**raw, "padded_vocab_size": 151552}) == "glm4"
     assert detect_version({"model_type": "glm", "vocab_size": 8}) == "glm4"
+    assert detect_version({"model_type": "chatglm", "hidden_size": 8}) is None
     with pytest.raises(CheckpointError):
-        detect_version({"model_type": "chatglm", "hidden_size": 8})
+        registry.detect({"model_type": "chatglm", "hidden_size": 8})
 
 
 def test_config_fields():
@@ -491,7 +495,7 @@ def test_hf_form_loads_and_gives_the_same_logits(tmp_path, flat_rope):
     golden = GOLDEN["glm4"]
     directory = tmp_path / "glm-4-hf"
     _write_hf(directory, flat_rope)
-    assert family_of(directory) is FAMILIES["glm4"]
+    assert registry.of_directory(directory) is registry.VERSIONS["glm4"]
     model = load_glm(directory)
     assert model.config.rope_parameters["rope_theta"] == 5e6
     case = golden.case("batch")

@@ -1,9 +1,9 @@
-"""INT8/INT4 ChatGLM2/3 and GLM-4 (chatglm_tune.glm): quantizing while loading, the official
+"""INT8/INT4 ChatGLM2/3 and GLM-4 (chatglm_tune.models.glm): quantizing while loading, the official
 `weight` + `weight_scale` layout of the fused Linears, loading it back, kernels, LoRA / P-tuning beside it.
 
 The reference here is written from the official ChatGLM-6B quantization format (which the official
 ChatGLM2 `quantization.py` follows for its four fused Linears `query_key_value`, `dense`,
-`dense_h_to_4h`, `dense_4h_to_h`), independently of chatglm_tune.quantization: per output row,
+`dense_h_to_4h`, `dense_4h_to_h`), independently of chatglm_tune.quant: per output row,
 `weight_scale = (absmax / (2^(b-1) - 1)).half()`, `q = round(W / weight_scale)` in fp16 (the official code
 quantizes the fp16 model), INT4 packed two per byte with the even column in the high nibble.
 Fixtures: the golden tiny models of tests/fixtures/{chatglm2,chatglm3,glm4}-tiny (fp16 weights under the
@@ -19,11 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.glm import FAMILIES, load_glm, save_official
-from chatglm_tune.glm_weights import qkv_rows, split_rows
 from chatglm_tune.lora import apply_lora
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.modeling import load_glm, save_official
+from chatglm_tune.models.glm.weights import qkv_rows, split_rows
 from chatglm_tune.options import LoraOptions
-from chatglm_tune.quantization import QuantizedLinear, quantize_model
+from chatglm_tune.quant.apply import quantize_model
+from chatglm_tune.quant.modules import QuantizedLinear
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VERSIONS = ("chatglm2", "chatglm3", "glm4")
@@ -213,7 +215,7 @@ def test_an_official_int_directory_loads_and_matches(version, bits, tmp_path):
 def test_quantize_at_load_equals_quantize_after_load(version, bits, group_size, dtype):
     at_load = load_glm(golden_dir(version), quantization_bit=bits, group_size=group_size, dtype=dtype)
     after = load_glm(golden_dir(version), dtype=dtype)
-    quantize_model(after, bits, group_size, targets=FAMILIES[version].quantizable_linears)
+    quantize_model(after, bits, group_size, targets=registry.VERSIONS[version].quantizable_linears)
     assert (after.config.quantization_bit, after.config.quantization_group_size) == (bits, group_size)
     mine, theirs = at_load.state_dict(), after.state_dict()
     assert mine.keys() == theirs.keys()
@@ -362,7 +364,7 @@ def test_a_config_that_disagrees_with_the_weights_is_refused(tmp_path):
 
 def test_lora_sits_beside_quantized_q_k_v():
     version = "chatglm3"
-    family = FAMILIES[version]
+    family = registry.VERSIONS[version]
     model = load_glm(golden_dir(version))
     quantize_model(model, 8, targets=family.quantizable_linears)
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)

@@ -1,4 +1,4 @@
-"""`quantize_embedding` on ChatGLM2/3 and GLM-4 (chatglm_tune.glm, chatglm_tune.quantization): the untied input
+"""`quantize_embedding` on ChatGLM2/3 and GLM-4 (chatglm_tune.models.glm, chatglm_tune.quant): the untied input
 embedding becomes a `QuantizedEmbedding` of its own INT8 rows and `lm_head` an INT8 `QuantizedLinear`, both with
 the official per-row rule of the ChatGLM quantization format, quantized while loading (no float copy of either),
 beside any block format, under a P-tuning prefix or LoRA, refused by saving, and reachable from the commands.
@@ -14,13 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from chatglm_tune import checkpoint, rundir
-from chatglm_tune.glm import GlmForCausalLMWithPrefix, load_glm, save_official
-from chatglm_tune.glm_config import glm_config
+from chatglm_tune import checkpoint, loading
+from chatglm_tune.models.glm.config import glm_config
+from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix, load_glm, save_official
+from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import TrainOptions
-from chatglm_tune.quantization import QuantizedEmbedding, QuantizedLinear, dequantize, quantize_embedding
+from chatglm_tune.quant.apply import quantize_embedding
+from chatglm_tune.quant.format import dequantize
+from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
 from chatglm_tune.training import set_trainable
-from chatglm_tune.versions import VERSIONS
 from test_glm_quantization import golden_dir, official_quantize, raw_config
 from test_tiny_glm4 import in_process
 from test_versions import DEV
@@ -245,13 +247,13 @@ def test_train_and_infer_with_quantize_embedding_on_a_glm4_run(tmp_path, capsys)
     text = ["--text", json.loads(lines[0])["text"], "--max-new-tokens", 4]
     for run in ("ptuning", "lora"):
         assert json.loads((tmp_path / run / "run_args.json").read_text())["quantize_embedding"] is True
-        source = rundir.resolve_run(tmp_path / run)
+        source = loading.resolve_run(tmp_path / run)
         assert source.quantize_embedding and "INT8 embedding" in source.identity()
-        assert_int8_embedding_and_head(rundir.load_model(source).get_base_model() if run == "lora" else rundir.load_model(source))
+        assert_int8_embedding_and_head(loading.load_model(source).get_base_model() if run == "lora" else loading.load_model(source))
         capsys.readouterr()
         in_process("infer.py", "--model", tmp_path / run, *text)
         assert capsys.readouterr().out.strip()
-    merged = rundir.load_model(rundir.resolve_run(tmp_path / "lora"), quantization_bit=8)  # merged, then INT8 after loading
+    merged = loading.load_model(loading.resolve_run(tmp_path / "lora"), quantization_bit=8)  # merged, then INT8 after loading
     assert_int8_embedding_and_head(merged)
     assert merged.config.quantization_bit == 8
     in_process("infer.py", "--model", tmp_path / "lora", "--quantization-bit", 8, *text)

@@ -1,4 +1,5 @@
-"""Tests of `chatglm_tune.glm_tokenizer` and `chatglm_tune.glm4_tokenizer` (ChatGLM2, ChatGLM3, GLM-4).
+"""Tests of the tokenizers of `chatglm_tune.models.glm` (ChatGLM2, ChatGLM3, GLM-4): `sp_tokenizer`,
+`glm4_tokenizer`, and finding and loading them (`versions`, `models.registry`).
 
 Golden data: `fixtures/tokenizer-glm.json`, the official golden outputs (the official
 tokenizers on the real files: ids, decodes and chat prompts per version). The real tokenizer files
@@ -21,13 +22,10 @@ import pytest
 import regex
 import sentencepiece as spm
 
-from chatglm_tune.glm4_tokenizer import GLM4_PATTERN, GLM4Tokenizer, read_tiktoken_ranks
-from chatglm_tune.glm_tokenizer import (
-    ChatGLM2Tokenizer,
-    ChatGLM3Tokenizer,
-    detect_tokenizer_version,
-    load_glm_tokenizer,
-)
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.glm4_tokenizer import GLM4_PATTERN, GLM4Tokenizer, read_tiktoken_ranks
+from chatglm_tune.models.glm.sp_tokenizer import ChatGLM2Tokenizer, ChatGLM3Tokenizer
+from chatglm_tune.models.glm.versions import detect_tokenizer, load_glm_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -217,8 +215,8 @@ def test_decode_special_rendering(real):
 def test_save_and_load_round_trip(real, tmp_path):
     version, tokenizer = real
     tokenizer.save_pretrained(tmp_path)
-    assert detect_tokenizer_version(tmp_path) == version
-    loaded = load_glm_tokenizer(tmp_path)
+    assert registry.detect_tokenizer(tmp_path) == version
+    loaded = registry.load_tokenizer(tmp_path)
     assert type(loaded) is type(tokenizer)
     assert _mismatches(loaded, GOLDEN[version]["records"]) == []
     for chat in GOLDEN[version]["chats"]:
@@ -230,22 +228,23 @@ def test_save_and_load_round_trip(real, tmp_path):
 def test_detect_official_directories(tmp_path):
     if not (ASSETS / "glm4" / "tokenizer.model").is_file():
         pytest.skip(f"{ASSETS} is absent")
-    assert detect_tokenizer_version(ASSETS / "chatglm3") == "chatglm3"
-    assert detect_tokenizer_version(ASSETS / "glm4") == "glm4"
-    assert isinstance(load_glm_tokenizer(ASSETS / "chatglm3"), ChatGLM3Tokenizer)
+    assert registry.detect_tokenizer(ASSETS / "chatglm3") == "chatglm3"
+    assert registry.detect_tokenizer(ASSETS / "glm4") == "glm4"
+    assert isinstance(registry.load_tokenizer(ASSETS / "chatglm3"), ChatGLM3Tokenizer)
     chatglm2 = tmp_path / "chatglm2"
     chatglm2.mkdir()
     shutil.copy(ASSETS / "chatglm3" / "tokenizer.model", chatglm2)
     config = json.loads((ASSETS / "chatglm3" / "tokenizer_config.json").read_text())
     (chatglm2 / "tokenizer_config.json").write_text(json.dumps({**config, "name_or_path": "THUDM/chatglm2-6b"}))
-    assert isinstance(load_glm_tokenizer(chatglm2), ChatGLM2Tokenizer)
+    assert isinstance(registry.load_tokenizer(chatglm2), ChatGLM2Tokenizer)
     (chatglm2 / "tokenizer_config.json").write_text(json.dumps({**config, "name_or_path": "/data/my-model"}))
     with pytest.raises(ValueError, match="chatglm2.*chatglm3"):
-        detect_tokenizer_version(chatglm2)
+        registry.detect_tokenizer(chatglm2)
     if (ASSETS / "ice_text.model").is_file():
-        assert detect_tokenizer_version(ASSETS) == "chatglm"
-        with pytest.raises(ValueError, match="v1"):
-            load_glm_tokenizer(ASSETS)
+        assert registry.detect_tokenizer(ASSETS) == "chatglm"
+        assert detect_tokenizer(ASSETS) is None  # not a tokenizer of this family
+        with pytest.raises(ValueError, match="no tokenizer.model"):
+            load_glm_tokenizer(ASSETS, version="chatglm3")
 
 
 def test_glm4_hf_directory(glm4, tmp_path):
@@ -256,8 +255,8 @@ def test_glm4_hf_directory(glm4, tmp_path):
     config |= {"tokenizer_class": "PreTrainedTokenizerFast", "extra_special_tokens": {},
                "model_input_names": ["input_ids", "attention_mask"]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
-    assert detect_tokenizer_version(tmp_path) == "glm4"
-    loaded = load_glm_tokenizer(tmp_path)
+    assert registry.detect_tokenizer(tmp_path) == "glm4"
+    loaded = registry.load_tokenizer(tmp_path)
     assert _mismatches(loaded, GOLDEN["glm4"]["records"]) == []
     for chat in GOLDEN["glm4"]["chats"]:
         assert _chat_ids("glm4", loaded, chat)[1] == chat["input_ids"]
@@ -304,7 +303,7 @@ def test_small_sentencepiece_layout(small_sp_dir, tmp_path):
     assert ChatGLM3Tokenizer(str(small_sp_dir / "tokenizer.model"), encode_special_tokens=True).encode(
         "风<|user|>扇")[2:] == [*chatglm3.encode_text("风"), n + 6, *chatglm3.encode_text("扇")]
     chatglm3.save_pretrained(tmp_path)
-    loaded = load_glm_tokenizer(tmp_path)
+    loaded = registry.load_tokenizer(tmp_path)
     assert isinstance(loaded, ChatGLM3Tokenizer) and loaded.encode("风扇 sop") == chatglm3.encode("风扇 sop")
 
 
@@ -360,8 +359,8 @@ def small_tiktoken_dir(tmp_path_factory):
 
 def test_small_tiktoken_bpe_and_specials(small_tiktoken_dir, tmp_path):
     directory, ranks = small_tiktoken_dir
-    assert detect_tokenizer_version(directory) == "glm4"
-    tokenizer = load_glm_tokenizer(directory)
+    assert registry.detect_tokenizer(directory) == "glm4"
+    tokenizer = registry.load_tokenizer(directory)
     n = len(ranks)
     assert isinstance(tokenizer, GLM4Tokenizer) and tokenizer.vocab_size == n
     rng = random.Random(1)
@@ -382,7 +381,7 @@ def test_small_tiktoken_bpe_and_specials(small_tiktoken_dir, tmp_path):
     assert chat == [n + 2, n + 4, n + 7, *tokenizer.encode_text("\n风扇<|assistant|>"), n + 8]
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)[-2:] == [n + 8] * 2
     tokenizer.save_pretrained(tmp_path)
-    loaded = load_glm_tokenizer(tmp_path)
+    loaded = registry.load_tokenizer(tmp_path)
     assert [loaded.encode(t) for t in texts] == [tokenizer.encode(t) for t in texts]
     assert loaded.encode_chat(messages) == chat
 
@@ -394,13 +393,14 @@ def test_small_tiktoken_bad_specials(small_tiktoken_dir, tmp_path):
     config["added_tokens_decoder"] = {str(len(ranks) + 5): {"content": "[gMASK]", "special": True}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="special token"):
-        load_glm_tokenizer(tmp_path)
+        registry.load_tokenizer(tmp_path)
 
 
 def test_not_a_tokenizer_directory(tmp_path):
     with pytest.raises(ValueError, match=str(tmp_path)):
-        load_glm_tokenizer(tmp_path)
-    with pytest.raises(ValueError, match="not a directory"):
-        load_glm_tokenizer(tmp_path / "missing")
+        registry.load_tokenizer(tmp_path)
+    for version in VERSIONS:
+        with pytest.raises(ValueError, match="not a directory"):
+            load_glm_tokenizer(tmp_path / "missing", version=version)
     with pytest.raises(ValueError, match="version"):
         load_glm_tokenizer(tmp_path, version="chatglm4")

@@ -20,12 +20,14 @@ import pytest
 import torch
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-from chatglm_tune.data import SpecialIds, SPORecord, collate_prompts, prompt_ids, read_records
+from chatglm_tune.batches import SpecialIds, collate_prompts, prompt_ids
 from chatglm_tune.extraction import extract, rows_to_resume
 from chatglm_tune.generation import generate
+from chatglm_tune.loading import load_run, resolve_run
 from chatglm_tune.options import ExtractionSettings
-from chatglm_tune.quantization import QuantizedLinear
-from chatglm_tune.rundir import RunDirectoryError, load_run, resolve_run
+from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.records import SPORecord, read_records
+from chatglm_tune.rundir import RunDirectoryError
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "infer.py"
@@ -37,7 +39,7 @@ N_RECORDS = 20
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tokenizer trained on the shipped data, a tiny random model saved with it, an input file."""
-    from chatglm_tune.tokenizer import train_tokenizer
+    from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("infer")
     lines = DEV.read_text(encoding="utf-8").splitlines()

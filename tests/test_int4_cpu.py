@@ -1,4 +1,4 @@
-"""Tests for chatglm_tune.int4_cpu: the AVX2 INT4 kernel reading the official packed weight, against
+"""Tests for chatglm_tune.quant.int4_cpu: the AVX2 INT4 kernel reading the official packed weight, against
 `x @ dequantize(W).T` in fp32 (both of its loops: per-row unpacking and the shared fp32 buffer), its
 guards, its clean absence where it cannot be built, and QuantizedLinear's routing to it.
 
@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatglm_tune import int4_cpu, quantization
-from chatglm_tune.quantization import QuantizedLinear, dequantize, pack_int4, quantize_weight
+from chatglm_tune.quant import int4_cpu, kernels
+from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
+from chatglm_tune.quant.modules import QuantizedLinear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -157,4 +158,4 @@ def test_quantized_linear_falls_back_where_it_cannot_route_here(monkeypatch):
         assert layer.last_kernel == "dequant"
         ref = F.linear(x, dequantize(layer.state_dict()["weight"], layer.weight_scale, 4, torch.float32), layer.bias.float())
         assert rel_err(y, ref) < TOL[torch.float32]
-    assert quantization.KERNELS.count("int4cpu") == 1
+    assert kernels.KERNELS.count("int4cpu") == 1

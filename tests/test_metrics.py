@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from chatglm_tune.data import SPORecord, Triple
 from chatglm_tune.metrics import PRF, SPOScorer, parse_triples, score_answers, score_record
+from chatglm_tune.records import SPORecord, Triple
 
 
 def score_texts(generated, gold):

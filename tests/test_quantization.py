@@ -1,4 +1,4 @@
-"""Tests for chatglm_tune.quantization: the official INT8/INT4 format, every matmul
+"""Tests for chatglm_tune.quant: the official INT8/INT4 format, every matmul
 path of QuantizedLinear against `F.linear(x, dequantize(...), bias)`, the kernel guards
 (shapes the CPU kernels cannot take fall back to dequant), input-only gradients, save/load, and the module swaps.
 
@@ -14,16 +14,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from chatglm_tune import cpu_matmul, int4_cpu, quantization
-from chatglm_tune.quantization import (
-    QuantizedLinear,
-    dequantize,
-    pack_int4,
-    quantize_model,
-    quantize_weight,
-    to_bitsandbytes,
-    unpack_int4,
-)
+from chatglm_tune.models.chatglm6b.config import QUANTIZABLE_LINEARS
+from chatglm_tune.quant import cpu_matmul, int4_cpu, kernels
+from chatglm_tune.quant.apply import quantize_model, to_bitsandbytes
+from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight, unpack_int4
+from chatglm_tune.quant.modules import QuantizedLinear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 FORMATS = [(8, 0), (4, 0), (4, 32)]  # (bits, group_size)
@@ -229,7 +224,7 @@ def test_dequant_tiles_reuse_one_buffer_across_layers_and_calls(monkeypatch):
             y = layer(xg)
             assert rel_err(y, expect) < TOL[torch.float32]
             y.backward(torch.ones_like(y))
-            tiles = {w.data_ptr() for _, w in quantization._dequant_tiles(layer, torch.float32, x.device)}
+            tiles = {w.data_ptr() for _, w in kernels.dequant_tiles(layer, torch.float32, x.device)}
             seen |= tiles | {cpu_matmul.workspace("weight", (1,), torch.float32).data_ptr()}
     assert len(seen) == 1  # every tile of every layer, in the one buffer
 
@@ -334,7 +329,7 @@ def test_loading_new_weights_refreshes_the_repacked_int4_weight(int4pack_auto):
 
 
 int4pack_invertible = pytest.mark.skipif(
-    not quantization._int4pack_is_invertible(), reason="this CPU's int4pack layout is not one that reads back: both copies are kept"
+    not kernels.int4pack_is_invertible(), reason="this CPU's int4pack layout is not one that reads back: both copies are kept"
 )
 
 
@@ -371,11 +366,11 @@ def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, 
 def test_the_kernel_layout_is_read_back_exactly_and_built_in_tiles():
     q = torch.randint(-7, 8, (128, 96), dtype=torch.int8)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).int(), 1)
-    assert torch.equal(quantization._int4pack_to_int(whole, 96), q)
+    assert torch.equal(kernels.int4pack_to_int(whole, 96), q)
     into = torch.full((128, 96), 99, dtype=torch.int8)
-    assert torch.equal(quantization._int4pack_to_int(whole, 96, out=into), q) and torch.equal(into, q)
+    assert torch.equal(kernels.int4pack_to_int(whole, 96, out=into), q) and torch.equal(into, q)
     scale = torch.ones(128, dtype=torch.float16)
-    tiled = quantization._int4pack_weight(pack_int4(q), scale, tile_rows=64)[0]  # whole blocks of AVX2 and AVX-512
+    tiled = kernels.int4pack_weight(pack_int4(q), scale, tile_rows=64)[0]  # whole blocks of AVX2 and AVX-512
     assert torch.equal(tiled, whole)
 
 
@@ -452,7 +447,7 @@ def test_quantize_model_swaps_exactly_the_block_linears(bits, group_size):
     model = tiny_chatglm()
     before = {n: m for n, m in model.named_modules()}
     originals = {n: before[n].weight.detach().clone() for n in EXPECTED_SWAPPED}
-    quantize_model(model, bits, group_size)
+    quantize_model(model, bits, group_size, targets=QUANTIZABLE_LINEARS)
     assert quantized_names(model) == EXPECTED_SWAPPED
     for name, module in model.named_modules():
         if name in EXPECTED_SWAPPED:
@@ -474,7 +469,7 @@ def test_quantize_model_frees_each_float_weight_before_the_next(monkeypatch):
         return original(cls, linear, bits, group_size)
 
     monkeypatch.setattr(QuantizedLinear, "from_linear", classmethod(spy))
-    quantize_model(model, 8)
+    quantize_model(model, 8, targets=QUANTIZABLE_LINEARS)
     assert len(seen) == 8 and alive_at_call == [0] * 8
 
 
@@ -485,18 +480,18 @@ def test_quantize_model_refuses_a_wrapped_linear_and_changes_nothing():
     model = tiny_chatglm()
     model.transformer.layers[1].attention.dense = LoRALinear(H, H)
     with pytest.raises(TypeError, match=r"layers\.1\.attention\.dense is LoRALinear"):
-        quantize_model(model, 4)
+        quantize_model(model, 4, targets=QUANTIZABLE_LINEARS)
     assert quantized_names(model) == set()
     with pytest.raises(ValueError, match="no Linear"):
-        quantize_model(model.transformer.prefix_encoder, 8)
+        quantize_model(model.transformer.prefix_encoder, 8, targets=QUANTIZABLE_LINEARS)
 
 
 @pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 32)])
 def test_empty_init_on_meta_loads_a_quantized_checkpoint(bits, group_size, tmp_path):
-    model = quantize_model(tiny_chatglm(), bits, group_size)
+    model = quantize_model(tiny_chatglm(), bits, group_size, targets=QUANTIZABLE_LINEARS)
     save_file(dict(model.state_dict()), tmp_path / "model.safetensors")
     with torch.device("meta"):
-        empty = quantize_model(tiny_chatglm(), bits, group_size, empty_init=True)
+        empty = quantize_model(tiny_chatglm(), bits, group_size, targets=QUANTIZABLE_LINEARS, empty_init=True)
     assert quantized_names(empty) == EXPECTED_SWAPPED
     assert empty.transformer.layers[0].mlp.dense_4h_to_h.weight.device.type == "meta"
     empty.load_state_dict(load_file(tmp_path / "model.safetensors"), assign=True)
@@ -518,7 +513,7 @@ def test_bitsandbytes_swap_runs_on_cpu(mode, tol):
     reference_layer = model.transformer.layers[0].mlp.dense_h_to_4h
     x = torch.randn(3, H)
     expected = reference_layer(x).detach()
-    to_bitsandbytes(model, mode)
+    to_bitsandbytes(model, mode, targets=QUANTIZABLE_LINEARS)
     cls = bnb.nn.Linear8bitLt if mode == "int8" else bnb.nn.Linear4bit
     swapped = {n for n, m in model.named_modules() if isinstance(m, cls)}
     assert swapped == EXPECTED_SWAPPED
@@ -529,4 +524,4 @@ def test_bitsandbytes_swap_runs_on_cpu(mode, tol):
 
 def test_bitsandbytes_rejects_unknown_modes():
     with pytest.raises(ValueError, match="mode"):
-        to_bitsandbytes(tiny_chatglm(), "fp8")
+        to_bitsandbytes(tiny_chatglm(), "fp8", targets=QUANTIZABLE_LINEARS)

@@ -2,7 +2,7 @@
 training on an INT4 base, the official int4/int8 `.bin` layout, the `--lora` merge path, CLI errors.
 
 The expected integers are computed here from the official format's formula, not with
-`chatglm_tune.quantization`: `scale = (W.abs().max(-1) / (2**(bits-1) - 1))` and `q = round(W / scale)`,
+`chatglm_tune.quant`: `scale = (W.abs().max(-1) / (2**(bits-1) - 1))` and `q = round(W / scale)`,
 all in fp16; INT4 bytes hold the even column in the high nibble.
 
 Accuracy bounds (relative Frobenius error, measured with torch 2.13 on CPU, then set with margin):
@@ -32,11 +32,15 @@ from safetensors import safe_open
 from torch import nn
 
 import quantize
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, int4_cpu, rundir
-from chatglm_tune.data import EncodedDataset, EncodingOptions, SpecialIds, collate_train, read_records
-from chatglm_tune.rundir import load_run, resolve_run
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, rundir
+from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_train
+from chatglm_tune.loading import load_run, resolve_run
 from chatglm_tune.lora import LoraOptions, apply_lora, load_lora
-from chatglm_tune.quantization import QuantizedEmbedding, QuantizedLinear, quantize_embedding
+from chatglm_tune.options import EncodingOptions
+from chatglm_tune.quant import int4_cpu
+from chatglm_tune.quant.apply import quantize_embedding
+from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
+from chatglm_tune.records import read_records
 from chatglm_tune.training import TrainOptions, prepare_model
 from conftest import GOLDEN_DIRS, Golden
 
@@ -213,10 +217,11 @@ def rescaled(model):
 
 
 def quantized_copy(source_dir: Path, bits: int, group_size: int, transform=lambda m: m):
-    from chatglm_tune.quantization import quantize_model
+    from chatglm_tune.models.chatglm6b.config import QUANTIZABLE_LINEARS
+    from chatglm_tune.quant.apply import quantize_model
 
     model = transform(ChatGLMForConditionalGeneration.from_pretrained(source_dir)).half()
-    return quantize_model(model, bits, group_size).float()
+    return quantize_model(model, bits, group_size, targets=QUANTIZABLE_LINEARS).float()
 
 
 @torch.no_grad()
@@ -308,7 +313,7 @@ def test_int8_embedding_keeps_logits_and_greedy_tokens_close(bits, h128):
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
     """A tokenizer trained on 8 SPO records, a random model for it (hidden 128) saved with it, a batch."""
-    from chatglm_tune.tokenizer import train_tokenizer
+    from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("train")
     records = read_records(ROOT / "data" / "spo_train.jsonl")[0][:8]

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune import cpu_matmul
 from chatglm_tune.generation import generate
 from chatglm_tune.lora import apply_lora
+from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import LoraOptions
-from chatglm_tune.quantization import QuantizedLinear, quantize_model
-from chatglm_tune.versions import VERSIONS
+from chatglm_tune.quant import cpu_matmul
+from chatglm_tune.quant.apply import quantize_model
+from chatglm_tune.quant.modules import QuantizedLinear
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "spo_dev.jsonl"
 TEXTS = [json.loads(line)["text"] for line in DATA.read_text(encoding="utf-8").splitlines()[:40]]
@@ -31,7 +32,7 @@ def test_a_quantized_model_runs_and_trains_after_generate(name, bits, tmp_path):
     model, tokenizer = version.tiny(TEXTS, tmp_path)
     quantize_model(model, bits, targets=version.quantizable_linears)
     model.eval()
-    long_prompt = version.prompt_ids(tokenizer, _record(TEXTS[0] + TEXTS[1]), _encoding())[0]
+    long_prompt = version.format.prompt_ids(tokenizer, _record(TEXTS[0] + TEXTS[1]), _encoding())[0]
     ids = torch.tensor([long_prompt])
     assert ids.shape[1] > QuantizedLinear.max_kernel_rows  # the dequantizing path, which uses the workspace
     cpu_matmul._buffers.__dict__.clear()
@@ -48,7 +49,7 @@ def test_a_quantized_model_runs_and_trains_after_generate(name, bits, tmp_path):
 
 
 def _record(text):
-    from chatglm_tune.data import SPORecord
+    from chatglm_tune.records import SPORecord
 
     return SPORecord(text=text, triples=None)
 

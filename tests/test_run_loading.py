@@ -24,7 +24,7 @@ import torch
 
 import chatglm_tune
 import train as train_cli
-from chatglm_tune import rundir
+from chatglm_tune import loading, rundir
 from chatglm_tune.checkpoint import CheckpointError
 from test_first_hour import ok
 
@@ -105,7 +105,7 @@ def test_a_lora_run_records_its_base_and_loads_with_auto_peft(runs, preset, monk
     with safe_open(run["lora"] / "adapter_model.safetensors", "pt") as saved:  # the adapter, not the embedding too
         assert list(saved.keys()) and all("lora_" in key for key in saved.keys())
     model = AutoPeftModelForCausalLM.from_pretrained(run["lora"])
-    ours, tokenizer = rundir.load_run(rundir.resolve_run(run["lora"]))
+    ours, tokenizer = loading.load_run(loading.resolve_run(run["lora"]))
     torch.testing.assert_close(logits(model, tokenizer), logits(ours, tokenizer), rtol=1e-4, atol=1e-4)
 
 
@@ -119,7 +119,7 @@ def test_a_run_loads_with_from_pretrained_and_auto_model_as_base_plus_adapter(ru
 
     offline(monkeypatch)
     run = runs[0][preset]
-    ours, tokenizer = rundir.load_run(rundir.resolve_run(run[tuning]))
+    ours, tokenizer = loading.load_run(loading.resolve_run(run[tuning]))
     expected = logits(ours, tokenizer)
     base = logits(chatglm_tune.from_pretrained(run["base"]), tokenizer)
     assert (expected - base).abs().max() > 1e-4  # the adapter changes the logits: the base alone would not do
@@ -131,8 +131,8 @@ def test_a_run_loads_with_from_pretrained_and_auto_model_as_base_plus_adapter(ru
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_model_class_says_a_ptuning_run_is_a_prefix_and_names_its_base(runs, preset):
-    from chatglm_tune.glm import load_glm
-    from chatglm_tune.model import ChatGLMForConditionalGeneration
+    from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
+    from chatglm_tune.models.glm.modeling import load_glm
 
     run = runs[0][preset]
     load = ChatGLMForConditionalGeneration.from_pretrained if preset == "tiny" else load_glm
@@ -171,7 +171,7 @@ def test_a_prefix_of_another_version_is_refused_naming_both(runs, base_preset, p
     both = f"a {NAMES[prefix_preset]} model (its config.json), and {{}} is {NAMES[base_preset]}"
     for prefix in (run, bare_prefix(run, tmp_path / "bare")):  # a train.py run, and an official-style folder
         with pytest.raises(rundir.RunDirectoryError) as err:
-            rundir.resolve_run(base, ptuning_checkpoint=prefix)
+            loading.resolve_run(base, ptuning_checkpoint=prefix)
         assert str(prefix) in str(err.value) and both.format(base) in str(err.value)
         model = chatglm_tune.from_pretrained(base, pre_seq_len=4)
         with pytest.raises(CheckpointError) as err:
@@ -203,7 +203,7 @@ def test_a_prefix_of_another_width_is_refused_naming_both(runs, base_preset, pre
     expected = (f"{prefix}: transformer.prefix_encoder.embedding.weight has shape [4, {theirs}], the model expects "
                 f"[4, {ours}] (prefix width {ours}: {width}): the prefix was trained on another model")
     with pytest.raises(CheckpointError) as err:
-        rundir.load_run(rundir.resolve_run(base, ptuning_checkpoint=prefix))
+        loading.load_run(loading.resolve_run(base, ptuning_checkpoint=prefix))
     assert str(err.value) == expected
 
 
@@ -224,7 +224,7 @@ def test_a_bare_prefix_or_adapter_takes_the_encoding_of_its_base_run(runs, prese
     assert {k: trained[k] for k in BUDGET} == BUDGET
     prefix = bare_prefix(run["ptuning"], tmp_path / "prefix")
     adapter = bare_copy(run["lora"], tmp_path / "adapter", ("adapter_config.json", "adapter_model.safetensors"))
-    for source in (rundir.resolve_run(run["base"], ptuning_checkpoint=prefix), rundir.resolve_run(run["base"], lora=adapter)):
+    for source in (loading.resolve_run(run["base"], ptuning_checkpoint=prefix), loading.resolve_run(run["base"], lora=adapter)):
         assert asdict(source.encoding) == trained, source.describe()
         assert source.encoding.answer_budget == 64
     infer_main(["--model", run["base"], "--ptuning-checkpoint", prefix, "--input", data, "--output", tmp_path / "o.jsonl",

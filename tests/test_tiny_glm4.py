@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune import rundir, versions
-from chatglm_tune.data import SPORecord, encode_record, prompt_ids
-from chatglm_tune.glm4_tokenizer import GLM4Tokenizer, read_tiktoken_ranks, train_glm4_bpe
-from chatglm_tune.glm_tokenizer import detect_tokenizer_version, load_glm_tokenizer
+from chatglm_tune import loading
+from chatglm_tune.batches import encode_record, prompt_ids
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.glm4_tokenizer import GLM4Tokenizer, read_tiktoken_ranks, train_glm4_bpe
+from chatglm_tune.models.glm.versions import load_glm_tokenizer
+from chatglm_tune.records import SPORecord
 from test_glm_tokenizer import _tiktoken_reference
 from test_versions import ASSETS, DEV, NO_INSTRUCTION, assert_infers, assert_record_text_is_data, tiny_runs
 
@@ -50,7 +52,7 @@ def tiny4(tiny4_dir):
 
 def test_the_tiny_tokenizer_is_a_glm4_directory(tiny4_dir, tiny4):
     assert sorted(p.name for p in tiny4_dir.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
-    assert detect_tokenizer_version(tiny4_dir) == "glm4" and isinstance(versions.load_tokenizer(tiny4_dir), GLM4Tokenizer)
+    assert registry.detect_tokenizer(tiny4_dir) == "glm4" and isinstance(registry.load_tokenizer(tiny4_dir), GLM4Tokenizer)
     ranks = read_tiktoken_ranks(tiny4_dir / "tokenizer.model")
     n = len(ranks)
     assert sorted(ranks.values()) == list(range(n)) and all(bytes([b]) in ranks for b in range(256))
@@ -114,10 +116,10 @@ def runs4(tmp_path_factory):
 
 def test_the_tiny_glm4_trains_tunes_and_infers_on_glm4s_prompt(runs4, tmp_path):
     base = runs4 / "base"
-    assert versions.of_directory(base).name == "glm4"
-    model, tokenizer = rundir.load_run(rundir.resolve_run(base))
+    assert registry.of_directory(base).name == "glm4"
+    model, tokenizer = loading.load_run(loading.resolve_run(base))
     assert isinstance(tokenizer, GLM4Tokenizer) and model.config.eos_token_id == tokenizer.stop_token_ids
-    ids = prompt_ids(SPORecord("水泵漏油。", None), tokenizer, rundir.resolve_run(base).encoding)
+    ids = prompt_ids(SPORecord("水泵漏油。", None), tokenizer, loading.resolve_run(base).encoding)
     command = tokenizer.get_command
     assert ids[:3] == [command("[gMASK]"), command("<sop>"), command("<|user|>")] and ids[-1] == command("<|assistant|>")
     # the run keeps GLM-4's chat template (transformers 5 saves it apart, as chat_template.jinja)
@@ -134,6 +136,6 @@ def test_a_tiny_glm4_run_quantizes_to_int4_and_infers(runs4, tmp_path):
     out = tmp_path / "int4"
     in_process("quantize.py", "--bits", 4, runs4 / "base", out)
     assert json.loads((out / "config.json").read_text())["quantization_bit"] == 4
-    model, tokenizer = rundir.load_run(rundir.resolve_run(out))
+    model, tokenizer = loading.load_run(loading.resolve_run(out))
     assert model.config.quantization_bit == 4 and isinstance(tokenizer, GLM4Tokenizer)
     assert_infers(out, runs4 / "data.jsonl", tmp_path / "q.jsonl", min_f1=0.85, run=in_process)

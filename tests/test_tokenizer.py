@@ -1,4 +1,5 @@
-"""Tests of `chatglm_tune.tokenizer`: parity with the official ChatGLM-6B tokenizer, and `train_tokenizer`.
+"""Tests of `chatglm_tune.models.chatglm6b.tokenizer`: parity with the official ChatGLM-6B tokenizer, and
+`train_tokenizer`.
 
 Golden data, produced by the official `tokenization_chatglm.py` under transformers 4.27.1 on the real
 `ice_text.model`:
@@ -21,8 +22,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from chatglm_tune.config import ChatGLMConfig
-from chatglm_tune.tokenizer import (
+from chatglm_tune.models.chatglm6b.config import ChatGLMConfig
+from chatglm_tune.models.chatglm6b.format import chat_prompt
+from chatglm_tune.models.chatglm6b.tokenizer import (
     BLANK_PIECES,
     CONTROL_PIECES,
     NEWLINE_PIECE,
@@ -30,7 +32,6 @@ from chatglm_tune.tokenizer import (
     ChatGLMTokenizer,
     train_tokenizer,
 )
-from chatglm_tune.data import chat_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"

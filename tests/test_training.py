@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import train as train_cli
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-from chatglm_tune.data import SpecialIds, collate_train, encode_record, read_records
-from chatglm_tune import rundir
-from chatglm_tune.tokenizer import train_tokenizer
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, loading, rundir
+from chatglm_tune.batches import SpecialIds, collate_train, encode_record
+from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
+from chatglm_tune.records import read_records
 from chatglm_tune.training import TrainOptions, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _run(base_dir, train_file, out, *flags):
 
 
 def load_run(directory):
-    return rundir.load_run(rundir.resolve_run(directory))
+    return loading.load_run(loading.resolve_run(directory))
 
 
 def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_path):
@@ -76,8 +76,7 @@ def _losses(log):
 def _probe_logits(model, tokenizer, records):
     batch = collate_train([encode_record(r, tokenizer) for r in records[:4]], SpecialIds.of(tokenizer))
     with torch.no_grad():
-        return model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                     logits_to_keep=0).logits
+        return model(batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=0).logits
 
 
 def test_the_methods_accumulation_goes_with_its_batch_size():

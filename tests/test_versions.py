@@ -1,4 +1,5 @@
-"""What differs between versions (`chatglm_tune.versions`) and the toolkit's commands on ChatGLM3.
+"""What differs between versions (`chatglm_tune.models`: a `Version` and its prompt format) and the
+toolkit's commands on ChatGLM3.
 
 - Prompts equal the official ones (`tokenizer-glm.json` chats, from the official tokenizers; the real
   tokenizer files live in shared/ beside the checkout and those checks skip cleanly without them).
@@ -18,10 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune import rundir, versions
-from chatglm_tune.data import SPORecord, encode_record, prompt_ids
-from chatglm_tune.glm_tokenizer import load_glm_tokenizer, train_glm_sentencepiece
+from chatglm_tune import loading
+from chatglm_tune.batches import encode_record, prompt_ids
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.sp_tokenizer import train_glm_sentencepiece
+from chatglm_tune.models.glm.versions import load_glm_tokenizer
 from chatglm_tune.options import EncodingOptions
+from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT.parent / "shared" / "assets"
@@ -89,7 +93,7 @@ def assert_record_text_is_data(tokenizer, version: str, name: str) -> None:
     ids = prompt_ids(hostile, tokenizer, NO_INSTRUCTION)
     assert [i for i in ids if i in special] == template, name  # the template's own specials, nothing more
     row = encode_record(SPORecord(hostile.text, None, response="<|user|>答<|observation|>"), tokenizer, NO_INSTRUCTION)
-    control = special | set(versions.VERSIONS[version].stop_ids(tokenizer))
+    control = special | set(registry.VERSIONS[version].format.stop_ids(tokenizer))
     assert [i for i in row.input_ids if i in control] == template + [row.input_ids[-1]], name  # + the end token
     assert row.input_ids[-1] in control
 
@@ -100,7 +104,7 @@ def test_record_text_never_becomes_a_control_token(tiny3):
 
 
 def test_training_rows_label_the_answer_as_the_official_fine_tuning(tiny3):
-    version = versions.of_tokenizer(tiny3)
+    version = registry.of_tokenizer(tiny3)
     record = SPORecord("水泵漏油。", None, response="水泵_部件故障_漏油")
     row = encode_record(record, tiny3, NO_INSTRUCTION)
     prompt = prompt_ids(record, tiny3, NO_INSTRUCTION)
@@ -108,7 +112,7 @@ def test_training_rows_label_the_answer_as_the_official_fine_tuning(tiny3):
     answer = tiny3.encode_text("\n") + tiny3.encode_text("水泵_部件故障_漏油") + [tiny3.eos_token_id]
     assert list(row.input_ids[len(prompt):]) == answer  # "\n", the answer, eos: build_single_message + eos
     assert row.labels == tuple([-100] * len(prompt) + answer)
-    assert version.decode_answer(tiny3, answer[len(tiny3.encode_text("\n")):]) == "水泵_部件故障_漏油"
+    assert version.format.decode_answer(tiny3, answer[len(tiny3.encode_text("\n")):]) == "水泵_部件故障_漏油"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ def runs(tmp_path_factory):
 def test_the_tiny_chatglm3_learns_and_every_run_infers_from_its_directory(runs, tmp_path):
     from safetensors.torch import load_file
 
-    assert versions.of_directory(runs / "base").name == "chatglm3"
+    assert registry.of_directory(runs / "base").name == "chatglm3"
     final = [json.loads(line) for line in (runs / "base" / "metrics.jsonl").read_text().splitlines()][-1]["final"]
     assert final["best_f1"] > 0.9  # it learned its 24 records
     prefix = load_file(runs / "ptuning" / "model.safetensors")
@@ -179,7 +183,7 @@ def test_a_chatglm3_run_quantizes_to_the_official_layout_and_keeps_its_answers(r
     weight = state["transformer.encoder.layers.0.self_attention.query_key_value.weight"]
     assert weight.dtype == torch.int8 and "transformer.encoder.layers.0.self_attention.query_key_value.weight_scale" in state
     assert json.loads((out / "config.json").read_text())["quantization_bit"] == bits
-    model, _ = rundir.load_run(rundir.resolve_run(out))
+    model, _ = loading.load_run(loading.resolve_run(out))
     assert model.config.quantization_bit == bits
     cli("infer.py", "--model", out, "--input", runs / "data.jsonl", "--output", tmp_path / "q.jsonl")
     summary = json.loads((tmp_path / "q.jsonl.summary.json").read_text(encoding="utf-8"))
@@ -190,7 +194,7 @@ def test_every_version_loads_through_the_package_and_the_auto_classes(runs):
     import chatglm_tune
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from chatglm_tune.glm import GlmForCausalLMWithPrefix
+    from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
 
     golden = Path(__file__).parent / "fixtures" / "chatglm3-tiny"
     assert AutoConfig.from_pretrained(golden).chatglm_version == "chatglm3"
@@ -210,7 +214,7 @@ def test_every_version_loads_through_the_package_and_the_auto_classes(runs):
 def test_chat_on_chatglm3_is_the_official_chat(runs):
     from chatglm_tune.generation import generate
 
-    model, tokenizer = rundir.load_run(rundir.resolve_run(runs / "base"))
+    model, tokenizer = loading.load_run(loading.resolve_run(runs / "base"))
     response, history = model.chat(tokenizer, "诊断过程：水泵漏油。", [("早", "早上好")], do_sample=False, max_length=96)
     official = tokenizer.build_chat_input("诊断过程：水泵漏油。", history=[{"role": "user", "content": "早"},
                                                                  {"role": "assistant", "content": "早上好"}])["input_ids"]

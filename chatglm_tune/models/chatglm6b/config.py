@@ -10,11 +10,17 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .options import raise_problems
+from chatglm_tune.options import raise_problems
 
 # The depth the official GLMBlock assumes when it scales its residual: `GLMBlock(num_layers=28)` is a
 # constructor default that ChatGLMModel never overrides, so alpha = sqrt(2 * 28) for every config.
 OFFICIAL_ALPHA_LAYERS = 28
+# Module names (inside `transformer.layers.N`) that LoRA targets, and that INT8/INT4 quantization swaps for
+# `quant.modules.QuantizedLinear`s (the official `model.quantize(bits)`: the four Linears of every block).
+LORA_TARGETS = ("query_key_value",)
+QUANTIZABLE_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+# config.json fields only ChatGLM-6B has (the versions after it say `model_type: chatglm` too)
+CONFIG_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")
 
 
 @strict
@@ -65,19 +71,6 @@ class ChatGLMConfig(PreTrainedConfig):
         if self.pre_seq_len is not None and self.pre_seq_len < 1:
             problems.append(f"pre_seq_len must be None or >= 1, got {self.pre_seq_len}")
         raise_problems(problems, "invalid ChatGLMConfig: ")
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
-        """ChatGLM2/3 and GLM-4 say `model_type: chatglm` too: their config.json gives their own config
-        (`glm_config`), so that `AutoConfig` / `AutoModel` load every version."""
-        from .glm_config import detect_version, glm_config
-
-        version = detect_version(config_dict)
-        if version == "chatglm":
-            return super().from_dict(config_dict, **kwargs)
-        config = glm_config(config_dict, version=version)
-        return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
-            else config
 
     @property
     def head_dim(self) -> int:

@@ -16,7 +16,7 @@ Initialisation is PyTorch's default, as in the official code.
 
 from __future__ import annotations
 
-from .prefix import PrefixEncoder
+from chatglm_tune.prefix import PrefixEncoder
 
 
 def prefix_width(config) -> int:

@@ -26,11 +26,16 @@ from pathlib import Path
 import torch
 from transformers import GlmConfig
 
-from .checkpoint import CheckpointError
+from chatglm_tune.checkpoint import CheckpointError, read_config_file
+from chatglm_tune.models.glm.formats import FORMATS
+from chatglm_tune.prefix import check_prefix_version
 
 ROPE_BASE = 10000.0
-V1_FIELDS = ("position_encoding_2d", "inner_hidden_size", "gmask_token_id")  # ChatGLM-6B only
 FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only
+# Module names (inside `model.layers.N`, transformers' names) that LoRA targets, and that INT8/INT4
+# quantization swaps for `quant.modules.QuantizedLinear`s (the attention and MLP Linears).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
+QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 GLM4_VOCAB = 151552
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
@@ -74,26 +79,11 @@ _OFFICIAL_TEMPLATE = {
 }
 
 
-def read_config_file(directory: str | Path) -> dict:
-    """The config.json of a model directory (or of the directory holding a weights file)."""
-    path = Path(directory)
-    if path.is_file():
-        path = path.parent
-    file = path / "config.json"
-    if not file.exists():
-        raise CheckpointError(f"{path}: no config.json beside the weights")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+def detect_version(raw: dict, directory: str | Path | None = None) -> str | None:
+    """"chatglm2", "chatglm3" or "glm4" for a config.json dict of this family (and its directory), else None.
 
-
-def detect_version(raw: dict, directory: str | Path | None = None) -> str:
-    """"chatglm" (v1), "chatglm2", "chatglm3" or "glm4" for a config.json dict (and its directory).
-
-    All say `model_type: chatglm`, so the fields decide: v1 has `position_encoding_2d` /
-    `inner_hidden_size` / `gmask_token_id`, the others `multi_query_group_num` / `kv_channels`; a
-    `model_type: glm` config is the glm-4-9b-chat-hf form. GLM-4 has a list of eos ids and a 151552 vocab.
+    ChatGLM-6B says `model_type: chatglm` too, so the fields decide: this family has
+    `multi_query_group_num` / `kv_channels`; a `model_type: glm` config is the glm-4-9b-chat-hf form. GLM-4 has a list of eos ids and a 151552 vocab.
     ChatGLM2 and ChatGLM3 are one architecture with one SentencePiece model, and their config.json files
     differ only in `_name_or_path`, `seq_length` and `transformers_version`; they are told apart, in this
     order, by: an explicit `chatglm_version` field; `_name_or_path` (config.json, then
@@ -103,15 +93,8 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str:
     """
     if raw.get("model_type") == "glm":
         return "glm4"
-    if raw.get("model_type") not in (None, "chatglm"):
-        raise CheckpointError(f"model_type {raw.get('model_type')!r} is not a ChatGLM / GLM-4 config")
-    if any(k in raw for k in V1_FIELDS):
-        return "chatglm"
     if not all(k in raw for k in FAMILY_FIELDS):
-        raise CheckpointError(
-            "config.json has neither ChatGLM-6B fields (position_encoding_2d, inner_hidden_size) nor "
-            "ChatGLM2/3/GLM-4 fields (multi_query_group_num, kv_channels)"
-        )
+        return None
     if raw.get("chatglm_version") in ("chatglm2", "chatglm3", "glm4"):
         return raw["chatglm_version"]
     if isinstance(raw.get("eos_token_id"), list) or raw.get("padded_vocab_size") == GLM4_VOCAB:
@@ -136,6 +119,36 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str:
     return "chatglm2" if written_with < (4, 30) else "chatglm3"
 
 
+def read_version(raw: dict, directory: str | Path | None = None) -> str:
+    """`detect_version`, or CheckpointError for a config.json of another model."""
+    version = detect_version(raw, directory)
+    if version is None:
+        raise CheckpointError("config.json is not a ChatGLM2/3 or GLM-4 config: it lacks "
+                              f"{' and '.join(k for k in FAMILY_FIELDS if k not in raw)}")
+    return version
+
+
+def check_prefix_config(source, version: str, model="this model", error: type[Exception] | None = None) -> None:
+    """Refuse a P-tuning checkpoint whose config.json says another version of this family than `version`
+    (ChatGLM3-6B and GLM-4 prefixes can be of equal shape), naming both; one without a config.json, or
+    with one of another model or too bare to tell, is left to the shape checks."""
+    try:
+        theirs = detect_version(read_config_file(source), source)
+    except CheckpointError:
+        theirs = None
+    check_prefix_version(source, theirs and FORMATS[theirs].title, FORMATS[version].title, model, error,
+                         mismatch_hint(theirs, version, source))
+
+
+def mismatch_hint(theirs: str | None, ours: str, source) -> str:
+    """What to add when a config.json says ChatGLM2-6B where ChatGLM3-6B was meant, or the reverse."""
+    if {theirs, ours} != {"chatglm2", "chatglm3"}:
+        return ""
+    where = Path(source) if Path(source).is_dir() else Path(source).parent
+    return (f" (ChatGLM2-6B and ChatGLM3-6B config.json files differ only in their names; if {where / 'config.json'} "
+            f'is wrong, add "chatglm_version": "{ours}" to it)')
+
+
 class ChatGLMFamilyConfig(GlmConfig):
     """transformers' `GlmConfig`, under a class of ours so that the Auto classes map it to our model
     (`auto.py`): ChatGLM2/3 and GLM-4 checkpoints need their official key map and the P-tuning prefix.
@@ -151,9 +164,9 @@ class ChatGLMFamilyConfig(GlmConfig):
         transformers' own fields read as `GlmConfig` reads them."""
         if "padded_vocab_size" not in config_dict:
             return super().from_dict(config_dict, **kwargs)
-        from .config import ChatGLMConfig
-
-        return ChatGLMConfig.from_dict(config_dict, **kwargs)
+        config = glm_config(config_dict, version=read_version(config_dict))
+        return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
+            else config
 
 
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
@@ -161,8 +174,8 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
 
     `pre_seq_len` / `prefix_projection` override the config.json's (None = keep them).
     """
-    if version == "chatglm":
-        raise CheckpointError("this is a ChatGLM-6B (v1) config: load it with chatglm_tune.model")
+    if version not in FORMATS:
+        raise CheckpointError(f"{version!r} is not a version of this model (one of {', '.join(FORMATS)})")
     if raw.get("model_type") == "glm":
         return _hf_config(raw, pre_seq_len, prefix_projection)
     missing = [official for official, _, default in _FIELDS if default is _REQUIRED and official not in raw]

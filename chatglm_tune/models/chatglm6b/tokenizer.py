@@ -12,19 +12,14 @@ Reproduces the official THUDM/chatglm-6b `tokenization_chatglm.py` as run under 
 - prompts end `[gMASK] <sop>`; decoding drops `<pad>`, CONTROL pieces decode to "", the whitespace codes
   are undone, and the transformers 4.27 `clean_up_tokenization` is applied;
 - padding is on the left; a padded batch carries the GLM mask `[1, s, s]` (True = blocked) and the 2D
-  position ids `[2, s]` per row, as the official `_pad` builds them (see `chatglm_tune.positions`).
+  position ids `[2, s]` per row, as the official `_pad` builds them (see `positions.py`).
 
 Every special id is read from the SentencePiece model, so `train_tokenizer` can build a small
 vocabulary with the same special pieces in another layout.
-
-What the tokenizers of every version share is here too (ChatGLM2/3 and GLM-4 import it): the pair layout
-and the special-tokens mask read off it, the left-padding rule, where `save_vocabulary` writes, and the
-training of a small SentencePiece model.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,7 +29,10 @@ from transformers import PreTrainedTokenizer
 from transformers.tokenization_utils_base import AddedToken
 from transformers.utils import PaddingStrategy
 
-from chatglm_tune.positions import build_attention_mask, build_position_ids
+from chatglm_tune.models.chatglm6b.format import FORMAT
+from chatglm_tune.models.chatglm6b.positions import build_attention_mask, build_position_ids
+from chatglm_tune.tokenizing import (pair_inputs, require_left_padding, save_sentencepiece, special_tokens_mask,
+                                     train_sentencepiece)
 
 VOCAB_FILE = "ice_text.model"
 NEWLINE_PIECE = "<n>"
@@ -59,38 +57,6 @@ CLEANUP_REPLACEMENTS = (
 # Target vocabulary of `train_tokenizer`: a soft limit that counts the 348 special and byte pieces, and
 # must leave room for one piece per distinct character of the corpus (character_coverage=1.0).
 DEFAULT_TRAIN_VOCAB_SIZE = 4000
-
-
-def require_left_padding(padding_side: str, prompts: str) -> None:
-    """ValueError unless `padding_side` is "left": a batch of `prompts` (ChatGLM, GLM-4) is generated on from
-    its last column, so every row must end there."""
-    if padding_side != "left":
-        raise ValueError(f"{prompts} prompts must be left-padded, got padding_side={padding_side!r}")
-
-
-def pair_inputs(prompt: list[int], token_ids_1: list[int] | None, eos_token_id: int) -> list[int]:
-    """`prompt` (the first sequence with its special tokens), then for a pair `b <eos>`: every version's
-    training layout."""
-    return prompt if token_ids_1 is None else prompt + token_ids_1 + [eos_token_id]
-
-
-def special_tokens_mask(build_inputs, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
-    """1 on each token that `build_inputs` (a tokenizer's `build_inputs_with_special_tokens`) adds, 0 on the
-    given ids: read off the layout itself, so that the mask and the layout cannot disagree."""
-    placeholders = [None] * len(token_ids_0), None if token_ids_1 is None else [None] * len(token_ids_1)
-    return [int(i is not None) for i in build_inputs(*placeholders)]
-
-
-def vocabulary_path(save_directory: str, filename_prefix: str | None, file_name: str) -> Path:
-    """Where `save_vocabulary` writes `file_name`: in `save_directory`, under transformers' optional prefix."""
-    return Path(save_directory) / ((f"{filename_prefix}-" if filename_prefix else "") + file_name)
-
-
-def save_sentencepiece(sp_model, save_directory: str, filename_prefix: str | None, file_name: str) -> tuple[str]:
-    """`save_vocabulary` of a SentencePiece tokenizer: the model's bytes, as `file_name`."""
-    path = vocabulary_path(save_directory, filename_prefix, file_name)
-    path.write_bytes(sp_model.serialized_model_proto())
-    return (str(path),)
 
 
 def encode_whitespace(text: str) -> str:
@@ -119,6 +85,7 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
 
     vocab_files_names = {"vocab_file": VOCAB_FILE}
     model_input_names = ["input_ids", "attention_mask", "position_ids"]
+    prompt_format = FORMAT
     padding_side = "left"
 
     def __init__(
@@ -309,19 +276,3 @@ def train_tokenizer(
     )
     ChatGLMTokenizer(path).save_pretrained(output_dir)
     return ChatGLMTokenizer.from_pretrained(output_dir)
-
-
-def train_sentencepiece(sentences: Iterable[str], output_dir: str | Path, file_name: str, **options) -> Path:
-    """Train a small SentencePiece unigram model on `sentences` and write it as `output_dir / file_name`
-    (the folder made if need be); returns that path. What every small tokenizer trained here shares: every
-    character of the corpus may get a piece (the vocabulary size is a soft limit), others fall back to
-    bytes, digits are split, one thread (deterministic), quiet. `options`: the trainer's other settings."""
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, model_type="unigram", hard_vocab_limit=False,
-        character_coverage=1.0, byte_fallback=True, split_digits=True, num_threads=1, minloglevel=2, **options,
-    )
-    path = Path(output_dir) / file_name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.getvalue())
-    return path

@@ -1,4 +1,4 @@
-"""The ChatGLM2-6B and ChatGLM3-6B tokenizers (SentencePiece), and loading any GLM-family tokenizer.
+"""The ChatGLM2-6B and ChatGLM3-6B tokenizers (SentencePiece), and training a small one.
 
 Reproduces the official THUDM `tokenization_chatglm.py` of ChatGLM2-6B (as run under transformers
 4.27.1) and ChatGLM3-6B (4.40.2); golden outputs in `tests/fixtures/tokenizer-glm.json`:
@@ -17,8 +17,7 @@ Reproduces the official THUDM `tokenization_chatglm.py` of ChatGLM2-6B (as run u
   role)` (role token, `metadata + "\\n"`, content; tools of a system message as indented JSON).
 
 Record text is data: `encode_text` gives its ids with no prefix, never a special id.
-`load_glm_tokenizer(directory)` reads an official ChatGLM2/ChatGLM3/GLM-4 directory, a
-`glm-4-9b-chat-hf` one, or one written by `save_pretrained`, and returns the right tokenizer.
+Each class carries its version's prompt format (`prompt_format`, `formats.py`).
 """
 
 from __future__ import annotations
@@ -29,94 +28,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 import torch
-from transformers import BatchEncoding, PreTrainedTokenizer
+from transformers import BatchEncoding
 from transformers.utils import PaddingStrategy
 
-from chatglm_tune.tokenizer import (
-    pair_inputs,
-    require_left_padding,
-    save_sentencepiece,
-    special_tokens_mask,
-    train_sentencepiece,
-)
+from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3
+from chatglm_tune.models.glm.tokenizer import GLMFamilyTokenizer, GLM_SPECIALS, ROLES, ROLE_SPECIALS, left_pad
+from chatglm_tune.tokenizing import require_left_padding, save_sentencepiece, train_sentencepiece
 
 SENTENCEPIECE_FILE = "tokenizer.model"
-GLM_SPECIALS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop")
-ROLES = ("system", "user", "assistant", "observation")
-ROLE_SPECIALS = tuple(f"<|{role}|>" for role in ROLES)
-VERSIONS = ("chatglm2", "chatglm3", "glm4")
-
-
-def left_pad(
-    encoded_inputs,
-    pad_token_id: int,
-    max_length: int | None,
-    padding_strategy: PaddingStrategy,
-    pad_to_multiple_of: int | None,
-    padding_side: str | None,
-) -> dict:
-    """The official `_pad` of ChatGLM2/3 and GLM-4 for one row: `attention_mask` [s] (1 = token) and
-    `position_ids` [s] (0..n-1 on the tokens) are added when missing, then the row is padded on the
-    left with `pad_token_id`, 0 in both."""
-    if padding_side not in (None, "left"):
-        raise ValueError(f"GLM prompts must be left-padded, got padding_side={padding_side!r}")
-    ids = list(encoded_inputs["input_ids"])
-    if padding_strategy == PaddingStrategy.LONGEST:
-        max_length = len(ids)
-    if max_length is not None and pad_to_multiple_of is not None and max_length % pad_to_multiple_of:
-        max_length = (max_length // pad_to_multiple_of + 1) * pad_to_multiple_of
-    if "attention_mask" not in encoded_inputs:
-        encoded_inputs["attention_mask"] = [1] * len(ids)
-    if "position_ids" not in encoded_inputs:
-        encoded_inputs["position_ids"] = list(range(len(ids)))
-    if padding_strategy != PaddingStrategy.DO_NOT_PAD and max_length is not None and len(ids) < max_length:
-        n_pad = max_length - len(ids)
-        encoded_inputs["input_ids"] = [pad_token_id] * n_pad + ids
-        for key, fill in (("attention_mask", 0), ("position_ids", 0), ("special_tokens_mask", 1)):
-            if key in encoded_inputs:
-                encoded_inputs[key] = [fill] * n_pad + list(encoded_inputs[key])
-    return encoded_inputs
-
-
-class GLMFamilyTokenizer(PreTrainedTokenizer):
-    """What every ChatGLM2/3 and GLM-4 tokenizer shares: its special tokens by text (`special_ids`, set by
-    the subclass), and the official left padding with 1D positions (`left_pad`)."""
-
-    model_input_names = ["input_ids", "attention_mask", "position_ids"]
-    padding_side = "left"
-    special_ids: dict[str, int]
-    prefix_texts: tuple[str, str] = ("[gMASK]", "sop")  # what every encode starts with (GLM-4: <sop>)
-
-    def get_prefix_tokens(self) -> list[int]:
-        return [self.get_command(t) for t in self.prefix_texts]
-
-    def _cleaned(self, text: str, clean_up_tokenization_spaces: bool | None) -> str:
-        """A decode's text, with transformers' clean-up where asked (None: the tokenizer's setting)."""
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
-        return self.clean_up_tokenization(text) if clean else text
-
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
-        """`[gMASK] sop a`, or `[gMASK] sop a b <eos>` for a pair (official)."""
-        return pair_inputs(self.get_prefix_tokens() + token_ids_0, token_ids_1, self.eos_token_id)
-
-    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens=False) -> list[int]:
-        if already_has_special_tokens:
-            return [int(i in self.special_token_ids) for i in token_ids_0]
-        return special_tokens_mask(self.build_inputs_with_special_tokens, token_ids_0, token_ids_1)
-
-    def get_command(self, token: str) -> int:
-        """The id of a special token by its official text (`"[gMASK]"`, `"sop"`, `"<|user|>"`)."""
-        if token not in self.special_ids:
-            raise KeyError(f"{token!r} is not a special token of {type(self).__name__}")
-        return self.special_ids[token]
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(self.special_ids.values())
-
-    def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
-             pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
-        return left_pad(encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side)
 
 
 class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
@@ -190,7 +109,7 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
 class ChatGLM2Tokenizer(_SentencePieceGLMTokenizer):
     """ChatGLM2-6B: decode drops the special tokens; the chat prompt is `build_prompt`."""
 
-    version = "chatglm2"
+    prompt_format = CHATGLM2
     specials = GLM_SPECIALS
     decodes_specials = False
 
@@ -212,7 +131,7 @@ class ChatGLM3Tokenizer(_SentencePieceGLMTokenizer):
     string the role token; `encode_text` and the chat methods never do.
     """
 
-    version = "chatglm3"
+    prompt_format = CHATGLM3
     specials = GLM_SPECIALS + ROLE_SPECIALS
     decodes_specials = True
 
@@ -256,75 +175,6 @@ class ChatGLM3Tokenizer(_SentencePieceGLMTokenizer):
 
 
 SENTENCEPIECE_CLASSES = {"chatglm2": ChatGLM2Tokenizer, "chatglm3": ChatGLM3Tokenizer}
-# tokenizer_class values that name the version outright (ours, and GLM-4's official class).
-CLASS_VERSIONS = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3",
-                  "GLM4Tokenizer": "glm4", "ChatGLM4Tokenizer": "glm4"}
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def detect_tokenizer_version(directory: str | Path) -> str:
-    """Which tokenizer a directory holds: "chatglm" (ChatGLM-6B v1, `ice_text.model`), "chatglm2",
-    "chatglm3" or "glm4", from tokenizer_config.json's class and the files. The official ChatGLM2 and
-    ChatGLM3 directories differ only in their name (`name_or_path`, or config.json `_name_or_path`)."""
-    from chatglm_tune.glm4_tokenizer import TOKENIZER_FILE, is_tiktoken_file
-
-    directory = Path(directory)
-    config = _read_json(directory / "tokenizer_config.json")
-    if config.get("tokenizer_class") in CLASS_VERSIONS:
-        return CLASS_VERSIONS[config["tokenizer_class"]]
-    if (directory / "ice_text.model").is_file():
-        return "chatglm"
-    model_file = directory / SENTENCEPIECE_FILE
-    if model_file.is_file() and is_tiktoken_file(model_file):
-        return "glm4"
-    if (directory / TOKENIZER_FILE).is_file():
-        added = {t.get("content") for t in _read_json(directory / TOKENIZER_FILE).get("added_tokens", [])}
-        if {"[gMASK]", "<sop>", "<|user|>"} <= added:
-            return "glm4"
-    if model_file.is_file():
-        names = [str(config.get(k, "")) for k in ("name_or_path", "_name_or_path")]
-        names.append(str(_read_json(directory / "config.json").get("_name_or_path", "")))
-        found = {v for v in ("chatglm2", "chatglm3") for name in names if v in name.lower()}
-        if "<|user|>" in json.dumps(config, ensure_ascii=False):  # later ChatGLM3 configs list the role tokens
-            found.add("chatglm3")
-        if len(found) == 1:
-            return found.pop()
-        raise ValueError(
-            f"{directory}: a SentencePiece tokenizer.model, but nothing tells ChatGLM2 from ChatGLM3 "
-            f"(tokenizer_config.json name_or_path is {config.get('name_or_path')!r}); pass version='chatglm2' "
-            "or 'chatglm3'"
-        )
-    raise ValueError(
-        f"{directory} is not a ChatGLM2/ChatGLM3/GLM-4 tokenizer directory: expected tokenizer.model "
-        "(SentencePiece or tiktoken) or tokenizer.json, with tokenizer_config.json"
-    )
-
-
-def load_glm_tokenizer(directory: str | Path, version: str | None = None, **kwargs):
-    """The tokenizer of a ChatGLM2, ChatGLM3 or GLM-4 directory (official, `-hf`, or saved by
-    `save_pretrained`); `version` overrides detection. `kwargs` override tokenizer_config.json."""
-    from chatglm_tune.glm4_tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE, GLM4Tokenizer, glm4_config_kwargs
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"{directory} is not a directory")
-    version = version or detect_tokenizer_version(directory)
-    if version == "chatglm":
-        raise ValueError(f"{directory} holds a ChatGLM-6B (v1) tokenizer: load it with chatglm_tune.tokenizer")
-    if version not in VERSIONS:
-        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
-    if version == "glm4":
-        files = {"tokenizer_file": directory / TOKENIZER_FILE, "vocab_file": directory / TIKTOKEN_FILE}
-        files = {k: str(p) for k, p in files.items() if p.is_file()}
-        if "tokenizer_file" in files:  # converted already: prefer it to a rank file beside it
-            files.pop("vocab_file", None)
-        return GLM4Tokenizer(**files, **{**glm4_config_kwargs(directory), **kwargs})
-    if not (directory / SENTENCEPIECE_FILE).is_file():
-        raise ValueError(f"{directory} has no {SENTENCEPIECE_FILE} for a {version} tokenizer")
-    return SENTENCEPIECE_CLASSES[version].from_pretrained(str(directory), **kwargs)
 
 
 def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "chatglm3", vocab_size: int = 4000):

@@ -33,14 +33,18 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import checkpoint, cpu_matmul, quantization
-from .auto import AUTO_PLUMBING
-from .cpu_matmul import Linear
-from .config import OFFICIAL_ALPHA_LAYERS, ChatGLMConfig
-from .chat import Chat
-from .positions import build_position_ids, context_lengths, glm_mask
-from .prefix import PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version, prefix_key_values
-from .prefix import not_a_model, only_prefix_weights, seed_cache
+from chatglm_tune import checkpoint
+from chatglm_tune.chat import Chat
+from chatglm_tune.checkpoint import AUTO_PLUMBING
+from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
+                                                  ChatGLMConfig)
+from chatglm_tune.models.chatglm6b.positions import build_position_ids, context_lengths, glm_mask
+from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version,
+                                 not_a_model, only_prefix_weights, prefix_key_values, seed_cache)
+from chatglm_tune.quant import cpu_matmul
+from chatglm_tune.quant.apply import QuantizeOnLoad, quantize_model, refuse_int8_embedding
+from chatglm_tune.quant.cpu_matmul import Linear
+from chatglm_tune.quant.format import check_bits
 
 ALPHA = math.sqrt(2 * OFFICIAL_ALPHA_LAYERS)
 
@@ -203,10 +207,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                     "position_ids are required for an incremental step (the GLM positions depend on the whole "
                     "prompt); use model.generate or chatglm_tune.generate, which track them"
                 )
-            position_ids = build_position_ids(
-                input_ids, bos_token_id=cfg.bos_token_id, gmask_token_id=cfg.gmask_token_id,
-                mask_token_id=cfg.mask_token_id, pad_mask=pad_mask,
-            )
+            position_ids = _glm_positions(cfg, input_ids, pad_mask)
         allowed = self._sdpa_mask(input_ids, attention_mask, pad_mask, past, n_prefix)
         cos, sin = rotary_tables(position_ids, cfg.head_dim, x.dtype)
         for layer in self.layers:
@@ -279,7 +280,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         does. `dtype` (or `torch_dtype`): the compute dtype; "auto" = config.json's; default float32.
         `quantization_bit` 4/8 quantizes the block Linears of a half/float checkpoint while loading (the
         official `model.quantize(bits)`); a checkpoint whose config says `quantization_bit` loads as is.
-        `quantize_embedding` keeps the tied embedding / head as one INT8 copy (`quantization.quantize_embedding`).
+        `quantize_embedding` keeps the tied embedding / head as one INT8 copy (`quant.apply.quantize_embedding`).
         Only `transformer.prefix_encoder.*` may be absent from the checkpoint (a fresh P-tuning start). A
         directory of prefix weights only (a P-tuning run or checkpoint) is refused with what to load instead
         (`chatglm_tune.from_pretrained` loads a train.py run's base with its prefix).
@@ -301,14 +302,15 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
             setattr(config, key, value)
         dtype = checkpoint.resolve_dtype(dtype if dtype is not None else torch_dtype, config.dtype)
         stored_bits = config.quantization_bit
-        quantization.check_bits(stored_bits, quantization_bit, path)
+        check_bits(stored_bits, quantization_bit, path)
         config.name_or_path = str(path.resolve())  # where it came from: peft records it as an adapter's base
         with torch.device("meta"):
             model = cls(config)
         if stored_bits:
-            quantization.quantize_model(model, stored_bits, config.quantization_group_size, empty_init=True)
+            quantize_model(model, stored_bits, config.quantization_group_size, targets=QUANTIZABLE_LINEARS, empty_init=True)
         load_bits = 0 if stored_bits else (quantization_bit or 0)
-        place = quantization.QuantizeOnLoad(model, dtype, load_bits, quantization_group_size, embedding=quantize_embedding)
+        place = QuantizeOnLoad(model, dtype, load_bits, quantization_group_size, embedding=quantize_embedding,
+                                     targets=QUANTIZABLE_LINEARS)
         missing = checkpoint.load_weights(model, path, dtype=dtype, place=place)
         not_prefix = [k for k in missing if not k.startswith(checkpoint.PREFIX_KEY)]
         if not_prefix:
@@ -335,7 +337,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = dict(self.state_dict() if state_dict is None else state_dict)
-        quantization.refuse_int8_embedding(state, ("transformer.word_embeddings.weight_scale",))
+        refuse_int8_embedding(state, ("transformer.word_embeddings.weight_scale",))
         state.pop("lm_head.weight", None)
         checkpoint.save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)
         checkpoint.atomic_write(directory / "config.json", self.config.to_json_file)
@@ -369,7 +371,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         foreign = {k: s for k, s in shapes.items() if (k.endswith("embedding.weight") and s[-1] not in (hidden, width))
                    or (k.endswith("trans.2.weight") and s[0] != width)}
         check_prefix_shapes(source, foreign, expected, width, f"2 * num_layers * hidden_size = 2 * {cfg.num_layers} * {hidden}")
-        check_prefix_version(source, "chatglm", "this model")
+        _check_prefix_config(source)
         missing = checkpoint.load_weights(self, path, dtype=torch.float32, only_prefix=True)
         missing = [k for k in missing if k.startswith(checkpoint.PREFIX_KEY)]
         if missing:
@@ -411,13 +413,21 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
         return out if return_dict is not False else out.to_tuple()
 
+    # --- positions for a decoding loop (generation.py): the prompt's, then one step at a time
+    def prompt_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The 2D GLM position ids [b, 2, s] of (left-padded) prompts, as the forward builds them."""
+        return _glm_positions(self.config, input_ids, attention_mask)
+
+    @staticmethod
+    def next_positions(positions: torch.Tensor) -> torch.Tensor:
+        """The position ids [b, 2, 1] of the token after the one at `positions` [b, 2, 1]: the block
+        position counts on, the other stays at the mask."""
+        return positions + torch.tensor([0, 1], device=positions.device)[None, :, None]
+
     # --- transformers generate() support: positions come from the whole sequence, never incremented.
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=True, **kwargs):
         pad_mask = _pad_mask_2d(attention_mask)
-        position_ids = build_position_ids(
-            input_ids, bos_token_id=self.config.bos_token_id, gmask_token_id=self.config.gmask_token_id,
-            mask_token_id=self.config.mask_token_id, pad_mask=pad_mask,
-        )
+        position_ids = _glm_positions(self.config, input_ids, pad_mask)
         done = cached_tokens(cache, self.config) if cache is not None and cache.get_seq_length() else 0
         return dict(
             input_ids=input_ids[:, done:], position_ids=position_ids[..., done:], attention_mask=pad_mask,
@@ -431,11 +441,26 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
 
 
+def _glm_positions(config: ChatGLMConfig, input_ids: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
+    """The 2D GLM position ids [b, 2, s] of whole sequences, from the config's special ids."""
+    return build_position_ids(input_ids, bos_token_id=config.bos_token_id, gmask_token_id=config.gmask_token_id,
+                              mask_token_id=config.mask_token_id, pad_mask=pad_mask)
+
+
+def _check_prefix_config(source) -> None:
+    """Refuse a P-tuning checkpoint whose config.json describes a model (its `hidden_size`) that is not a
+    ChatGLM-6B (none of its own fields); one without config.json, or too bare to tell, is left to the shapes."""
+    try:
+        raw = checkpoint.read_config_file(source)
+    except checkpoint.CheckpointError:
+        return
+    if "hidden_size" in raw and not any(k in raw for k in CONFIG_FIELDS):
+        check_prefix_version(source, f"{raw.get('model_type', 'other')!r} (not ChatGLM-6B)", "ChatGLM-6B", "this model")
+
+
 def cached_tokens(cache: Cache | None, config: ChatGLMConfig) -> int:
     """Tokens of the sequence already in `cache`: its length less the P-tuning prefix it starts with."""
     return 0 if cache is None else cache.get_seq_length() - (config.pre_seq_len or 0)
-
-
 
 
 def _pad_mask_2d(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -42,9 +42,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from chatglm_tune.glm_tokenizer import GLMFamilyTokenizer, load_glm_tokenizer
+from chatglm_tune.models.glm.formats import GLM4
+from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
-from chatglm_tune.tokenizer import require_left_padding, vocabulary_path
+from chatglm_tune.tokenizing import require_left_padding, vocabulary_path
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"
@@ -54,7 +55,6 @@ GLM4_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 EOS_TOKEN = "<|endoftext|>"
-ROLES = ("system", "user", "assistant", "observation")
 # The official special tokens, in their order after the ranks (tokenizer_config.json's added_tokens_decoder).
 OFFICIAL_SPECIALS = (EOS_TOKEN, "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", *(f"<|{role}|>" for role in ROLES),
                      "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
@@ -131,6 +131,7 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
 
     vocab_files_names = {"vocab_file": TIKTOKEN_FILE, "tokenizer_file": TOKENIZER_FILE}
     prefix_texts = ("[gMASK]", "<sop>")
+    prompt_format = GLM4
 
     def __init__(
         self,
@@ -309,6 +310,16 @@ def _unmark(text: str) -> str:
     return text.replace(DATA_OPEN, "").replace(DATA_CLOSE, "")
 
 
+def load_glm4_tokenizer(directory: Path, **kwargs) -> GLM4Tokenizer:
+    """GLM-4's tokenizer from a directory: its tokenizer.json when converted already (preferred to a rank file
+    beside it), else its tiktoken rank file; `kwargs` override tokenizer_config.json."""
+    files = {"tokenizer_file": directory / TOKENIZER_FILE, "vocab_file": directory / TIKTOKEN_FILE}
+    files = {k: str(p) for k, p in files.items() if p.is_file()}
+    if "tokenizer_file" in files:
+        files.pop("vocab_file", None)
+    return GLM4Tokenizer(**files, **{**glm4_config_kwargs(directory), **kwargs})
+
+
 def glm4_config_kwargs(directory: Path) -> dict:
     """tokenizer_config.json's fields for `GLM4Tokenizer` (chat template included, from
     chat_template.jinja when the template was saved apart)."""
@@ -340,7 +351,7 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
         f.writelines(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate(ranks))
     config = glm4_tokenizer_config(len(ranks))
     (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
-    return load_glm_tokenizer(output_dir, version="glm4")
+    return load_glm4_tokenizer(output_dir)
 
 
 def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:

@@ -3,16 +3,16 @@
 The three share one architecture (RMSNorm pre-norm blocks, grouped-query attention with a fused
 biased `query_key_value`, rotary on half of each head with interleaved pairs, SwiGLU with a fused
 `dense_h_to_4h`, untied head), which is transformers' `GlmForCausalLM` with the config of
-glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this module adds:
-- `GlmForCausalLMWithPrefix`: the official P-tuning v2 prefix (glm_prefix.py) as the first
+config.py: its logits equal the official `modeling_chatglm.py`'s. What this module adds:
+- `GlmForCausalLMWithPrefix`: the official P-tuning v2 prefix (prefix.py) as the first
   `pre_seq_len` cache entries, real positions from 0 after it, the mask `[ones(P), attention_mask]`;
   positions from `attention_mask` when none are given (cumsum - 1, 0 on pads: a left-padded batch
   gives the official numbers without the tokenizer's `position_ids`);
-- `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, glm_weights.py) and
+- `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, weights.py) and
   the glm-4-9b-chat-hf form, built on the meta device and filled tensor by tensor (no second copy,
   no pickle, no trust_remote_code);
-- INT8/INT4 weight-only quantization of the attention and MLP Linears (`GlmFamily.quantizable_linears`:
-  q/k/v, o_proj, gate_up_proj, down_proj as `quantization.QuantizedLinear`), in the official ChatGLM2
+- INT8/INT4 weight-only quantization of the attention and MLP Linears (`config.QUANTIZABLE_LINEARS`:
+  q/k/v, o_proj, gate_up_proj, down_proj as `quant.modules.QuantizedLinear`), in the official ChatGLM2
   layout of its fused Linears (`query_key_value` / `dense` / `dense_h_to_4h` / `dense_4h_to_h`: int8
   `weight` [out, in] or INT4 packed [out, in/2], fp16 per-row `weight_scale` [out], config.json's
   `quantization_bit`; the official ChatGLM-6B quantization format): `load_glm` reads such a directory (q/k/v split by
@@ -20,7 +20,6 @@ glm_config.py: its logits equal the official `modeling_chatglm.py`'s. What this 
 - with `quantize_embedding`, the untied embedding and head in INT8 too (`QuantizedEmbedding`, a `QuantizedLinear`
   head), quantized as they are read: a runtime form, beyond the official format, that saving refuses;
 - `save_official`: the official key layout and config.json, so an official directory round-trips;
-- `GlmFamily` / `FAMILIES`: what the rest of the toolkit asks a version (the one place where versions differ).
 Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
 References: the official ChatGLM2/3 and GLM-4 checkpoint layout, as the official modeling code names it;
 the official code (ChatGLM2 `syjjhl/chatglm2-6b`, ChatGLM3 `czk1997/chatglm3-copy`);
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,16 +38,20 @@ from transformers import GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 
-from . import checkpoint
-from .checkpoint import CheckpointError
-from .glm_config import detect_version, glm_config, official_config, read_config_file, stored_format
-from .chat import Chat
-from .glm_prefix import prefix_encoder, prefix_width
-from .prefix import PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, check_prefix_version, not_a_model, only_prefix_weights
-from .prefix import prefix_key_values, seed_cache
-from .quantization import QuantizedEmbedding, QuantizedLinear, check_bits, quantize_model, quantize_rows, refuse_int8_embedding
-from .quantization import quantize_embedding as int8_embedding_and_head
-from .glm_weights import OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official, to_transformers
+from chatglm_tune import checkpoint
+from chatglm_tune.chat import Chat
+from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, check_prefix_config, glm_config, official_config,
+                                            read_version, stored_format)
+from chatglm_tune.models.glm.prefix import prefix_encoder, prefix_width
+from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
+                                             to_transformers)
+from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, not_a_model, only_prefix_weights,
+                                 prefix_key_values, seed_cache)
+from chatglm_tune.quant.apply import quantize_embedding as int8_embedding_and_head
+from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding
+from chatglm_tune.quant.format import check_bits, quantize_rows
+from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
 
 
 def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) -> torch.Tensor:
@@ -156,6 +158,10 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
             out.cache = None
         return out
 
+    def prompt_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """None: the forward derives positions from the attention mask (what a decoding loop asks first)."""
+        return None
+
     def load_prefix(self, path: str | Path) -> None:
         """Load an official P-tuning v2 checkpoint (`transformer.prefix_encoder.*`; a file, or a directory
         with config.json + weights) onto this model.
@@ -198,7 +204,7 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
                    f"{c.num_key_value_heads}")
         check_prefix_shapes(source, {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in tensors.items()},
                             {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in expected.items()}, prefix_width(c), formula)
-        check_prefix_version(source, c.chatglm_version, "this model")  # ChatGLM3-6B and GLM-4 prefixes can be of equal shape
+        check_prefix_config(source, c.chatglm_version)  # ChatGLM3-6B and GLM-4 prefixes can be of equal shape
         encoder.load_state_dict({k: t.float() for k, t in tensors.items()})  # kept in float32
         if self.prefix_encoder is None:
             self.config.pre_seq_len, self.config.prefix_projection = theirs
@@ -245,16 +251,18 @@ def load_glm(
     quantize_embedding: the untied input embedding and `lm_head` become INT8 (`QuantizedEmbedding`, and a
         `QuantizedLinear` head; per-row scales, the official rule), each quantized a few rows at a time as it
         is read, as the Linears are: no float copy of either ever exists. Any `quantization_bit` or stored
-        format beside it. A runtime form, which `save_official` refuses (`quantization.quantize_embedding`).
+        format beside it. A runtime form, which `save_official` refuses (`quant.apply.quantize_embedding`).
     Prefix-encoder weights may be absent (a fresh P-tuning start, PyTorch's init); any other missing,
     unexpected, wrong-shaped or wrong-typed tensor raises `CheckpointError` naming the file and key, and a
     directory of prefix weights only (a P-tuning run or checkpoint) one saying what to load instead.
     `config.name_or_path` is the absolute directory loaded (what a LoRA adapter trained on it records).
     """
-    raw = read_config_file(path)
-    version = detect_version(raw, path)
-    if version == "chatglm":
-        raise CheckpointError(f"{path}: a ChatGLM-6B (v1) checkpoint; load it with ChatGLMForConditionalGeneration")
+    raw = checkpoint.read_config_file(path)
+    try:
+        version = read_version(raw, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}; a ChatGLM-6B (v1) directory loads with ChatGLMForConditionalGeneration, "
+                              "and chatglm_tune.from_pretrained loads every version") from None
     bits, group_size, stored = _load_format(raw, path, quantization_bit, group_size, quantization_group_size)
     config = glm_config(raw, version=version, pre_seq_len=pre_seq_len, prefix_projection=prefix_projection)
     # Where it came from, as an absolute directory: peft records it as an adapter's base_model_name_or_path.
@@ -305,7 +313,7 @@ def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bo
     config.quantization_bit, config.quantization_group_size = 0, 0
     if bits:
         try:
-            quantize_model(model, bits, group_size, targets=FAMILIES[config.chatglm_version].quantizable_linears, empty_init=True)
+            quantize_model(model, bits, group_size, targets=QUANTIZABLE_LINEARS, empty_init=True)
         except ValueError as e:
             raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
     quantized = {} if stored else {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -404,7 +412,7 @@ def save_official(
         `prefix_encoder.*` entries for an official P-tuning checkpoint). dtype: cast floating weights
         (not the prefix encoder, kept float32 as the official P-tuning saves it, nor the fp16
         `weight_scale`s); config.json's `torch_dtype` says the trunk's dtype.
-    A quantized model (`load_glm(..., quantization_bit=...)`, `quantization.quantize_model`) is written in
+    A quantized model (`load_glm(..., quantization_bit=...)`, `quant.apply.quantize_model`) is written in
     the official INT8/INT4 layout: q/k/v's int8 (INT4: packed) `weight`, fp16 `weight_scale` and `bias`
     re-fused by rows into `query_key_value.{weight,weight_scale,bias}`, the other Linears under their
     official names, and config.json's `quantization_bit` (plus our `quantization_group_size` when the
@@ -430,52 +438,9 @@ def _castable(key: str, tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and not key.startswith(PREFIX_ENCODER) and not key.endswith(".weight_scale")
 
 
-@dataclass(frozen=True)
-class GlmFamily:
-    """What the toolkit asks one version of this family (where versions differ); the model is the same for all.
-
-    stop_tokens: special tokens that end a reply besides config.json's `eos_token_id` (the tokenizer
-    resolves them to ids). lora_targets / quantizable_linears: transformers module names (inside
-    `model.layers.N`); `load_glm(..., quantization_bit=...)` quantizes `quantizable_linears`, and
-    `quantization.quantize_model(model, bits, group_size, targets=family.quantizable_linears)` does the
-    same to a loaded model (its default targets are ChatGLM-6B's names and match nothing here).
-    """
-
-    name: str
-    stop_tokens: tuple[str, ...]
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
-    quantizable_linears: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
-
-    def read_config(self, raw: dict, **prefix_settings) -> GlmConfig:
-        return glm_config(raw, version=self.name, **prefix_settings)
-
-    def load(self, path, **kwargs) -> GlmForCausalLMWithPrefix:
-        return load_glm(path, **kwargs)
-
-    prefix_width = staticmethod(prefix_width)
-    to_transformers = staticmethod(to_transformers)
-    to_official = staticmethod(to_official)
-    save = staticmethod(save_official)
-
-
-FAMILIES = {
-    "chatglm2": GlmFamily("chatglm2", stop_tokens=()),  # eos 2 only
-    "chatglm3": GlmFamily("chatglm3", stop_tokens=("<|user|>", "<|observation|>")),
-    "glm4": GlmFamily("glm4", stop_tokens=("<|user|>", "<|observation|>")),  # also in its eos list
-}
-
-
-def family_of(path: str | Path) -> GlmFamily | None:
-    """The family member of a model directory, or None for ChatGLM-6B (v1)."""
-    version = detect_version(read_config_file(path), path)
-    return FAMILIES.get(version)
-
-
 def _reentrant(layer: nn.Module) -> bool:
     func = getattr(layer, "_gradient_checkpointing_func", None)
     return bool(getattr(func, "keywords", {}).get("use_reentrant", False))
-
-
 
 
 def _unexpected(file, key: str, name: str, config) -> str:

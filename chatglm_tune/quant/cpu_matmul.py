@@ -13,7 +13,7 @@ there is about 8x slower than its fp32 one (3.4 s against 0.4 s in a mid-size P-
 with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions.
 
 `tiled_mm` and `tiled_mm_grad` are the tile loops that these fp32 matmuls and the dequantizing matmuls
-of `quantization` share: weight tiles and partial products go to reusable per-thread buffers
+of `kernels` share: weight tiles and partial products go to reusable per-thread buffers
 (`workspace`), not fresh allocations. Fresh megabyte-sized tiles cost page faults where glibc maps them
 and fragment the heap where it does not (0.1-0.25 GB of peak RSS in a 6B prefill).
 """

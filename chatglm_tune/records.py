@@ -1,4 +1,4 @@
-"""Records: read and validate them, encode them as each version's official fine-tuning does, collate batches.
+"""Records: reading and validating SPO and prompt/response data files.
 
 Reading. `read_records` reads a `.jsonl` or `.json` file in either layout, whatever its suffix: a JSON
 array of objects when its first character other than blanks is `[`, else one object a line (JSON lines,
@@ -33,23 +33,7 @@ array index (0-based) and the line it starts on, the field and what was expected
 `on_bad_record="skip"` it is counted in a `BadRecordReport` instead (counts by reason, the first locations
 of each). An array that is not valid JSON, and a UTF-16 file, raise either way.
 
-Encoding: the tokenizer's version (`versions`) builds the prompt and the training row as its official
-fine-tuning does. ChatGLM-6B (`ptuning/main.py` preprocess_function, with
-max_target_length = max_len - max_src_len):
-
-    source = encode(prompt + text)[: max_src_len - 1]        # room for [gMASK]
-    answer = encode(answer_text)[: max_len - max_src_len - 2]   # room for <sop> and <eop>
-    input_ids = source + [gMASK, <sop>] + answer + [<eop>]     # len <= max_len
-    labels    = [-100] * len(source + [gMASK]) + input_ids[len(source) + 1:]
-
-So the context ([gMASK] included) holds at most `max_src_len` tokens and `<sop> answer <eop>` at
-most `max_len - max_src_len`; the `[gMASK]` position is trained to predict `<sop>`. Special ids come
-from the tokenizer or the model config (`SpecialIds.of`), never from constants here.
-
-Collating. `collate_train` right-pads a batch to its longest row; `collate_prompts` left-pads
-inference prompts. Both return the 2D `attention_mask` (1 = token, 0 = pad) and, for ChatGLM-6B, the
-official 2D `position_ids` [b, 2, s] from `chatglm_tune.positions`, built for the whole batch at once
-(the other versions' models derive positions from the mask).
+Encoding records into ids and collating them into batches is `batches.py`'s job.
 """
 
 from __future__ import annotations
@@ -59,15 +43,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal, Sequence
+from typing import Callable, Iterable, Iterator, Literal
 
-import torch
+from chatglm_tune.options import DataColumns
 
-from . import versions
-from .options import DataColumns, EncodingOptions
-from .positions import build_position_ids
 
-IGNORE_INDEX = -100  # label of positions that carry no loss (torch CrossEntropyLoss default)
 TRIPLE_SEP = "_"  # between subject, predicate and object in the answer format
 LINE_SEP = "\n"  # between triples in the answer format
 
@@ -489,17 +469,6 @@ def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPOR
     return SPORecord(text=query, triples=None, source=str(location), response=response, history=turns)
 
 
-def chat_prompt(query: str, history: Sequence[tuple[str, str]] | None) -> str:
-    """ChatGLM-6B's multi-turn prompt: the query alone when `history` is None, else `[Round i]\n问：q\n答：r\n`
-    for each earlier turn, then `[Round n]\n问：{query}\n答：`. The official `ptuning/main.py` builds the
-    rounds whenever there is a history column (even an empty one); the official `chat()` only for a
-    non-empty history."""
-    if history is None:
-        return query
-    rounds = "".join(f"[Round {i}]\n问：{q}\n答：{r}\n" for i, (q, r) in enumerate(history))
-    return rounds + f"[Round {len(history)}]\n问：{query}\n答："
-
-
 def parse_answer(answer: str, location: Location, field_name: str = "answer") -> tuple[Triple, ...]:
     """Gold answer text -> triples; blank lines are ignored, every other line must be `s_p_o`."""
     triples = []
@@ -582,139 +551,3 @@ def _text_field(raw: dict, key: str, location: Location) -> str:
 
 def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
-
-
-# ----------------------------------------------------------------------------------------------
-# Encoding
-
-
-@dataclass(frozen=True)
-class SpecialIds:
-    """The special token ids the collators need, read from a tokenizer or a model config. The GLM ids
-    (`gmask`, `<sop>`, `[MASK]`) are ChatGLM-6B's, from which its 2D positions are built; they are None
-    for ChatGLM2/3 and GLM-4, whose models derive positions from the attention mask."""
-
-    pad_token_id: int
-    eos_token_id: int | list[int] | None = None
-    gmask_token_id: int | None = None
-    bos_token_id: int | None = None  # <sop>
-    mask_token_id: int | None = None
-
-    @classmethod
-    def of(cls, source) -> "SpecialIds":
-        """The ids of a tokenizer or a model config (both name them alike)."""
-        return cls(**{name: getattr(source, name, None) for name in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True, slots=True)
-class EncodedExample:
-    """One training row: `input_ids` and `labels` of equal length (<= max_len), and truncation flags."""
-
-    input_ids: tuple[int, ...]
-    labels: tuple[int, ...]
-    source_truncated: bool
-    answer_truncated: bool
-    source: str = ""
-
-
-def prompt_ids(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> list[int]:
-    """Inference input of a record: its prompt in the format of the tokenizer's version (`versions`)."""
-    return versions.of_tokenizer(tokenizer).prompt_ids(tokenizer, record, options)[0]
-
-
-def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> EncodedExample:
-    """Training row of a record with a gold answer, as the version's official fine-tuning builds it."""
-    return versions.of_tokenizer(tokenizer).training_row(tokenizer, record, options)
-
-
-def training_example(prompt: list[int], answer: list[int], labelled_prompt_tokens: int, *, prompt_truncated: bool = False,
-                     answer_truncated: bool = False, origin: str = "") -> EncodedExample:
-    """The row `prompt + answer` of already truncated ids, labelled on the answer and on the last
-    `labelled_prompt_tokens` of the prompt (ChatGLM-6B: `<sop>`, which `[gMASK]` is trained to predict)."""
-    input_ids = prompt + answer
-    context = len(prompt) - labelled_prompt_tokens
-    labels = [IGNORE_INDEX] * context + input_ids[context:]
-    return EncodedExample(tuple(input_ids), tuple(labels), prompt_truncated, answer_truncated, origin)
-
-
-class EncodedDataset(torch.utils.data.Dataset):
-    """Encoded training rows of a list of records; counts the truncations for the run's report."""
-
-    def __init__(self, examples: Sequence[EncodedExample]):
-        self.examples = list(examples)
-
-    @classmethod
-    def from_records(
-        cls, records: Iterable[SPORecord], tokenizer, options: EncodingOptions = EncodingOptions()
-    ) -> "EncodedDataset":
-        return cls([encode_record(r, tokenizer, options) for r in records])
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> EncodedExample:
-        return self.examples[i]
-
-    def truncation_counts(self) -> dict[str, int]:
-        """`{"examples", "source_truncated", "answer_truncated"}` counts."""
-        return {
-            "examples": len(self.examples),
-            "source_truncated": sum(e.source_truncated for e in self.examples),
-            "answer_truncated": sum(e.answer_truncated for e in self.examples),
-        }
-
-
-# ----------------------------------------------------------------------------------------------
-# Collating
-
-
-def collate_train(batch: Sequence[EncodedExample], special: SpecialIds) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row. Returns `input_ids`, `labels` (pads -100), `attention_mask` [b, s]
-    (1 = token) and `position_ids` [b, 2, s]; pad positions are 0."""
-    lengths = torch.tensor([len(e.input_ids) for e in batch])
-    input_ids = _pad_rows([e.input_ids for e in batch], special.pad_token_id, lengths, left=False)
-    labels = _pad_rows([e.labels for e in batch], IGNORE_INDEX, lengths, left=False)
-    attention_mask = _token_mask(lengths, input_ids.shape[1], left=False)
-    return _with_positions({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}, special)
-
-
-def collate_prompts(prompts: Sequence[Sequence[int]], special: SpecialIds) -> dict[str, torch.Tensor]:
-    """Left-pad inference prompts (each ending `[gMASK] <sop>`) to the longest. Returns `input_ids`,
-    `attention_mask` [b, s] (1 = token, 0 = left pad) and `position_ids` [b, 2, s], each row's
-    positions equal to those of the prompt alone."""
-    lengths = torch.tensor([len(p) for p in prompts])
-    input_ids = _pad_rows(prompts, special.pad_token_id, lengths, left=True)
-    attention_mask = _token_mask(lengths, input_ids.shape[1], left=True)
-    return _with_positions({"input_ids": input_ids, "attention_mask": attention_mask}, special)
-
-
-def _pad_rows(rows: Sequence[Sequence[int]], value: int, lengths: torch.Tensor, *, left: bool) -> torch.Tensor:
-    """[b, max(lengths)] long tensor of the rows, padded with `value` on the left or the right."""
-    if len(rows) == 0:
-        raise ValueError("cannot collate an empty batch")
-    out = torch.full((len(rows), int(lengths.max())), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row)
-        if n:
-            target = out[i, out.shape[1] - n :] if left else out[i, :n]
-            target.copy_(torch.as_tensor(row, dtype=torch.long))
-    return out
-
-
-def _token_mask(lengths: torch.Tensor, s: int, *, left: bool) -> torch.Tensor:
-    """[b, s] long, 1 where a row has a token."""
-    j = torch.arange(s)[None, :]
-    keep = j >= (s - lengths)[:, None] if left else j < lengths[:, None]
-    return keep.long()
-
-
-def _with_positions(batch: dict, special: SpecialIds) -> dict:
-    """`batch` with ChatGLM-6B's 2D `position_ids` [b, 2, s] when its ids have them (other versions'
-    models derive positions from the attention mask)."""
-    if special.gmask_token_id is None:
-        return batch
-    batch["position_ids"] = build_position_ids(
-        batch["input_ids"], bos_token_id=special.bos_token_id, gmask_token_id=special.gmask_token_id,
-        mask_token_id=special.mask_token_id, pad_mask=batch["attention_mask"],
-    )
-    return batch

@@ -1,0 +1,210 @@
+"""Encoding records into ids, as each version's official fine-tuning does, and collating batches.
+
+Encoding. A tokenizer carries its version's prompt format (`tokenizer.prompt_format`, a `PromptFormat`
+that the model family declares beside the tokenizer class); `prompt_ids` and `encode_record` ask it.
+Record text is always encoded as data: a `<|user|>` typed in a record never becomes a control token.
+The formats, with `|` where the labels start:
+
+    ChatGLM-6B   prompt + text [gMASK] <sop> | answer <eop>                           (ptuning/main.py)
+    ChatGLM2-6B  [gMASK] sop prompt "[Round 1]\\n\\n问：{text}\\n\\n答：" | answer </s>     (ptuning/main.py)
+    ChatGLM3-6B  [gMASK] sop <|user|> \\n prompt + text <|assistant|> | \\n answer </s>   (finetune_demo)
+    GLM-4-9B     [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|> (finetune.py)
+
+ChatGLM-6B also trains on `<sop>`, the last prompt token, which `[gMASK]` predicts (its
+`labelled_prompt_tokens` is 1). Its budget, as `ptuning/main.py`'s preprocess_function with
+max_target_length = max_len - max_src_len:
+
+    source = encode(prompt + text)[: max_src_len - 1]        # room for [gMASK]
+    answer = encode(answer_text)[: max_len - max_src_len - 2]   # room for <sop> and <eop>
+    input_ids = source + [gMASK, <sop>] + answer + [<eop>]     # len <= max_len
+
+Collating. `collate_train` right-pads a batch to its longest row; `collate_prompts` left-pads inference
+prompts. Both return `input_ids` and the 2D `attention_mask` (1 = token, 0 = pad), from which every
+model derives its positions (ChatGLM-6B its 2D GLM positions from the ids and the mask, the others
+cumsum(mask) - 1). The pad id comes from the tokenizer or the model config (`SpecialIds.of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from chatglm_tune.options import EncodingOptions, SamplingOptions
+from chatglm_tune.records import SPORecord
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (torch CrossEntropyLoss default)
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """Special token ids, read alike from a tokenizer or a model config: the collators pad with
+    `pad_token_id`. The GLM ids (`gmask`, `<sop>`, `[MASK]`) are ChatGLM-6B's (None for ChatGLM2/3 and
+    GLM-4), which its tokenizer and config must agree on."""
+
+    pad_token_id: int
+    eos_token_id: int | list[int] | None = None
+    gmask_token_id: int | None = None
+    bos_token_id: int | None = None  # <sop>
+    mask_token_id: int | None = None
+
+    @classmethod
+    def of(cls, source) -> "SpecialIds":
+        """The ids of a tokenizer or a model config (both name them alike)."""
+        return cls(**{name: getattr(source, name, None) for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedExample:
+    """One training row: `input_ids` and `labels` of equal length (<= max_len), and truncation flags."""
+
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+    source_truncated: bool
+    answer_truncated: bool
+    source: str = ""
+
+
+class PromptFormat:
+    """How one version's records and chats become ids, and answer ids text again: the interface each model
+    family implements once per version (ChatGLM-6B's in `models/chatglm6b/format.py`, ChatGLM2/3 and GLM-4's
+    in `models/glm/formats.py`), attached to the version's tokenizer class as `prompt_format`."""
+
+    name: str  # the version's name ("chatglm", "chatglm2", "chatglm3", "glm4")
+    title: str  # the version as a reader knows it ("ChatGLM3-6B")
+    labelled_prompt_tokens: int = 0  # trailing prompt tokens that are trained on (ChatGLM-6B: <sop>)
+    chat_sampling: SamplingOptions  # the official chat()'s sampling defaults
+    chat_max_length: int  # ... and its max_length (prompt and answer tokens)
+    chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
+
+    def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
+        """(the prompt of a record, whether its text was cut to fit `options`)."""
+        raise NotImplementedError
+
+    def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
+        """(the ids a gold answer is trained as, its end id included; whether it was cut to fit)."""
+        raise NotImplementedError
+
+    def stop_ids(self, tokenizer) -> list[int]:
+        """The ids that end a reply."""
+        raise NotImplementedError
+
+    def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """The official chat() prompt of role messages, the last one the query (role-message formats only)."""
+        raise ValueError(f"{self.title} chats in (query, response) pairs, not role messages")
+
+    def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
+        """(response, history) of the official chat(): `texts` the decoded answer (role-message formats: one
+        text per `<|assistant|>`-separated segment), `history` the turn's (pairs before the query, or the
+        messages with the query last)."""
+        raise NotImplementedError
+
+    def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
+        """The `EncodedExample` of a record with a gold answer."""
+        if record.answer is None:
+            raise ValueError(f"{record.source or 'record'}: has no gold answer, cannot build a training example")
+        prompt, prompt_cut = self.prompt_ids(tokenizer, record, options)
+        answer, answer_cut = self.answer_ids(tokenizer, record.answer, options)
+        return training_example(prompt, answer, self.labelled_prompt_tokens, prompt_truncated=prompt_cut,
+                                answer_truncated=answer_cut, origin=record.source)
+
+    def decode_answer(self, tokenizer, new_ids: list[int]) -> str:
+        """The text of generated ids, without the stop id that ended them."""
+        if new_ids and new_ids[-1] in self.stop_ids(tokenizer):
+            new_ids = new_ids[:-1]
+        return tokenizer.decode(new_ids).strip()
+
+
+def prompt_ids(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> list[int]:
+    """Inference input of a record: its prompt in the tokenizer's prompt format."""
+    return tokenizer.prompt_format.prompt_ids(tokenizer, record, options)[0]
+
+
+def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = EncodingOptions()) -> EncodedExample:
+    """Training row of a record with a gold answer, as the version's official fine-tuning builds it."""
+    return tokenizer.prompt_format.training_row(tokenizer, record, options)
+
+
+def training_example(prompt: list[int], answer: list[int], labelled_prompt_tokens: int, *, prompt_truncated: bool = False,
+                     answer_truncated: bool = False, origin: str = "") -> EncodedExample:
+    """The row `prompt + answer` of already truncated ids, labelled on the answer and on the last
+    `labelled_prompt_tokens` of the prompt (ChatGLM-6B: `<sop>`, which `[gMASK]` is trained to predict)."""
+    input_ids = prompt + answer
+    context = len(prompt) - labelled_prompt_tokens
+    labels = [IGNORE_INDEX] * context + input_ids[context:]
+    return EncodedExample(tuple(input_ids), tuple(labels), prompt_truncated, answer_truncated, origin)
+
+
+class EncodedDataset(torch.utils.data.Dataset):
+    """Encoded training rows of a list of records; counts the truncations for the run's report."""
+
+    def __init__(self, examples: Sequence[EncodedExample]):
+        self.examples = list(examples)
+
+    @classmethod
+    def from_records(
+        cls, records: Iterable[SPORecord], tokenizer, options: EncodingOptions = EncodingOptions()
+    ) -> "EncodedDataset":
+        return cls([encode_record(r, tokenizer, options) for r in records])
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> EncodedExample:
+        return self.examples[i]
+
+    def truncation_counts(self) -> dict[str, int]:
+        """`{"examples", "source_truncated", "answer_truncated"}` counts."""
+        return {
+            "examples": len(self.examples),
+            "source_truncated": sum(e.source_truncated for e in self.examples),
+            "answer_truncated": sum(e.answer_truncated for e in self.examples),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Collating
+
+
+def collate_train(batch: Sequence[EncodedExample], special: SpecialIds) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row. Returns `input_ids`, `labels` (pads -100) and `attention_mask` [b, s]
+    (1 = token)."""
+    lengths = torch.tensor([len(e.input_ids) for e in batch])
+    input_ids = _pad_rows([e.input_ids for e in batch], special.pad_token_id, lengths, left=False)
+    labels = _pad_rows([e.labels for e in batch], IGNORE_INDEX, lengths, left=False)
+    attention_mask = _token_mask(lengths, input_ids.shape[1], left=False)
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def collate_prompts(prompts: Sequence[Sequence[int]], special: SpecialIds) -> dict[str, torch.Tensor]:
+    """Left-pad inference prompts to the longest. Returns `input_ids` and `attention_mask` [b, s] (1 = token,
+    0 = left pad), from which the model gives each row the positions of its prompt alone."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    input_ids = _pad_rows(prompts, special.pad_token_id, lengths, left=True)
+    attention_mask = _token_mask(lengths, input_ids.shape[1], left=True)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], value: int, lengths: torch.Tensor, *, left: bool) -> torch.Tensor:
+    """[b, max(lengths)] long tensor of the rows, padded with `value` on the left or the right."""
+    if len(rows) == 0:
+        raise ValueError("cannot collate an empty batch")
+    out = torch.full((len(rows), int(lengths.max())), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row)
+        if n:
+            target = out[i, out.shape[1] - n :] if left else out[i, :n]
+            target.copy_(torch.as_tensor(row, dtype=torch.long))
+    return out
+
+
+def _token_mask(lengths: torch.Tensor, s: int, *, left: bool) -> torch.Tensor:
+    """[b, s] long, 1 where a row has a token."""
+    j = torch.arange(s)[None, :]
+    keep = j >= (s - lengths)[:, None] if left else j < lengths[:, None]
+    return keep.long()

@@ -1,0 +1,66 @@
+"""ChatGLM-6B as the rest of the toolkit sees it (`models.version.Version`), and how its files are recognised."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from chatglm_tune.batches import PromptFormat, SpecialIds
+from chatglm_tune.models.chatglm6b.config import CONFIG_FIELDS, LORA_TARGETS, QUANTIZABLE_LINEARS, ChatGLMConfig
+from chatglm_tune.models.chatglm6b.format import FORMAT
+from chatglm_tune.models.version import Version
+from chatglm_tune.options import raise_problems
+
+
+@dataclass(frozen=True)
+class ChatGLM6B(Version):
+    format: PromptFormat = FORMAT
+    config_class: type = ChatGLMConfig
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    quantizable_linears: tuple[str, ...] = QUANTIZABLE_LINEARS
+    prefix_module: str = "transformer.prefix_encoder"
+
+    def load_model(self, path, *, quantize_embedding: bool = False, **kwargs):
+        from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
+
+        if "group_size" in kwargs:  # `from_pretrained` names it quantization_group_size
+            kwargs["quantization_group_size"] = kwargs.pop("group_size")
+        return ChatGLMForConditionalGeneration.from_pretrained(path, quantize_embedding=quantize_embedding, **kwargs)
+
+    def load_tokenizer(self, directory, **kwargs):
+        from chatglm_tune.models.chatglm6b.tokenizer import ChatGLMTokenizer
+
+        return ChatGLMTokenizer.from_pretrained(directory, **kwargs)
+
+    def check_tokenizer(self, tokenizer, config) -> None:
+        """Also: its special ids equal the config's."""
+        ours, theirs = SpecialIds.of(tokenizer), SpecialIds.of(config)
+        problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
+        raise_problems(problems, "the tokenizer does not belong to this model: ")
+        super().check_tokenizer(tokenizer, config)
+
+    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+        from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
+        from chatglm_tune.models.chatglm6b.tokenizer import ChatGLMTokenizer, train_tokenizer
+
+        if (Path(directory) / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
+            tokenizer = ChatGLMTokenizer.from_pretrained(directory)
+        else:
+            tokenizer = train_tokenizer(corpus, directory, max_piece_length=1)  # character-level: see train_tokenizer
+        config = ChatGLMConfig.from_name("tiny", **config_overrides, **tokenizer.config_overrides())
+        return ChatGLMForConditionalGeneration(config), tokenizer
+
+
+CHATGLM6B = ChatGLM6B()
+
+
+def detect(raw: dict, directory=None) -> str | None:
+    """"chatglm" for a ChatGLM-6B config.json dict, else None."""
+    return FORMAT.name if raw.get("model_type") != "glm" and any(k in raw for k in CONFIG_FIELDS) else None
+
+
+def detect_tokenizer(directory: Path) -> str | None:
+    """"chatglm" for a directory holding ChatGLM-6B's tokenizer (`ice_text.model`), else None."""
+    from chatglm_tune.models.chatglm6b.tokenizer import VOCAB_FILE
+
+    return FORMAT.name if (Path(directory) / VOCAB_FILE).is_file() else None

@@ -1,0 +1,199 @@
+"""The prompt formats of ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B: one model, three ways to talk to it.
+
+    ChatGLM2-6B  [gMASK] sop prompt "[Round 1]\\n\\n问：{text}\\n\\n答：" | answer </s>     (ptuning/main.py)
+    ChatGLM3-6B  [gMASK] sop <|user|> \\n prompt + text <|assistant|> | \\n answer </s>   (finetune_demo)
+    GLM-4-9B     [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|> (finetune.py)
+
+Labels start at `|`. A history (earlier turns) comes before the query: ChatGLM2 as its official rounds,
+ChatGLM3 and GLM-4 as user / assistant messages. ChatGLM3 encodes "\\n" and the text after a role token
+apart (its `build_single_message`); GLM-4's chat template renders them as one text. Each class is
+attached to its tokenizer class (`tokenizer.prompt_format`).
+
+Chat: ChatGLM2 takes (query, response) pairs, as ChatGLM-6B; ChatGLM3 and GLM-4 take role messages (the
+official `chat()` prompt: ChatGLM3's `build_chat_input`, GLM-4's chat template) and post-process the answer
+into messages and tool calls (`process_chat_response`).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Callable, Sequence
+
+from chatglm_tune.batches import PromptFormat
+from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions
+from chatglm_tune.records import SPORecord
+
+
+class _GLMFormat(PromptFormat):
+    """What the three share: the official chat() defaults, the tokenizer's stop ids, and the answer as
+    `lead + text + end` (hooks below)."""
+
+    chat_sampling = GLM_CHAT_SAMPLING
+    chat_max_length = GLM_CHAT_MAX_LENGTH
+    training_time = "2023年"  # what the official post-processing writes for `[[训练时间]]`
+
+    def stop_ids(self, tokenizer) -> list[int]:
+        return list(tokenizer.stop_token_ids)
+
+    def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
+        lead, ids = self.answer_lead(tokenizer), tokenizer.encode_text(self.after_role(answer))
+        room = options.answer_budget - len(lead) - 1
+        return lead + ids[:room] + [self.end_id(tokenizer)], len(ids) > room
+
+    def answer_lead(self, tokenizer) -> list[int]:
+        """Ids before the answer's own (ChatGLM3: "\\n", encoded apart)."""
+        return []
+
+    def after_role(self, text: str) -> str:
+        """Text that follows a role token, as one text (GLM-4's template puts the "\\n" in it)."""
+        return text
+
+    def end_id(self, tokenizer) -> int:
+        """The id a trained answer ends with."""
+        return tokenizer.eos_token_id
+
+
+class ChatGLM2Format(_GLMFormat):
+    name = "chatglm2"
+    title = "ChatGLM2-6B"
+    chat_in_pairs = True
+
+    def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
+        """ChatGLM2's official prompt, `prefix + build_prompt(query, history)`, encoded as one text (as its
+        `ptuning/main.py` does: SentencePiece joins across the template and the query); a query too long
+        loses its end, whole characters at a time, until the prompt fits `max_src_len` tokens."""
+        history, max_len = list(record.history or ()), options.max_src_len
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.get_prefix_tokens() + tokenizer.encode_text(options.prompt + tokenizer.build_prompt(text, history))
+
+        ids, kept = encode(record.text), record.text
+        while len(ids) > max_len and kept:
+            kept = kept[: len(kept) - max(1, len(ids) - max_len)]
+            ids = encode(kept)
+        return ids, kept != record.text
+
+    def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
+        """The official post-processing: strip, the training year."""
+        response = texts[0].strip().replace("[[训练时间]]", self.training_time)
+        return response, [*history, (query, response)]
+
+
+class _RoleFormat(_GLMFormat):
+    """ChatGLM3 and GLM-4: role tokens around each message."""
+
+    sop: str  # the start token after [gMASK]
+
+    def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
+        """The chat prompt around `prompt + text`, the text cut to fit `max_src_len`."""
+        command = tokenizer.get_command
+        head = [command("[gMASK]"), command(self.sop)]
+        for query, response in record.history or ():
+            head += self.message(tokenizer, "user", query) + self.message(tokenizer, "assistant", response)
+        head += [command("<|user|>")] + self.answer_lead(tokenizer)
+        tail = [command("<|assistant|>")]
+        query = tokenizer.encode_text(self.after_role(options.prompt + record.text))
+        room = max(1, options.max_src_len - len(head) - len(tail))
+        return head + query[:room] + tail, len(query) > room
+
+    def message(self, tokenizer, role: str, content: str) -> list[int]:
+        return [tokenizer.get_command(f"<|{role}|>"), *self.answer_lead(tokenizer),
+                *tokenizer.encode_text(self.after_role(content))]
+
+    def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
+        return process_chat_response(texts, history, self.training_time, self.tool_parameters)
+
+    def tool_parameters(self, content: str):
+        """The parameters of a tool call the model wrote, or None where `content` does not parse."""
+        raise NotImplementedError
+
+
+class ChatGLM3Format(_RoleFormat):
+    name = "chatglm3"
+    title = "ChatGLM3-6B"
+    sop = "sop"
+
+    def answer_lead(self, tokenizer) -> list[int]:
+        return tokenizer.encode_text("\n")  # after a role token, "\n" and the text are encoded apart
+
+    def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """Its tokenizer's `build_chat_input` (the official chat() prompt)."""
+        *history, last = messages
+        return tokenizer.build_chat_input(last["content"], history, role=last["role"])["input_ids"][0].tolist()
+
+    def tool_parameters(self, content: str):
+        """`tool_call(k=v, ...)` in a code block, its arguments read as Python literals (the official code
+        evaluates the block; this runs nothing)."""
+        lines = content.strip().split("\n")
+        if lines[0].startswith("```"):
+            lines = lines[1:]
+        if lines and lines[-1].strip() == "```":
+            lines = lines[:-1]
+        try:
+            call = ast.parse("\n".join(lines).strip(), mode="eval").body
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"
+                    and not call.args and all(k.arg is not None for k in call.keywords)):
+                return None
+            return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return None
+
+
+class GLM4Format(_RoleFormat):
+    name = "glm4"
+    title = "GLM-4"
+    sop = "<sop>"
+    training_time = "2024年"
+
+    def after_role(self, text: str) -> str:
+        return "\n" + text
+
+    def end_id(self, tokenizer) -> int:
+        return tokenizer.get_command("<|user|>")
+
+    def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """Its chat template (`encode_chat`: message text stays data)."""
+        return tokenizer.encode_chat(messages)
+
+    def tool_parameters(self, content: str):
+        """JSON."""
+        try:
+            return json.loads(content)
+        except json.JSONDecodeError:
+            return None
+
+
+def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str,
+                          tool_parameters: Callable[[str], object]) -> tuple[str | dict, list[dict]]:
+    """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
+
+    `segments`: the decoded answer split where the model wrote `<|assistant|>` (one text for a plain answer).
+    `history`: the messages so far, the query last; it is not changed. Each segment becomes
+    `{"role": "assistant", "metadata": its first line, "content": the rest}` (a segment of one line is all
+    content). The response is the last segment's:
+    - no metadata: the content stripped, with `[[训练时间]]` written as `training_time` (in the response
+      only, as officially);
+    - metadata (a tool name) and a first message that is a system message with `tools`: the tool call
+      `{"name": metadata stripped, "parameters": tool_parameters(content)}`; content that does not parse
+      (a call still being streamed) gives `{"name", "content"}`;
+    - metadata without tools: `{"name": metadata stripped, "content": content}`.
+    """
+    history = list(history)
+    tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
+    response: str | dict = ""
+    for text in segments:
+        metadata, content = text.split("\n", 1) if "\n" in text else ("", text)
+        if not metadata.strip():
+            content = content.strip()
+            history.append({"role": "assistant", "metadata": metadata, "content": content})
+            response = content.replace("[[训练时间]]", training_time)
+            continue
+        history.append({"role": "assistant", "metadata": metadata, "content": content})
+        parameters = tool_parameters(content) if tools else None
+        response = {"name": metadata.strip(), **({"content": content} if parameters is None else {"parameters": parameters})}
+    return response, history
+
+
+CHATGLM2, CHATGLM3, GLM4 = ChatGLM2Format(), ChatGLM3Format(), GLM4Format()
+FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4)}  # the versions of this family, by name

@@ -1,0 +1,150 @@
+"""ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B as the rest of the toolkit sees them (`models.version.Version`):
+one model (`modeling.py`: transformers' GlmForCausalLM with the P-tuning prefix), a prompt format each
+(`formats.py`), two tokenizers (SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE
+in `glm4_tokenizer.py`); and how their files are recognised (`detect`, `detect_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from chatglm_tune.models.glm.config import (LORA_TARGETS, QUANTIZABLE_LINEARS, ChatGLMFamilyConfig, detect_version, glm_config,
+                                            mismatch_hint)
+from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4
+from chatglm_tune.models.version import Version
+
+
+@dataclass(frozen=True)
+class GLMVersion(Version):
+    """One version of the family: the model and its P-tuning prefix are the same for all three."""
+
+    config_class: type = ChatGLMFamilyConfig
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    quantizable_linears: tuple[str, ...] = QUANTIZABLE_LINEARS
+    prefix_module: str = "prefix_encoder"
+
+    def load_model(self, path, **kwargs):
+        from chatglm_tune.models.glm.modeling import load_glm
+
+        return load_glm(path, **kwargs)
+
+    def mismatch_hint(self, theirs: str, config_file) -> str:
+        return mismatch_hint(theirs, self.name, Path(config_file).parent)
+
+    def load_tokenizer(self, directory, **kwargs):
+        """The SentencePiece tokenizer of a ChatGLM2/3 directory (official or saved); `kwargs` override
+        tokenizer_config.json."""
+        from chatglm_tune.models.glm.sp_tokenizer import SENTENCEPIECE_CLASSES, SENTENCEPIECE_FILE
+
+        directory = _directory(directory)
+        if not (directory / SENTENCEPIECE_FILE).is_file():
+            raise ValueError(f"{directory} has no {SENTENCEPIECE_FILE} for a {self.title} tokenizer")
+        return SENTENCEPIECE_CLASSES[self.name].from_pretrained(str(directory), **kwargs)
+
+    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
+        """A character-level SentencePiece model of `corpus` (`train_glm_sentencepiece`)."""
+        from chatglm_tune.models.glm.sp_tokenizer import train_glm_sentencepiece
+
+        train_glm_sentencepiece(corpus, directory, version=self.name)
+
+    def config_eos(self, tokenizer):
+        """The tiny config's `eos_token_id`."""
+        return tokenizer.eos_token_id
+
+    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
+        architecture and the version's own tokenizer files, small (`train_tokenizer`), the official special
+        tokens after them."""
+        from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
+
+        directory = Path(directory)
+        if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
+            self.train_tokenizer(corpus, directory)
+        tokenizer = self.load_tokenizer(directory)
+        # 8 KV groups (the real models have 2 of 128 dims): with 16-dim heads, 2 groups held the tiny ChatGLM3
+        # demo at dev F1 0.865 (lr 4e-3, 3200 steps); 8 reached 0.955.
+        raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "kv_channels": 16,
+               "multi_query_group_num": 8, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
+               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": 512, "eos_token_id": self.config_eos(tokenizer),
+               "pad_token_id": tokenizer.pad_token_id, "rmsnorm": True, "post_layer_norm": True, **config_overrides}
+        return GlmForCausalLMWithPrefix(glm_config(raw, version=self.name)), tokenizer
+
+
+@dataclass(frozen=True)
+class GLM4Version(GLMVersion):
+    def load_tokenizer(self, directory, **kwargs):
+        """GLM-4's tokenizer (official rank file, `-hf` tokenizer.json, or saved)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import load_glm4_tokenizer
+
+        return load_glm4_tokenizer(_directory(directory), **kwargs)
+
+    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
+        """A byte-level BPE rank file of `corpus` (`train_glm4_bpe`)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import train_glm4_bpe
+
+        train_glm4_bpe(corpus, directory)
+
+    def config_eos(self, tokenizer):
+        """GLM-4's config says it as the official one does: its eos ids are its stop ids."""
+        return tokenizer.stop_token_ids
+
+
+VERSIONS = (GLMVersion(CHATGLM2), GLMVersion(CHATGLM3), GLM4Version(GLM4))
+detect = detect_version  # what the registry asks: the version of a config.json dict, or None
+
+
+def load_glm_tokenizer(directory: str | Path, version: str, **kwargs):
+    """The tokenizer of a ChatGLM2, ChatGLM3 or GLM-4 directory (official, `-hf`, or saved by
+    `save_pretrained`) of `version`; `kwargs` override tokenizer_config.json."""
+    by_name = {v.name: v for v in VERSIONS}
+    if version not in by_name:
+        raise ValueError(f"version must be one of {tuple(by_name)}, got {version!r}")
+    return by_name[version].load_tokenizer(directory, **kwargs)
+
+
+def _directory(directory) -> Path:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory")
+    return directory
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def detect_tokenizer(directory: str | Path) -> str | None:
+    """Which tokenizer of this family a directory holds, by its files: "glm4" (a tiktoken rank file, or a
+    tokenizer.json with GLM-4's special tokens), "chatglm2" or "chatglm3" (a SentencePiece tokenizer.model:
+    the official ChatGLM2 and ChatGLM3 directories differ only in their name, `name_or_path` or config.json's
+    `_name_or_path`; ValueError when nothing tells them apart); None for none of these."""
+    from chatglm_tune.models.glm.glm4_tokenizer import TOKENIZER_FILE, is_tiktoken_file
+    from chatglm_tune.models.glm.sp_tokenizer import SENTENCEPIECE_FILE
+
+    directory = Path(directory)
+    config = _read_json(directory / "tokenizer_config.json")
+    model_file = directory / SENTENCEPIECE_FILE
+    if model_file.is_file() and is_tiktoken_file(model_file):
+        return "glm4"
+    if (directory / TOKENIZER_FILE).is_file():
+        added = {t.get("content") for t in _read_json(directory / TOKENIZER_FILE).get("added_tokens", [])}
+        if {"[gMASK]", "<sop>", "<|user|>"} <= added:
+            return "glm4"
+    if model_file.is_file():
+        names = [str(config.get(k, "")) for k in ("name_or_path", "_name_or_path")]
+        names.append(str(_read_json(directory / "config.json").get("_name_or_path", "")))
+        found = {v for v in ("chatglm2", "chatglm3") for name in names if v in name.lower()}
+        if "<|user|>" in json.dumps(config, ensure_ascii=False):  # later ChatGLM3 configs list the role tokens
+            found.add("chatglm3")
+        if len(found) == 1:
+            return found.pop()
+        raise ValueError(
+            f"{directory}: a SentencePiece tokenizer.model, but nothing tells ChatGLM2 from ChatGLM3 "
+            f"(tokenizer_config.json name_or_path is {config.get('name_or_path')!r}); pass version='chatglm2' "
+            "or 'chatglm3'"
+        )
+    return None
+
+

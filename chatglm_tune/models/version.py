@@ -1,0 +1,63 @@
+"""A model version as the layers above the model families see it: the interface every family implements.
+
+A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
+and says as data what the shared layers need: the Linears LoRA targets (`lora_targets`) and quantization
+swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`). It loads its model
+and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
+(`models/registry.py`) maps names and directories to versions; the families never import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from chatglm_tune.batches import PromptFormat
+
+
+@dataclass(frozen=True)
+class Version:
+    format: PromptFormat
+    config_class: type  # the transformers config class its config.json reads as
+    lora_targets: tuple[str, ...]
+    quantizable_linears: tuple[str, ...]
+    prefix_module: str  # where the P-tuning prefix encoder lives in the model
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    @property
+    def title(self) -> str:
+        return self.format.title
+
+    def prefix_encoder(self, model):
+        return model.get_submodule(self.prefix_module)
+
+    def prefix_state(self, model) -> dict:
+        """The trainable P-tuning weights of `model` (what a P-tuning run saves)."""
+        prefix = self.prefix_module + "."
+        return {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+
+    def check_tokenizer(self, tokenizer, config) -> None:
+        """ValueError unless the tokenizer's vocabulary fits the model."""
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(f"the tokenizer does not belong to this model: vocabulary: tokenizer {len(tokenizer)} tokens, "
+                             f"model {config.vocab_size} rows")
+
+    def mismatch_hint(self, theirs: str, config_file) -> str:
+        """What to add to the error when a P-tuning prefix's config.json names version `theirs` instead."""
+        return ""
+
+    def load_model(self, path, **kwargs):
+        """The model of a directory (dtype, device, pre_seq_len, prefix_projection, quantization_bit,
+        group_size, quantize_embedding)."""
+        raise NotImplementedError
+
+    def load_tokenizer(self, directory, **kwargs):
+        """The tokenizer of a directory; `kwargs` override tokenizer_config.json."""
+        raise NotImplementedError
+
+    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): the from-scratch demo."""
+        raise NotImplementedError

@@ -1,0 +1,237 @@
+"""The quantized layers: `QuantizedLinear` (a frozen Linear over official-layout INT8/INT4 weights) and
+`QuantizedEmbedding` (INT8 rows, dequantized on lookup).
+
+Their state_dict entries are the checkpoint's keys and nothing else (`weight`, fp16 `weight_scale`,
+`bias`); `model.to(dtype)` casts the bias but never the official scales. The matmul is `kernels`'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from chatglm_tune import heap
+from chatglm_tune.quant import cpu_matmul, int4_cpu
+from chatglm_tune.quant.format import check_format, dequantize, pack_int4, quantize_weight
+from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block_rows, int4pack_to_int, int4pack_weight,
+                                        whole_int4pack_blocks)
+
+
+# ------------------------------------------------------------------------------------------------
+# Module
+# ------------------------------------------------------------------------------------------------
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen Linear holding official-layout integer weights: `y = x @ dequant(W).T + bias`.
+
+    Parameters (all `requires_grad=False`), named as the checkpoint keys and the only state_dict
+    entries: `weight` int8 `[out, in]` (bits 8) or `[out, in/2]` (bits 4, packed), `weight_scale` fp16
+    `[out]` or `[out, in/group_size]`, `bias` in the compute dtype (or None). `model.to(dtype)` casts
+    the bias but keeps `weight_scale` fp16 (a cast would round the official scales).
+
+    `kernel` picks the matmul: "auto" (default), or force "int8pack", "int4pack" or "dequant"; a forced
+    kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
+    `last_kernel` records the path that ran. "auto" uses the CPU kernels for at most `max_kernel_rows`
+    rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
+    ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
+    sooner.
+    """
+
+    max_kernel_rows = 32
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int = 0,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float16,
+    ):
+        """Empty (uninitialized) layer of the given format, e.g. on "meta" before loading a checkpoint;
+        `dtype` is the bias (compute) dtype."""
+        super().__init__()
+        check_format(in_features, bits, group_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        packed_in = in_features // 2 if bits == 4 else in_features
+        scale_shape = (out_features, in_features // group_size) if group_size else (out_features,)
+
+        def frozen(shape, dt):
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+
+        self.weight = frozen((out_features, packed_in), torch.int8)
+        self.weight_scale = frozen(scale_shape, torch.float16)
+        self.bias = frozen((out_features,), dtype) if bias else None
+        self.kernel = "auto"
+        self.last_kernel: str | None = None
+        # (data_ptr of the official weight, or None once it is released; then `int4pack_weight`'s four)
+        self._int4_cache: tuple | None = None  # never saved
+
+    @classmethod
+    def from_parts(cls, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, bits: int, group_size: int = 0) -> QuantizedLinear:
+        """A layer holding these tensors as they are (the stored layout: `weight` packed for INT4; Parameters,
+        e.g. a tied embedding's, shared, not wrapped); `bias` None for none, or a meta tensor for one assigned
+        later (by a checkpoint loader)."""
+        in_features = weight.shape[1] * (2 if bits == 4 else 1)
+        layer = cls(in_features, weight.shape[0], bits, group_size, bias=False, device="meta")
+        layer.weight, layer.weight_scale = _frozen(weight), _frozen(weight_scale)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 0) -> QuantizedLinear:
+        """Quantize `linear.weight` with `quantize_weight`; the bias tensor is reused, not copied."""
+        q, scale = quantize_weight(linear.weight.detach(), bits, group_size)
+        return cls.from_parts(pack_int4(q) if bits == 4 else q, scale, linear.bias, bits, group_size)
+
+    def extra_repr(self) -> str:
+        packed_in = self.in_features // 2 if self.bits == 4 else self.in_features
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, weight={(self.out_features, packed_in)}, "
+            f"weight_scale={tuple(self.weight_scale.shape)}, bias={self.bias is not None}"
+            + (", held in the int4pack layout" if self.holds_int4pack_only else "")
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out), in x's dtype."""
+        kernel = self._choose_kernel(x)
+        self.last_kernel = kernel
+        y = QuantizedMatmul.apply(x, self, kernel)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _choose_kernel(self, x: Tensor) -> str:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        rows = x.numel() // self.in_features
+        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        usable = {
+            # int8pack segfaults for K % 16 != 0 (cpu-kernels.md)
+            "int8pack": self.bits == 8 and self.in_features % 16 == 0,
+            # the int4 kernel needs N % 16 == 0 and scale groups made of 32..256-column kernel groups
+            "int4pack": self.bits == 4
+            and self.out_features % 16 == 0
+            and (self.group_size or self.in_features) % 32 == 0,
+            # where it beats int4pack (AVX2-only CPUs) and the official weight is still held
+            "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
+            and not self.holds_int4pack_only and int4_cpu.available(),
+        }
+        if not (on_cpu and x.is_floating_point() and rows > 0):
+            return "dequant"
+        if self.kernel == "auto":
+            fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"
+            return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
+        return self.kernel if usable.get(self.kernel, True) else "dequant"
+
+    @property
+    def holds_int4pack_only(self) -> bool:
+        """True once an INT4 weight lives only in the CPU kernel's layout (see `_int4pack`)."""
+        return self._int4_cache is not None and self._int4_cache[0] is None
+
+    def _int4pack(self) -> tuple[Tensor, int, Tensor, Tensor | None]:
+        """The CPU-repacked INT4 weight, built at first use and kept for this process only.
+
+        Where this CPU's layout can be read back (`int4pack_block_rows`: AVX2, AVX-512), the official packed
+        weight is then released: one resident copy, not two. The dequantize path reads its integers from
+        the kernel layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
+        """
+        cache = self._int4_cache
+        if cache is None or (cache[0] is not None and cache[0] != self.weight.data_ptr()):
+            repacked = int4pack_weight(self.weight, self.weight_scale)
+            block = int4pack_block_rows()
+            release = block is not None and self.out_features % block == 0
+            self._int4_cache = (None if release else self.weight.data_ptr(), *repacked)
+            if release:
+                self.weight.data = torch.empty(0, dtype=torch.int8)
+                heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
+        return self._int4_cache[1:]
+
+    def _official_weight(self) -> Tensor:
+        """The official packed INT4 weight `[out, in/2]`, rebuilt (tile by tile) from the kernel layout."""
+        packed = self._int4_cache[1]
+        step = whole_int4pack_blocks(cpu_matmul.tile_rows(self.in_features))
+        tiles = range(0, self.out_features, step)
+        return torch.cat([pack_int4(int4pack_to_int(packed[s : s + step], self.in_features)) for s in tiles])
+
+    def _restore_official_weight(self) -> None:
+        if self.holds_int4pack_only:
+            self.weight.data = self._official_weight()
+        self._int4_cache = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.holds_int4pack_only:
+            destination[prefix + "weight"] = self._official_weight()
+
+    def _apply(self, fn, recurse=True):
+        # Move the fp16 scales with the module but never cast them; drop the repacked weight.
+        self._restore_official_weight()
+        return _apply_keeping_scale_dtype(self, super()._apply, fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # load_state_dict copies in place (same data_ptr, new values): drop the repacked weight
+        if self.holds_int4pack_only:
+            self.weight.data = torch.empty(self.out_features, self.in_features // 2, dtype=torch.int8)
+        self._int4_cache = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An input embedding held as INT8 rows (`quantize_embedding`): `weight` int8 `[vocab, hidden]` and fp16
+    per-row `weight_scale` `[vocab]`, the official rule. ChatGLM-6B's are the tied head's own Parameters (one
+    copy, tied as the float embedding and head are); ChatGLM2/3's and GLM-4's its own, beside an INT8 head.
+
+    A lookup dequantizes only the rows asked for, in the compute dtype, which the empty buffer `_dtype`
+    holds so that it follows `model.to(dtype)`.
+    """
+
+    bits, group_size = 8, 0  # the format, in QuantizedLinear's terms (what a loader quantizes into)
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, *,
+                 device: torch.device | str | None = None):
+        """Empty (uninitialized) rows, e.g. on "meta" before a loader quantizes into them; `dtype`: the compute dtype."""
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = _frozen(torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.weight_scale = _frozen(torch.empty(num_embeddings, dtype=torch.float16, device=device))
+        # It holds no data, so never on "meta": a model loaded there can then be moved.
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype, device=None if str(device) == "meta" else device),
+                             persistent=False)
+
+    @classmethod
+    def from_parts(cls, weight: Tensor, weight_scale: Tensor, dtype: torch.dtype) -> QuantizedEmbedding:
+        """An embedding holding these tensors as they are (Parameters, e.g. a tied head's, shared, not wrapped)."""
+        embedding = cls(*weight.shape, dtype, device="meta")
+        embedding.weight, embedding.weight_scale = _frozen(weight), _frozen(weight_scale)
+        return embedding
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        ids = input_ids.reshape(-1)
+        rows = dequantize(self.weight[ids], self.weight_scale[ids], 8, self._dtype.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, INT8 rows, computing in {self._dtype.dtype}"
+
+    def _apply(self, fn, recurse=True):  # the fp16 scales move but are never cast
+        return _apply_keeping_scale_dtype(self, super()._apply, fn, recurse)
+
+
+def _frozen(tensor: Tensor) -> nn.Parameter:
+    """`tensor` as a frozen Parameter; a Parameter as it is (shared: a tied embedding and head stay one)."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+
+def _apply_keeping_scale_dtype(module: nn.Module, apply, fn, recurse: bool) -> nn.Module:
+    """`apply(fn, recurse)` (nn.Module._apply), then `module.weight_scale` back in its own dtype, on the
+    new device: `model.to(dtype)` must not round the official fp16 scales."""
+    scale = module.weight_scale.detach()
+    apply(fn, recurse)
+    if module.weight_scale.dtype != scale.dtype:
+        module.weight_scale.data = scale.to(module.weight_scale.device)
+    return module
