@@ -422,7 +422,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
     def next_positions(positions: torch.Tensor) -> torch.Tensor:
         """The position ids [b, 2, 1] of the token after the one at `positions` [b, 2, 1]: the block
         position counts on, the other stays at the mask."""
-        return positions + torch.tensor([0, 1], device=positions.device)[None, :, None]
+        return torch.stack((positions[:, 0], positions[:, 1] + 1), dim=1)
 
     # --- transformers generate() support: positions come from the whole sequence, never incremented.
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, use_cache=True, **kwargs):
