@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings, choose_threads,
+    BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings,
 )
 
 DEFAULT_SETTINGS = ExtractionSettings()
@@ -92,27 +92,12 @@ def settings_from(args) -> ExtractionSettings:
 
 def load(args, source):
     """(model, tokenizer) of `source` on the asked device, dtype and quantization."""
-    import torch
-
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available to this torch ({torch.__version__}, "
-                         f"{'a CPU build' if torch.version.cuda is None else 'no GPU found'}); use --device cpu")
-    dtype = args.dtype or ("float16" if str(device).startswith("cuda") else "float32")
-    if dtype == "float16" and device == "cpu":
-        print("infer.py: note: float16 on a CPU has no fast kernels (about 10x slower than float32 here) and "
-              "may overflow: prefer float32 or bfloat16", file=sys.stderr)
-    threads, origin = choose_threads(args.threads, source.threads, "the run's")
-    if threads:
-        torch.set_num_threads(threads)
     from chatglm_tune import loading
 
-    model, tokenizer = loading.load_run(source, dtype=dtype, device=device, quantization_bit=args.quantization_bit,
-                                       quantize_embedding=args.quantize_embedding)
-    bits = model.config.quantization_bit
-    cpu_threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
-    print(f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device}{cpu_threads})", file=sys.stderr)
+    model, tokenizer, line = loading.load_for_inference(
+        source, device=args.device, dtype=args.dtype, threads=args.threads, quantization_bit=args.quantization_bit,
+        quantize_embedding=args.quantize_embedding, note=lambda text: print(f"infer.py: note: {text}", file=sys.stderr))
+    print(line, file=sys.stderr)
     return model, tokenizer
 
 

@@ -81,6 +81,7 @@ class PromptFormat:
     chat_sampling: SamplingOptions  # the official chat()'s sampling defaults
     chat_max_length: int  # ... and its max_length (prompt and answer tokens)
     chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
+    stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """(the prompt of a record, whether its text was cut to fit `options`)."""

@@ -36,7 +36,7 @@ def chat_defaults(prompt_format: PromptFormat) -> tuple[SamplingOptions, int]:
 
 
 @dataclass(frozen=True)
-class _Turn:
+class Turn:
     """One chat turn, set up: its prompt, its answer budget, and how answer ids become (response, history)."""
 
     format: PromptFormat
@@ -71,7 +71,8 @@ class _Turn:
         return self.format.chat_response(texts, self.query, self.history)
 
 
-def _turn(tokenizer, query: str, history, role: str, max_length: int | None, sampling: SamplingOptions | None) -> _Turn:
+def prepare_turn(tokenizer, query: str, history, role: str, max_length: int | None, sampling: SamplingOptions | None) -> Turn:
+    """One turn of `chat` set up (its prompt, budget, sampling and stop ids), arguments checked (ValueError)."""
     prompt_format = tokenizer.prompt_format
     name = prompt_format.title
     default_sampling, default_length = chat_defaults(prompt_format)
@@ -96,7 +97,7 @@ def _turn(tokenizer, query: str, history, role: str, max_length: int | None, sam
     budget = max_length - len(prompt)
     if budget < 1:
         raise ValueError(f"the prompt has {len(prompt)} tokens, no room left under max_length={max_length}")
-    return _Turn(prompt_format, tokenizer, query, turn_history, prompt, budget, sampling, prompt_format.stop_ids(tokenizer))
+    return Turn(prompt_format, tokenizer, query, turn_history, prompt, budget, sampling, prompt_format.stop_ids(tokenizer))
 
 
 def _pairs(history, name: str) -> list[tuple[str, str]]:
@@ -148,7 +149,7 @@ def chat(
     the answer `history + [query message, assistant message(s)]` (a response is text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
     tokens; it and `sampling` default to the version's official values (`chat_defaults`).
     """
-    turn = _turn(tokenizer, query, history, role, max_length, sampling)
+    turn = prepare_turn(tokenizer, query, history, role, max_length, sampling)
     new_ids = generate(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling, seed=seed,
                        eos_token_id=turn.stop, vocab_limit=len(tokenizer))[0]
     return turn.result(turn.texts(new_ids))
@@ -170,11 +171,11 @@ def stream_chat(
     arguments, same seed). A step whose text ends in U+FFFD (a character whose bytes have not all come)
     or whose response is still empty yields nothing, and neither does one that changes nothing; the
     final answer is always yielded. Arguments are checked here, before the first step."""
-    turn = _turn(tokenizer, query, history, role, max_length, sampling)
+    turn = prepare_turn(tokenizer, query, history, role, max_length, sampling)
     return _stream(model, turn, seed)
 
 
-def _stream(model, turn: _Turn, seed: int | None) -> Iterator[tuple]:
+def _stream(model, turn: Turn, seed: int | None) -> Iterator[tuple]:
     ids: list[int] = []
     last = None
     for _, tokens in generate_steps(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatglm_tune.models import registry
-from chatglm_tune.options import DataColumns, EncodingOptions
+from chatglm_tune.options import DataColumns, EncodingOptions, choose_threads
 from chatglm_tune.prefix import check_prefix_version
 from chatglm_tune.rundir import (ADAPTER_CONFIG, ADAPTER_TUNINGS, CONFIG, RUN_ARGS, RunDirectoryError, is_model_dir,
                                  read_run_args, require_model_dir)
@@ -131,6 +131,33 @@ def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization
     tokenizer = load_tokenizer(source)
     registry.of_config(model.config).check_tokenizer(tokenizer, model.config)
     return model, tokenizer
+
+
+def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str | None = None, threads: int | None = None,
+                       quantization_bit: int | None = None, quantize_embedding: bool | None = None,
+                       note=lambda text: None):
+    """(model, tokenizer, a line describing them) as infer.py and serve.py run a model: `device` "auto" is
+    CUDA when there is one; `dtype` None is float32 on a CPU and float16 on CUDA ("auto": config.json's);
+    `threads` None: OMP_NUM_THREADS, else the run's, else torch's. `note(text)` hears advice (float16 on a CPU)."""
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available to this torch ({torch.__version__}, "
+                         f"{'a CPU build' if torch.version.cuda is None else 'no GPU found'}); use --device cpu")
+    dtype = dtype or ("float16" if str(device).startswith("cuda") else "float32")
+    if dtype == "float16" and device == "cpu":
+        note("float16 on a CPU has no fast kernels (about 10x slower than float32 here) and may overflow: prefer "
+             "float32 or bfloat16")
+    threads, origin = choose_threads(threads, source.threads, "the run's")
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_run(source, dtype=dtype, device=device, quantization_bit=quantization_bit,
+                                quantize_embedding=quantize_embedding)
+    bits = model.config.quantization_bit
+    cpu_threads = f", {torch.get_num_threads()} threads ({origin})" if device == "cpu" else ""
+    line = f"model: {source.describe()} ({f'INT{bits} ' if bits else ''}{dtype}, {device}{cpu_threads})"
+    return model, tokenizer, line
 
 
 def load_tokenizer(source: ModelSource):

@@ -43,3 +43,18 @@ def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
     assert done.returncode == 2 and "Traceback" not in done.stderr
     message = done.stderr.strip()
     assert "\n" not in message and message.startswith("bench/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
+
+
+def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
+    pytest.importorskip("openai", reason="bench/serve.py drives the server with the openai client")
+    out = tmp_path / "serve.json"
+    done = subprocess.run(
+        [sys.executable, "bench/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
+         "--no-floor", "--threads", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary["tokens_per_s"]) == {"batch32@1", "batch32@2", "batch1@1", "batch1@2"}
+    assert all(rate > 0 for rate in summary["tokens_per_s"].values())
+    assert summary["soak_passed"], json.loads(out.read_text())["soak"]["checks"]

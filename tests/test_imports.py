@@ -26,8 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "generation", "chat", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", ""}  # "": __init__
+SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "generation", "engine", "chat", "tokenizing", "quant"}
+UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
 
 

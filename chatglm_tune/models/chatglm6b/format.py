@@ -48,6 +48,7 @@ class ChatGLM6BFormat(PromptFormat):
     chat_sampling = CHAT_SAMPLING
     chat_max_length = CHAT_MAX_LENGTH
     chat_in_pairs = True
+    stream_lookahead = 1  # process_response makes punctuation full-width by the character after it
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """`encode(prompt + text)` cut to `max_src_len - 1`, then `[gMASK] <sop>` (history: the official rounds)."""

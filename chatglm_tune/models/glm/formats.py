@@ -153,8 +153,14 @@ class GLM4Format(_RoleFormat):
         return tokenizer.get_command("<|user|>")
 
     def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
-        """Its chat template (`encode_chat`: message text stays data)."""
-        return tokenizer.encode_chat(messages)
+        """Its chat template (`encode_chat`: message text stays data); a ValueError where the template refuses
+        the messages (the tiny tokenizer's takes no tools)."""
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.encode_chat(messages)
+        except TemplateError as err:
+            raise ValueError(f"{self.title}'s chat template: {err}") from None
 
     def tool_parameters(self, content: str):
         """JSON."""

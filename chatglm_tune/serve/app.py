@@ -1,0 +1,188 @@
+"""The HTTP application: OpenAI's routes on a `Service`, as a Starlette app (uvicorn runs it).
+
+    GET  /                      the chat page (chat with streaming, an extraction box)
+    GET  /health                {"status": "ok", "running", "waiting", "steps"}
+    GET  /v1/models             the one served model
+    POST /v1/chat/completions   the version's chat; "stream": true for server-sent events
+    POST /v1/completions        the run's prompt format around "prompt"; streams too
+    POST /v1/extract            {"texts": [...]} -> {"results": [{"triples": [[s, p, o]], ...}]}
+
+Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
+server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route, 429 a full
+queue, 503 while shutting down. A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
+disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+from importlib import resources
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from chatglm_tune.serve import protocol
+from chatglm_tune.serve.protocol import ApiError, parse_call
+from chatglm_tune.serve.service import Delta, Done, Service
+
+log = logging.getLogger("chatglm_tune.serve")
+
+
+def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
+    """The app serving `service`; the engine starts with the app and stops when it shuts down."""
+    page = resources.files("chatglm_tune.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    def guard(handler):
+        async def guarded(request: Request):
+            try:
+                if api_key is not None and not _authorized(request, api_key):
+                    raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                                   code="invalid_api_key")
+                return await handler(request)
+            except ApiError as err:
+                return JSONResponse(err.body(), status_code=err.status)
+            except Exception as err:  # a bug: the client gets a 500 in OpenAI's form, the log the traceback
+                log.exception("%s %s failed", request.method, request.url.path)
+                failure = ApiError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+                return JSONResponse(failure.body(), status_code=500)
+
+        return guarded
+
+    async def index(request: Request):
+        return HTMLResponse(page)
+
+    async def health(request: Request):
+        engine = service.engine
+        return JSONResponse({"status": "ok", "running": engine.running, "waiting": engine.waiting, "steps": engine.steps})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.served, "object": "model", "created": 0, "owned_by": "chatglm_tune",
+             "version": service.format.title, "context_length": service.context}]})
+
+    async def chat(request: Request):
+        call = parse_call(await _json(request), kind="chat", served=service.served, defaults=service.chat_sampling)
+        turn = service.chat_turn(call)
+        budget = protocol.require_fitting(len(turn.prompt), call.max_tokens, service.context, param="messages")
+        events = service.generate(turn.prompt, budget, call, service.chat_render(turn),
+                                  disconnected=None if call.stream else request.is_disconnected)
+        if call.stream:
+            return _sse(_chat_chunks(service, call, turn, events))
+        async for event in events:
+            if isinstance(event, Done):
+                message, finish = _chat_answer(call, turn, event)
+                use = protocol.usage(len(turn.prompt), event.tokens)
+                return JSONResponse(protocol.chat_completion(call, service.served, message, finish, use))
+        raise ApiError(499, "the client went away")
+
+    async def completions(request: Request):
+        call = parse_call(await _json(request), kind="completion", served=service.served,
+                          defaults=service.completion_sampling)
+        prompt = service.completion_prompt(call)
+        budget = protocol.require_fitting(len(prompt), call.max_tokens, service.context, param="prompt")
+        events = service.generate(prompt, budget, call, service.completion_render(),
+                                  disconnected=None if call.stream else request.is_disconnected)
+        if call.stream:
+            return _sse(_completion_chunks(service, call, len(prompt), events))
+        async for event in events:
+            if isinstance(event, Done):
+                use = protocol.usage(len(prompt), event.tokens)
+                return JSONResponse(protocol.completion(call, service.served, event.text, event.finish, use))
+        raise ApiError(499, "the client went away")
+
+    async def extract(request: Request):
+        call = parse_call(await _json(request), kind="extract", served=service.served,
+                          defaults=service.completion_sampling)
+        rows, prompt_tokens, new_tokens = await service.extract(call, request.is_disconnected)
+        return JSONResponse({"object": "extraction", "model": service.served, "results": rows,
+                             "usage": protocol.usage(prompt_tokens, new_tokens)})
+
+    async def not_found(request: Request, exc: HTTPException):
+        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code="not_found")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.close()
+
+    routes = [Route("/", index), Route("/health", health), Route("/v1/models", guard(models)),
+              Route("/v1/chat/completions", guard(chat), methods=["POST"]),
+              Route("/v1/completions", guard(completions), methods=["POST"]),
+              Route("/v1/extract", guard(extract), methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+def _chat_answer(call, turn, done: Done) -> tuple[dict, str]:
+    """(message, finish_reason): `chat()`'s response; a tool call as OpenAI's tool_calls."""
+    if done.stop_string:
+        return protocol.chat_message(done.text, None), done.finish
+    response = turn.result(turn.texts(list(done.ids)))[0]
+    if isinstance(response, dict) and "parameters" in response:
+        return protocol.chat_message("", protocol.tool_call(call, response)), "tool_calls"
+    content = response if isinstance(response, str) else response.get("content", "")
+    return protocol.chat_message(content, None), done.finish
+
+
+async def _chat_chunks(service: Service, call, turn, events):
+    served = service.served
+    yield protocol.chat_chunk(call, served, {"role": "assistant", "content": ""})
+    async for event in events:
+        if isinstance(event, Delta):
+            yield protocol.chat_chunk(call, served, {"content": event.text})
+            continue
+        message, finish = _chat_answer(call, turn, event)
+        delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message else {}
+        yield protocol.chat_chunk(call, served, delta, finish)
+        if call.include_usage:
+            yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), event.tokens))
+
+
+async def _completion_chunks(service: Service, call, prompt_tokens: int, events):
+    async for event in events:
+        if isinstance(event, Delta):
+            yield protocol.completion(call, service.served, event.text, None)
+            continue
+        yield protocol.completion(call, service.served, "", event.finish)
+        if call.include_usage:
+            yield protocol.completion(call, service.served, "", None, protocol.usage(prompt_tokens, event.tokens),
+                                      chunk=True)
+
+
+def _sse(chunks) -> StreamingResponse:
+    """Server-sent events of `chunks`, then `data: [DONE]`; an error after the start is sent as an error event."""
+
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except ApiError as err:
+            yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\n"
+        except Exception as err:  # a bug: the client hears it as an error event, the log gets the traceback
+            log.exception("a stream failed")
+            failure = ApiError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+            yield f"data: {json.dumps(failure.body(), ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,244 @@
+"""OpenAI's HTTP protocol as the server speaks it: request bodies checked into `Call`s, errors as OpenAI's
+error JSON, and the response and stream-chunk objects.
+
+A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
+Fields read (the rest are ignored, as OpenAI ignores unknown ones, except `n` != 1, `logprobs`, `tools`
+in a non-ChatGLM3/GLM-4 chat and `best_of`, which are refused):
+- every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
+  `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
+  (a string or up to 4), `stream`, `stream_options.include_usage`;
+- chat: `messages` (role + content; content a string or a list of text parts);
+- completions: `prompt` (one string, or a list of one);
+- extract: `texts` (a list of strings, or `text`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from chatglm_tune.options import SamplingOptions
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's form: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a generating request asks for, checked."""
+
+    max_tokens: int | None  # None: up to the context
+    sampling: SamplingOptions
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    messages: tuple = ()  # chat
+    tools: list | None = None  # chat: ChatGLM3 / GLM-4 tools, put in the system message
+    prompt: str | None = None  # completions
+    texts: tuple[str, ...] = ()  # extract
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOptions) -> Call:
+    """`body` (the decoded JSON) of a `kind` ("chat", "completion", "extract") request as a Call; ApiError 400
+    on a bad field. `defaults`: the sampling when the request names none (temperature, top_p, top_k)."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(400, f"model {model!r} is not served here; this server serves {served!r}", param="model",
+                       code="model_not_found")
+    for name, allowed in (("n", 1), ("best_of", 1)):
+        if body.get(name, allowed) not in (allowed, None):
+            raise bad(name, f"only {allowed} is supported, got {body.get(name)!r}")
+    if body.get("logprobs") not in (None, False, 0):
+        raise bad("logprobs", "log probabilities are not returned by this server")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
+        raise bad(max_name, f"must be an integer >= 1, got {max_tokens!r}")
+    sampling = _sampling(body, defaults)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad("seed", f"must be an integer, got {seed!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise bad("stream_options", f"must be an object, got {options!r}")
+    fields = {}
+    if kind == "chat":
+        fields["messages"] = _messages(body.get("messages"))
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+            raise bad("tools", f"must be a list of tool objects, got {tools!r:.80}")
+        fields["tools"] = tools or None
+    elif kind == "completion":
+        fields["prompt"] = _prompt(body.get("prompt"))
+    else:
+        fields["texts"] = _texts(body)
+        if stream:
+            raise bad("stream", "extraction answers at once: leave stream out")
+    return Call(max_tokens=max_tokens, sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
+                include_usage=bool(options.get("include_usage")), **fields)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: Mapping, name: str, lo: float, hi: float, *, lo_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > hi or value < lo or (lo_open and value == lo):
+        raise bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _sampling(body: Mapping, defaults: SamplingOptions) -> SamplingOptions:
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = body.get("top_k")
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise bad("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
+    temperature = defaults.temperature if temperature is None else temperature
+    do_sample = defaults.do_sample if "temperature" not in body or body["temperature"] is None else temperature > 0
+    return SamplingOptions(do_sample=do_sample and temperature > 0, temperature=temperature,
+                           top_p=defaults.top_p if top_p is None else top_p,
+                           top_k=defaults.top_k if top_k is None else (top_k or None))
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", f"must be a non-empty string or a list of them, got {value!r:.80}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    return tuple(stops)
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"{where}[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(where, f"must be a string or a list of text parts, got {content!r:.80}")
+
+
+def _messages(value) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages", "must be a non-empty list of {role, content} messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise bad(f"messages[{i}]", f"must be an object with role and content, got {message!r:.80}")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise bad(f"messages[{i}].role", f"must be a string, got {role!r}")
+        content = _text_content(message.get("content"), f"messages[{i}].content")
+        messages.append({"role": role, "content": content, **({"tools": message["tools"]} if "tools" in message else {})})
+    return tuple(messages)
+
+
+def _prompt(value) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise bad("prompt", f"must be a string (or a list of one string), got {value!r:.80}")
+    return value
+
+
+def _texts(body: Mapping) -> tuple[str, ...]:
+    value = body.get("texts", [body["text"]] if "text" in body else None)
+    name = "texts" if "texts" in body else "text"
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) and t.strip() for t in value):
+        raise bad(name, "must be a non-empty list of non-empty strings")
+    return tuple(value)
+
+
+def require_fitting(prompt_tokens: int, max_tokens: int | None, context: int, *, param: str) -> int:
+    """The answer budget of a prompt: `max_tokens`, or what the context leaves; 400 when it does not fit."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise bad(param, f"the prompt is {prompt_tokens} tokens; the model's context is {context} tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise bad("max_tokens", f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's context "
+                                f"of {context} tokens (at most {room})")
+    return room if max_tokens is None else max_tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_message(content: str, tool_call: dict | None) -> dict:
+    if tool_call is None:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+
+
+def chat_completion(call: Call, served: str, message: dict, finish: str, use: dict) -> dict:
+    return {"id": f"chatcmpl-{call.id}", "object": "chat.completion", "created": call.created, "model": served,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], "usage": use}
+
+
+def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created, "model": served,
+            "choices": choices, **({"usage": use} if use is not None else {})}
+
+
+def completion(call: Call, served: str, text: str, finish: str | None, use: dict | None = None, *,
+               chunk: bool = False) -> dict:
+    choices = [] if chunk and use is not None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    body = {"id": f"cmpl-{call.id}", "object": "text_completion", "created": call.created, "model": served,
+            "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def tool_call(call: Call, response: dict) -> dict:
+    """A ChatGLM3 / GLM-4 tool call (`{"name", "parameters"}`) as OpenAI's tool_calls entry."""
+    return {"id": f"call_{call.id}", "type": "function",
+            "function": {"name": response["name"], "arguments": json.dumps(response["parameters"], ensure_ascii=False)}}

@@ -1,0 +1,337 @@
+"""What the server serves: one loaded model on the continuous-batching engine, and the three ways a request
+becomes ids and comes back as text (chat, completion, extraction), for asyncio handlers.
+
+- chat: the messages become the version's official chat prompt (`chat.prepare_turn`: ChatGLM-6B / ChatGLM2
+  (query, response) rounds; ChatGLM3 / GLM-4 role messages, `system` included, OpenAI's `tool` role as
+  `observation`, `tools` in the system message as their official demos put them); the answer is what
+  `chat()` answers (the version's post-processing; a ChatGLM3 / GLM-4 tool call as OpenAI's `tool_calls`).
+- completion: the prompt string is the record text of the run's prompt format, with the run's instruction
+  (`--prompt` of train.py) before it: the model's input is what `infer.py --text` gives it; the answer is
+  the decoded text (`PromptFormat.decode_answer`).
+- extraction: each text as infer.py extracts it (the run's prompt, `max_src_len` cut, answer budget), the
+  answer parsed into triples (`extraction.make_row`).
+Decoding is the engine's (`engine.Engine`): a request's stop ids are its version's (GLM-4: `<|endoftext|>`,
+`<|user|>`, `<|observation|>`). Stop strings are matched on the answer text as it grows; the text before the
+first match is the answer, and the request leaves the batch at the next step. Streams send text as it
+becomes final: a character whose bytes have not all come, the characters the version's post-processing may
+still change (`PromptFormat.stream_lookahead`: ChatGLM-6B's last one) and a tail that could still become a
+stop string are held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from chatglm_tune.batches import SpecialIds
+from chatglm_tune.chat import ROLES, prepare_turn
+from chatglm_tune.engine import (
+    FINISH_ERROR, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
+)
+from chatglm_tune.extraction import make_row
+from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
+from chatglm_tune.records import SPORecord
+from chatglm_tune.serve.protocol import ApiError, Call, bad, require_fitting
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
+
+
+def context_length(config) -> int:
+    """Prompt + answer tokens the model was built for (ChatGLM-6B `max_sequence_length`, the others
+    `max_position_embeddings`)."""
+    for name in ("max_sequence_length", "seq_length", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("the model's config names no context length")
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # engine.FINISH_*
+    error: str | None
+
+
+class Mailbox:
+    """Hands items from the engine's thread to the event loop's queues, waking the loop once for all the
+    items posted until it runs (one wake-up a decoding step, not one a token: the loop's thread competes
+    with the decoding threads for the cores)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if len(self.items) > 1:
+                return  # a wake-up is on its way
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class Ticket:
+    """One request in the engine, as an async iterator of its token ids and then one `Finished`. Leaving the
+    iteration early (a client gone, a stop string) cancels the request."""
+
+    def __init__(self, engine: Engine, mailbox: Mailbox, prompt: Sequence[int], budget: int, call: Call,
+                 stop_ids: Sequence[int]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.engine, self.done = engine, False
+        post = mailbox.post
+        self.request = Request(prompt, budget, on_token=lambda token: post(self.queue, token),
+                               on_finish=lambda reason, error: post(self.queue, Finished(reason, error)),
+                               sampling=call.sampling, seed=call.seed, stop_ids=tuple(stop_ids))
+        try:
+            engine.submit(self.request)
+        except QueueFull as err:
+            raise ApiError(429, f"the server is busy: {err}; retry later", code="queue_full") from None
+        except EngineClosed:
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+
+    async def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
+        try:
+            while True:
+                if disconnected is None:
+                    item = await self.queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        if await disconnected():
+                            return
+                        continue
+                if isinstance(item, Finished):
+                    self.done = True
+                yield item
+                if self.done:
+                    return
+        finally:
+            if not self.done:
+                self.engine.cancel(self.request)
+
+
+class TextStream:
+    """The answer text of a growing list of ids: `render(ids)` is the whole text so far; `update` returns
+    the part that became final since the last call and whether a stop string ended the answer."""
+
+    def __init__(self, render: Callable[[list[int]], str], stops: Sequence[str], lookahead: int = 0):
+        self.render, self.stops, self.lookahead = render, tuple(stops), lookahead
+        self.sent = ""
+        self.text = ""
+
+    def update(self, ids: list[int], *, final: bool) -> tuple[str, bool]:
+        text = self.render(ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        stopped = bool(hits)
+        if stopped:
+            text, final = text[: min(hits)], True
+        self.text = text
+        if final:
+            ready = text
+        elif text.endswith("\ufffd"):
+            return "", False
+        else:
+            ready = text[: max(0, len(text) - self.lookahead)]
+            ready = ready[: len(ready) - self._stop_prefix(ready)]
+        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
+            return "", stopped  # nothing new, or post-processing rewrote sent text (it cannot be taken back)
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta, stopped
+
+    def _stop_prefix(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins a stop string."""
+        return max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    text: str  # the whole answer (stop string cut)
+    finish: str  # "stop" or "length"
+    tokens: int  # ids generated
+    ids: tuple[int, ...]
+    stop_string: bool  # a stop string ended it
+
+
+class Service:
+    """A loaded model, its tokenizer and run settings, and the engine decoding for it."""
+
+    def __init__(self, model, tokenizer, *, served: str, encoding: EncodingOptions = EncodingOptions(),
+                 free_text: bool = False, options: ServingOptions = ServingOptions()):
+        self.model, self.tokenizer, self.served = model, tokenizer, served
+        self.encoding, self.free_text = encoding, free_text
+        self.format = tokenizer.prompt_format
+        self.context = context_length(model.config)
+        self.engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
+        self._mailbox: Mailbox | None = None
+
+    def start(self) -> "Service":
+        self.engine.start()
+        return self
+
+    def mailbox(self) -> Mailbox:
+        """The mailbox of the running event loop (made at its first request)."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.engine.close(timeout)
+
+    @property
+    def chat_sampling(self):
+        return self.format.chat_sampling
+
+    completion_sampling = DEFAULT_SAMPLING  # greedy, as infer.py
+
+    # ------------------------------------------------------------------------------------------
+    # chat
+
+    def chat_turn(self, call: Call):
+        """The `chat.Turn` of a chat call: its prompt, stop ids and post-processing; 400 on bad messages."""
+        messages, tools = [dict(m) for m in call.messages], call.tools
+        *history, last = messages
+        if self.format.chat_in_pairs:
+            if tools:
+                raise bad("tools", f"{self.format.title} has no tool calls")
+            pairs = self._pairs(history)
+            query, role = last["content"], self._last_role(last, ("user",), len(messages) - 1)
+            history = pairs
+        else:
+            for i, message in enumerate(history):
+                message["role"] = "observation" if message["role"] == "tool" else message["role"]
+                if message["role"] not in ROLES:
+                    raise bad(f"messages[{i}].role", f"must be one of {ROLES + ('tool',)}, got {message['role']!r}")
+                if message["role"] == "assistant":
+                    message.setdefault("metadata", "")
+            if tools:
+                if history and history[0]["role"] == "system":
+                    history[0]["tools"] = tools
+                else:
+                    history.insert(0, {"role": "system", "content": "", "tools": tools})
+            role = "observation" if last["role"] == "tool" else last["role"]
+            role = self._last_role({**last, "role": role}, ("user", "observation"), len(messages) - 1)
+            query = last["content"]
+        try:
+            return prepare_turn(self.tokenizer, query, history, role, self.context, call.sampling)
+        except ValueError as err:
+            raise bad("messages", str(err)) from None
+
+    def _pairs(self, history: list[dict]) -> list[tuple[str, str]]:
+        if len(history) % 2:
+            raise bad("messages", f"{self.format.title} chats in rounds: user and assistant messages in turn, the last "
+                                  "one the user's")
+        pairs = []
+        for i in range(0, len(history), 2):
+            for j, role in ((i, "user"), (i + 1, "assistant")):
+                if history[j]["role"] != role:
+                    raise bad(f"messages[{j}].role", f"{self.format.title} chats in rounds of user then assistant "
+                                                     f"messages (no system role); expected {role!r}, got "
+                                                     f"{history[j]['role']!r}")
+            pairs.append((history[i]["content"], history[i + 1]["content"]))
+        return pairs
+
+    @staticmethod
+    def _last_role(message: dict, allowed: tuple[str, ...], index: int) -> str:
+        if message["role"] not in allowed:
+            raise bad(f"messages[{index}].role", f"the last message must be from {' or '.join(allowed)}, got "
+                                                 f"{message['role']!r}")
+        return message["role"]
+
+    def chat_render(self, turn) -> Callable[[list[int]], str]:
+        """The streamed text of a chat answer: the response so far (a tool call streams no text)."""
+
+        def render(ids: list[int]) -> str:
+            response = turn.result(turn.texts(ids))[0]
+            return response if isinstance(response, str) else ""
+
+        return render
+
+    # ------------------------------------------------------------------------------------------
+    # completion and extraction
+
+    def completion_prompt(self, call: Call) -> list[int]:
+        """The run's prompt format around `call.prompt`, uncut; 400 when it leaves no room to answer."""
+        encoding = EncodingOptions(prompt=self.encoding.prompt, max_src_len=self.context, max_len=self.context + 2)
+        prompt, _ = self.format.prompt_ids(self.tokenizer, SPORecord(call.prompt, None, source="prompt"), encoding)
+        require_fitting(len(prompt), call.max_tokens, self.context, param="prompt")
+        return prompt
+
+    def completion_render(self) -> Callable[[list[int]], str]:
+        return lambda ids: self.format.decode_answer(self.tokenizer, ids)
+
+    async def extract(self, call: Call, disconnected=None) -> tuple[list[dict], int, int]:
+        """(rows, prompt tokens, generated tokens) of `call.texts`, decoded together in the engine."""
+        records = [SPORecord(text, None, source=f"texts[{i}]") for i, text in enumerate(call.texts)]
+        prompts = [self.format.prompt_ids(self.tokenizer, record, self.encoding) for record in records]
+        budget = call.max_tokens or self.encoding.answer_budget
+        for i, (prompt, _) in enumerate(prompts):
+            require_fitting(len(prompt), budget, self.context, param=f"texts[{i}]")
+        stop_ids = self.format.stop_ids(self.tokenizer)
+        tickets = [Ticket(self.engine, self.mailbox(), prompt, budget, call, stop_ids) for prompt, _ in prompts]
+        answers = await asyncio.gather(*(_collect_ids(t, disconnected) for t in tickets))
+        rows = []
+        for i, (record, (_, cut), ids) in enumerate(zip(records, prompts, answers)):
+            row = make_row(i, record, self.tokenizer, ids, text_truncated=cut, free_text=self.free_text)
+            rows.append({k: row[k] for k in ("index", "text", "text_truncated", "generated", "triples", "malformed",
+                                             "new_tokens", "stopped")})
+        return rows, sum(len(p) for p, _ in prompts), sum(len(ids) for ids in answers)
+
+    # ------------------------------------------------------------------------------------------
+    # decoding
+
+    def generate(self, prompt: list[int], budget: int, call: Call, render: Callable[[list[int]], str],
+                       disconnected=None) -> AsyncIterator[Delta | Done]:
+        """Deltas of the answer text, then `Done`. The request is in the engine's queue when this returns
+        (429 / 503 raised here, before any byte of a response is sent)."""
+        ticket = Ticket(self.engine, self.mailbox(), prompt, budget, call, self.format.stop_ids(self.tokenizer))
+        return self._text_events(ticket, TextStream(render, call.stop, self.format.stream_lookahead), disconnected)
+
+    async def _text_events(self, ticket: Ticket, stream: TextStream, disconnected) -> AsyncIterator[Delta | Done]:
+        ids: list[int] = []
+        async for item in ticket.events(disconnected):
+            if isinstance(item, Finished):
+                if item.reason == FINISH_ERROR:
+                    raise ApiError(500, f"decoding failed: {item.error}", code="engine_error")
+                delta, hit = stream.update(ids, final=True)
+                if delta:
+                    yield Delta(delta)
+                finish = "stop" if item.reason == FINISH_STOP or hit else "length"
+                yield Done(stream.text, finish, len(ids), tuple(ids), hit)
+                return
+            ids.append(item)
+            delta, hit = stream.update(ids, final=False)
+            if delta:
+                yield Delta(delta)
+            if hit:
+                yield Done(stream.text, "stop", len(ids), tuple(ids), True)
+                return  # leaving the iteration cancels the request in the engine
+
+
+async def _collect_ids(ticket: Ticket, disconnected) -> list[int]:
+    ids: list[int] = []
+    async for item in ticket.events(disconnected):
+        if isinstance(item, Finished):
+            if item.reason == FINISH_ERROR:
+                raise ApiError(500, f"decoding failed: {item.error}", code="engine_error")
+            return ids
+        ids.append(item)
+    raise ApiError(499, "the client went away")
+

@@ -1,0 +1,139 @@
+"""The continuous-batching engine: every request gets the tokens `generate` gives its prompt alone.
+
+On tiny random models of every version, with and without a P-tuning prefix: requests of different prompt
+lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than the
+batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
+leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
+step and the others go on unchanged; the queue refuses beyond `max_queue`; a closed engine admits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatglm_tune.batches import SpecialIds
+from chatglm_tune.engine import (
+    FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
+)
+from chatglm_tune.generation import generate
+from chatglm_tune.models import registry
+from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions
+from chatglm_tune.records import SPORecord
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+SAMPLINGS = [SamplingOptions(), SamplingOptions(do_sample=True, top_p=0.8, temperature=0.9)]
+
+
+@pytest.fixture(scope="module", params=[(v, p) for v in ("chatglm", "chatglm2", "chatglm3", "glm4") for p in (None, 3)],
+                ids=lambda param: f"{param[0]}{'-prefix' if param[1] else ''}")
+def tiny(request, tmp_path_factory):
+    name, prefix = request.param
+    torch.manual_seed(0)
+    overrides = {"pre_seq_len": prefix} if prefix else {}
+    model, tokenizer = registry.VERSIONS[name].tiny(TEXTS, tmp_path_factory.mktemp(name), **overrides)
+    assert (getattr(model.config, "pre_seq_len", None) or None) == prefix
+    return model.eval(), tokenizer
+
+
+class Recorder:
+    """on_token / on_finish of one request."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+
+    def request(self, prompt, n, **kwargs) -> Request:
+        return Request(prompt, n, on_token=self.tokens.append, on_finish=self.finished, **kwargs)
+
+    def finished(self, reason, error):
+        assert self.finish is None, "finished twice"
+        self.finish = reason
+
+
+def prompts_of(tokenizer, n: int) -> list[list[int]]:
+    fmt = tokenizer.prompt_format
+    return [fmt.prompt_ids(tokenizer, SPORecord(text, None), EncodingOptions())[0] for text in TEXTS[:n]]
+
+
+def run_until_idle(engine: Engine, arrivals: dict[int, list[Request]], limit: int = 2000) -> int:
+    step = 0
+    while step < limit:
+        for request in arrivals.pop(step, []):
+            engine.submit(request)
+        if not arrivals and not engine.running and not engine.waiting and engine._partial is None:
+            return step
+        engine.step()
+        step += 1
+    raise AssertionError("the engine did not finish")
+
+
+def test_each_request_gets_what_generate_gives_it_alone(tiny):
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 10)
+    stop_ids = tokenizer.prompt_format.stop_ids(tokenizer)
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        sampling, n = SAMPLINGS[i % 2], 4 + (i * 5) % 17
+        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=stop_ids,
+                         vocab_limit=len(tokenizer))[0]
+        # every third request stops on the id it generates 3rd (a stop id of its own): it leaves early
+        own_stop = [*stop_ids, alone[2]] if i % 3 == 0 and len(alone) > 3 else stop_ids
+        if own_stop is not stop_ids:
+            alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i,
+                             eos_token_id=own_stop, vocab_limit=len(tokenizer))[0]
+        jobs.append((prompt, n, sampling, own_stop, alone))
+    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
+                    options=ServingOptions(max_batch=4, prefill_tokens=48))
+    recorders = [Recorder() for _ in jobs]
+    requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop) for i, (r, (p, n, s, stop, _)) in enumerate(zip(recorders, jobs))]
+    arrivals = {0: requests[:3], 2: requests[3:6], 5: requests[6:]}  # newcomers while others run; more than the batch
+    steps = run_until_idle(engine, arrivals)
+    for i, (recorder, (prompt, n, _, stop, alone)) in enumerate(zip(recorders, jobs)):
+        assert recorder.tokens == alone, f"request {i}"
+        assert recorder.finish == (FINISH_STOP if alone[-1] in stop else FINISH_LENGTH), f"request {i}"
+    assert any(len(p) > 48 for p in prompts)  # some prompts went in chunks (or whole, for ChatGLM-6B)
+    assert steps < sum(len(job[4]) for job in jobs)  # batched
+
+
+def test_a_cancelled_request_leaves_and_the_others_go_on(tiny):
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 3)
+    alone = [generate(model, torch.tensor([p]), max_new_tokens=12, eos_token_id=None, vocab_limit=len(tokenizer))[0]
+             for p in prompts]
+    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer))
+    recorders = [Recorder() for _ in prompts]
+    requests = [r.request(p, 12, stop_ids=[-1]) for r, p in zip(recorders, prompts)]
+    for request in requests:
+        engine.submit(request)
+    for _ in range(4):
+        engine.step()
+    engine.cancel(requests[1])
+    engine.step()
+    assert engine.running == 2 and recorders[1].finish == FINISH_CANCELLED
+    assert recorders[1].tokens == alone[1][:len(recorders[1].tokens)]
+    while engine.running:
+        engine.step()
+    assert [recorders[0].tokens, recorders[2].tokens] == [alone[0], alone[2]]
+
+
+def test_the_queue_holds_max_queue_beyond_a_full_batch(tiny):
+    model, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
+                    options=ServingOptions(max_batch=2, max_queue=1))
+    for _ in range(3):  # two fill the batch's room, one waits beyond it
+        engine.submit(Recorder().request(prompt, 5))
+    with pytest.raises(QueueFull):
+        engine.submit(Recorder().request(prompt, 5))
+    engine.step()  # two admitted: one waits
+    assert (engine.running, engine.waiting) == (2, 1)
+    with pytest.raises(QueueFull):
+        engine.submit(Recorder().request(prompt, 5))
+    engine.close()
+    with pytest.raises(EngineClosed):
+        engine.submit(Recorder().request(prompt, 5))

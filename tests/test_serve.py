@@ -1,0 +1,414 @@
+"""serve.py's HTTP API through the official `openai` client, on tiny random models of every version.
+
+A server (the app of `chatglm_tune.serve.app` on uvicorn, in a thread of this process) listens on a free
+loopback port. Greedy answers are compared with what the library gives the same prompt alone: `chat()`
+for chat, `extraction.extract` (infer.py's rows) for completions and extraction; concurrent requests
+with what each returns alone; stop strings and each of GLM-4's stop ids end an answer; bad input gets
+OpenAI's error JSON (400 naming the parameter, 401, 429); a client that goes away frees its slot; P-tuning,
+LoRA and INT4 run directories written by train.py serve; SIGTERM stops serve.py within seconds, no traceback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("starlette", reason='the server needs its extra: pip install -e ".[serve]"')
+uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
+openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
+
+from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.chat import chat  # noqa: E402
+from chatglm_tune.extraction import extract  # noqa: E402
+from chatglm_tune.generation import generate  # noqa: E402
+from chatglm_tune.models import registry  # noqa: E402
+from chatglm_tune.options import ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
+from chatglm_tune.records import SPORecord  # noqa: E402
+from chatglm_tune.serve.app import build_app  # noqa: E402
+from chatglm_tune.serve.service import Service  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / "data" / "spo_dev.jsonl"
+LINES = DEV.read_text(encoding="utf-8").splitlines()
+TEXTS = [json.loads(line)["text"] for line in LINES[:40]]
+GREEDY = SamplingOptions()
+VERSIONS = ("chatglm", "chatglm2", "chatglm3", "glm4")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A running server: its URL, the in-process model and tokenizer, the Service."""
+
+    def __init__(self, url, model, tokenizer, service, source):
+        self.url, self.model, self.tokenizer, self.service, self.source = url, model, tokenizer, service, source
+
+    def client(self, key: str = "unused") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def post(self, path: str, body, headers=None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json",
+                                                                               **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as response:
+            return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def serving(directory: Path, *, api_key=None, options=ServingOptions(), **load):
+    source = loading.resolve_run(directory)
+    model, tokenizer = loading.load_run(source, **load)
+    service = Service(model, tokenizer, served="tiny", encoding=source.encoding, options=options)
+    port = free_port()
+    config = uvicorn.Config(build_app(service, api_key=api_key), host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield Served(f"http://127.0.0.1:{port}", model, tokenizer, service, source)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def tiny_model(name: str, directory: Path) -> Path:
+    torch.manual_seed(0)
+    model, _ = registry.VERSIONS[name].tiny(TEXTS, directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def served(request, tmp_path_factory):
+    directory = tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    with serving(directory) as s:
+        s.name = request.param
+        yield s
+
+
+def streamed(stream) -> tuple[str, str | None, dict | None]:
+    """(text, finish_reason, usage) of a chat or completion stream."""
+    text, finish, use = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            use = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, use
+
+
+def messages_of(served, query: str, history: list[tuple[str, str]]) -> list[dict]:
+    system = [] if served.tokenizer.prompt_format.chat_in_pairs else [{"role": "system", "content": "你是一个助手。"}]
+    turns = [m for q, a in history for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    return system + turns + [{"role": "user", "content": query}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every version, every endpoint
+
+
+def test_models_and_health(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert served.health()["status"] == "ok"
+
+
+def test_chat_is_the_versions_chat(served):
+    history = [("发动机异响怎么办？", "检查发动机。")]
+    messages = messages_of(served, "刹车失灵", history)
+    reply = served.client().chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    # chat() on the same turn: the system message (role formats) is history before the pairs
+    chat_history = messages[:-1] if not served.tokenizer.prompt_format.chat_in_pairs else history
+    prompt_len = reply.usage.prompt_tokens
+    expected, _ = chat(served.model, served.tokenizer, "刹车失灵", chat_history, max_length=prompt_len + 12, sampling=GREEDY)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 12
+    text, finish, use = streamed(served.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert (text, finish) == (expected, reply.choices[0].finish_reason)
+    assert use == reply.usage.model_dump()
+
+
+def test_completion_and_extraction_are_infer_rows(served):
+    texts = TEXTS[:3]
+    settings = ExtractionSettings(encoding=served.source.encoding, max_new_tokens=10, batch_size=1)
+    rows = [r for batch in extract(served.model, served.tokenizer, [SPORecord(t, None) for t in texts], settings)
+            for r in batch]
+    client = served.client()
+    for text, row in zip(texts, rows):
+        done = client.completions.create(model="tiny", prompt=text, max_tokens=10)
+        assert done.choices[0].text == row["generated"]
+        assert done.usage.completion_tokens == row["new_tokens"]
+        text_streamed, finish, _ = streamed(client.completions.create(model="tiny", prompt=text, max_tokens=10, stream=True))
+        assert text_streamed == row["generated"] and finish == done.choices[0].finish_reason
+    status, body = served.post("/v1/extract", {"texts": texts, "max_tokens": 10})
+    assert status == 200, body
+    for got, row in zip(body["results"], rows):
+        assert {k: got[k] for k in ("generated", "triples", "malformed", "new_tokens", "stopped")} == \
+               {k: row[k] for k in ("generated", "triples", "malformed", "new_tokens", "stopped")}
+
+
+def test_concurrent_requests_answer_what_each_answers_alone(served):
+    client = served.client()
+    jobs = [(TEXTS[i], 6 + 3 * i) for i in range(8)]
+
+    def ask(job):
+        prompt, n = job
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=n).choices[0].text
+
+    alone = [ask(job) for job in jobs]
+    steps = served.service.engine.steps
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(ask, jobs))
+    assert together == alone
+    # batched: far fewer decoding steps than tokens generated
+    assert served.service.engine.steps - steps < sum(n for _, n in jobs) * 0.75
+
+
+def test_stop_strings_end_the_answer(served):
+    """Sampled with a seed (the tiny ChatGLM-6B repeats one empty piece greedily): the same seed gives the same
+    answer, so the answer with a stop string is the answer without it, cut before the string."""
+    client = served.client()
+    messages = messages_of(served, TEXTS[0], [])
+    ask = dict(model="tiny", messages=messages, max_tokens=16, temperature=1.0, top_p=1.0, seed=7)
+    text = client.chat.completions.create(**ask).choices[0].message.content
+    pieces = [text[i:i + 2] for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()]
+    assert pieces, f"the sampled answer {text!r} has no clean two-character piece to stop on"
+    stop = pieces[0]
+    expected = text[:text.find(stop)]
+    cut = client.chat.completions.create(**ask, stop=[stop, "\x00"])
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason) == (expected, "stop")
+    text_streamed, finish, _ = streamed(client.chat.completions.create(**ask, stop=stop, stream=True))
+    assert (text_streamed, finish) == (expected, "stop")
+
+
+def test_each_stop_id_of_the_version_ends_the_answer(served):
+    """A hook makes the model prefer one stop id from the second token on: the answer stops there, and the
+    stop token's text is not in it."""
+    stop_ids = served.tokenizer.prompt_format.stop_ids(served.tokenizer)
+    if served.name == "glm4":
+        names = [served.tokenizer.convert_ids_to_tokens(i) for i in stop_ids]
+        assert set(names) == {"<|endoftext|>", "<|user|>", "<|observation|>"}
+    for stop_id in stop_ids:
+        def force(module, args, kwargs, output, stop_id=stop_id):
+            ids = args[0] if args else kwargs["input_ids"]
+            if ids.shape[1] == 1:  # a decoding step, not a prompt
+                output.logits[..., stop_id] = 1e4
+            return output
+
+        handle = served.model.register_forward_hook(force, with_kwargs=True)
+        try:
+            reply = served.client().chat.completions.create(model="tiny", messages=messages_of(served, TEXTS[1], []),
+                                                            max_tokens=30, temperature=0)
+        finally:
+            handle.remove()
+        assert reply.choices[0].finish_reason == "stop", stop_id
+        assert reply.usage.completion_tokens == 2, stop_id
+        assert served.tokenizer.convert_ids_to_tokens(stop_id) not in (reply.choices[0].message.content or "")
+
+
+def test_bad_requests_get_400_naming_the_parameter(served):
+    client = served.client()
+    ok = [{"role": "user", "content": "你好"}]
+    cases = [(dict(model="other", messages=ok), "model"), (dict(model="tiny", messages=ok, temperature=5), "temperature"),
+             (dict(model="tiny", messages=ok, top_p=0), "top_p"), (dict(model="tiny", messages=[]), "messages"),
+             (dict(model="tiny", messages=ok, max_tokens=0), "max_tokens"),
+             (dict(model="tiny", messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+             (dict(model="tiny", messages=ok, max_tokens=10 ** 6), "max_tokens"),
+             (dict(model="tiny", messages=ok, stop=["a", "b", "c", "d", "e"]), "stop")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kwargs)
+        assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
+    with pytest.raises(openai.BadRequestError) as err:  # over the context
+        client.completions.create(model="tiny", prompt="发动机异响。" * 400, max_tokens=4)
+    assert err.value.body["param"] == "prompt" and "context" in err.value.body["message"]
+    status, body = served.post("/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body = served.post("/v1/extract", {"texts": ["ok", ""]})
+    assert status == 400 and body["error"]["param"] == "texts"
+    assert served.health()["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys, a full queue, clients that leave, shutdown
+
+
+@pytest.fixture(scope="module")
+def glm4_dir(tmp_path_factory):
+    return tiny_model("glm4", tmp_path_factory.mktemp("glm4-one"))
+
+
+def test_api_key(glm4_dir):
+    with serving(glm4_dir, api_key="sesame") as s:
+        with pytest.raises(openai.AuthenticationError) as err:
+            s.client("wrong").models.list()
+        assert err.value.status_code == 401
+        status, _ = s.post("/v1/extract", {"texts": ["x"]})
+        assert status == 401
+        assert [m.id for m in s.client("sesame").models.list().data] == ["tiny"]
+        assert s.health()["status"] == "ok"  # open
+
+
+def test_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(glm4_dir):
+    with serving(glm4_dir, options=ServingOptions(max_batch=1, max_queue=0)) as s:
+        client = s.client()
+        stream = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, stream=True)
+        next(iter(stream))  # running: the one slot is taken
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=4)
+        assert err.value.status_code == 429
+        steps = s.service.engine.steps
+        stream.close()  # the client goes away
+        deadline = time.monotonic() + 5
+        while s.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.health()["running"] == 0
+        assert s.service.engine.steps - steps < 300, "the abandoned request ran on"
+        done = client.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=4)
+        assert done.usage.completion_tokens <= 4
+
+
+def test_sigterm_stops_serve_py_within_seconds(glm4_dir):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--model", str(glm4_dir), "--port", str(port),
+                               "--threads", "1", "--shutdown-grace", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "serve.py did not start"
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model=glm4_dir.name, prompt=TEXTS[0], max_tokens=400, stream=True)
+        next(iter(stream))
+        began = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=15)
+        assert time.monotonic() - began < 10
+        stderr = server.stderr.read()
+        assert "Traceback" not in stderr, stderr[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories written by train.py: P-tuning, LoRA, and the base in INT4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import train as train_cli
+
+    root = tmp_path_factory.mktemp("serve-runs")
+    data = root / "data.jsonl"
+    data.write_text("\n".join(LINES[:8]) + "\n", encoding="utf-8")
+    flags = ["--train-file", data, "--max-src-len", 96, "--max-len", 112, "--batch-size", 8, "--threads", 1,
+             "--max-steps", 2]
+    train = lambda *args: train_cli.main([str(a) for a in args]) == 0  # noqa: E731
+    assert train("--model", "tiny-glm4", "--tuning", "full", *flags, "--output-dir", root / "base")
+    assert train("--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, *flags, "--output-dir", root / "ptuning")
+    assert train("--model", root / "base", "--tuning", "lora", "--lr", "1e-2", *flags, "--output-dir", root / "lora")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["ptuning", "lora", "int4"])
+def test_run_directories_serve_what_generate_gives(runs, kind):
+    directory, load = (runs / "base", {"quantization_bit": 4}) if kind == "int4" else (runs / kind, {})
+    with serving(directory, **load) as s:
+        if kind == "ptuning":
+            assert s.model.config.pre_seq_len == 4
+        prompt_format = s.tokenizer.prompt_format
+        stop = prompt_format.stop_ids(s.tokenizer)
+        texts = TEXTS[10:14]
+        alone = []
+        for text in texts:
+            ids, _ = prompt_format.prompt_ids(s.tokenizer, SPORecord(text, None), s.source.encoding)
+            new = generate(s.model, torch.tensor([ids]), max_new_tokens=s.source.encoding.answer_budget,
+                           eos_token_id=stop, vocab_limit=len(s.tokenizer))[0]
+            alone.append(prompt_format.decode_answer(s.tokenizer, new))
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            rows = list(pool.map(lambda t: s.post("/v1/extract", {"texts": [t]})[1]["results"][0], texts))
+        assert [row["generated"] for row in rows] == alone
+        assert all(row["new_tokens"] <= 112 - 96 for row in rows)  # the run's answer budget
+
+
+def test_a_tool_call_is_openais_tool_calls(tmp_path):
+    """ChatGLM3 writes a tool call as `name\n```python\ntool_call(k=v)\n```` after the tools in the system
+    message: the reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo
+    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the messages."""
+    from chatglm_tune.serve.app import _chat_answer
+    from chatglm_tune.serve.protocol import ApiError, parse_call
+    from chatglm_tune.serve.service import Done
+
+    tools = [{"name": "get_weather", "description": "天气", "parameters": {"type": "object"}}]
+    body = {"messages": [{"role": "user", "content": "北京天气"}], "tools": tools}
+    for name in ("chatglm3", "glm4"):
+        directory = tiny_model(name, tmp_path / name)
+        model, tokenizer = loading.load_run(loading.resolve_run(directory))
+        service = Service(model, tokenizer, served="tiny")
+        call = parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling)
+        if name == "glm4":
+            with pytest.raises(ApiError) as err:
+                service.chat_turn(call)
+            assert err.value.status == 400 and err.value.param == "messages" and "tool" in err.value.message
+            continue
+        turn = service.chat_turn(call)
+        assert turn.history[0]["tools"] == tools
+        text = "get_weather\n```python\ntool_call(city='北京')\n```"
+        answer = tokenizer.encode(text, add_special_tokens=False) + tokenizer.prompt_format.stop_ids(tokenizer)[:1]
+        message, finish = _chat_answer(call, turn, Done("", "stop", len(answer), tuple(answer), False))
+        assert finish == "tool_calls" and message["content"] is None
+        assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "北京"}'}
+        plain = tokenizer.encode("晴。", add_special_tokens=False)
+        message, finish = _chat_answer(call, turn, Done("", "length", len(plain), tuple(plain), False))
+        assert (message, finish) == ({"role": "assistant", "content": "晴。"}, "length")
+
+
+def test_train_and_infer_import_nothing_of_the_server():
+    check = ("import sys, train, infer; loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('starlette', 'uvicorn', 'openai') or m.startswith(('chatglm_tune.serve', 'chatglm_tune.engine'))); "
+             "print(loaded)")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
