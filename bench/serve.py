@@ -914,15 +914,20 @@ def main(argv=None) -> None:
     rows, servers_info, skipped = [], {}, {}
     soak_result = None
     print(HEADER, flush=True)
+
+    def run_streams(server) -> None:
+        """Warm `server` up, then one row for each stream count."""
+        warm_up(server, texts)
+        for streams in args.streams:
+            row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts))
+            rows.append(row)
+            print(table_row(row), flush=True)
+
     for name, max_batch in servers:
         server = toolkit_server(name, model_dir, args.threads, max_batch, args.server_arg, log_dir)
         load_s = server.start(args.start_timeout)
         try:
-            warm_up(server, texts)
-            for streams in args.streams:
-                row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts))
-                rows.append(row)
-                print(table_row(row), flush=True)
+            run_streams(server)
             if max_batch == args.max_batch and args.soak:
                 soak_result = soak(server, args.soak, args.soak_clients, args.soak_time_limit, texts)
             servers_info[name] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB),
@@ -935,11 +940,7 @@ def main(argv=None) -> None:
         server = llama_server(args.gguf, args.threads, log_dir)
         load_s = server.start(args.start_timeout)
         try:
-            warm_up(server, texts)
-            for streams in args.streams:
-                row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts))
-                rows.append(row)
-                print(table_row(row), flush=True)
+            run_streams(server)
             servers_info["llama.cpp"] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB)}
         finally:
             servers_info.setdefault("llama.cpp", {})["stop"] = server.stop()

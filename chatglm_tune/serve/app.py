@@ -74,12 +74,13 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
                                   disconnected=None if call.stream else request.is_disconnected)
         if call.stream:
             return _sse(_chat_chunks(service, call, turn, events))
-        async for event in events:
-            if isinstance(event, Done):
-                message, finish = _chat_answer(call, turn, event)
-                use = protocol.usage(len(turn.prompt), event.tokens)
-                return JSONResponse(protocol.chat_completion(call, service.served, message, finish, use))
-        raise ApiError(499, "the client went away")
+
+        def body(done: Done) -> dict:
+            message, finish = _chat_answer(call, turn, done)
+            use = protocol.usage(len(turn.prompt), done.tokens)
+            return protocol.chat_completion(call, service.served, message, finish, use)
+
+        return await _answer(events, body)
 
     async def completions(request: Request):
         call = parse_call(await _json(request), kind="completion", served=service.served,
@@ -90,11 +91,8 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
                                   disconnected=None if call.stream else request.is_disconnected)
         if call.stream:
             return _sse(_completion_chunks(service, call, len(prompt), events))
-        async for event in events:
-            if isinstance(event, Done):
-                use = protocol.usage(len(prompt), event.tokens)
-                return JSONResponse(protocol.completion(call, service.served, event.text, event.finish, use))
-        raise ApiError(499, "the client went away")
+        return await _answer(events, lambda done: protocol.completion(call, service.served, done.text, done.finish,
+                                                                      protocol.usage(len(prompt), done.tokens)))
 
     async def extract(request: Request):
         call = parse_call(await _json(request), kind="extract", served=service.served,
@@ -132,6 +130,14 @@ async def _json(request: Request):
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def _answer(events, body) -> JSONResponse:
+    """The JSON response of a non-streaming request: `body(done)` of its `Done` event."""
+    async for event in events:
+        if isinstance(event, Done):
+            return JSONResponse(body(event))
+    raise ApiError(499, "the client went away")
 
 
 def _chat_answer(call, turn, done: Done) -> tuple[dict, str]:

@@ -268,11 +268,9 @@ class Service:
     # completion and extraction
 
     def completion_prompt(self, call: Call) -> list[int]:
-        """The run's prompt format around `call.prompt`, uncut; 400 when it leaves no room to answer."""
+        """The run's prompt format around `call.prompt`, uncut (whether it fits is the caller's check)."""
         encoding = EncodingOptions(prompt=self.encoding.prompt, max_src_len=self.context, max_len=self.context + 2)
-        prompt, _ = self.format.prompt_ids(self.tokenizer, SPORecord(call.prompt, None, source="prompt"), encoding)
-        require_fitting(len(prompt), call.max_tokens, self.context, param="prompt")
-        return prompt
+        return self.format.prompt_ids(self.tokenizer, SPORecord(call.prompt, None, source="prompt"), encoding)[0]
 
     def completion_render(self) -> Callable[[list[int]], str]:
         return lambda ids: self.format.decode_answer(self.tokenizer, ids)
