@@ -260,6 +260,8 @@ def test_bad_requests_get_400_naming_the_parameter(served):
     assert status == 400 and body["error"]["code"] == "invalid_json"
     status, body = served.post("/v1/extract", {"texts": ["ok", ""]})
     assert status == 400 and body["error"]["param"] == "texts"
+    status, body = served.post("/v1/extract", {"texts": ["ok"], "stop": "x"})
+    assert status == 400 and body["error"]["param"] == "stop"
     assert served.health()["status"] == "ok"
 
 

@@ -7,9 +7,10 @@ in a non-ChatGLM3/GLM-4 chat and `best_of`, which are refused):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`;
-- chat: `messages` (role + content; content a string or a list of text parts);
+- chat: `messages` (role + content; content a string or a list of text parts), `tools` (ChatGLM3 / GLM-4);
 - completions: `prompt` (one string, or a list of one);
-- extract: `texts` (a list of strings, or `text`).
+- extract: `texts` (a list of strings, or `text`); `stream` and `stop` are refused (rows come whole, ended by
+  the model).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["texts"] = _texts(body)
         if stream:
             raise bad("stream", "extraction answers at once: leave stream out")
+        if body.get("stop") is not None:
+            raise bad("stop", "an extraction answer ends where the model ends it (the rows say so): leave stop out")
     return Call(max_tokens=max_tokens, sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
                 include_usage=bool(options.get("include_usage")), **fields)
 
