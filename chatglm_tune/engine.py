@@ -125,6 +125,9 @@ class Engine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._batch: _Batch | None = None
         self._partial: _Partial | None = None
+        # ChatGLM-6B's prompts attend both ways (its model gives prompt positions; the others derive them from
+        # the mask and attend causally): None until the first prompt over the prefill budget asks
+        self._prompts_attend_both_ways: bool | None = None
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -248,11 +251,13 @@ class Engine:
             if not self._waiting or self._room() < 1 or len(self._waiting[0].prompt) <= self.options.prefill_tokens:
                 return None
             head = self._waiting[0]
-            try:
-                whole = self.model.prompt_positions(torch.tensor([list(head.prompt)]), None) is not None
-            except ValueError:  # a prompt the model cannot place: its prefill reports it, to this request alone
-                whole = True
-            if whole:
+            if self._prompts_attend_both_ways is None:  # asked once, of the first long prompt
+                try:
+                    self._prompts_attend_both_ways = self.model.prompt_positions(torch.tensor([list(head.prompt)]),
+                                                                                 None) is not None
+                except ValueError:  # a prompt ChatGLM-6B cannot place (its prefill tells this request why)
+                    self._prompts_attend_both_ways = True
+            if self._prompts_attend_both_ways:
                 return None  # ChatGLM-6B: prefilled whole
             self._waiting.popleft()
         return _Partial(head, DynamicCache())

@@ -27,16 +27,13 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from serving import serve_py, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = "needs Chromium and Playwright: apt install chromium && pip install playwright"
@@ -62,12 +59,6 @@ if CHROMIUM is None:
     WHERE = f"CHROMIUM={os.environ['CHROMIUM']} is not an executable" if os.environ.get("CHROMIUM") else \
         "no chromium or chromium-browser on PATH"
     pytest.skip(f"{WHERE}; {INSTALL} (or set CHROMIUM to a Chromium executable)", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def call(base: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
@@ -103,48 +94,12 @@ def server(tmp_path_factory):
     for module in ("starlette", "uvicorn"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed: pip install -e \".[serve]\"")
-    import torch
-
-    from chatglm_tune.models import registry
-
     directory = tmp_path_factory.mktemp("serve-page") / "glm4-tiny"
     directory.mkdir()
-    lines = (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()
-    texts = [json.loads(line)["text"] for line in lines[:40]]
-    torch.manual_seed(0)
-    model, _ = registry.VERSIONS["glm4"].tiny(texts, directory)
-    model.save_pretrained(directory)
-
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = directory.parent / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--model", str(directory), "--port", str(port),
-                                 "--threads", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"serve.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    if json.loads(response.read())["status"] == "ok":
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve.py did not answer /health in 60 s:\n{log_path.read_text(errors='replace')}")
-            time.sleep(0.2)
+    tiny_model("glm4", directory)
+    with serve_py(directory, directory.parent / "server.log", start_timeout=60) as (proc, base):
         yield base, directory.name
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        assert proc.poll() is not None, "serve.py did not exit"
+    assert proc.poll() is not None, "serve.py did not exit"
 
 
 @pytest.fixture(scope="module")

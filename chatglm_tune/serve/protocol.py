@@ -131,9 +131,8 @@ def _sampling(body: Mapping, defaults: SamplingOptions) -> SamplingOptions:
     top_k = body.get("top_k")
     if top_k is not None and not (_is_int(top_k) and top_k >= 0):
         raise bad("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
-    temperature = defaults.temperature if temperature is None else temperature
-    do_sample = defaults.do_sample if "temperature" not in body or body["temperature"] is None else temperature > 0
-    return SamplingOptions(do_sample=do_sample and temperature > 0, temperature=temperature,
+    do_sample = defaults.do_sample if temperature is None else temperature > 0
+    return SamplingOptions(do_sample=do_sample, temperature=defaults.temperature if temperature is None else temperature,
                            top_p=defaults.top_p if top_p is None else top_p,
                            top_k=defaults.top_k if top_k is None else (top_k or None))
 
