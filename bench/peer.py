@@ -1,24 +1,32 @@
-"""Benchmark: ChatGLM-6B at full size on CPU against the C++ peer, chatglm.cpp: decode speed,
-prefill time and peak memory side by side, and batched extraction records/s.
+"""Benchmark: ChatGLM-6B at full size on CPU against the C++ peers, chatglm.cpp and (ChatGLM3-6B) llama.cpp: decode
+speed, prefill time and peak memory side by side, and batched extraction records/s.
 
     python bench/peer.py --step write                      # the random fp16 checkpoint (official layout)
     python bench/peer.py --step convert-q4_0               # GGML files: convert-f16, convert-q8_0, convert-q4_0
     python bench/peer.py --step cpp-q4_0 --threads 2       # chatglm.cpp: cpp-f16, cpp-q8_0, cpp-q4_0
+    python bench/peer.py --version chatglm3 --step gguf-q4_0              # GGUF files: gguf-{f16,q8_0,q4_0}
+    python bench/peer.py --version chatglm3 --step llama-q4_0 --threads 2 # llama.cpp: llama-{f16,q8_0,q4_0}
+    python bench/peer.py --version chatglm3 --step llama-batch-q4_0-b8 --threads 2  # llama-batch-{q8_0,q4_0}-b{1,8,32}
     python bench/peer.py --step toolkit-int4 --threads 2   # the toolkit: toolkit-bf16, toolkit-int8, toolkit-int4
     python bench/peer.py --step toolkit-int4 --threads 2 --quantize-embedding   # ... with the INT8 embedding/head
     python bench/peer.py --step batch-int4-b8 --threads 2  # batched extraction: batch-{bf16,int8,int4}-b{1,8,32}
     python bench/peer.py --step report                     # peer.json, peer.md, the closing JSON line
-    python bench/peer.py --step clean                      # delete the checkpoint and GGML files
+    python bench/peer.py --step clean                      # delete the checkpoint, GGML and GGUF files
     python bench/peer.py --quick --step all                # a 2-layer slice, every step, into /tmp
     python bench/peer.py --version chatglm3 --step all     # the same for ChatGLM3-6B (results: peer-chatglm3.*)
 
 chatglm.cpp is optional, for this bench only: `CMAKE_ARGS="-DCMAKE_POLICY_VERSION_MINIMUM=3.5" pip install
 chatglm-cpp==0.4.2` (built from source, about 4 minutes). Without it the convert-*/cpp-* steps are skipped
-(recorded as such) and the report shows the toolkit alone.
+(printed, not recorded) and the report leaves its columns empty.
+
+llama.cpp is optional too, through llama-cpp-python (0.3.36 measured here): `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
+llama-cpp-python` (built from source for this machine's ISA, about 10-15 minutes on 2 cores). Without it the
+gguf-*/llama-* steps are skipped (printed, not recorded). llama.cpp runs ChatGLM3-6B (its `chatglm` architecture) but
+not ChatGLM-6B: with `--version chatglm` those steps are recorded as not run, saying why, and listed under "Not run".
 
 What each step measures, each in a fresh process (`measure.run`: the process's own peak RSS):
 - `write`: `bench/checkpoint_writer.py --version V` (fp16 shards, config.json, index; keys, shapes and order of
-  the official files; ChatGLM3-6B's real tokenizer beside them). One checkpoint feeds both runtimes.
+  the official files; ChatGLM3-6B's real tokenizer beside them). One checkpoint feeds every runtime.
   `--version` (`chatglm`: ChatGLM-6B, the default; `chatglm3`: ChatGLM3-6B) picks the row of
   bench/scale_versions.py: config, layout, and the prompt frame (ChatGLM-6B: random ids, then [gMASK] <sop>;
   ChatGLM3-6B: [gMASK] sop <|user|>, random ids, <|assistant|>), resolved here and passed to every child.
@@ -34,7 +42,20 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   64-token prompt, 32 new tokens: chatglm.cpp decodes one sequence at a time, so records/s = 1 / its time).
   Threads: 0.4.2's Python API has no thread setting (`cpp_threads`: the online CPUs, up to 4); cpp steps run
   only with `--threads` equal to that number.
-- `toolkit-*` (`bench/peer_children.py`, as `batch-*`; the workload both runtimes share is there too):
+- `gguf-*` (`bench/peer_llama.py`, as `llama-*`): the toolkit's exporter as a user runs it, `export.py CHECKPOINT
+  <checkpoint>-gguf-T --format gguf --type T --name <checkpoint's name>` (its process: seconds from start to exit, the
+  file's size, peak RSS; matrices in f16, or q8_0 / q4_0 blocks quantized by gguf-py, a q4_0 file's head in q8_0).
+- `llama-*`: a fresh `bench/peer_llama.py` process (llama_cpp and numpy, no torch): `llama_cpp.Llama(file,
+  n_threads=n_threads_batch=--threads, flash attention on)`, the same prompt ids, warm-up, 64-token prompt and 64
+  greedy new tokens as the other runtimes, fed as ids through the low-level API, argmax of the logits taken there:
+  prefill = the prompt's one `llama_decode` call; decode ms/token = the mean of the other 63 calls (the median is
+  recorded beside). Runs at any `--threads`.
+- `llama-batch-T-bN` (q8_0 and q4_0 files): the N prompts of `batch-*-bN` decoded together, 32 new tokens each: one
+  llama.cpp context with n_seq_max = N, each step one `llama_decode` of a `llama_batch` holding one entry per row
+  (its token, position, sequence id, logits flag), `llama_get_logits_ith` per row; records/s = N / the wall time of
+  the prefill and the 32 steps. `Llama` has no n_seq_max setting, so this context comes from the low-level calls
+  with `Llama`'s settings.
+- `toolkit-*` (`bench/peer_children.py`, as `batch-*`; the workload every runtime shares is there too):
   `from_pretrained(dtype=bfloat16, quantization_bit=8/4)` (quantized at load from the fp16 checkpoint), torch
   threads = `--threads`, the same warm-up, prompt and 64 new tokens through `generation.generate` (KV cache,
   greedy, no stop on <eop>); the kernel the INT4 layers ran is recorded.
@@ -42,14 +63,18 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   64 tokens (ending [gMASK] <sop>, no padding), 32 new tokens each; records/s = N / wall time of the call.
 `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
 without AVX-512); results are kept beside the native ones under a `+avx2` suffix, as `+e8` marks
-`--quantize-embedding`. chatglm.cpp is built for the machine it runs on (ggml's native build). On a CPU with AMX,
-`--capability avx2` works for ChatGLM-6B only: transformers' GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16
-flash attention, which fails under that setting ("pack_vnni2 is only supported when avx512 is supported").
+`--quantize-embedding` (neither applies to the peers' steps). chatglm.cpp and llama.cpp are built for the machine
+they run on (ggml's native build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers'
+GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16 flash attention, which fails under that setting
+("pack_vnni2 is only supported when avx512 is supported").
 
 Step records accumulate in `peer_steps.json` (bench/results at full size; ChatGLM3-6B: `peer-chatglm3_steps.json`);
 `report` (`bench/peer_report.py`) writes `peer.json` (the reported shape: the fastest honest setting of each
-variant at the reported thread count) and `peer.md` (every run), or `peer-chatglm3.json` / `.md`. Every
-process stays under ~14 GB (bf16 and cpp f16 are the largest, about 13 GB); run one at a time.
+variant at the reported thread count, chatglm.cpp's and llama.cpp's runs beside) and `peer.md` (every run, the files
+written, the steps not run), or `peer-chatglm3.json` / `.md`. Every process stays under ~14 GB (bf16, cpp f16,
+llama f16 and the GGUF exports, which hold the whole fp16 model and one converted tensor beside it, are the largest,
+about 13 GB); run one at a time. Disk at full size: the checkpoint (12.5 GB) and each peer's three files (GGML and
+GGUF: about 22.6 GB each).
 """
 
 from __future__ import annotations
@@ -57,6 +82,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -70,13 +96,17 @@ sys.path.insert(0, str(HERE))
 from measure import run_python  # noqa: E402
 from peer_children import BATCHES, BITS, GB, child_batch, child_toolkit  # noqa: E402
 from peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
+from peer_llama import BATCH_TYPES, LLAMA_TYPES, NO_CHATGLM6B, export_args, gguf_path, has_llama_cpp, remove_gguf, workload  # noqa: E402
+from peer_llama import INSTALL as LLAMA_INSTALL  # noqa: E402
 from peer_report import report  # noqa: E402
 from scale_versions import VERSIONS, frame_json  # noqa: E402
 
 QUICK_LAYERS = 2
 PEER_VERSIONS = ("chatglm", "chatglm3")  # what chatglm.cpp 0.4.2 and `peer_cpp.write_ggml` both run here
-STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES] + [f"toolkit-{b}" for b in BITS]
-         + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
+STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES] + [f"gguf-{t}" for t in LLAMA_TYPES]
+         + [f"llama-{t}" for t in LLAMA_TYPES] + [f"llama-batch-{t}-b{n}" for t in BATCH_TYPES for n in BATCHES]
+         + [f"toolkit-{b}" for b in BITS] + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
+PEERS = ("cpp", "convert", "gguf", "llama")  # steps of a peer: no +e8 / +avx2 (those set the toolkit's loading and kernels)
 
 
 class Bench:
@@ -115,9 +145,9 @@ class Bench:
 
     def key(self, step: str) -> str:
         a = self.args
-        suffix = ("+e8" if a.quantize_embedding and not step.startswith(("cpp", "convert")) else "")
-        suffix += f"+{a.capability}" if a.capability and not step.startswith(("cpp", "convert")) else ""
-        return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch") else step
+        suffix = ("+e8" if a.quantize_embedding and not step.startswith(PEERS) else "")
+        suffix += f"+{a.capability}" if a.capability and not step.startswith(PEERS) else ""
+        return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch", "llama") else step
 
     def child(self, kind: str, *extra, env: dict | None = None):
         return run_python(__file__, "--child", kind, "--threads", self.args.threads, "--version", self.args.version, *extra, env=env)
@@ -144,6 +174,8 @@ class Bench:
             done = self.child("cpp", "--ggml", self.ggml(dtype), "--frame", self.frame())
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds,
                                        "file_gb": self.ggml(dtype).stat().st_size / GB})
+        elif step.startswith(("gguf-", "llama-")):
+            self.run_llama(step)
         elif step.startswith("toolkit-"):
             done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, "--frame", self.frame(), *e8, env=env)
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
@@ -157,9 +189,47 @@ class Bench:
             shutil.rmtree(self.model_dir, ignore_errors=True)
             for dtype in CPP_TYPES:
                 self.ggml(dtype).unlink(missing_ok=True)
-            print(f"removed {self.model_dir} and its GGML files", flush=True)
+            for dtype in LLAMA_TYPES:
+                remove_gguf(self.model_dir, dtype)
+            print(f"removed {self.model_dir} and its GGML and GGUF files", flush=True)
         else:
             raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}, clean")
+
+    def run_llama(self, step: str) -> None:
+        """`gguf-*`, `llama-*`, `llama-batch-*-bN`: recorded as not run for ChatGLM-6B; skipped without llama_cpp."""
+        if self.args.version == "chatglm":
+            print(f"[{step}] not run: {NO_CHATGLM6B}", flush=True)
+            self.save(self.key(step), {"skipped": NO_CHATGLM6B})
+        elif not has_llama_cpp():
+            print(f"[{step}] skipped: llama_cpp is not installed (optional, this bench only: {LLAMA_INSTALL})", flush=True)
+        elif step.startswith("gguf-"):
+            self.export_gguf(step.split("-", 1)[1])
+        elif step.startswith("llama-batch-"):
+            _, _, dtype, b = step.split("-")
+            self.llama_child(step, dtype, int(b[1:]))
+        else:
+            self.llama_child(step, step.split("-", 1)[1], None)
+
+    def export_gguf(self, dtype: str) -> None:
+        """export.py's process writing the GGUF file: its seconds (and export.py's own), the file's size, peak RSS."""
+        remove_gguf(self.model_dir, dtype)
+        done = run_python(*export_args(self.model_dir, dtype))
+        path = gguf_path(self.model_dir, dtype)
+        said = re.search(r" in ([0-9.]+) s$", next((x for x in done.stdout.splitlines() if " -> " in x), ""))
+        self.save(f"gguf-{dtype}", {"seconds": done.seconds, "export_s": float(said[1]) if said else None,
+                                    "bytes": path.stat().st_size, "peak_rss_gb": done.peak_rss / GB, "file": str(path)})
+
+    def llama_child(self, step: str, dtype: str, batch: int | None) -> None:
+        """A `bench/peer_llama.py` process on the GGUF file: one sequence (batch None) or `batch` together."""
+        path = gguf_path(self.model_dir, dtype)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: run --step gguf-{dtype} first")
+        done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch", "--gguf", path,
+                          "--threads", self.args.threads, "--workload", workload(json.loads(self.frame()), batch))
+        record = done.last_json()
+        if "skipped" not in record:  # a binding missing in the installed llama-cpp-python: recorded as not run
+            record.update(peak_rss_gb=done.peak_rss / GB, process_s=done.seconds, file_gb=path.stat().st_size / GB)
+        self.save(self.key(step), record)
 
 
 
@@ -171,7 +241,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads of the measured process (default %(default)s)")
     p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
     p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels (+avx2)")
-    p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML files go beside it")
+    p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML and GGUF files go beside it")
     p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
     p.add_argument("--child", choices=["convert", "cpp", "toolkit", "batch"], help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)

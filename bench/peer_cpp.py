@@ -12,13 +12,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import time
 from pathlib import Path
 
 from peer_children import EXTRACT_NEW_TOKENS, NEW_TOKENS, PROMPT_LEN, WARMUP_PROMPT, WARMUP_TOKENS, prompt
 
-CPP_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids
+CPP_TYPES = ("f16", "q8_0", "q4_0")  # the GGML files written and run
 INSTALL = 'CMAKE_ARGS="-DCMAKE_POLICY_VERSION_MINIMUM=3.5" pip install chatglm-cpp==0.4.2'
 
 
@@ -47,64 +46,6 @@ def _tiny_sentencepiece() -> bytes:
     return model.getvalue()
 
 
-def ggml_q8_0(rows):
-    """ggml q8_0 blocks of fp32 `rows [n, k]`: per 32 weights, an fp16 scale absmax / 127 then 32 int8."""
-    import torch
-
-    blocks = rows.reshape(-1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-128, 127).to(torch.int8)
-    return torch.cat((scale.half().view(torch.int8), q), dim=-1)  # (blocks, 2 + 32) bytes
-
-
-def ggml_q4_0(rows):
-    """ggml q4_0 blocks: per 32 weights, an fp16 scale d = (the signed value of largest magnitude) / -8, then 16
-    bytes holding u = clamp(round(w / d + 8), 0, 15): weight i in the low nibble of byte i, weight i + 16 in its
-    high nibble."""
-    import torch
-
-    blocks = rows.reshape(-1, 32)
-    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-    d = extreme / -8
-    u = torch.where(d != 0, blocks / d, torch.zeros_like(blocks)).add(8).round().clamp(0, 15).to(torch.uint8)
-    packed = (u[:, :16] | (u[:, 16:] << 4)).view(torch.int8)
-    return torch.cat((d.half().view(torch.int8), packed), dim=-1)  # (blocks, 2 + 16) bytes
-
-
-def _chatglm6b_layout(config: dict, gtype: int) -> tuple[bytes, list[tuple[str, int]]]:
-    """ChatGLM-6B (model type 1): its config record and its tensors (key, ggml type) in chatglm.cpp's order."""
-    header = struct.pack("i", 1) + struct.pack(
-        "iiiiiiiififiii", 2, gtype, config["vocab_size"], config["hidden_size"], config["num_attention_heads"],
-        config["num_attention_heads"], config["num_layers"], config["inner_hidden_size"], config["layernorm_epsilon"], 0,
-        10000.0, config["max_sequence_length"], config["eos_token_id"], config["pad_token_id"])
-    keys = [("transformer.word_embeddings.weight", gtype)]
-    for i in range(config["num_layers"]):
-        p = f"transformer.layers.{i}."
-        keys += [(p + "input_layernorm.weight", 0), (p + "input_layernorm.bias", 0),
-                 (p + "attention.query_key_value.weight", gtype), (p + "attention.query_key_value.bias", 0),
-                 (p + "attention.dense.weight", gtype), (p + "attention.dense.bias", 0),
-                 (p + "post_attention_layernorm.weight", 0), (p + "post_attention_layernorm.bias", 0),
-                 (p + "mlp.dense_h_to_4h.weight", gtype), (p + "mlp.dense_h_to_4h.bias", 0),
-                 (p + "mlp.dense_4h_to_h.weight", gtype), (p + "mlp.dense_4h_to_h.bias", 0)]
-    return header, keys + [("transformer.final_layernorm.weight", 0), ("transformer.final_layernorm.bias", 0)]
-
-
-def _chatglm3_layout(config: dict, gtype: int) -> tuple[bytes, list[tuple[str, int]]]:
-    """ChatGLM3-6B (model type 3; ChatGLM2's record): its config record and tensors, untied head last."""
-    header = struct.pack("i", 3) + struct.pack(
-        "iiiiiiiififiii", 2, gtype, config["padded_vocab_size"], config["hidden_size"], config["num_attention_heads"],
-        config["multi_query_group_num"], config["num_layers"], config["ffn_hidden_size"], config["layernorm_epsilon"], 0,
-        10000.0 * config.get("rope_ratio", 1), config["seq_length"], config["eos_token_id"], config["pad_token_id"])
-    keys = [("transformer.embedding.word_embeddings.weight", gtype)]
-    for i in range(config["num_layers"]):
-        p = f"transformer.encoder.layers.{i}."
-        keys += [(p + "input_layernorm.weight", 0), (p + "self_attention.query_key_value.weight", gtype),
-                 (p + "self_attention.query_key_value.bias", 0), (p + "self_attention.dense.weight", gtype),
-                 (p + "post_attention_layernorm.weight", 0), (p + "mlp.dense_h_to_4h.weight", gtype),
-                 (p + "mlp.dense_4h_to_h.weight", gtype)]
-    return header, keys + [("transformer.encoder.final_layernorm.weight", 0), ("transformer.output_layer.weight", gtype)]
-
-
 def _shard_reader(model_dir: Path):
     """key -> tensor of an official checkpoint (`.bin` or safetensors shards), one shard open at a time."""
     import torch
@@ -127,42 +68,22 @@ def _shard_reader(model_dir: Path):
 
 
 def write_ggml(out: Path, model_dir: Path, dtype: str, version: str = "chatglm") -> dict:
-    """chatglm.cpp 0.4.2's file of `version` (ChatGLM-6B or ChatGLM3-6B) from an official-layout checkpoint:
-    tensor by tensor (row chunks for the quantized ones), so memory stays about one shard plus a chunk."""
+    """chatglm.cpp 0.4.2's file of `version` (ChatGLM-6B or ChatGLM3-6B) from an official-layout checkpoint,
+    through the toolkit's writer (`chatglm_tune.export.ggml_file`), tensor by tensor: memory stays about one
+    shard plus a tensor."""
     import torch
+
+    from chatglm_tune.export.ggml_file import write_ggml as write
 
     config = json.loads((model_dir / "config.json").read_text())
     tensor = _shard_reader(model_dir)
-    gtype = CPP_TYPES[dtype]
     if version == "chatglm":
-        header, keys = _chatglm6b_layout(config, gtype)
         head = tensor("lm_head.weight")
         assert torch.equal(head[:64], tensor("transformer.word_embeddings.weight")[:64]), "the head must be tied"
         proto = _tiny_sentencepiece()
     else:
-        header, keys = _chatglm3_layout(config, gtype)
         proto = (model_dir / "tokenizer.model").read_bytes()  # a serialized SentencePiece model, as chatglm.cpp stores it
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(b"ggml" + header)
-        f.write(struct.pack("i", len(proto)))
-        f.write(proto)
-        for key, kind in keys:
-            t = tensor(key)
-            f.write(struct.pack("i", len(key)) + key.encode())
-            f.write(struct.pack("i" * (2 + t.ndim), t.ndim, *t.shape, kind))
-            f.seek((f.tell() + 15) // 16 * 16)  # data 16-byte aligned
-            if kind == 0:
-                f.write(t.float().numpy().tobytes())
-            elif kind == 1:
-                f.write(t.half().numpy().tobytes())
-            else:
-                quantize = ggml_q8_0 if kind == 8 else ggml_q4_0
-                step = max(1, (1 << 22) // t.shape[1])  # 4M weights (16 MB of fp32) at a time
-                for start in range(0, t.shape[0], step):
-                    f.write(quantize(t[start : start + step].float()).numpy().tobytes())
-    os.replace(tmp, out)
-    return {"bytes": out.stat().st_size, "tensors": len(keys)}
+    return write(out, {"chatglm": 1, "chatglm3": 3}[version], config, tensor, proto, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- children

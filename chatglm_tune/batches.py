@@ -82,6 +82,12 @@ class PromptFormat:
     chat_max_length: int  # ... and its max_length (prompt and answer tokens)
     chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
+    # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
+    # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction
+    # goes before the last user message), and the texts of the stop ids. Empty: the version has none.
+    jinja_template: str = ""
+    ollama_template: str = ""
+    stop_texts: tuple[str, ...] = ()
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """(the prompt of a record, whether its text was cut to fit `options`)."""
@@ -94,6 +100,10 @@ class PromptFormat:
     def stop_ids(self, tokenizer) -> list[int]:
         """The ids that end a reply."""
         raise NotImplementedError
+
+    def chat_template(self, tokenizer) -> str:
+        """The Jinja chat template whose text, tokenized with special tokens parsed, gives `chat_ids`."""
+        return self.jinja_template
 
     def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         """The official chat() prompt of role messages, the last one the query (role-message formats only)."""

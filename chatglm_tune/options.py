@@ -43,6 +43,13 @@ DEFAULT_LR = {tuning: d["lr"] for tuning, d in METHOD_DEFAULTS.items()}
 # quantize.py: the official rule computes scales and W / scale in fp16.
 QUANTIZE_DTYPE = "float16"
 
+# export.py: what it writes (gguf: llama.cpp / ollama; hf: transformers / vLLM; ggml: chatglm.cpp) and the
+# precision of a GGUF / GGML file's matrices (ggml's types; q8_0 / q4_0 are its INT8 / INT4 blocks).
+EXPORT_FORMATS = ("gguf", "hf", "ggml")
+EXPORT_FORMAT = "gguf"
+EXPORT_TYPES = ("f16", "bf16", "q8_0", "q4_0")
+EXPORT_TYPE = "f16"
+
 
 @dataclass(frozen=True)
 class EncodingOptions:

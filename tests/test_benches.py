@@ -58,3 +58,55 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     assert set(summary["tokens_per_s"]) == {"batch32@1", "batch32@2", "batch1@1", "batch1@2"}
     assert all(rate > 0 for rate in summary["tokens_per_s"].values())
     assert summary["soak_passed"], json.loads(out.read_text())["soak"]["checks"]
+
+
+def _peer(*args, out: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "bench/peer.py", *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_peer_bench_records_the_llama_steps_of_chatglm6b_as_not_run(tmp_path):
+    _peer("--version", "chatglm", "--step", "gguf-q4_0", out=tmp_path)
+    _peer("--version", "chatglm", "--step", "llama-batch-q4_0-b8", "--threads", "1", out=tmp_path)
+    report = _peer("--version", "chatglm", "--step", "report", "--threads", "1", out=tmp_path)
+    summary = json.loads(report.stdout.strip().splitlines()[-1])
+    steps = json.loads((tmp_path / "peer_steps.json").read_text())
+    assert set(steps) == {"gguf-q4_0", "llama-batch-q4_0-b8@1t"}
+    assert all("ChatGLM-6B" in r["skipped"] for r in steps.values())
+    assert summary["decode_tok_s"]["llama_q4_0"] is None and summary["records_per_s"]["llama_q4_0_b8"] is None
+    not_run = "## Not run\n\n- gguf-q4_0, llama-batch-q4_0-b8@1t: llama.cpp has no ChatGLM-6B"
+    assert not_run in (tmp_path / "peer.md").read_text()
+
+
+def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
+    """bench/peer_llama.py's processes on a tiny ChatGLM3 GGUF (export.py, f16): one sequence, and three decoded in
+    one llama.cpp batch, give the toolkit's greedy tokens."""
+    pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
+    pytest.importorskip("llama_cpp", reason='llama-cpp-python is not installed: '
+                                            'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python')
+    from serving import tiny_model
+
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.generation import generate
+
+    directory = tiny_model("chatglm3", tmp_path / "tiny")
+    gguf = tmp_path / "gguf"
+    done = subprocess.run([sys.executable, "export.py", str(directory), str(gguf), "--type", "f16", "--name", "tiny"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = from_pretrained(directory, dtype=torch.float32)
+    prompts = torch.randint(5, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    want = [list(row) for row in generate(model, torch.tensor(prompts), max_new_tokens=6, eos_token_id=None)]
+    work = {"warmup": prompts[0][:4], "warmup_new": 2, "prompts": prompts, "new": 6}
+    records = {}
+    for child, rows in (("llama", prompts[:1]), ("llama-batch", prompts)):
+        done = subprocess.run([sys.executable, "bench/peer_llama.py", "--child", child, "--gguf", str(gguf / "tiny-f16.gguf"),
+                               "--threads", "1", "--workload", json.dumps({**work, "prompts": rows})],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        records[child] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert records["llama"]["first_tokens"] == want[0] and records["llama"]["decode_ms"] > 0
+    batch = records["llama-batch"]
+    assert batch["batch"] == 3 and batch["first_tokens"] == want[0] and batch["last_tokens"] == [row[-1] for row in want]

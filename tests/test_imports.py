@@ -1,7 +1,7 @@
 """The package's rooms, checked on its source (AST, nothing imported): imports flow one way.
 
-    command lines (train.py, infer.py, quantize.py)
-      -> training, extraction, metrics, lora, loading, rundir, auto (the upper layers)
+    command lines (train.py, infer.py, quantize.py, serve.py, export.py)
+      -> training, extraction, metrics, lora, loading, rundir, auto, serve/, export/ (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
       -> shared layers: batches, records, generation, chat, prefix, checkpoint, tokenizing, quant/, heap
       -> options
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
 SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "generation", "engine", "chat", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve", ""}  # "": __init__
+UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
+         "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
 
 
@@ -181,7 +182,7 @@ def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
 
 def test_no_comment_or_docstring_points_outside_the_repository():
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"),
-             *(ROOT / name for name in ("train.py", "infer.py", "quantize.py"))]
+             *(ROOT / name for name in ("train.py", "infer.py", "quantize.py", "serve.py", "export.py"))]
     found = [f"{path.relative_to(ROOT)}:{line}: {m.group(0)!r}" for path in sorted(files) if "__pycache__" not in path.parts
              for line, text in _comments_and_docstrings(path) for m in _OUTSIDE.finditer(text)]
     assert found == []

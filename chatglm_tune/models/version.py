@@ -2,14 +2,16 @@
 
 A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
 and says as data what the shared layers need: the Linears LoRA targets (`lora_targets`) and quantization
-swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`). It loads its model
+swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`), what export.py
+cannot write it as (`export_refusals`). It loads its model
 and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
 (`models/registry.py`) maps names and directories to versions; the families never import it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatglm_tune.batches import PromptFormat
@@ -22,6 +24,10 @@ class Version:
     lora_targets: tuple[str, ...]
     quantizable_linears: tuple[str, ...]
     prefix_module: str  # where the P-tuning prefix encoder lives in the model
+    # export.py: the formats ("gguf", "hf", "ggml") this version cannot be written as, each with why and what
+    # works instead; its model type in chatglm.cpp's GGML files (None: none).
+    export_refusals: Mapping[str, str] = field(default_factory=dict)
+    ggml_model_type: int | None = None
 
     @property
     def name(self) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from chatglm_tune.batches import PromptFormat, SpecialIds
@@ -19,6 +20,10 @@ class ChatGLM6B(Version):
     lora_targets: tuple[str, ...] = LORA_TARGETS
     quantizable_linears: tuple[str, ...] = QUANTIZABLE_LINEARS
     prefix_module: str = "transformer.prefix_encoder"
+    export_refusals: Mapping[str, str] = field(default_factory=lambda: {
+        "gguf": "ChatGLM-6B has no llama.cpp architecture (GLM's 2D positions, bidirectional attention over the "
+                "prompt): use --format ggml, which chatglm.cpp runs"})
+    ggml_model_type: int | None = 1
 
     def load_model(self, path, *, quantize_embedding: bool = False, **kwargs):
         from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration

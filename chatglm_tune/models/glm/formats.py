@@ -12,6 +12,16 @@ attached to its tokenizer class (`tokenizer.prompt_format`).
 Chat: ChatGLM2 takes (query, response) pairs, as ChatGLM-6B; ChatGLM3 and GLM-4 take role messages (the
 official `chat()` prompt: ChatGLM3's `build_chat_input`, GLM-4's chat template) and post-process the answer
 into messages and tool calls (`process_chat_response`).
+
+Outside the toolkit (export.py) the same prompts are Jinja chat templates whose text, tokenized with special
+tokens parsed (llama.cpp's `parse_special`, transformers' fast tokenizers), gives these ids:
+- ChatGLM3-6B: `[gMASK]sop`, per message `<|role|>`, "\\n", " " and the content, then `<|assistant|>`: the
+  official `build_chat_input` encodes "\\n" and the content apart, each with SentencePiece's leading "▁",
+  which the space before the content gives in one text (an empty content gets no "▁", and no space);
+- GLM-4: its tokenizer's own chat template;
+- ChatGLM2-6B: `[gMASK]sop` then `build_prompt`'s rounds as one text.
+ChatGLM2/3 name their start token `sop`: with special tokens parsed, "sop" typed in a message is that token
+too. The ollama templates (Go) render the same prompts; ChatGLM2's holds one round (Go templates cannot count).
 """
 
 from __future__ import annotations
@@ -23,6 +33,11 @@ from typing import Callable, Sequence
 from chatglm_tune.batches import PromptFormat
 from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions
 from chatglm_tune.records import SPORecord
+
+
+# ollama's Go template: `$last` marks the message the model answers; INSTRUCTION is a run's instruction.
+_GO_LOOP = "{{- range $i, $m := .Messages }}{{- $last := eq (len (slice $.Messages $i)) 1 }}"
+GO_CONTENT = "{{ if and $last (eq $m.Role \"user\") }}INSTRUCTION{{ end }}{{ $m.Content }}"
 
 
 class _GLMFormat(PromptFormat):
@@ -58,6 +73,13 @@ class ChatGLM2Format(_GLMFormat):
     name = "chatglm2"
     title = "ChatGLM2-6B"
     chat_in_pairs = True
+    jinja_template = (
+        "[gMASK]sop{% set round = namespace(n=0) %}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{% set round.n = round.n + 1 %}[Round {{ round.n }}]\n\n问：{{ message['content'] }}\n\n答："
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] }}\n\n{% endif %}{% endfor %}"
+    )
+    ollama_template = "[gMASK]sop[Round 1]\n\n问：INSTRUCTION{{ .Prompt }}\n\n答："
+    stop_texts = ("</s>",)
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """ChatGLM2's official prompt, `prefix + build_prompt(query, history)`, encoded as one text (as its
@@ -113,6 +135,13 @@ class ChatGLM3Format(_RoleFormat):
     name = "chatglm3"
     title = "ChatGLM3-6B"
     sop = "sop"
+    jinja_template = (
+        "{% for message in messages %}{% if loop.first %}[gMASK]sop{% endif %}<|{{ message['role'] }}|>\n"
+        "{% if message['content'] %} {{ message['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    ollama_template = "[gMASK]sop" + _GO_LOOP + "<|{{ $m.Role }}|>\n " + GO_CONTENT + "{{ end }}<|assistant|>"
+    stop_texts = ("</s>", "<|user|>", "<|observation|>")
 
     def answer_lead(self, tokenizer) -> list[int]:
         return tokenizer.encode_text("\n")  # after a role token, "\n" and the text are encoded apart
@@ -145,6 +174,12 @@ class GLM4Format(_RoleFormat):
     title = "GLM-4"
     sop = "<sop>"
     training_time = "2024年"
+    ollama_template = "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + GO_CONTENT + "{{ end }}<|assistant|>"
+    stop_texts = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
+    def chat_template(self, tokenizer) -> str:
+        """Its tokenizer's own (the official one; the tiny tokenizer's takes no tools)."""
+        return tokenizer.chat_template
 
     def after_role(self, text: str) -> str:
         return "\n" + text

@@ -91,7 +91,9 @@ class GLM4Version(GLMVersion):
         return tokenizer.stop_token_ids
 
 
-VERSIONS = (GLMVersion(CHATGLM2), GLMVersion(CHATGLM3), GLM4Version(GLM4))
+VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_model_type=3),
+            GLM4Version(GLM4, export_refusals={"ggml": "chatglm.cpp's GLM-4 file is not written here: use --format gguf "
+                                                       "(llama.cpp, ollama)"}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 
 

@@ -49,12 +49,28 @@ QKV = "transformer.encoder.layers.{n}.self_attention.query_key_value"
 QKV_PARTS = ("model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.k_proj", "model.layers.{n}.self_attn.v_proj")
 
 
+# official module -> llama.cpp's name in a GGUF file (its `chatglm` architecture); q|k|v stay fused as
+# `attn_qkv`, and `ffn_up` holds dense_h_to_4h's gate|up rows (llama.cpp's SwiGLU gates with the first half).
+GGUF_NAMES = (
+    ("transformer.embedding.word_embeddings", "token_embd"),
+    ("transformer.encoder.layers.{n}.input_layernorm", "blk.{n}.attn_norm"),
+    (QKV, "blk.{n}.attn_qkv"),
+    ("transformer.encoder.layers.{n}.self_attention.dense", "blk.{n}.attn_output"),
+    ("transformer.encoder.layers.{n}.post_attention_layernorm", "blk.{n}.ffn_norm"),
+    ("transformer.encoder.layers.{n}.mlp.dense_h_to_4h", "blk.{n}.ffn_up"),
+    ("transformer.encoder.layers.{n}.mlp.dense_4h_to_h", "blk.{n}.ffn_down"),
+    ("transformer.encoder.final_layernorm", "output_norm"),
+    ("transformer.output_layer", "output"),
+)
+
+
 def _pattern(module: str) -> re.Pattern:
     """`a.b.{n}.c` -> a regex matching `a.b.<n>.c.<tensor name>` with groups n and name."""
     return re.compile("^" + re.escape(module).replace(re.escape("{n}"), r"(?P<n>\d+)") + r"\.(?P<name>.+)$")
 
 
 _TO_HF = [(_pattern(o), h) for o, h in RENAMES]
+_TO_GGUF = [(_pattern(o), g) for o, g in GGUF_NAMES]
 _TO_OFFICIAL = [(_pattern(h), o) for o, h in RENAMES]
 _QKV_OFFICIAL = _pattern(QKV)
 _QKV_HF = [_pattern(p) for p in QKV_PARTS]
@@ -89,11 +105,8 @@ def to_transformers(key: str, tensor: torch.Tensor, rows: Sequence[int]) -> list
     if m:
         names = [p.format(n=m["n"]) + "." + m["name"] for p in QKV_PARTS]
         return list(zip(names, split_rows(tensor, rows)))
-    for pattern, target in _TO_HF:
-        m = pattern.match(key)
-        if m:
-            return [(target.format(n=m.groupdict().get("n")) + "." + m["name"], tensor)]
-    return None
+    name = _renamed(key, _TO_HF)
+    return None if name is None else [(name, tensor)]
 
 
 def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,12 +132,28 @@ def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def gguf_name(key: str) -> str:
+    """llama.cpp's name of an official tensor (`GGUF_NAMES`), e.g. `blk.3.attn_qkv.bias`; ValueError if none."""
+    name = _renamed(key, _TO_GGUF)
+    if name is None:
+        raise ValueError(f"{key} has no name in llama.cpp's chatglm architecture")
+    return name
+
+
 def _official_name(key: str) -> str:
-    for pattern, target in _TO_OFFICIAL:
+    name = _renamed(key, _TO_OFFICIAL)
+    if name is None:
+        raise ValueError(f"{key} has no official ChatGLM name")
+    return name
+
+
+def _renamed(key: str, table) -> str | None:
+    """`key` under the first (pattern, target module) of `table` that matches it, its tensor name kept."""
+    for pattern, target in table:
         m = pattern.match(key)
         if m:
             return target.format(n=m.groupdict().get("n")) + "." + m["name"]
-    raise ValueError(f"{key} has no official ChatGLM name")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""A ChatGLM2/3 or GLM-4 model as one GGUF file for llama.cpp and ollama (llama.cpp's `chatglm` architecture).
+
+What llama.cpp's `chatglm` graph reads, and what is written here for it:
+- tensors under its names (`models.glm.weights.GGUF_NAMES`): q|k|v rows fused into `attn_qkv` with its bias,
+  dense_h_to_4h's gate|up rows as `ffn_up`; the untied head as `output`;
+- hyperparameters: layers, width, heads, KV groups, `key_length` / `value_length` (= kv_channels), the FFN
+  width, RMSNorm epsilon, context length (`seq_length`), rotary on half of each head (`rope.dimension_count` =
+  kv_channels / 2, adjacent pairs as the official code rotates them) with `rope.freq_base` = 10000 x rope_ratio;
+- the tokenizer (gguf_vocab.py) and the version's Jinja chat template (`PromptFormat.chat_template`);
+- norms and biases in F32; the matrices (embedding, head, block Linears) in the `--type`: F16, BF16, or ggml's
+  blocks of 32 weights, Q8_0 (an fp16 scale absmax / 127 and 32 int8) or Q4_0 (an fp16 scale and 16 bytes of
+  nibbles), quantized by gguf-py exactly as ggml's reference quantizer; a q4_0 file keeps the head in Q8_0 (llama.cpp's own
+  q4_0 keeps it above 4 bits, in Q6_K, which gguf-py cannot write). A matrix whose rows are not whole blocks
+  stays F16.
+Tensors are converted and written one at a time (quantized in slices of rows): beside the model, memory holds
+one tensor. The file is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from chatglm_tune.export.gguf_vocab import add_vocab
+from chatglm_tune.models.glm.weights import gguf_name, to_official
+
+ARCH = "chatglm"
+TYPES = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> ggml type of the matrices
+FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+SLICE_WEIGHTS = 1 << 22  # weights quantized at a time (16 MB of float32)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], kind: str) -> Q:
+    """The ggml type a tensor is stored in for `--type kind`."""
+    if len(shape) == 1:
+        return Q.F32
+    qtype = TYPES[kind]
+    if qtype == Q.Q4_0 and name == "output.weight":
+        qtype = Q.Q8_0
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else Q.F16
+
+
+def encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
+    """`tensor` as the bytes (or values) of ggml type `qtype`, row-major."""
+    if qtype == Q.F32:
+        return tensor.float().numpy()
+    if qtype == Q.F16:
+        return tensor.half().numpy()
+    if qtype == Q.BF16:
+        return tensor.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    out = np.empty(gguf.quants.quant_shape_to_byte_shape(tuple(rows.shape), qtype), dtype=np.uint8)
+    step = max(1, SLICE_WEIGHTS // rows.shape[-1])
+    for i in range(0, rows.shape[0], step):  # a slice of rows at a time, into the one output array
+        out[i:i + step] = gguf.quants.quantize(rows[i:i + step].float().numpy(), qtype)
+    return out
+
+
+def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
+    if config.num_attention_heads * config.head_dim != config.hidden_size:
+        raise ValueError(f"llama.cpp's chatglm architecture needs heads x kv_channels = hidden_size; this model has "
+                         f"{config.num_attention_heads} x {config.head_dim} != {config.hidden_size}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.5)))
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(FILE_TYPES[kind])
+
+
+def write_gguf(path: Path, model, tokenizer, kind: str, *, name: str = "", progress: Callable[[str], None] = lambda n: None) -> dict:
+    """Write `model` (a float ChatGLM2/3 or GLM-4 `GlmForCausalLM`) and `tokenizer` as the GGUF file `path`;
+    {"tensors": n, "bytes": size}. `progress(name)` is called after each tensor."""
+    if kind not in TYPES:
+        raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
+    state = to_official(model.state_dict())
+    plan = [(gguf_name(key), key) for key in state]
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        writer.add_name(name or path.stem)
+        hyperparameters(writer, model.config, kind)
+        add_vocab(writer, tokenizer, rows=model.config.vocab_size)
+        writer.add_chat_template(tokenizer.prompt_format.chat_template(tokenizer))
+        for tensor_name, key in plan:
+            shape = tuple(state[key].shape)
+            qtype = tensor_type(tensor_name, shape, kind)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
+            writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for tensor_name, key in plan:
+            tensor = state.pop(key).detach()
+            writer.write_tensor_data(encode(tensor, tensor_type(tensor_name, tuple(tensor.shape), kind)))
+            progress(tensor_name)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return {"tensors": len(plan), "bytes": path.stat().st_size}

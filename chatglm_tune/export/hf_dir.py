@@ -1,0 +1,161 @@
+"""A merged model as a transformers-native directory: what plain transformers, vLLM, SGLang and TGI load.
+
+ChatGLM2/3 and GLM-4 become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
+`glm-4-9b-chat-hf` is): config.json in transformers' fields (plus `rope_theta` and `partial_rotary_factor` at
+the top level, where transformers 4 reads them), generation_config.json with the version's stop ids as
+`eos_token_id`, safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused), and the tokenizer as
+`tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, `[gMASK]` and the start token put first by its
+post-processor, the version's Jinja chat template in tokenizer_config.json). Loading needs no remote code and
+no `import chatglm_tune`.
+
+The tokenizer.json of ChatGLM2/3 is their SentencePiece model in `tokenizers` terms: each text piece between
+special tokens gets SentencePiece's "▁" in front and spaces become "▁" (SentencePiece's identity normalization
+with its dummy prefix), then the same pieces: a Unigram model with the pieces' scores, or for a BPE model
+(the real ChatGLM2/3 one) a BPE whose merges are ranked by the merged piece, both falling back to bytes.
+GLM-4's is its own byte-level BPE (`tokenizers`), as the toolkit runs it.
+
+ChatGLM-6B has no transformers-native class: its directory is the official layout (official keys and
+config.json, `ice_text.model`), which the official remote code and this toolkit load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from chatglm_tune import checkpoint
+
+GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "attention_dropout", "max_position_embeddings",
+              "rms_norm_eps", "attention_bias", "pad_token_id")
+SPIECE = "\u2581"
+
+
+def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> dict:
+    """Write the model and tokenizer of any version into the new directory `out`; {"files": [...]}."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not hasattr(model.config, "chatglm_version"):  # ChatGLM-6B: the official layout
+        model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+        tokenizer.save_pretrained(out)
+    else:
+        _write_glm(out, model, tokenizer, max_shard_bytes)
+    return {"files": sorted(p.name for p in out.iterdir())}
+
+
+def glm_config(config) -> dict:
+    """transformers' `GlmConfig` fields of a ChatGLM2/3 / GLM-4 config, as config.json holds them."""
+    rope = dict(config.rope_parameters)
+    return {"architectures": ["GlmForCausalLM"], "model_type": "glm", **{k: getattr(config, k) for k in GLM_FIELDS},
+            "eos_token_id": config.eos_token_id, "tie_word_embeddings": False, "rope_parameters": rope,
+            "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope.get("partial_rotary_factor", 0.5),
+            "use_cache": True}
+
+
+def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int) -> None:
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("prefix_encoder.")}
+    checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes)
+    config = glm_config(model.config)
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    stops = list(tokenizer.stop_token_ids)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"eos_token_id": stops, "pad_token_id": tokenizer.pad_token_id,
+                                                 "do_sample": True, "top_p": 0.8, "temperature": 0.8})
+    backend = _sentencepiece_backend(tokenizer) if hasattr(tokenizer, "sp_model") else _glm4_backend(tokenizer)
+    names = {i: t for t, i in tokenizer.special_ids.items()}
+    start = " ".join(names[i] for i in tokenizer.get_prefix_tokens())  # "[gMASK] sop" / "[gMASK] <sop>"
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{start} $A", pair=f"{start} $A $B", special_tokens=[(names[i], i) for i in tokenizer.get_prefix_tokens()])
+    backend.save(str(out / "tokenizer.json"))
+    specials = sorted(tokenizer.special_ids.items(), key=lambda item: item[1])
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "padding_side": "left", "clean_up_tokenization_spaces": False,
+        "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+        "additional_special_tokens": [t for t, _ in specials if t not in (tokenizer.eos_token, tokenizer.pad_token)],
+        "model_max_length": model.config.max_position_embeddings,
+        "chat_template": tokenizer.prompt_format.chat_template(tokenizer)})
+
+
+def _glm4_backend(tokenizer) -> Tokenizer:
+    return Tokenizer.from_str(tokenizer._backend.to_str())  # a copy: the post-processor is set on it
+
+
+def _sentencepiece_backend(tokenizer) -> Tokenizer:
+    sp = tokenizer.sp_model
+    n = sp.get_piece_size()
+    pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(n)]
+    if sentencepiece_model_type(sp) == "bpe":
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        model = models.BPE(vocab, bpe_merges(vocab), unk_token=sp.id_to_piece(sp.unk_id()), fuse_unk=True,
+                           byte_fallback=True)
+    else:
+        model = models.Unigram(pieces, unk_id=sp.unk_id(), byte_fallback=True)
+    backend = Tokenizer(model)
+    dummy_prefix = sp.encode("a", out_type=str)[0].startswith(SPIECE)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE, prepend_scheme="always" if dummy_prefix else "never",
+                                                     split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *([decoders.Strip(" ", 1, 0)] if dummy_prefix else [])])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, _ in sorted(tokenizer.special_ids.items(), key=lambda item: item[1])])
+    return backend
+
+
+def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges of a SentencePiece BPE model: every split of a piece into two pieces, ranked by the merged
+    piece (SentencePiece orders a BPE model's pieces by the merge that made them), then by the parts."""
+    merges = []
+    for piece, rank in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((rank, vocab[left], vocab[right], left, right))
+    return [(left, right) for *_, left, right in sorted(merges)]
+
+
+def sentencepiece_model_type(sp) -> str:
+    """"unigram", "bpe", "word" or "char": `trainer_spec.model_type` read from the serialized model (protobuf
+    field 2 of the model, field 3 of it; read here without the protobuf package)."""
+    data = sp.serialized_model_proto()
+    spec = _field(data, 2)
+    kind = _field(spec, 3, varint=True) if spec is not None else None
+    return {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(kind if kind is not None else 1, "unigram")
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _field(data: bytes, number: int, varint: bool = False):
+    """The first value of field `number` in a protobuf message: bytes (length-delimited) or int (varint)."""
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+        elif wire == 2:
+            length, at = _varint(data, at)
+            value, at = data[at:at + length], at + length
+        elif wire == 5:
+            value, at = data[at:at + 4], at + 4
+        elif wire == 1:
+            value, at = data[at:at + 8], at + 8
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if field == number:
+            return value
+    return None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    checkpoint.atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                                                               encoding="utf-8"))

@@ -1,0 +1,84 @@
+"""What export.py reads: a model directory or a train.py run, as one float model with its tokenizer.
+
+A LoRA run (or `--lora`) is merged into its float base (`loading.load_model` with no quantization): every
+engine then runs plain weights. A full fine-tuning run and a model directory are taken as they are.
+Refused, with the reason and what works instead:
+- a P-tuning run: its prefix is 2 x layers x pre_seq_len cache entries that the model attends to before any
+  token; no engine (llama.cpp, ollama, transformers' generate, vLLM) takes a KV prefix;
+- a directory stored in INT8/INT4 (quantize.py's output, an official -int4 model): its weights are already
+  rounded in a layout only this toolkit and the official code read; export the float source, with a `--type`.
+A QLoRA run (a LoRA adapter trained on a base quantized at load) merges into the float base: the adapter
+learned against rounded weights, so the merged float model differs from what the run evaluated by that rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from chatglm_tune import loading
+from chatglm_tune.loading import ModelSource
+from chatglm_tune.models import registry
+from chatglm_tune.models.version import Version
+from chatglm_tune.rundir import CONFIG, read_run_args
+
+
+class ExportError(ValueError):
+    """A source that cannot be exported in the form asked for; the message says why and what works."""
+
+
+@dataclass
+class Exportable:
+    model: object  # in eval mode, float weights, any adapter merged
+    tokenizer: object
+    version: Version
+    source: ModelSource
+    notes: list[str]  # what the user should know about this export (printed by export.py)
+
+    @property
+    def run_prompt(self) -> str:
+        """The instruction a train.py run put before each record's text ("" for a plain model directory)."""
+        tuned = self.source.lora_dir or self.source.base
+        return self.source.encoding.prompt if read_run_args(tuned) else ""
+
+
+def check_exportable(source: ModelSource) -> None:
+    """ExportError for a P-tuning source or one stored in INT8/INT4, naming what to export instead."""
+    if source.prefix_dir is not None:
+        raise ExportError(
+            f"{source.prefix_dir} is a P-tuning run: its prefix is {source.pre_seq_len} key/value entries per layer "
+            "that the model attends to before any token, and no engine (llama.cpp, ollama, transformers, vLLM) takes "
+            "a KV prefix; LoRA runs (merged here) and full fine-tuning runs export")
+    config = json.loads((source.base / CONFIG).read_text(encoding="utf-8"))
+    bits = config.get("quantization_bit") or 0
+    if bits:
+        origin = (read_run_args(source.base) or {}).get("derived_from")
+        where = f" (it was made from {origin})" if origin else ""
+        raise ExportError(f"{source.base} is stored in INT{bits}{where}: export its float source instead, and pick "
+                          "the file's precision with --type (q8_0 and q4_0 are llama.cpp's own INT8/INT4 blocks)")
+
+
+def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None = None) -> Exportable:
+    """The model of `model_dir` (+ `lora`), its adapter merged, in `dtype` ("auto": as stored), with its tokenizer.
+    `form` ("gguf", "hf", "ggml"): refuse, before any weight is read, a version that cannot be written so."""
+    source = loading.resolve_run(model_dir, lora=lora)
+    check_exportable(source)
+    refusal = registry.of_directory(source.base).export_refusals.get(form)
+    if refusal:
+        raise ExportError(refusal)
+    notes = []
+    if source.lora_dir is not None and source.quantization_bit:
+        notes.append(f"{source.lora_dir} trained on its base quantized to INT{source.quantization_bit} at load (QLoRA); it "
+                     "is merged into the float base, which differs from the weights it trained against by that rounding")
+    model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)
+    tokenizer = loading.load_tokenizer(source)
+    version = registry.of_config(model.config)
+    version.check_tokenizer(tokenizer, model.config)
+    return Exportable(model, tokenizer, version, source, notes)
+
+
+def require_new_directory(out: Path) -> None:
+    """ExportError unless `out` is absent or an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory: choose a new output directory")

@@ -1,0 +1,139 @@
+"""Export a ChatGLM model or train.py run to the engines people deploy with.
+
+    python export.py RUN_DIR OUT_DIR                              # GGUF (f16) + ollama Modelfile: llama.cpp, ollama
+    python export.py RUN_DIR OUT_DIR --type q4_0                  # GGUF in llama.cpp's INT4 blocks (q8_0: INT8)
+    python export.py RUN_DIR OUT_DIR --format hf                  # transformers-native directory: transformers, vLLM
+    python export.py CHATGLM6B_RUN OUT_DIR --format ggml --type q4_0   # chatglm.cpp's file (ChatGLM-6B, ChatGLM2/3)
+    python export.py MODEL_DIR OUT_DIR --lora ADAPTER             # a base + a peft LoRA adapter, merged
+
+What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
+exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
+float source and choose --type). GGUF holds ChatGLM2/3 and GLM-4 (llama.cpp's `chatglm` architecture);
+llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty; files are
+written under temporary names and renamed when complete. GGUF and GGML need the `export` extra
+(`pip install -e ".[export]"`: gguf-py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from chatglm_tune.options import EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES
+
+INSTALL_EXPORT = 'pip install -e ".[export]"'
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", type=Path, help="model directory (float weights, config.json) or a train.py full / LoRA run")
+    p.add_argument("out_dir", type=Path, help="new (or empty) directory for the exported files")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default=EXPORT_FORMAT,
+                   help="gguf: llama.cpp / ollama; hf: transformers / vLLM / SGLang; ggml: chatglm.cpp (default %(default)s)")
+    p.add_argument("--type", choices=EXPORT_TYPES, default=None,
+                   help=f"gguf / ggml: the matrices' precision, ggml's f16, bf16 (gguf only), q8_0 or q4_0 blocks "
+                        f"(default {EXPORT_TYPE}); hf writes the weights as loaded (--dtype)")
+    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into MODEL_DIR first (default: none)")
+    p.add_argument("--dtype", choices=("auto", *LOAD_DTYPES), default="auto",
+                   help="dtype the model is loaded (and merged) in; auto = as stored (default %(default)s)")
+    p.add_argument("--name", help="the model's name in the GGUF file and the ollama Modelfile (default: OUT_DIR's name)")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """ValueError naming every problem found before any weight is read."""
+    from chatglm_tune.export.source import require_new_directory
+
+    problems = []
+    if args.format == "hf" and args.type is not None:
+        problems.append("--type applies to gguf and ggml files; an hf directory holds the weights as loaded (--dtype)")
+    if args.format == "ggml" and args.type == "bf16":
+        problems.append("chatglm.cpp's GGML files hold f16, q8_0 or q4_0 matrices, not bf16")
+    if args.format in ("gguf", "ggml"):
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            problems.append(f"--format {args.format} needs the gguf package (gguf-py): {INSTALL_EXPORT}")
+    try:
+        require_new_directory(args.out_dir)
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def export(args) -> tuple[list[Path], list[str]]:
+    """Write the export; (the main files written, notes for the user)."""
+    from tqdm import tqdm
+
+    from chatglm_tune.export.source import open_export
+
+    source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
+    kind = args.type or EXPORT_TYPE
+    name = args.name or args.out_dir.name
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.format == "hf":
+        from chatglm_tune.export.hf_dir import write_hf
+
+        write_hf(args.out_dir, source.model, source.tokenizer)
+        return [args.out_dir], source.notes
+    bar = tqdm(unit="tensor", desc=f"{args.format} {kind}")
+    progress = lambda _: bar.update()  # noqa: E731
+    try:
+        if args.format == "gguf":
+            from chatglm_tune.export.gguf_file import write_gguf
+            from chatglm_tune.export.ollama import modelfile
+
+            path = args.out_dir / f"{name}-{kind}.gguf"
+            text = modelfile(source.version.format, path.name, source.run_prompt)  # before the file: it may refuse
+            write_gguf(path, source.model, source.tokenizer, kind, name=name, progress=progress)
+            (args.out_dir / "Modelfile").write_text(text, encoding="utf-8")
+            return [path, args.out_dir / "Modelfile"], source.notes
+        from chatglm_tune.export.ggml_file import official_layout, write_ggml
+
+        path = args.out_dir / f"{name}-{kind}.ggml"
+        config, state = official_layout(source.model)
+        write_ggml(path, source.version.ggml_model_type, config, state.__getitem__, source.tokenizer.sp_model.serialized_model_proto(),
+                   kind, progress=progress)
+        return [path], source.notes
+    finally:
+        bar.close()
+
+
+def how_to_run(args, files: list[Path]) -> str:
+    if args.format == "hf":
+        return (f"run it:  python -c \"from transformers import AutoModelForCausalLM; "
+                f"AutoModelForCausalLM.from_pretrained('{args.out_dir}')\"\n"
+                f"         vllm serve {args.out_dir}")
+    if args.format == "gguf":
+        return (f"run it:  llama-cli -m {files[0]} -cnv     (llama.cpp)\n"
+                f"         cd {args.out_dir} && ollama create {files[0].stem} -f Modelfile && ollama run {files[0].stem}")
+    return f"run it:  chatglm.cpp's  ./build/bin/main -m {files[0]} -i   (Python: chatglm_cpp.Pipeline('{files[0]}'))"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        start = time.perf_counter()
+        files, notes = export(args)
+    except (ValueError, FileNotFoundError) as err:  # CheckpointError, RunDirectoryError, ExportError are ValueErrors
+        print(f"export.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"export.py: interrupted; the file being written was removed ({args.out_dir} keeps what was complete)",
+              file=sys.stderr)
+        sys.exit(130)
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+    for note in notes:
+        print(f"note: {note}")
+    print(f"{args.model_dir}{f' + {args.lora}' if args.lora else ''} -> {', '.join(map(str, files))} "
+          f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): {size / 1e6:,.1f} MB in {seconds:.1f} s")
+    print(how_to_run(args, files))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""export.py: GGUF files read back with gguf-py's reader, transformers-native directories loaded by plain
+transformers in a process that never imports chatglm_tune, chatglm.cpp's GGML layout, the ollama Modelfile,
+and what is refused (P-tuning, INT4 directories, versions a format cannot hold).
+
+llama.cpp and chatglm.cpp themselves run these files in tests/test_export_engines.py (optional builds)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving import ROOT, TEXTS, tiny_model
+
+gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
+
+import export as export_cli  # noqa: E402
+from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.export.ollama import modelfile  # noqa: E402
+from chatglm_tune.models.registry import VERSIONS  # noqa: E402
+from chatglm_tune.export.gguf_file import TYPES  # noqa: E402
+from chatglm_tune.models.glm.weights import gguf_name, to_official  # noqa: E402
+
+GLM_VERSIONS = ("chatglm2", "chatglm3", "glm4")
+LINES = (ROOT / "data" / "spo_train.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def export(*args) -> int:
+    try:
+        export_cli.main([str(a) for a in args])
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("export-models")
+    return {name: tiny_model(name, root / name) for name in (*GLM_VERSIONS, "chatglm")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """train.py runs on tiny GLM-4 and ChatGLM3: full, LoRA on that full run, P-tuning; and the GLM-4 one in INT4."""
+    import quantize as quantize_cli
+    import train as train_cli
+
+    root = tmp_path_factory.mktemp("export-runs")
+    data = root / "data.jsonl"
+    data.write_text("\n".join(LINES[:8]) + "\n", encoding="utf-8")
+    flags = ["--train-file", data, "--max-src-len", 96, "--max-len", 112, "--batch-size", 8, "--threads", 1, "--max-steps", 2]
+    train = lambda *args: train_cli.main([str(a) for a in args]) == 0  # noqa: E731
+    for version, preset in (("glm4", "tiny-glm4"), ("chatglm3", "tiny-chatglm3")):
+        assert train("--model", preset, "--tuning", "full", *flags, "--output-dir", root / f"{version}-full")
+        assert train("--model", root / f"{version}-full", "--tuning", "lora", "--lr", "3e-2", *flags,
+                     "--output-dir", root / f"{version}-lora")
+    assert train("--model", root / "glm4-full", "--tuning", "ptuning", "--pre-seq-len", 4, *flags, "--output-dir", root / "ptuning")
+    quantize_cli.main(["--bits", "4", str(root / "glm4-full"), str(root / "int4")])
+    return root
+
+
+def float_model(directory: Path, lora: Path | None = None):
+    model, tokenizer = loading.load_run(loading.resolve_run(directory, lora=lora))
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """(metadata {key: value}, tensors {name: ReaderTensor}) of a GGUF file."""
+    reader = gguf.GGUFReader(path)
+    return {f.name: f.contents() for f in reader.fields.values()}, {t.name: t for t in reader.tensors}
+
+
+def error_bound(kind: str, source: torch.Tensor) -> torch.Tensor:
+    """The most a value may move when stored in ggml type `kind`: half a step of the format (f16: 2^-11 relative,
+    bf16: 2^-8; q8_0: the block's absmax / 127 / 2), plus the fp16 rounding of the scale. q4_0 maps the block's
+    signed extreme to -8 steps of absmax / 8, so the other sign reaches only +7 steps: up to one whole step."""
+    if kind in ("F32",):
+        return torch.zeros_like(source)
+    if kind in ("F16", "BF16"):
+        return source.abs() * (2 ** -11 if kind == "F16" else 2 ** -8) + 1e-7
+    blocks = source.reshape(-1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / (127 if kind == "Q8_0" else 8)
+    return (step * (0.5 if kind == "Q8_0" else 1.0) + blocks.abs() * 2 ** -10 + 1e-7).expand_as(blocks).reshape(source.shape)
+
+
+@pytest.mark.parametrize("version", GLM_VERSIONS)
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
+    out = tmp_path / "out"
+    assert export(models[version], out, "--type", kind, "--name", "m") == 0
+    meta, tensors = read_gguf(out / f"m-{kind}.gguf")
+    model, tokenizer = float_model(models[version])
+    c = model.config
+    assert meta["general.architecture"] == "chatglm"
+    assert (meta["chatglm.block_count"], meta["chatglm.embedding_length"], meta["chatglm.feed_forward_length"]) == (
+        c.num_hidden_layers, c.hidden_size, c.intermediate_size)
+    assert (meta["chatglm.attention.head_count"], meta["chatglm.attention.head_count_kv"]) == (c.num_attention_heads,
+                                                                                               c.num_key_value_heads)
+    assert meta["chatglm.rope.dimension_count"] == c.head_dim // 2  # rotary on half of each head
+    assert meta["chatglm.rope.freq_base"] == pytest.approx(c.rope_parameters["rope_theta"])
+    assert meta["chatglm.attention.layer_norm_rms_epsilon"] == pytest.approx(c.rms_norm_eps)
+    assert meta["chatglm.context_length"] == c.max_position_embeddings
+    # the tokenizer: one entry per embedding row, the special tokens at their ids, the stop ids
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == c.vocab_size == len(meta["tokenizer.ggml.token_type"])
+    for text, token_id in tokenizer.special_ids.items():
+        assert tokens[token_id] == text
+        assert meta["tokenizer.ggml.token_type"][token_id] == gguf.TokenType.CONTROL
+    assert meta["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
+    stops = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+             if k in meta}
+    assert stops == set(tokenizer.stop_token_ids)
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert meta["tokenizer.ggml.model"] == ("gpt2" if version == "glm4" else "llama")
+    if version == "glm4":
+        assert meta["tokenizer.ggml.pre"] == "chatglm-bpe" and len(meta["tokenizer.ggml.merges"]) > 0
+    else:
+        sp = tokenizer.sp_model
+        assert tokens[:sp.get_piece_size()] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        assert meta["tokenizer.ggml.scores"][5] == pytest.approx(sp.get_score(5))
+    assert "[gMASK]" in meta["tokenizer.chat_template"]
+    # every tensor: llama.cpp's name, the checkpoint's shape, the type asked for, the values within its error
+    official = to_official(model.state_dict())
+    assert set(tensors) == {gguf_name(k) for k in official}
+    for key, source in official.items():
+        t = tensors[gguf_name(key)]
+        expected_type = "F32" if source.dim() == 1 else ("Q8_0" if kind == "q4_0" and key.startswith("transformer.output_layer")
+                                                         else TYPES[kind].name)
+        assert t.tensor_type.name == expected_type, key
+        assert [int(n) for n in reversed(t.shape)] == list(source.shape), key
+        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy()).reshape(source.shape)
+        assert ((values - source).abs() <= error_bound(expected_type, source)).all(), key
+        if expected_type == "F32":
+            assert torch.equal(values, source), key
+
+
+def test_gguf_fuses_qkv_and_the_gated_mlp_in_llama_cpp_order(models, tmp_path):
+    assert export(models["glm4"], tmp_path / "out", "--type", "f16", "--name", "m") == 0
+    _, tensors = read_gguf(tmp_path / "out" / "m-f16.gguf")
+    model, _ = float_model(models["glm4"])
+    layer = model.model.layers[1]
+    qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+    as_stored = lambda name: torch.from_numpy(tensors[name].data.astype("float32").copy())  # noqa: E731
+    assert torch.allclose(as_stored("blk.1.attn_qkv.weight").reshape(qkv.shape), qkv, rtol=1e-3, atol=1e-4)
+    bias = torch.cat([layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias])
+    assert torch.equal(as_stored("blk.1.attn_qkv.bias"), bias)
+    gate_up = layer.mlp.gate_up_proj.weight  # llama.cpp's SwiGLU: silu(first half) * second half
+    assert torch.allclose(as_stored("blk.1.ffn_up.weight").reshape(gate_up.shape), gate_up, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("version", ["glm4", "chatglm3"])
+def test_a_lora_run_is_merged_into_its_base(runs, tmp_path, version):
+    out = tmp_path / "out"
+    assert export(runs / f"{version}-lora", out, "--type", "f16", "--name", "m") == 0
+    _, tensors = read_gguf(out / "m-f16.gguf")
+    merged, _ = float_model(runs / f"{version}-lora")  # the float base + the adapter, merged by peft
+    base, _ = float_model(runs / f"{version}-full")
+    q = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
+    assert not torch.allclose(q(merged), q(base)), "the adapter must change what it targets"
+    qkv = torch.from_numpy(tensors["blk.0.attn_qkv.weight"].data.astype("float32").copy())
+    assert torch.allclose(qkv[: q(merged).shape[0]], q(merged), rtol=1e-3, atol=1e-4)
+
+
+def test_the_modelfile_carries_the_runs_instruction_and_the_stops(runs, tmp_path):
+    assert export(runs / "glm4-lora", tmp_path / "out", "--name", "spo") == 0
+    text = (tmp_path / "out" / "Modelfile").read_text(encoding="utf-8")
+    run_args = json.loads((runs / "glm4-lora" / "run_args.json").read_text(encoding="utf-8"))
+    assert text.splitlines()[1] == "FROM ./spo-f16.gguf"
+    assert run_args["encoding"]["prompt"] in text
+    for stop in ("<|endoftext|>", "<|user|>", "<|observation|>"):
+        assert f'PARAMETER stop "{stop}"' in text
+    plain = modelfile(VERSIONS["chatglm3"].format, "x.gguf")
+    assert plain.startswith("FROM ./x.gguf\n") and "[gMASK]sop" in plain and "INSTRUCTION" not in plain
+    assert "{{ if and $last" not in plain  # no empty condition left where no instruction goes
+    with pytest.raises(ValueError, match="ollama TEMPLATE"):
+        modelfile(VERSIONS["glm4"].format, "x.gguf", 'say """ this')
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers-native directories
+
+LOAD_ELSEWHERE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+directory, ids, texts, messages = json.loads(sys.stdin.read())
+model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(directory)
+with torch.no_grad():
+    logits = [model(torch.tensor([i])).logits[0].tolist() for i in ids]
+print(json.dumps({"class": type(model).__name__, "logits": logits,
+                  "encoded": [tokenizer.encode(t, add_special_tokens=False) for t in texts],
+                  "with_start": tokenizer.encode(texts[0]),
+                  "chat": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False)),
+                  "imported": sorted(m for m in sys.modules if m.startswith("chatglm"))}))
+"""
+
+
+@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora"])
+def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, source):
+    directory = runs / source if source.endswith("lora") else models[source]
+    out = tmp_path / "hf"
+    assert export(directory, out, "--format", "hf") == 0
+    model, tokenizer = float_model(directory)
+    texts = TEXTS[:40]
+    ids = [tokenizer.get_prefix_tokens() + tokenizer.encode_text(t)[:30] for t in texts[:3]]
+    messages = [{"role": "user", "content": texts[5]}]
+    with torch.no_grad():
+        expected = [model(torch.tensor([i])).logits[0] for i in ids]
+    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE], input=json.dumps([str(out), ids, texts, messages]),
+                          capture_output=True, text=True, cwd=out, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["class"] == "GlmForCausalLM" and got["imported"] == []
+    assert max((torch.tensor(g) - e).abs().max().item() for g, e in zip(got["logits"], expected)) < 1e-4
+    assert got["encoded"] == [tokenizer.encode_text(t) for t in texts]
+    assert got["with_start"] == tokenizer.get_prefix_tokens() + tokenizer.encode_text(texts[0])
+    assert got["chat"] == tokenizer.prompt_format.chat_ids(tokenizer, messages)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "glm" and config["architectures"] == ["GlmForCausalLM"]
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == list(tokenizer.stop_token_ids)
+
+
+def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():
+    """The real ChatGLM2/3 tokenizer.model is a SentencePiece BPE (the tiny ones are unigram)."""
+    real = ROOT.parent / "shared" / "assets" / "chatglm3" / "tokenizer.model"
+    if not real.is_file():
+        pytest.skip("the real ChatGLM3 tokenizer.model is not in this checkout")
+    from chatglm_tune.export.hf_dir import _sentencepiece_backend, sentencepiece_model_type
+    from chatglm_tune.models.glm.sp_tokenizer import ChatGLM3Tokenizer
+
+    tokenizer = ChatGLM3Tokenizer(str(real))
+    assert sentencepiece_model_type(tokenizer.sp_model) == "bpe"
+    backend = _sentencepiece_backend(tokenizer)
+    texts = TEXTS + ["Hello world, a test.  Two spaces\n\nand\ttabs", "数字123456和English混合", "😀 emoji ü ß"]
+    assert [backend.encode(t).ids for t in texts] == [tokenizer.encode_text(t) for t in texts]
+
+
+def test_chatglm6b_hf_export_is_the_official_layout(models, tmp_path):
+    out = tmp_path / "hf"
+    assert export(models["chatglm"], out, "--format", "hf") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "chatglm" and (out / "ice_text.model").is_file()
+    model, _ = float_model(models["chatglm"])
+    again, _ = float_model(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# chatglm.cpp's GGML file
+
+
+def read_ggml(path: Path) -> tuple[tuple, dict]:
+    """(header ints, {name: (shape, ggml type, data offset)}) of a chatglm.cpp GGML file."""
+    data = path.read_bytes()
+    assert data[:4] == b"ggml"
+    model_type, version, qtype = struct.unpack_from("iii", data, 4)
+    record = struct.unpack_from("iiiiiififiii", data, 16)
+    at = 16 + 48
+    (proto_len,) = struct.unpack_from("i", data, at)
+    at += 4 + proto_len
+    tensors = {}
+    while at < len(data):
+        (name_len,) = struct.unpack_from("i", data, at)
+        name = data[at + 4: at + 4 + name_len].decode()
+        at += 4 + name_len
+        (ndim,) = struct.unpack_from("i", data, at)
+        *shape, ttype = struct.unpack_from("i" * (ndim + 1), data, at + 4)
+        at = (at + 4 * (ndim + 2) + 15) // 16 * 16
+        size = int(torch.tensor(shape).prod())
+        nbytes = {0: 4 * size, 1: 2 * size, 8: size // 32 * 34, 2: size // 32 * 18}[ttype]
+        tensors[name] = (tuple(shape), ttype, at)
+        at += nbytes
+    return (model_type, version, qtype, *record), tensors
+
+
+@pytest.mark.parametrize("version", ["chatglm", "chatglm3"])
+def test_ggml_file_has_chatglm_cpps_layout(models, tmp_path, version):
+    out = tmp_path / "out"
+    assert export(models[version], out, "--format", "ggml", "--type", "q8_0", "--name", "m") == 0
+    header, tensors = read_ggml(out / "m-q8_0.ggml")
+    model, _ = float_model(models[version])
+    assert header[:3] == ({"chatglm": 1, "chatglm3": 3}[version], 2, 8)
+    assert header[3] == model.config.vocab_size and header[4] == model.config.hidden_size
+    state = model.state_dict() if version == "chatglm" else to_official(model.state_dict())
+    expected = {k for k in state if k != "lm_head.weight" and "rotary" not in k}
+    assert set(tensors) == expected
+    for name, (shape, ttype, _) in tensors.items():
+        assert shape == tuple(state[name].shape) and ttype == (8 if state[name].dim() == 2 else 0), name
+
+
+# ----------------------------------------------------------------------------------------------
+# what is refused
+
+
+def test_what_cannot_be_exported_says_why(models, runs, tmp_path, capsys):
+    cases = [
+        ((runs / "ptuning", tmp_path / "a"), "no engine .* takes a KV prefix"),
+        ((runs / "int4", tmp_path / "b"), "stored in INT4 .*made from .*export its float source"),
+        ((models["chatglm"], tmp_path / "c"), "no llama.cpp architecture.*--format ggml"),
+        ((models["glm4"], tmp_path / "d", "--format", "ggml"), "use --format gguf"),
+        ((models["glm4"], tmp_path / "e", "--format", "hf", "--type", "q4_0"), "--type applies to gguf and ggml"),
+        ((models["glm4"], models["chatglm3"]), "not an empty directory"),
+    ]
+    for args, message in cases:
+        capsys.readouterr()
+        assert export(*args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("export.py: error: ") and "Traceback" not in err
+        assert __import__("re").search(message, err), err
+    assert not any((tmp_path / n).exists() and any((tmp_path / n).iterdir()) for n in "abcde")
