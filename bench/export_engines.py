@@ -88,7 +88,8 @@ def export_file(run: Path, out: Path, fmt: str, kind: str) -> Path:
     return out / f"m-{kind}.{fmt}"
 
 
-def test_strings(tokenizer, n_plain: int) -> list[str]:
+def sample_strings(n_plain: int) -> list[str]:
+    """`n_plain` strings to tokenize: the edge cases, then the dev records' texts and answers, shuffled (seed 0)."""
     lines = [json.loads(line) for line in (REPO / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()]
     texts = [r["text"] for r in lines] + [r["answer"] for r in lines]
     random.Random(0).shuffle(texts)
@@ -133,7 +134,7 @@ def check_llama(run: Path, lora: bool, work: Path, n_plain: int, n_chat: int, n_
     model, tokenizer = source.model, source.tokenizer
     files = {kind: export_file(run, work / f"{run.name}-{kind}", "gguf", kind) for kind in ("f16", "q8_0", "q4_0")}
     llm = llama_cpp.Llama(str(files["f16"]), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
-    plain = test_strings(tokenizer, n_plain)
+    plain = sample_strings(n_plain)
     plain_equal = sum(llm.tokenize(t.encode(), add_bos=False, special=False) == tokenizer.encode_text(t) for t in plain)
     template = llm.metadata["tokenizer.chat_template"]
     from jinja2 import Template

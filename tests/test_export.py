@@ -229,6 +229,8 @@ def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, sou
     assert config["model_type"] == "glm" and config["architectures"] == ["GlmForCausalLM"]
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == list(tokenizer.stop_token_ids)
+    sampling = tokenizer.prompt_format.chat_sampling
+    assert (generation["top_p"], generation["temperature"]) == (sampling.top_p, sampling.temperature)
 
 
 def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():

@@ -1,12 +1,14 @@
 """A merged model as a transformers-native directory: what plain transformers, vLLM, SGLang and TGI load.
 
 ChatGLM2/3 and GLM-4 become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
-`glm-4-9b-chat-hf` is): config.json in transformers' fields (plus `rope_theta` and `partial_rotary_factor` at
-the top level, where transformers 4 reads them), generation_config.json with the version's stop ids as
-`eos_token_id`, safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused), and the tokenizer as
-`tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, `[gMASK]` and the start token put first by its
-post-processor, the version's Jinja chat template in tokenizer_config.json). Loading needs no remote code and
-no `import chatglm_tune`.
+`glm-4-9b-chat-hf` is):
+- config.json in transformers' fields, plus `rope_theta` and `partial_rotary_factor` at the top level, where
+  transformers 4 reads them;
+- generation_config.json: the version's stop ids as `eos_token_id`, the official chat()'s sampling;
+- safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused);
+- the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, `[gMASK]` and the start token put
+  first by its post-processor) and the version's Jinja chat template in tokenizer_config.json.
+Loading needs no remote code and no `import chatglm_tune`.
 
 The tokenizer.json of ChatGLM2/3 is their SentencePiece model in `tokenizers` terms: each text piece between
 special tokens gets SentencePiece's "▁" in front and spaces become "▁" (SentencePiece's identity normalization
@@ -44,7 +46,7 @@ def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> 
     return {"files": sorted(p.name for p in out.iterdir())}
 
 
-def glm_config(config) -> dict:
+def transformers_config(config) -> dict:
     """transformers' `GlmConfig` fields of a ChatGLM2/3 / GLM-4 config, as config.json holds them."""
     rope = dict(config.rope_parameters)
     return {"architectures": ["GlmForCausalLM"], "model_type": "glm", **{k: getattr(config, k) for k in GLM_FIELDS},
@@ -54,14 +56,15 @@ def glm_config(config) -> dict:
 
 
 def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int) -> None:
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("prefix_encoder.")}
+    state = model.state_dict()  # transformers' own keys (a P-tuning prefix never reaches export)
     checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes)
-    config = glm_config(model.config)
+    config = transformers_config(model.config)
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    stops = list(tokenizer.stop_token_ids)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"eos_token_id": stops, "pad_token_id": tokenizer.pad_token_id,
-                                                 "do_sample": True, "top_p": 0.8, "temperature": 0.8})
+    sampling = tokenizer.prompt_format.chat_sampling  # the official chat()'s
+    _write_json(out / "generation_config.json", {
+        "eos_token_id": list(tokenizer.stop_token_ids), "pad_token_id": tokenizer.pad_token_id,
+        "do_sample": sampling.do_sample, "top_p": sampling.top_p, "temperature": sampling.temperature, "top_k": sampling.top_k})
     backend = _sentencepiece_backend(tokenizer) if hasattr(tokenizer, "sp_model") else _glm4_backend(tokenizer)
     names = {i: t for t, i in tokenizer.special_ids.items()}
     start = " ".join(names[i] for i in tokenizer.get_prefix_tokens())  # "[gMASK] sop" / "[gMASK] <sop>"
