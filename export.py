@@ -88,7 +88,7 @@ def export(args) -> tuple[list[Path], list[str]]:
 
             path = args.out_dir / f"{name}-{kind}.gguf"
             text = modelfile(source.version.format, path.name, source.run_prompt)  # before the file: it may refuse
-            write_gguf(path, source.model, source.tokenizer, kind, name=name, progress=progress)
+            write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name, progress=progress)
             (args.out_dir / "Modelfile").write_text(text, encoding="utf-8")
             return [path, args.out_dir / "Modelfile"], source.notes
         from chatglm_tune.export.ggml_file import official_layout, write_ggml

@@ -71,9 +71,9 @@ GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16 flash attention, which f
 Step records accumulate in `peer_steps.json` (bench/results at full size; ChatGLM3-6B: `peer-chatglm3_steps.json`);
 `report` (`bench/peer_report.py`) writes `peer.json` (the reported shape: the fastest honest setting of each
 variant at the reported thread count, chatglm.cpp's and llama.cpp's runs beside) and `peer.md` (every run, the files
-written, the steps not run), or `peer-chatglm3.json` / `.md`. Every process stays under ~14 GB (bf16, cpp f16,
-llama f16 and the GGUF exports, which hold the whole fp16 model and one converted tensor beside it, are the largest,
-about 13 GB); run one at a time. Disk at full size: the checkpoint (12.5 GB) and each peer's three files (GGML and
+written, the steps not run), or `peer-chatglm3.json` / `.md`. Every process stays under ~14 GB (bf16, cpp f16 and
+llama f16 are the largest, about 13 GB; the GGUF exports read the checkpoint a tensor at a time, about 2.5 GB); run
+one at a time. Disk at full size: the checkpoint (12.5 GB) and each peer's three files (GGML and
 GGUF: about 22.6 GB each).
 """
 

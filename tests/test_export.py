@@ -143,6 +143,24 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
             assert torch.equal(values, source), key
 
 
+@pytest.mark.parametrize("kind", ["f16", "q4_0"])
+def test_a_model_directory_streams_into_the_same_gguf_as_the_loaded_model(models, tmp_path, kind):
+    """export.py writes a model directory's GGUF from its files, never loading the model: the tensors are those a
+    GGUF of the loaded model holds, byte for byte."""
+    from chatglm_tune.export.gguf_file import write_gguf
+    from chatglm_tune.export.source import open_export
+    from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors
+
+    streamed = open_export(models["glm4"], form="gguf")
+    assert streamed.model is None and isinstance(streamed.tensors, CheckpointTensors)
+    model, tokenizer = float_model(models["glm4"])
+    write_gguf(tmp_path / "files.gguf", streamed.config, streamed.tokenizer, streamed.tensors, kind)
+    write_gguf(tmp_path / "model.gguf", model.config, tokenizer, ModelTensors(model), kind)
+    (meta_a, a), (meta_b, b) = read_gguf(tmp_path / "files.gguf"), read_gguf(tmp_path / "model.gguf")
+    assert set(a) == set(b) and all(bytes(a[n].data.tobytes()) == bytes(b[n].data.tobytes()) for n in a)
+    assert {k: v for k, v in meta_a.items() if k != "general.name"} == {k: v for k, v in meta_b.items() if k != "general.name"}
+
+
 def test_gguf_fuses_qkv_and_the_gated_mlp_in_llama_cpp_order(models, tmp_path):
     assert export(models["glm4"], tmp_path / "out", "--type", "f16", "--name", "m") == 0
     _, tensors = read_gguf(tmp_path / "out" / "m-f16.gguf")

@@ -12,8 +12,9 @@ What llama.cpp's `chatglm` graph reads, and what is written here for it:
   nibbles), quantized by gguf-py exactly as ggml's reference quantizer; a q4_0 file keeps the head in Q8_0 (llama.cpp's own
   q4_0 keeps it above 4 bits, in Q6_K, which gguf-py cannot write). A matrix whose rows are not whole blocks
   stays F16.
-Tensors are converted and written one at a time (quantized in slices of rows): beside the model, memory holds
-one tensor. The file is written under a temporary name and renamed when complete.
+Tensors are converted and written one at a time (quantized in slices of rows), from a loaded model or straight
+from an official checkpoint's files (export/tensors.py): beside their source, memory holds one tensor. The file is
+written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from chatglm_tune.export.gguf_vocab import add_vocab
-from chatglm_tune.models.glm.weights import gguf_name, to_official
+from chatglm_tune.models.glm.weights import gguf_name
 
 ARCH = "chatglm"
 TYPES = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> ggml type of the matrices
@@ -82,22 +83,22 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
     writer.add_file_type(FILE_TYPES[kind])
 
 
-def write_gguf(path: Path, model, tokenizer, kind: str, *, name: str = "", progress: Callable[[str], None] = lambda n: None) -> dict:
-    """Write `model` (a float ChatGLM2/3 or GLM-4 `GlmForCausalLM`) and `tokenizer` as the GGUF file `path`;
-    {"tensors": n, "bytes": size}. `progress(name)` is called after each tensor."""
+def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "",
+               progress: Callable[[str], None] = lambda n: None) -> dict:
+    """Write a ChatGLM2/3 or GLM-4 model (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of
+    its float tensors under official keys) as the GGUF file `path`; {"tensors": n, "bytes": size}.
+    `progress(name)` is called after each tensor."""
     if kind not in TYPES:
         raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
-    state = to_official(model.state_dict())
-    plan = [(gguf_name(key), key) for key in state]
+    plan = [(key, gguf_name(key), shape) for key, shape in tensors.shapes()]
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
         writer.add_name(name or path.stem)
-        hyperparameters(writer, model.config, kind)
-        add_vocab(writer, tokenizer, rows=model.config.vocab_size)
+        hyperparameters(writer, config, kind)
+        add_vocab(writer, tokenizer, rows=config.vocab_size)
         writer.add_chat_template(tokenizer.prompt_format.chat_template(tokenizer))
-        for tensor_name, key in plan:
-            shape = tuple(state[key].shape)
+        for _, tensor_name, shape in plan:
             qtype = tensor_type(tensor_name, shape, kind)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
@@ -105,9 +106,10 @@ def write_gguf(path: Path, model, tokenizer, kind: str, *, name: str = "", progr
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for tensor_name, key in plan:
-            tensor = state.pop(key).detach()
-            writer.write_tensor_data(encode(tensor, tensor_type(tensor_name, tuple(tensor.shape), kind)))
+        for (key, tensor_name, shape), (got, tensor) in zip(plan, tensors, strict=True):
+            if got != key or tuple(tensor.shape) != shape:
+                raise ValueError(f"{got} {list(tensor.shape)} came where the header holds {key} {list(shape)}")
+            writer.write_tensor_data(encode(tensor, tensor_type(tensor_name, shape, kind)))
             progress(tensor_name)
         writer.close()
         os.replace(tmp, path)

@@ -7,8 +7,10 @@ Refused, with the reason and what works instead:
   token; no engine (llama.cpp, ollama, transformers' generate, vLLM) takes a KV prefix;
 - a directory stored in INT8/INT4 (quantize.py's output, an official -int4 model): its weights are already
   rounded in a layout only this toolkit and the official code read; export the float source, with a `--type`.
-A QLoRA run (a LoRA adapter trained on a base quantized at load) merges into the float base: the adapter
-learned against rounded weights, so the merged float model differs from what the run evaluated by that rounding.
+A model directory or a full run in the official layout goes into a GGUF file straight from its weight files
+(`export.tensors`), without loading the model. A QLoRA run (a LoRA adapter trained on a base quantized at
+load) merges into the float base: the adapter learned against rounded weights, so the merged float model
+differs from what the run evaluated by that rounding.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatglm_tune import loading
+from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, is_official_checkpoint
 from chatglm_tune.loading import ModelSource
 from chatglm_tune.models import registry
 from chatglm_tune.models.version import Version
@@ -30,7 +33,9 @@ class ExportError(ValueError):
 
 @dataclass
 class Exportable:
-    model: object  # in eval mode, float weights, any adapter merged
+    model: object | None  # in eval mode, float weights, any adapter merged; None: read from the files (`tensors`)
+    config: object  # the model's config (transformers' GlmConfig for ChatGLM2/3 and GLM-4)
+    tensors: object | None  # for a GGUF file: an `export.tensors` source of the official tensors
     tokenizer: object
     version: Version
     source: ModelSource
@@ -61,21 +66,27 @@ def check_exportable(source: ModelSource) -> None:
 
 def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None = None) -> Exportable:
     """The model of `model_dir` (+ `lora`), its adapter merged, in `dtype` ("auto": as stored), with its tokenizer.
-    `form` ("gguf", "hf", "ggml"): refuse, before any weight is read, a version that cannot be written so."""
+    `form` ("gguf", "hf", "ggml"): refuse, before any weight is read, a version that cannot be written so. A GGUF
+    file of an official-layout checkpoint with no adapter is written from its files (`tensors`): the model is not
+    loaded."""
     source = loading.resolve_run(model_dir, lora=lora)
     check_exportable(source)
-    refusal = registry.of_directory(source.base).export_refusals.get(form)
+    version = registry.of_directory(source.base)
+    refusal = version.export_refusals.get(form)
     if refusal:
         raise ExportError(refusal)
     notes = []
     if source.lora_dir is not None and source.quantization_bit:
         notes.append(f"{source.lora_dir} trained on its base quantized to INT{source.quantization_bit} at load (QLoRA); it "
                      "is merged into the float base, which differs from the weights it trained against by that rounding")
-    model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)
     tokenizer = loading.load_tokenizer(source)
-    version = registry.of_config(model.config)
-    version.check_tokenizer(tokenizer, model.config)
-    return Exportable(model, tokenizer, version, source, notes)
+    if form == "gguf" and source.lora_dir is None and is_official_checkpoint(source.base):
+        model, config, tensors = None, version.config_class.from_pretrained(source.base), CheckpointTensors(source.base)
+    else:
+        model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)
+        config, tensors = model.config, (ModelTensors(model) if form == "gguf" else None)
+    version.check_tokenizer(tokenizer, config)
+    return Exportable(model, config, tensors, tokenizer, version, source, notes)
 
 
 def require_new_directory(out: Path) -> None:

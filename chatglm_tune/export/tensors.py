@@ -1,0 +1,61 @@
+"""The tensors a GGUF file is written from, under their official keys, in one order for the header and the data.
+
+- `ModelTensors`: a loaded model's (a LoRA run merged into its base), q/k/v re-fused (`weights.to_official`).
+- `CheckpointTensors`: an official-layout checkpoint directory read as it lies, one weight file open at a time,
+  each tensor in the file's own dtype: what a model directory or a full fine-tuning run needs, without loading the
+  model (the memory of one tensor, not of the model). `is_official_checkpoint` says whether a directory is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from chatglm_tune.checkpoint import iter_tensors, weight_files
+from chatglm_tune.models.glm.weights import IGNORED, gguf_name, to_official
+
+
+class ModelTensors:
+    def __init__(self, model):
+        self.state = to_official(model.state_dict())
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(key, tuple(t.shape)) for key, t in self.state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((key, t.detach()) for key, t in self.state.items())
+
+
+class CheckpointTensors:
+    def __init__(self, directory: Path):
+        self.files = weight_files(directory)
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(key, shape) in the order `__iter__` gives the tensors, read from the files' headers only."""
+        out = []
+        for file in self.files:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as f:
+                    out += [(key, tuple(f.get_slice(key).get_shape())) for key in f.keys() if not IGNORED.match(key)]
+            else:  # a weights-only torch file, memory-mapped: its tensors are not read here
+                out += [(key, tuple(t.shape)) for key, t in iter_tensors(file) if not IGNORED.match(key)]
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            for key, tensor in iter_tensors(file):
+                if not IGNORED.match(key):
+                    yield key, tensor
+
+
+def is_official_checkpoint(directory: Path) -> bool:
+    """Whether every tensor of the directory's weights has an official ChatGLM2/3 / GLM-4 key with a GGUF name."""
+    try:
+        for key, _ in CheckpointTensors(directory).shapes():
+            gguf_name(key)
+    except ValueError:
+        return False
+    return True
