@@ -1,6 +1,6 @@
 """What the tokenizers of every model family share: the pair layout (`pair_inputs`) and the special-tokens
-mask read off it, the left-padding rule, where `save_vocabulary` writes, and training and saving a small
-SentencePiece model.
+mask read off it, the left-padding rule, where `save_vocabulary` writes, training and saving a small
+SentencePiece model, and reading what a SentencePiece model is (its model type, its dummy prefix).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import sentencepiece as spm
+
+SPIECE = "\u2581"  # SentencePiece's space
 
 
 def require_left_padding(padding_side: str, prompts: str) -> None:
@@ -58,3 +60,51 @@ def train_sentencepiece(sentences: Iterable[str], output_dir: str | Path, file_n
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(model.getvalue())
     return path
+
+
+def adds_dummy_prefix(sp) -> bool:
+    """Whether a SentencePiece model puts "▁" before a text (its normalizer's add_dummy_prefix), read from how it
+    encodes one."""
+    return sp.encode("a", out_type=str)[0].startswith(SPIECE)
+
+
+def sentencepiece_model_type(sp) -> str:
+    """"unigram", "bpe", "word" or "char": `trainer_spec.model_type` read from the serialized model (protobuf
+    field 2 of the model, field 3 of it; read here without the protobuf package)."""
+    data = sp.serialized_model_proto()
+    spec = _field(data, 2)
+    kind = _field(spec, 3) if spec is not None else None
+    return {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(kind if kind is not None else 1, "unigram")
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _field(data: bytes, number: int):
+    """The first value of field `number` in a protobuf message: bytes (length-delimited) or int (varint)."""
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+        elif wire == 2:
+            length, at = _varint(data, at)
+            value, at = data[at:at + length], at + length
+        elif wire == 5:
+            value, at = data[at:at + 4], at + 4
+        elif wire == 1:
+            value, at = data[at:at + 8], at + 8
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if field == number:
+            return value
+    return None

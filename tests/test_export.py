@@ -256,8 +256,9 @@ def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():
     real = ROOT.parent / "shared" / "assets" / "chatglm3" / "tokenizer.model"
     if not real.is_file():
         pytest.skip("the real ChatGLM3 tokenizer.model is not in this checkout")
-    from chatglm_tune.export.hf_dir import _sentencepiece_backend, sentencepiece_model_type
+    from chatglm_tune.export.hf_dir import _sentencepiece_backend
     from chatglm_tune.models.glm.sp_tokenizer import ChatGLM3Tokenizer
+    from chatglm_tune.tokenizing import sentencepiece_model_type
 
     tokenizer = ChatGLM3Tokenizer(str(real))
     assert sentencepiece_model_type(tokenizer.sp_model) == "bpe"

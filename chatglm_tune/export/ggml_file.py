@@ -17,10 +17,9 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import gguf
 from gguf import GGMLQuantizationType as Q
 
-from chatglm_tune.export.gguf_file import encode
+from chatglm_tune.export.gguf_file import encode, stored_type
 
 GGML_TYPES = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> the matrices' ggml type
 CHATGLM6B = 1  # chatglm.cpp's model type of ChatGLM-6B (2, 3: ChatGLM2, ChatGLM3; the `Version`s say theirs)
@@ -73,7 +72,7 @@ def write_ggml(out: Path, model_type: int, config: dict, tensor: Callable, token
             f.write(struct.pack("i", len(tokenizer_proto)) + tokenizer_proto)
             for key, matrix in keys:
                 t = tensor(key)
-                ttype = qtype if matrix and t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16 if matrix else Q.F32
+                ttype = stored_type(qtype, tuple(t.shape)) if matrix else Q.F32
                 f.write(struct.pack("i", len(key.encode())) + key.encode())
                 f.write(struct.pack("i" * (2 + t.dim()), t.dim(), *t.shape, int(ttype)))
                 f.seek((f.tell() + 15) // 16 * 16)

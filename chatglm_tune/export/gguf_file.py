@@ -40,13 +40,18 @@ SLICE_WEIGHTS = 1 << 22  # weights quantized at a time (16 MB of float32)
 
 def tensor_type(name: str, shape: tuple[int, ...], kind: str) -> Q:
     """The ggml type a tensor is stored in for `--type kind`."""
-    if len(shape) == 1:
-        return Q.F32
     qtype = TYPES[kind]
     if qtype == Q.Q4_0 and name == "output.weight":
         qtype = Q.Q8_0
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    return qtype if shape[-1] % block == 0 else Q.F16
+    return stored_type(qtype, shape)
+
+
+def stored_type(qtype: Q, shape: tuple[int, ...]) -> Q:
+    """`qtype` for a matrix whose rows are whole blocks of it; F16 for another matrix; F32 for a vector (norms,
+    biases)."""
+    if len(shape) == 1:
+        return Q.F32
+    return qtype if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
 
 
 def encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:

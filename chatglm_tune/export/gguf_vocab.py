@@ -19,6 +19,8 @@ import json
 import gguf
 from gguf import TokenType
 
+from chatglm_tune.tokenizing import adds_dummy_prefix
+
 
 def add_vocab(writer: gguf.GGUFWriter, tokenizer, rows: int) -> None:
     """Write the tokenizer (SentencePiece: ChatGLM2/3; byte-level BPE: GLM-4) padded to `rows` entries (the
@@ -60,7 +62,7 @@ def _sentencepiece(writer, tokenizer) -> tuple[list[bytes], list[int], list[floa
         types.append(TokenType.CONTROL)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("chatglm-spm")
-    writer.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("\u2581"))
+    writer.add_add_space_prefix(adds_dummy_prefix(sp))
     return tokens, types, scores
 
 

@@ -28,11 +28,11 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from chatglm_tune import checkpoint
+from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 
 GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "hidden_act", "attention_dropout", "max_position_embeddings",
               "rms_norm_eps", "attention_bias", "pad_token_id")
-SPIECE = "\u2581"
 
 
 def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> dict:
@@ -95,7 +95,7 @@ def _sentencepiece_backend(tokenizer) -> Tokenizer:
     else:
         model = models.Unigram(pieces, unk_id=sp.unk_id(), byte_fallback=True)
     backend = Tokenizer(model)
-    dummy_prefix = sp.encode("a", out_type=str)[0].startswith(SPIECE)
+    dummy_prefix = adds_dummy_prefix(sp)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE, prepend_scheme="always" if dummy_prefix else "never",
                                                      split=False)
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE, " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -115,48 +115,6 @@ def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
             if left in vocab and right in vocab:
                 merges.append((rank, vocab[left], vocab[right], left, right))
     return [(left, right) for *_, left, right in sorted(merges)]
-
-
-def sentencepiece_model_type(sp) -> str:
-    """"unigram", "bpe", "word" or "char": `trainer_spec.model_type` read from the serialized model (protobuf
-    field 2 of the model, field 3 of it; read here without the protobuf package)."""
-    data = sp.serialized_model_proto()
-    spec = _field(data, 2)
-    kind = _field(spec, 3, varint=True) if spec is not None else None
-    return {1: "unigram", 2: "bpe", 3: "word", 4: "char"}.get(kind if kind is not None else 1, "unigram")
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def _field(data: bytes, number: int, varint: bool = False):
-    """The first value of field `number` in a protobuf message: bytes (length-delimited) or int (varint)."""
-    at = 0
-    while at < len(data):
-        key, at = _varint(data, at)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, at = _varint(data, at)
-        elif wire == 2:
-            length, at = _varint(data, at)
-            value, at = data[at:at + length], at + length
-        elif wire == 5:
-            value, at = data[at:at + 4], at + 4
-        elif wire == 1:
-            value, at = data[at:at + 8], at + 8
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        if field == number:
-            return value
-    return None
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -80,8 +80,9 @@ def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None =
         notes.append(f"{source.lora_dir} trained on its base quantized to INT{source.quantization_bit} at load (QLoRA); it "
                      "is merged into the float base, which differs from the weights it trained against by that rounding")
     tokenizer = loading.load_tokenizer(source)
-    if form == "gguf" and source.lora_dir is None and is_official_checkpoint(source.base):
-        model, config, tensors = None, version.config_class.from_pretrained(source.base), CheckpointTensors(source.base)
+    files = CheckpointTensors(source.base) if form == "gguf" and source.lora_dir is None else None
+    if files is not None and is_official_checkpoint(files):
+        model, config, tensors = None, version.config_class.from_pretrained(source.base), files
     else:
         model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)
         config, tensors = model.config, (ModelTensors(model) if form == "gguf" else None)

@@ -3,7 +3,7 @@
 - `ModelTensors`: a loaded model's (a LoRA run merged into its base), q/k/v re-fused (`weights.to_official`).
 - `CheckpointTensors`: an official-layout checkpoint directory read as it lies, one weight file open at a time,
   each tensor in the file's own dtype: what a model directory or a full fine-tuning run needs, without loading the
-  model (the memory of one tensor, not of the model). `is_official_checkpoint` says whether a directory is one.
+  model (the memory of one tensor, not of the model). `is_official_checkpoint` says whether it holds one.
 """
 
 from __future__ import annotations
@@ -32,9 +32,15 @@ class ModelTensors:
 class CheckpointTensors:
     def __init__(self, directory: Path):
         self.files = weight_files(directory)
+        self._shapes: list[tuple[str, tuple[int, ...]]] | None = None
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(key, shape) in the order `__iter__` gives the tensors, read from the files' headers only."""
+        """(key, shape) in the order `__iter__` gives the tensors, read from the files' headers only (once)."""
+        if self._shapes is None:
+            self._shapes = self._read_shapes()
+        return self._shapes
+
+    def _read_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         out = []
         for file in self.files:
             if file.suffix == ".safetensors":
@@ -51,10 +57,10 @@ class CheckpointTensors:
                     yield key, tensor
 
 
-def is_official_checkpoint(directory: Path) -> bool:
-    """Whether every tensor of the directory's weights has an official ChatGLM2/3 / GLM-4 key with a GGUF name."""
+def is_official_checkpoint(tensors: CheckpointTensors) -> bool:
+    """Whether every tensor of a checkpoint has an official ChatGLM2/3 / GLM-4 key with a GGUF name."""
     try:
-        for key, _ in CheckpointTensors(directory).shapes():
+        for key, _ in tensors.shapes():
             gguf_name(key)
     except ValueError:
         return False

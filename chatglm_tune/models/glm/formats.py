@@ -37,7 +37,7 @@ from chatglm_tune.records import SPORecord
 
 # ollama's Go template: `$last` marks the message the model answers; INSTRUCTION is a run's instruction.
 _GO_LOOP = "{{- range $i, $m := .Messages }}{{- $last := eq (len (slice $.Messages $i)) 1 }}"
-GO_CONTENT = "{{ if and $last (eq $m.Role \"user\") }}INSTRUCTION{{ end }}{{ $m.Content }}"
+_GO_CONTENT = "{{ if and $last (eq $m.Role \"user\") }}INSTRUCTION{{ end }}{{ $m.Content }}"
 
 
 class _GLMFormat(PromptFormat):
@@ -140,7 +140,7 @@ class ChatGLM3Format(_RoleFormat):
         "{% if message['content'] %} {{ message['content'] }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    ollama_template = "[gMASK]sop" + _GO_LOOP + "<|{{ $m.Role }}|>\n " + GO_CONTENT + "{{ end }}<|assistant|>"
+    ollama_template = "[gMASK]sop" + _GO_LOOP + "<|{{ $m.Role }}|>\n " + _GO_CONTENT + "{{ end }}<|assistant|>"
     stop_texts = ("</s>", "<|user|>", "<|observation|>")
 
     def answer_lead(self, tokenizer) -> list[int]:
@@ -174,7 +174,7 @@ class GLM4Format(_RoleFormat):
     title = "GLM-4"
     sop = "<sop>"
     training_time = "2024年"
-    ollama_template = "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + GO_CONTENT + "{{ end }}<|assistant|>"
+    ollama_template = "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>"
     stop_texts = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
     def chat_template(self, tokenizer) -> str:
