@@ -11,9 +11,11 @@ runs its `dequant` path); bitsandbytes LLM.int8() / NF4: `quant.apply.to_bitsand
 Prompts: the version's chat frame (`[gMASK] sop <|user|> ... <|assistant|>`, GLM-4: `<sop>`) around random
 ordinary ids, every row of the batch the same length.
 - `decode`: one call of `run(ids, new_tokens)` (the toolkit's `generation.generate` with eos_token_id=None, or
-  transformers' `generate` with min_new_tokens = max_new_tokens: every row the full count), after a short
-  warm-up call. tok/s = batch x new tokens / the whole call (prefill included); decode tok/s = batch x
-  (new tokens - 1) / (end - start of the second forward): the incremental steps alone.
+  transformers' `generate` with min_new_tokens = max_new_tokens: every row the full count), after a warm-up
+  call of the same shapes (a process's first step at each key length builds a cuDNN attention plan: a 2-token
+  warm-up left ChatGLM3-6B's first bf16 call 3x slow on an H200). tok/s = batch x new tokens / the whole call
+  (prefill included); decode tok/s = batch x (new tokens - 1) / (end - start of the second forward): the
+  incremental steps alone.
 - `train_step`: forward with labels, backward, AdamW step on a batch of rows (the prompt unlabelled, the
   answer labelled), after one warm-up step; the median of the timed steps. Gradient checkpointing where the
   caller switched it on (full-size models).
@@ -135,7 +137,7 @@ def transformers_decoder(twin):
 
 def decode(model, run, ids: torch.Tensor, new_tokens: int) -> dict:
     """Time `run(ids, new_tokens)` (which returns the tokens it generated) on `model`; see the module docstring."""
-    run(ids[:, :16], 2)  # warm-up: kernels, the allocator's blocks
+    run(ids, new_tokens)  # warm-up of the same shapes: kernels, cuDNN attention plans (one per key length), the allocator
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     calls: list[float] = []
