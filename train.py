@@ -35,8 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
     g("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
     g = p.add_argument_group("model").add_argument
-    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or 'tiny' / 'tiny-chatglm3' / "
-      "'tiny-glm4' (a random tiny ChatGLM-6B / ChatGLM3 / GLM-4 and a tokenizer trained on the train file in that "
+    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model directory, or "
+      f"{' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version and a tokenizer trained on the train file in that "
       "version's format; with --tuning full and no other flag, "
       f"the demo settings {TINY_DEMO} and step budgets {TINY_DEMO_STEPS})")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")

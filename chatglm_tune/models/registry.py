@@ -4,6 +4,8 @@
     chatglm2   ChatGLM2-6B       models/glm         transformers' GlmForCausalLM, one prompt format each
     chatglm3   ChatGLM3-6B       models/glm
     glm4       GLM-4-9B          models/glm
+    glm4-0414  GLM-4-0414        models/glm         transformers' Glm4ForCausalLM (a norm after attention and MLP)
+    glm-edge   GLM-Edge          models/glm         transformers' GlmForCausalLM, its own chat template
 
 A config.json is read by each family's `detect` in turn (all of them say `model_type: chatglm`; the
 fields tell them apart); a tokenizer directory first by its tokenizer_config.json class
@@ -34,8 +36,12 @@ TOKENIZER_CLASSES: dict[str, str | None] = {
     "ChatGLM3Tokenizer": "chatglm3",
     "GLM4Tokenizer": "glm4",
     "ChatGLM4Tokenizer": "glm4",
+    "GLM40414Tokenizer": "glm4-0414",
+    "GLMEdgeTokenizer": "glm-edge",
 }
-MODEL_TYPES = (None, "chatglm", "glm")  # config.json's model_type: absent, the official one, glm-4-9b-chat-hf's
+# config.json's model_type: absent, the official one, transformers' GlmForCausalLM (glm-4-9b-chat-hf, GLM-Edge) and
+# Glm4ForCausalLM (GLM-4-0414)
+MODEL_TYPES = (None, "chatglm", "glm", "glm4")
 TOKENIZER_FILES = ("tokenizer_config.json", "ice_text.model", "tokenizer.model", "tokenizer.json")
 
 

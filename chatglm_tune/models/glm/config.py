@@ -1,4 +1,5 @@
-"""ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B config.json <-> transformers' `GlmConfig`, and which version a config is.
+"""ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B config.json <-> transformers' `GlmConfig`, and which version a config is
+(GLM-4-0414 and GLM-Edge too, whose config.json is transformers' own: `transformers_form`).
 
 The official `configuration_chatglm.py` of all three names its fields Megatron-style (`num_layers`,
 `padded_vocab_size`, `kv_channels`, `multi_query_group_num`, `ffn_hidden_size`, `layernorm_epsilon`,
@@ -37,6 +38,14 @@ FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
 QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 GLM4_VOCAB = 151552
+GLM4_PROMPT_START = "[gMASK]<sop>"  # how GLM-4's chat template begins every prompt (GLM-Edge's does not)
+# The versions whose released form is transformers' own (config.json's `model_type`, transformers' key
+# names), with the transformers class they are: their own directories are written back in that form.
+TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm"}
+# transformers' config fields that map one to one (`transformers_form`).
+GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "attention_dropout", "max_position_embeddings",
+              "rms_norm_eps", "attention_bias", "pad_token_id")
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
 # lacks it), read by `glm_config` and written back by `official_config` in this order.
@@ -80,10 +89,13 @@ _OFFICIAL_TEMPLATE = {
 
 
 def detect_version(raw: dict, directory: str | Path | None = None) -> str | None:
-    """"chatglm2", "chatglm3" or "glm4" for a config.json dict of this family (and its directory), else None.
+    """"chatglm2", "chatglm3", "glm4", "glm4-0414" or "glm-edge" for a config.json dict of this family (and its
+    directory), else None.
 
+    transformers' own forms name their class: `model_type: glm4` is GLM-4-0414 (`Glm4ForCausalLM`);
+    `model_type: glm` is glm-4-9b-chat-hf or GLM-Edge (`glm_type_version`).
     ChatGLM-6B says `model_type: chatglm` too, so the fields decide: this family has
-    `multi_query_group_num` / `kv_channels`; a `model_type: glm` config is the glm-4-9b-chat-hf form. GLM-4 has a list of eos ids and a 151552 vocab.
+    `multi_query_group_num` / `kv_channels`. GLM-4 has a list of eos ids and a 151552 vocab.
     ChatGLM2 and ChatGLM3 are one architecture with one SentencePiece model, and their config.json files
     differ only in `_name_or_path`, `seq_length` and `transformers_version`; they are told apart, in this
     order, by: an explicit `chatglm_version` field; `_name_or_path` (config.json, then
@@ -91,8 +103,10 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str | None
     `build_chat_input`); and last `transformers_version` (THUDM wrote ChatGLM2-6B's with 4.27.1, ChatGLM3's
     with 4.30 and later). Only the prompt format depends on the answer; the model is the same.
     """
+    if raw.get("model_type") == "glm4":
+        return "glm4-0414"
     if raw.get("model_type") == "glm":
-        return "glm4"
+        return glm_type_version(raw, directory)
     if not all(k in raw for k in FAMILY_FIELDS):
         return None
     if raw.get("chatglm_version") in ("chatglm2", "chatglm3", "glm4"):
@@ -117,6 +131,45 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str | None
         return "chatglm3" if "build_chat_input" in code.read_text(errors="replace") else "chatglm2"
     written_with = tuple(int(p) for p in str(raw.get("transformers_version", "4.30")).split(".")[:2] if p.isdigit())
     return "chatglm2" if written_with < (4, 30) else "chatglm3"
+
+
+def glm_type_version(raw: dict, directory: str | Path | None = None) -> str:
+    """"glm4" or "glm-edge" for a `model_type: glm` config.json: both are transformers' `GlmForCausalLM`.
+
+    In this order: our own `chatglm_version` field (a directory the toolkit wrote); GLM-4-9B's 151552-token
+    vocabulary (GLM-Edge's has 59264); a `_name_or_path` that names either; the directory's chat template,
+    which for GLM-4 begins every prompt with `[gMASK]<sop>` and for GLM-Edge with the first role token. With
+    none of these (weights and config.json alone), GLM-4.
+    """
+    if raw.get("chatglm_version") in ("glm4", "glm-edge"):
+        return raw["chatglm_version"]
+    if raw.get("vocab_size") == GLM4_VOCAB:
+        return "glm4"
+    name = str(raw.get("_name_or_path", "")).lower()
+    if "edge" in name:
+        return "glm-edge"
+    if "glm-4" in name or "glm4" in name:
+        return "glm4"
+    template = chat_template_of(directory)
+    if template is not None:
+        return "glm4" if GLM4_PROMPT_START in template else "glm-edge"
+    return "glm4"
+
+
+def chat_template_of(directory: str | Path | None) -> str | None:
+    """The chat template a model directory ships (tokenizer_config.json's `chat_template`, or
+    chat_template.jinja), None where it has none."""
+    if directory is None:
+        return None
+    folder = Path(directory) if Path(directory).is_dir() else Path(directory).parent
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        return template.read_text(encoding="utf-8")
+    try:
+        value = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def read_version(raw: dict, directory: str | Path | None = None) -> str:
@@ -176,8 +229,8 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
     """
     if version not in FORMATS:
         raise CheckpointError(f"{version!r} is not a version of this model (one of {', '.join(FORMATS)})")
-    if raw.get("model_type") == "glm":
-        return _hf_config(raw, pre_seq_len, prefix_projection)
+    if raw.get("model_type") in ("glm", "glm4"):
+        return _hf_config(raw, version, pre_seq_len, prefix_projection)
     missing = [official for official, _, default in _FIELDS if default is _REQUIRED and official not in raw]
     if missing:
         raise CheckpointError(f"config.json lacks {', '.join(missing)}")
@@ -204,20 +257,47 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
     )
 
 
-def _hf_config(raw: dict, pre_seq_len: int | None, prefix_projection: bool | None) -> GlmConfig:
-    """The glm-4-9b-chat-hf form: transformers' own fields, plus our P-tuning settings."""
+def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projection: bool | None) -> GlmConfig:
+    """transformers' own form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge): its fields as they are, plus our
+    P-tuning settings. (`Glm4Config` holds the same fields as `GlmConfig`: one config class serves both.)"""
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "model_type")}
     fields["pre_seq_len"] = fields.get("pre_seq_len") if pre_seq_len is None else pre_seq_len
     fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None else prefix_projection)
-    fields["chatglm_version"] = "glm4"
+    fields["chatglm_version"] = version
     fields["official_config"] = None
     fields.update(stored_format(raw))
     fields.pop("torch_dtype", None)  # the compute dtype is the loader's choice
     fields.pop("dtype", None)
     config = ChatGLMFamilyConfig(**fields)
     if config.tie_word_embeddings:
-        raise CheckpointError("config.json ties the embeddings to the head: GLM-4 never does")
+        raise CheckpointError(f"config.json ties the embeddings to the head: {FORMATS[version].title} never does")
     return config
+
+
+def transformers_form(config: GlmConfig, dtype: torch.dtype | None = None, *, toolkit_fields: bool = True) -> dict:
+    """config.json in transformers' own form: `GlmForCausalLM` (`model_type: glm`), or `Glm4ForCausalLM`
+    (`glm4`) for GLM-4-0414; `rope_theta` and `partial_rotary_factor` also at the top level, where transformers 4
+    reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type: glm`),
+    P-tuning settings and INT format where set; without them, what any transformers reads (export)."""
+    model_type = TRANSFORMERS_FORMS.get(config.chatglm_version, "glm")
+    rope = dict(config.rope_parameters)
+    out = {"architectures": ["Glm4ForCausalLM" if model_type == "glm4" else "GlmForCausalLM"], "model_type": model_type,
+           **{k: getattr(config, k) for k in GLM_FIELDS}, "eos_token_id": config.eos_token_id, "tie_word_embeddings": False,
+           "rope_parameters": rope, "rope_theta": rope["rope_theta"],
+           "partial_rotary_factor": rope.get("partial_rotary_factor", 0.5), "use_cache": True}
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    if not toolkit_fields:
+        return out
+    out["chatglm_version"] = config.chatglm_version
+    if getattr(config, "pre_seq_len", None):
+        out.update(pre_seq_len=config.pre_seq_len, prefix_projection=bool(config.prefix_projection))
+    bits = getattr(config, "quantization_bit", 0) or 0
+    if bits:
+        out["quantization_bit"] = bits
+        if getattr(config, "quantization_group_size", 0):
+            out["quantization_group_size"] = config.quantization_group_size
+    return out
 
 
 def stored_format(raw: dict) -> dict:

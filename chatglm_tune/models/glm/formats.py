@@ -1,8 +1,11 @@
-"""The prompt formats of ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B: one model, three ways to talk to it.
+"""The prompt formats of ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414 and GLM-Edge: one family, five ways to
+talk to it.
 
     ChatGLM2-6B  [gMASK] sop prompt "[Round 1]\\n\\n问：{text}\\n\\n答：" | answer </s>     (ptuning/main.py)
     ChatGLM3-6B  [gMASK] sop <|user|> \\n prompt + text <|assistant|> | \\n answer </s>   (finetune_demo)
     GLM-4-9B     [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|> (finetune.py)
+    GLM-4-0414   its chat template: [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> \\n | answer <|user|>
+    GLM-Edge     its chat template: <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|>
 
 Labels start at `|`. A history (earlier turns) comes before the query: ChatGLM2 as its official rounds,
 ChatGLM3 and GLM-4 as user / assistant messages. ChatGLM3 encodes "\\n" and the text after a role token
@@ -205,6 +208,57 @@ class GLM4Format(_RoleFormat):
             return None
 
 
+class TemplateFormat(GLM4Format):
+    """GLM-4-0414 (GLM-Z1) and GLM-Edge: their prompt is their own chat template (tokenizer_config.json or
+    chat_template.jinja), rendered with the record's text as data (`encode_chat`), so a released directory's
+    template is followed as it is written: GLM-4-0414's begins with `[gMASK]<sop>`, GLM-Edge's with the first
+    role token. A trained answer is the text the template writes between its generation prompt and an
+    assistant message's content, then the answer, then `<|user|>`. GLM-Z1 thinks inside `<think>...</think>`:
+    a chat answer keeps what follows it."""
+
+    def __init__(self, name: str, title: str, ollama_template: str):
+        self.name, self.title, self.ollama_template = name, title, ollama_template
+        self._leads: dict[str, str] = {}  # answer_lead_text by chat template
+
+    def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
+        """The template around the history and `prompt + text`; a text too long loses its end, whole characters
+        at a time, until the prompt fits `max_src_len` tokens."""
+        history = [{"role": role, "content": content} for query, response in record.history or ()
+                   for role, content in (("user", query), ("assistant", response))]
+
+        def encode(text: str) -> list[int]:
+            return self.chat_ids(tokenizer, [*history, {"role": "user", "content": options.prompt + text}])
+
+        ids, kept = encode(record.text), record.text
+        while len(ids) > options.max_src_len and kept:
+            kept = kept[: len(kept) - max(1, len(ids) - options.max_src_len)]
+            ids = encode(kept)
+        return ids, kept != record.text
+
+    def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
+        ids = tokenizer.encode_text(self.answer_lead_text(tokenizer) + answer)
+        room = options.answer_budget - 1
+        return ids[:room] + [self.end_id(tokenizer)], len(ids) > room
+
+    def answer_lead_text(self, tokenizer) -> str:
+        """What the template writes after its generation prompt and before an assistant message's content
+        (GLM-Edge: "\n"; a template whose generation prompt ends with "\n": nothing)."""
+        mark = "\ue0f0"  # a private-use character, never in a template
+        user = {"role": "user", "content": "q"}
+        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+        turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": mark}], tokenize=False)
+        before = turn[: turn.index(mark)]
+        if not before.startswith(prompt):
+            raise ValueError(f"{self.title}'s chat template does not continue its generation prompt {prompt[-40:]!r} "
+                             f"with the assistant's message ({before[-40:]!r})")
+        self._leads[tokenizer.chat_template] = before[len(prompt):]
+        return before[len(prompt):]
+
+    def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
+        """As GLM-4's, after the reasoning: what a GLM-Z1 answer writes after `</think>`."""
+        return super().chat_response([text.rpartition("</think>")[2] for text in texts], query, history)
+
+
 def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str,
                           tool_parameters: Callable[[str], object]) -> tuple[str | dict, list[dict]]:
     """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
@@ -237,4 +291,8 @@ def process_chat_response(segments: Sequence[str], history: Sequence[dict], trai
 
 
 CHATGLM2, CHATGLM3, GLM4 = ChatGLM2Format(), ChatGLM3Format(), GLM4Format()
-FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4)}  # the versions of this family, by name
+# ollama's templates of the released chat templates: GLM-4-0414's ends its generation prompt with "\n".
+GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT
+                           + "{{ end }}<|assistant|>\n")
+GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>")
+FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE)}  # the versions of this family, by name

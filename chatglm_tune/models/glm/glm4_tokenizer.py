@@ -42,7 +42,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from chatglm_tune.models.glm.formats import GLM4
+from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
 from chatglm_tune.tokenizing import require_left_padding, vocabulary_path
@@ -288,6 +288,21 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         return (str(path),)
 
 
+class GLM40414Tokenizer(GLM4Tokenizer):
+    """GLM-4-0414's (and GLM-Z1's) tokenizer: GLM-4's BPE and special tokens in a `tokenizer.json`, its own chat
+    template."""
+
+    prompt_format = GLM4_0414
+
+
+class GLMEdgeTokenizer(GLM4Tokenizer):
+    """GLM-Edge's tokenizer: a smaller byte-level BPE with GLM-4's special tokens after it, in a `tokenizer.json`;
+    its chat template starts a prompt with the first role token, so an encode adds no `[gMASK] <sop>`."""
+
+    prefix_texts = ()
+    prompt_format = GLM_EDGE
+
+
 def _token_text(token) -> str:
     """The text of an added token as tokenizer_config.json (a dict) or transformers (AddedToken) holds it."""
     return str(token["content"] if isinstance(token, dict) else getattr(token, "content", token))
@@ -310,14 +325,18 @@ def _unmark(text: str) -> str:
     return text.replace(DATA_OPEN, "").replace(DATA_CLOSE, "")
 
 
-def load_glm4_tokenizer(directory: Path, **kwargs) -> GLM4Tokenizer:
-    """GLM-4's tokenizer from a directory: its tokenizer.json when converted already (preferred to a rank file
-    beside it), else its tiktoken rank file; `kwargs` override tokenizer_config.json."""
+TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer}
+
+
+def load_glm4_tokenizer(directory: Path, version: str = "glm4", **kwargs) -> GLM4Tokenizer:
+    """The tokenizer of a GLM-4, GLM-4-0414 or GLM-Edge directory (`version`): its tokenizer.json when converted
+    already (preferred to a rank file beside it), else its tiktoken rank file; `kwargs` override
+    tokenizer_config.json."""
     files = {"tokenizer_file": directory / TOKENIZER_FILE, "vocab_file": directory / TIKTOKEN_FILE}
     files = {k: str(p) for k, p in files.items() if p.is_file()}
     if "tokenizer_file" in files:
         files.pop("vocab_file", None)
-    return GLM4Tokenizer(**files, **{**glm4_config_kwargs(directory), **kwargs})
+    return TOKENIZER_CLASSES[version](**files, **{**glm4_config_kwargs(directory), **kwargs})
 
 
 def glm4_config_kwargs(directory: Path) -> dict:
@@ -352,6 +371,32 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
     config = glm4_tokenizer_config(len(ranks))
     (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     return load_glm4_tokenizer(output_dir)
+
+
+# The chat templates of the released GLM-4-0414 and GLM-Edge directories without their tool prompts (a tiny
+# tokenizer has none): GLM-4-0414's starts with `[gMASK]<sop>` and ends its generation prompt with "\n"; GLM-Edge's
+# starts with the first role token and always ends with `<|assistant|>`.
+RELEASED_CHAT_TEMPLATES = {
+    "glm4-0414": ("[gMASK]<sop>{%- for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{%- endfor %}"
+                  "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    "glm-edge": ("{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"
+                 "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}{% elif item['role'] == 'assistant' %}"
+                 "<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
+}
+
+
+def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB) -> GLM4Tokenizer:
+    """A small byte-level BPE of `texts` (`train_glm4_bpe`) written as GLM-4-0414 and GLM-Edge are released: a
+    `tokenizer.json` with the special tokens, tokenizer_config.json for transformers' `PreTrainedTokenizerFast`
+    with the version's chat template (`RELEASED_CHAT_TEMPLATES`); no rank file."""
+    output_dir = Path(output_dir)
+    train_glm4_bpe(texts, output_dir, vocab_size=vocab_size).save_vocabulary(str(output_dir))
+    (output_dir / TIKTOKEN_FILE).unlink()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
+              "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
+              "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 128000}
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return load_glm4_tokenizer(output_dir, version)
 
 
 def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:

@@ -1,15 +1,20 @@
-"""ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B on transformers 5's own `GlmForCausalLM`, plus P-tuning v2.
+"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B and GLM-Edge on transformers 5's own `GlmForCausalLM`, GLM-4-0414 on its
+`Glm4ForCausalLM`, plus P-tuning v2.
 
-The three share one architecture (RMSNorm pre-norm blocks, grouped-query attention with a fused
+The first three share one architecture (RMSNorm pre-norm blocks, grouped-query attention with a fused
 biased `query_key_value`, rotary on half of each head with interleaved pairs, SwiGLU with a fused
 `dense_h_to_4h`, untied head), which is transformers' `GlmForCausalLM` with the config of
-config.py: its logits equal the official `modeling_chatglm.py`'s. What this module adds:
-- `GlmForCausalLMWithPrefix`: the official P-tuning v2 prefix (prefix.py) as the first
+config.py: its logits equal the official `modeling_chatglm.py`'s. GLM-Edge is released as a `GlmForCausalLM`
+of other sizes; GLM-4-0414 as a `Glm4ForCausalLM`, the same blocks with a norm after attention and one after the
+MLP, each before its residual add. Their official implementation is transformers' own. What this module adds:
+- `PrefixModel` (mixed into `GlmForCausalLMWithPrefix` and `Glm4ForCausalLMWithPrefix`): the official P-tuning
+  v2 prefix (prefix.py) as the first
   `pre_seq_len` cache entries, real positions from 0 after it, the mask `[ones(P), attention_mask]`;
   positions from `attention_mask` when none are given (cumsum - 1, 0 on pads: a left-padded batch
   gives the official numbers without the tokenizer's `position_ids`);
 - `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, weights.py) and
-  the glm-4-9b-chat-hf form, built on the meta device and filled tensor by tensor (no second copy,
+  transformers' form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge: its class picked by config.json, weights that do
+  not fit it refused), built on the meta device and filled tensor by tensor (no second copy,
   no pickle, no trust_remote_code);
 - INT8/INT4 weight-only quantization of the attention and MLP Linears (`config.QUANTIZABLE_LINEARS`:
   q/k/v, o_proj, gate_up_proj, down_proj as `quant.modules.QuantizedLinear`), in the official ChatGLM2
@@ -19,7 +24,8 @@ config.py: its logits equal the official `modeling_chatglm.py`'s. What this modu
   rows, scales included) or quantizes a half/float one while reading it, `save_official` writes it;
 - with `quantize_embedding`, the untied embedding and head in INT8 too (`QuantizedEmbedding`, a `QuantizedLinear`
   head), quantized as they are read: a runtime form, beyond the official format, that saving refuses;
-- `save_official`: the official key layout and config.json, so an official directory round-trips;
+- `save_official`: the official key layout and config.json, so an official directory round-trips (GLM-4-0414
+  and GLM-Edge: transformers' form, as they are released);
 Layout: batch-first, hidden [b, s, h], cache tensors [b, G, s, D] (transformers' `DynamicCache`).
 References: the official ChatGLM2/3 and GLM-4 checkpoint layout, as the official modeling code names it;
 the official code (ChatGLM2 `syjjhl/chatglm2-6b`, ChatGLM3 `czk1997/chatglm3-copy`);
@@ -34,15 +40,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import GlmConfig, GlmForCausalLM
+from transformers import Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.models.glm.modeling_glm import GlmRotaryEmbedding
 
 from chatglm_tune import checkpoint
 from chatglm_tune.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, check_prefix_config, glm_config, official_config,
-                                            read_version, stored_format)
+from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
+                                            official_config, read_version, stored_format, transformers_form)
 from chatglm_tune.models.glm.prefix import prefix_encoder, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
@@ -67,8 +72,10 @@ def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) ->
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
 
 
-class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
-    """`GlmForCausalLM` that also owns the P-tuning v2 prefix encoder when `config.pre_seq_len` is set.
+class PrefixModel(Chat):
+    """What the toolkit adds to a transformers causal LM of this family: the P-tuning v2 prefix encoder when
+    `config.pre_seq_len` is set, the forward that puts it first in the cache, and official loading and saving.
+    Mixed in before the transformers class (`GlmForCausalLMWithPrefix`, `Glm4ForCausalLMWithPrefix`).
 
     Nothing is frozen here: which parameters train is the training code's decision.
     """
@@ -211,16 +218,34 @@ class GlmForCausalLMWithPrefix(GlmForCausalLM, Chat):
             self.prefix_encoder = encoder.to(self.model.norm.weight.device)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "GlmForCausalLMWithPrefix":
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "PrefixModel":
         """`load_glm` (transformers' own loader knows neither the official keys nor the prefix)."""
         return load_glm(pretrained_model_name_or_path, **kwargs)
 
     def save_pretrained(self, save_directory, state_dict: dict | None = None, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = 2 << 30, **unused) -> None:
-        """`save_official`: official keys and config.json (transformers' saving options are not supported)."""
+        """`save_official`: the version's released layout and config.json (transformers' saving options are
+        not supported)."""
         if any(v is not None for v in unused.values()):
             raise TypeError(f"save_pretrained does not support: {', '.join(sorted(unused))}")
         save_official(self, save_directory, state_dict=state_dict, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+class GlmForCausalLMWithPrefix(PrefixModel, GlmForCausalLM):
+    """ChatGLM2/3, GLM-4 and GLM-Edge: transformers' `GlmForCausalLM` with the P-tuning v2 prefix."""
+
+
+class Glm4ForCausalLMWithPrefix(PrefixModel, Glm4ForCausalLM):
+    """GLM-4-0414 (and GLM-Z1): transformers' `Glm4ForCausalLM` (a norm after attention and after the MLP, before
+    each residual add) with the P-tuning v2 prefix."""
+
+
+MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix}  # by TRANSFORMERS_FORMS' model_type
+
+
+def model_class(version: str) -> type[PrefixModel]:
+    """The model class of a version: GLM-4-0414 is `Glm4ForCausalLM`, every other one `GlmForCausalLM`."""
+    return MODEL_CLASSES[TRANSFORMERS_FORMS.get(version, "glm")]
 
 
 def load_glm(
@@ -234,8 +259,8 @@ def load_glm(
     group_size: int = 0,
     quantization_group_size: int | None = None,
     quantize_embedding: bool = False,
-) -> GlmForCausalLMWithPrefix:
-    """A ChatGLM2/3 or GLM-4 model from a local directory (or weights file beside its config.json).
+) -> PrefixModel:
+    """A ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model from a local directory (or weights file beside its config.json).
 
     dtype: the compute dtype (default float32; "auto" = config.json's `torch_dtype`); the prefix encoder
         stays float32. pre_seq_len / prefix_projection: P-tuning v2 settings, overriding config.json's.
@@ -269,7 +294,7 @@ def load_glm(
     config.name_or_path = str((Path(path) if Path(path).is_dir() else Path(path).parent).resolve())
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
-    official_keys = raw.get("model_type") != "glm"
+    official_keys = raw.get("model_type") not in ("glm", "glm4")  # else transformers' own key names
     rows = qkv_rows(config)
     expected = dict(model.named_parameters())
     for file in checkpoint.weight_files(path):
@@ -285,6 +310,8 @@ def load_glm(
                 pairs = [] if key.endswith("rotary_emb.inv_freq") else [(key, tensor)]
             if pairs is None:
                 raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
+            if not official_keys:
+                _check_architecture(key, file, raw)
             for name, part in pairs:
                 _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
             pages.release(tensor)
@@ -295,21 +322,21 @@ def load_glm(
         if only_prefix_weights(path, OFFICIAL_PREFIX_ENCODER):
             raise CheckpointError(not_a_model(path))
         shown = ", ".join(not_prefix[:8]) + (f" and {len(not_prefix) - 8} more" if len(not_prefix) > 8 else "")
-        raise CheckpointError(f"{path}: missing weights: {shown}")
+        raise CheckpointError(f"{path}: missing weights: {shown}{_sandwich_hint(not_prefix, raw)}")
     if expected:  # a fresh prefix encoder, initialised as the official one is
         model.prefix_encoder = prefix_encoder(config)
-    model.model.rotary_emb = GlmRotaryEmbedding(config=config)  # its buffer was built on the meta device
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was built on the meta device
     config.dtype = dtype
     return model.to(device).eval()
 
 
 def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bool,
-                 int8_embedding: torch.dtype | None) -> tuple[GlmForCausalLMWithPrefix, dict]:
+                 int8_embedding: torch.dtype | None) -> tuple[PrefixModel, dict]:
     """(the model on the meta device, with empty INT layers of the format to load, {module name: layer} of the
     layers that `_place` quantizes into as it reads their float weights: the block Linears of a float
     checkpoint quantized at load, and with `int8_embedding` (the compute dtype) the embedding and head)."""
     with torch.device("meta"):
-        model = GlmForCausalLMWithPrefix(config)
+        model = model_class(config.chatglm_version)(config)
     config.quantization_bit, config.quantization_group_size = 0, 0
     if bits:
         try:
@@ -390,6 +417,24 @@ def _quantize_into(layer: QuantizedLinear | QuantizedEmbedding, name: str, part:
     layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
 
+SANDWICH_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")  # GLM-4-0414's, in every layer
+
+
+def _check_architecture(key: str, file, raw: dict) -> None:
+    """Refuse a weight of GLM-4-0414's extra norms in a `model_type: glm` directory: `GlmForCausalLM` has no place
+    for them, and a model without them would compute something else."""
+    if raw.get("model_type") == "glm" and any(f".{norm}." in key for norm in SANDWICH_NORMS):
+        raise CheckpointError(f"{file}: {key} is a norm of Glm4ForCausalLM (GLM-4-0414), but config.json says "
+                              "model_type glm (GlmForCausalLM, which has none): config.json should say model_type glm4")
+
+
+def _sandwich_hint(missing: list[str], raw: dict) -> str:
+    if raw.get("model_type") == "glm4" and any(norm in name for name in missing for norm in SANDWICH_NORMS):
+        return (" (config.json says model_type glm4, GLM-4-0414's Glm4ForCausalLM with a norm after attention and "
+                "after the MLP; weights without them are a GlmForCausalLM: model_type glm)")
+    return ""
+
+
 def _wrong_type(file, key: str, part: torch.Tensor, target: torch.Tensor, raw: dict) -> str:
     if not part.is_floating_point():
         return (f"{file}: {key} holds {part.dtype} weights but config.json says no quantization_bit; an official "
@@ -399,14 +444,15 @@ def _wrong_type(file, key: str, part: torch.Tensor, target: torch.Tensor, raw: d
 
 
 def save_official(
-    model: GlmForCausalLMWithPrefix,
+    model: PrefixModel,
     directory: str | Path,
     *,
     state_dict: dict[str, torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 << 30,
 ) -> None:
-    """Write `model` as an official checkpoint: config.json + safetensors under the official keys.
+    """Write `model` as an official checkpoint: config.json + safetensors under the official keys (GLM-4-0414 and
+    GLM-Edge, released in transformers' own form: transformers' keys and config.json, `transformers_form`).
 
     state_dict: what to write, in transformers names (default: everything; pass e.g. only the
         `prefix_encoder.*` entries for an official P-tuning checkpoint). dtype: cast floating weights
@@ -423,12 +469,18 @@ def save_official(
     refuse_int8_embedding(state, ("model.embed_tokens.weight_scale", "lm_head.weight_scale"))
     if dtype is not None:
         state = {k: (v.to(dtype) if _castable(k, v) else v) for k, v in state.items()}
-    official = to_official(state)
-    trunk = next((v.dtype for k, v in state.items() if _castable(k, v)), None)
+    trunk = next((v.dtype for k, v in state.items() if _castable(k, v)), None) or model.dtype
+    if model.config.chatglm_version in TRANSFORMERS_FORMS:  # released in transformers' form: written back in it
+        # the prefix under its official key, as every P-tuning checkpoint of the family holds it
+        written = {(OFFICIAL_PREFIX_ENCODER + k.removeprefix(PREFIX_ENCODER) if k.startswith(PREFIX_ENCODER) else k): v
+                   for k, v in state.items()}
+        config = transformers_form(model.config, trunk)
+    else:
+        written, config = to_official(state), official_config(model.config, trunk)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_state_dict(official, directory, max_shard_bytes=max_shard_bytes)
-    text = json.dumps(official_config(model.config, trunk or model.dtype), indent=2) + "\n"
+    checkpoint.save_state_dict(written, directory, max_shard_bytes=max_shard_bytes)
+    text = json.dumps(config, indent=2) + "\n"
     checkpoint.atomic_write(directory / "config.json", lambda p: Path(p).write_text(text))
 
 

@@ -1,7 +1,8 @@
-"""ChatGLM2-6B, ChatGLM3-6B and GLM-4-9B as the rest of the toolkit sees them (`models.version.Version`):
-one model (`modeling.py`: transformers' GlmForCausalLM with the P-tuning prefix), a prompt format each
-(`formats.py`), two tokenizers (SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE
-in `glm4_tokenizer.py`); and how their files are recognised (`detect`, `detect_tokenizer`).
+"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414 and GLM-Edge as the rest of the toolkit sees them
+(`models.version.Version`): one model (`modeling.py`: transformers' GlmForCausalLM, or Glm4ForCausalLM for
+GLM-4-0414, with the P-tuning prefix), a prompt format each (`formats.py`), two tokenizers (SentencePiece for
+ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in `glm4_tokenizer.py`, which GLM-4-0414 and GLM-Edge
+ship as a `tokenizer.json`); and how their files are recognised (`detect`, `detect_tokenizer`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatglm_tune.models.glm.config import (LORA_TARGETS, QUANTIZABLE_LINEARS, ChatGLMFamilyConfig, detect_version, glm_config,
+from chatglm_tune.models.glm.config import (LORA_TARGETS, QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, ChatGLMFamilyConfig,
+                                            GLM4_PROMPT_START, chat_template_of, detect_version, glm_config,
                                             mismatch_hint)
-from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4
+from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.version import Version
 
 
@@ -78,7 +80,7 @@ class GLM4Version(GLMVersion):
         """GLM-4's tokenizer (official rank file, `-hf` tokenizer.json, or saved)."""
         from chatglm_tune.models.glm.glm4_tokenizer import load_glm4_tokenizer
 
-        return load_glm4_tokenizer(_directory(directory), **kwargs)
+        return load_glm4_tokenizer(_directory(directory), self.name, **kwargs)
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
         """A byte-level BPE rank file of `corpus` (`train_glm4_bpe`)."""
@@ -91,10 +93,54 @@ class GLM4Version(GLMVersion):
         return tokenizer.stop_token_ids
 
 
+@dataclass(frozen=True)
+class ReleasedFormVersion(GLM4Version):
+    """GLM-4-0414 (`Glm4ForCausalLM`) and GLM-Edge (`GlmForCausalLM`): released in transformers' own form
+    (transformers' keys and config.json, a `tokenizer.json` with the chat template), which the toolkit reads and
+    writes as it is (`config.TRANSFORMERS_FORMS`)."""
+
+    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
+        """A byte-level BPE of `corpus` in a `tokenizer.json`, with the version's chat template
+        (`train_released_bpe`)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import train_released_bpe
+
+        train_released_bpe(corpus, directory, self.name)
+
+    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): 2 layers of this
+        architecture in transformers' config fields, the tokenizer as the version is released."""
+        from chatglm_tune.models.glm.modeling import model_class
+
+        directory = Path(directory)
+        if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
+            self.train_tokenizer(corpus, directory)
+        tokenizer = self.load_tokenizer(directory)
+        raw = {"model_type": TRANSFORMERS_FORMS[self.name], "num_hidden_layers": 2, "hidden_size": 128,
+               "num_attention_heads": 8, "head_dim": 16, "num_key_value_heads": 8, "intermediate_size": 384,
+               "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "attention_bias": True,
+               "max_position_embeddings": 512, "eos_token_id": tokenizer.stop_token_ids,
+               "pad_token_id": tokenizer.pad_token_id, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+               "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name, **config_overrides}
+        return model_class(self.name)(glm_config(raw, version=self.name)), tokenizer
+
+
+_NO_GGML = "chatglm.cpp's {} file is not written here: use --format gguf (llama.cpp, ollama)"
 VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_model_type=3),
-            GLM4Version(GLM4, export_refusals={"ggml": "chatglm.cpp's GLM-4 file is not written here: use --format gguf "
-                                                       "(llama.cpp, ollama)"}))
+            GLM4Version(GLM4, export_refusals={"ggml": _NO_GGML.format("GLM-4")}),
+            ReleasedFormVersion(GLM4_0414, export_refusals={"ggml": _NO_GGML.format("GLM-4-0414")}),
+            ReleasedFormVersion(GLM_EDGE, export_refusals={"ggml": _NO_GGML.format("GLM-Edge")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
+
+
+def _tokenizer_json_version(directory: Path) -> str:
+    """GLM-4, GLM-4-0414 or GLM-Edge for a tokenizer.json with GLM-4's special tokens: the config.json beside it
+    where there is one (`detect_version`), else the chat template (GLM-Edge's starts with no `[gMASK]<sop>`)."""
+    raw = _read_json(directory / "config.json")
+    version = detect_version(raw, directory) if raw else None
+    if version in ("glm4", "glm4-0414", "glm-edge"):
+        return version
+    template = chat_template_of(directory)
+    return "glm-edge" if template is not None and GLM4_PROMPT_START not in template else "glm4"
 
 
 def load_glm_tokenizer(directory: str | Path, version: str, **kwargs):
@@ -133,7 +179,7 @@ def detect_tokenizer(directory: str | Path) -> str | None:
     if (directory / TOKENIZER_FILE).is_file():
         added = {t.get("content") for t in _read_json(directory / TOKENIZER_FILE).get("added_tokens", [])}
         if {"[gMASK]", "<sop>", "<|user|>"} <= added:
-            return "glm4"
+            return _tokenizer_json_version(directory)
     if model_file.is_file():
         names = [str(config.get(k, "")) for k in ("name_or_path", "_name_or_path")]
         names.append(str(_read_json(directory / "config.json").get("_name_or_path", "")))

@@ -1,0 +1,206 @@
+"""GLM-4-0414 (transformers' `Glm4ForCausalLM`) and GLM-Edge (`GlmForCausalLM` with its own chat template): the two
+versions released in transformers' own form, whose official implementation is transformers' own.
+
+Each test model is a tiny random model built and saved by transformers itself (`save_pretrained`), with random norm
+weights (ones would hide a missing or misplaced norm), and a small byte-level BPE tokenizer written as these models
+ship it (`tokenizer.json`, tokenizer_config.json with the chat template):
+- the toolkit loads the directory as the right version and class, and gives transformers' logits (fp32, max |diff|
+  < 1e-5) with and without left padding, and transformers' greedy ids;
+- a directory whose weights do not fit the class its config.json names is refused, saying which;
+- P-tuning v2: pre_seq_len 0 is no prefix, a prefix changes the output, save + load gives the same logits;
+- saving writes transformers' form back (transformers loads it), INT8 / INT4 included;
+- the tokenizer round-trips, and its chat prompts are transformers' `apply_chat_template` on the same
+  `tokenizer.json`; a training row is the template's conversation with the record's text as data.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast
+
+from chatglm_tune import from_pretrained
+from chatglm_tune.batches import encode_record, prompt_ids
+from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.generation import generate
+from chatglm_tune.models import registry
+from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, train_released_bpe
+from chatglm_tune.models.glm.modeling import Glm4ForCausalLMWithPrefix, GlmForCausalLMWithPrefix
+from chatglm_tune.options import EncodingOptions
+from chatglm_tune.records import SPORecord
+from test_versions import assert_record_text_is_data
+
+CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", "Hello world, the fan turns slowly: 42.", "水泵_部件故障_漏油"] * 10
+ARCHITECTURES = {"glm4-0414": (Glm4Config, Glm4ForCausalLM, Glm4ForCausalLMWithPrefix),
+                 "glm-edge": (GlmConfig, GlmForCausalLM, GlmForCausalLMWithPrefix)}
+NO_INSTRUCTION = EncodingOptions(prompt="")
+
+
+def released(directory, version: str, seed: int = 0):
+    """A tiny random model of `version` saved by transformers itself, and its tokenizer, in `directory`."""
+    config_class, model_class, _ = ARCHITECTURES[version]
+    tokenizer = train_released_bpe(CORPUS, directory, version)
+    config = config_class(vocab_size=len(tokenizer) + 10, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                          partial_rotary_factor=0.5, rope_theta=10000.0, eos_token_id=tokenizer.stop_token_ids,
+                          pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def tiny(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    model, tokenizer = released(directory, request.param)
+    return request.param, directory, model, tokenizer
+
+
+def batch(tokenizer, pad: bool):
+    """[2, 10] ids (row 0 left-padded by 3 when `pad`), their mask and positions (cumsum - 1, 0 on pads)."""
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if pad:
+        ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("pad", (False, True))
+def test_logits_equal_transformers(tiny, pad):
+    version, directory, reference, tokenizer = tiny
+    ours = from_pretrained(directory)
+    assert type(ours) is ARCHITECTURES[version][2] and ours.config.chatglm_version == version
+    ids, mask, positions = batch(tokenizer, pad)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask).logits
+        want = reference(ids, attention_mask=mask, position_ids=positions).logits
+    assert (got - want)[mask.bool()].abs().max() < 1e-5
+
+
+def test_greedy_ids_equal_transformers(tiny):
+    _, directory, reference, tokenizer = tiny
+    ours = from_pretrained(directory)
+    ids, mask, _ = batch(tokenizer, pad=True)
+    stops = tokenizer.stop_token_ids  # config.json's eos ids, which transformers stops on
+    new = generate(ours, ids, mask, max_new_tokens=12, eos_token_id=stops)
+    with torch.no_grad():
+        theirs = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:].tolist()
+    assert new == [row[: len(mine)] for row, mine in zip(theirs, new)]
+    assert all(len(mine) == 12 or mine[-1] in stops for mine in new)
+
+
+def test_detection_names_each_kind_of_directory(tiny, tmp_path):
+    version, directory, _, _ = tiny
+    assert registry.of_directory(directory).name == version and registry.detect_tokenizer(directory) == version
+    assert type(registry.load_tokenizer(directory)).prompt_format.name == version
+    config = json.loads((directory / "config.json").read_text())
+    # a GlmForCausalLM directory of GLM-4-9B's vocabulary, or with GLM-4's template, is glm-4-9b-chat-hf
+    if version == "glm-edge":
+        assert registry.detect({**config, "vocab_size": 151552}) == "glm4"
+        glm4 = tmp_path / "glm4-template"
+        glm4.mkdir()
+        (glm4 / "chat_template.jinja").write_text(RELEASED_CHAT_TEMPLATES["glm4-0414"])
+        assert registry.detect(config, glm4) == "glm4" and registry.detect(config, tmp_path / "none") == "glm4"
+
+
+def test_weights_of_the_other_class_are_refused(tmp_path):
+    glm4_dir, glm_dir = tmp_path / "glm4", tmp_path / "glm"
+    released(glm4_dir, "glm4-0414")
+    released(glm_dir, "glm-edge")
+    wrong = tmp_path / "wrong-type"  # Glm4ForCausalLM weights under model_type glm
+    wrong.mkdir()
+    save_file(load_file(glm4_dir / "model.safetensors"), wrong / "model.safetensors")
+    (wrong / "config.json").write_text(json.dumps({**json.loads((glm4_dir / "config.json").read_text()), "model_type": "glm"}))
+    with pytest.raises(CheckpointError, match="post_(self_attn|mlp)_layernorm.*Glm4ForCausalLM.*model_type glm4"):
+        from_pretrained(wrong)
+    missing = tmp_path / "missing-norms"  # GlmForCausalLM weights under model_type glm4
+    missing.mkdir()
+    save_file(load_file(glm_dir / "model.safetensors"), missing / "model.safetensors")
+    (missing / "config.json").write_text(json.dumps({**json.loads((glm_dir / "config.json").read_text()), "model_type": "glm4"}))
+    with pytest.raises(CheckpointError, match="missing weights.*post_self_attn_layernorm.*model_type glm\\)"):
+        from_pretrained(missing)
+
+
+def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
+    _, directory, _, tokenizer = tiny
+    ids, mask, _ = batch(tokenizer, pad=True)
+    plain = from_pretrained(directory)
+    with torch.no_grad():
+        want = plain(ids, attention_mask=mask).logits
+        assert torch.equal(from_pretrained(directory, pre_seq_len=0)(ids, attention_mask=mask).logits, want)
+        tuned = from_pretrained(directory, pre_seq_len=4, prefix_projection=True)
+        tuned.prefix_encoder.embedding.weight.normal_(0, 1.0)
+        got = tuned(ids, attention_mask=mask).logits
+    assert (got - want)[mask.bool()].abs().max() > 1e-3  # the prefix changes the output
+    tuned.save_pretrained(tmp_path / "full")  # the whole model, prefix included
+    saved = load_file(tmp_path / "full" / "model.safetensors")
+    assert "transformer.prefix_encoder.embedding.weight" in saved and "model.layers.0.self_attn.q_proj.weight" in saved
+    prefix_only = tmp_path / "prefix"
+    tuned.save_pretrained(prefix_only, state_dict={k: v for k, v in tuned.state_dict().items() if k.startswith("prefix_encoder.")})
+    again = from_pretrained(directory)
+    again.load_prefix(prefix_only)
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(tmp_path / "full")(ids, attention_mask=mask).logits, got)
+        assert torch.equal(again(ids, attention_mask=mask).logits, got)
+
+
+def test_saving_writes_transformers_form_back(tiny, tmp_path):
+    version, directory, reference, tokenizer = tiny
+    ids, mask, positions = batch(tokenizer, pad=True)
+    from_pretrained(directory).save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == json.loads((directory / "config.json").read_text())["model_type"]
+    assert config["chatglm_version"] == version
+    _, model_class, _ = ARCHITECTURES[version]
+    with torch.no_grad():  # transformers reads it back as its own
+        again = model_class.from_pretrained(tmp_path / "saved").eval()
+        assert torch.equal(again(ids, attention_mask=mask, position_ids=positions).logits,
+                           reference(ids, attention_mask=mask, position_ids=positions).logits)
+    for bits in (8, 4):
+        quantized = from_pretrained(directory, quantization_bit=bits)
+        quantized.save_pretrained(tmp_path / f"int{bits}")
+        stored = json.loads((tmp_path / f"int{bits}" / "config.json").read_text())
+        assert stored["quantization_bit"] == bits and stored["model_type"] == config["model_type"]
+        assert "model.layers.0.mlp.gate_up_proj.weight_scale" in load_file(tmp_path / f"int{bits}" / "model.safetensors")
+        with torch.no_grad():
+            assert torch.equal(from_pretrained(tmp_path / f"int{bits}")(ids, attention_mask=mask).logits,
+                               quantized(ids, attention_mask=mask).logits)
+
+
+def test_tokenizer_round_trips_and_chats_as_transformers(tiny):
+    _, directory, _, tokenizer = tiny
+    fast = PreTrainedTokenizerFast.from_pretrained(directory)
+    for text in CORPUS[:3] + ["未见过的字：鑫龘 ünïcode\n\n  x"]:
+        assert tokenizer.encode_text(text) == fast.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(tokenizer.encode_text(text)) == text
+    conversations = ([{"role": "user", "content": "水泵漏油。"}],
+                     [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "你好"},
+                      {"role": "assistant", "content": "水泵_部件故障_漏油"}, {"role": "user", "content": "再来 one"}])
+    for messages in conversations:
+        want = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert tokenizer.prompt_format.chat_ids(tokenizer, messages) == want
+
+
+def test_training_rows_are_the_templates_conversation(tiny):
+    version, directory, _, tokenizer = tiny
+    fast = PreTrainedTokenizerFast.from_pretrained(directory)
+    record = SPORecord("水泵漏油。", None, response="水泵_部件故障_漏油")
+    row, prompt = encode_record(record, tokenizer, NO_INSTRUCTION), prompt_ids(record, tokenizer, NO_INSTRUCTION)
+    user = {"role": "user", "content": record.text}
+    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False)
+    conversation = fast.apply_chat_template([user, {"role": "assistant", "content": record.response}], tokenize=True,
+                                            return_dict=False)
+    if version == "glm-edge":  # its template always ends with <|assistant|>, which a trained answer does not
+        conversation = conversation[:-1]
+    end = tokenizer.get_command("<|user|>")
+    assert list(row.input_ids) == conversation + [end] and row.labels[: len(prompt)] == (-100,) * len(prompt)
+    assert_record_text_is_data(tokenizer, version, version)
+    short = prompt_ids(SPORecord("水泵漏油。" * 20, None), tokenizer, EncodingOptions(prompt="", max_src_len=24))
+    assert len(short) <= 24 and short[-1] == prompt[-1]  # a long text loses its end, the template keeps its own
