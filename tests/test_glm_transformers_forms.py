@@ -172,6 +172,11 @@ def test_saving_writes_transformers_form_back(tiny, tmp_path):
         with torch.no_grad():
             assert torch.equal(from_pretrained(tmp_path / f"int{bits}")(ids, attention_mask=mask).logits,
                                quantized(ids, attention_mask=mask).logits)
+    small = from_pretrained(directory, quantization_bit=4, quantize_embedding=True)  # the INT8 embedding and head too
+    with torch.no_grad():
+        got = small(ids, attention_mask=mask).logits
+        want = reference(ids, attention_mask=mask, position_ids=positions).logits
+    assert (got.argmax(-1) == want.argmax(-1))[mask.bool()].float().mean() > 0.7
 
 
 def test_tokenizer_round_trips_and_chats_as_transformers(tiny):

@@ -11,7 +11,8 @@ A config.json is read by each family's `detect` in turn (all of them say `model_
 fields tell them apart); a tokenizer directory first by its tokenizer_config.json class
 (`TOKENIZER_CLASSES`), then by its files. A loaded tokenizer names its version through its prompt
 format (`tokenizer.prompt_format`), a model through its config (`config.chatglm_version`; ChatGLM-6B's
-config class has none). Adding a version of a family is one line here and its folder under `models/`.
+config class has none). A family lists its versions, model types and tokenizer classes itself: adding a version
+to a family touches only its folder under `models/` (and the table above); a new family is one line here.
 """
 
 from __future__ import annotations
@@ -25,23 +26,15 @@ from chatglm_tune.models.glm import versions as glm
 from chatglm_tune.models.version import Version
 
 VERSIONS: dict[str, Version] = {v.name: v for v in (chatglm6b.CHATGLM6B, *glm.VERSIONS)}
-FAMILIES = (chatglm6b, glm)  # each has detect(config dict, directory) and detect_tokenizer(directory)
+# each has detect(config dict, directory), detect_tokenizer(directory) and MODEL_TYPES; glm has TOKENIZER_CLASSES
+FAMILIES = (chatglm6b, glm)
 
-# tokenizer_config.json's `tokenizer_class`: ours (one a version), and the official ones: "ChatGLMTokenizer"
-# is the official name of ChatGLM-6B's, ChatGLM2's and ChatGLM3's alike (None: the files decide), and
-# "ChatGLM4Tokenizer" GLM-4's. Every name here is registered with transformers' AutoTokenizer.
-TOKENIZER_CLASSES: dict[str, str | None] = {
-    "ChatGLMTokenizer": None,
-    "ChatGLM2Tokenizer": "chatglm2",
-    "ChatGLM3Tokenizer": "chatglm3",
-    "GLM4Tokenizer": "glm4",
-    "ChatGLM4Tokenizer": "glm4",
-    "GLM40414Tokenizer": "glm4-0414",
-    "GLMEdgeTokenizer": "glm-edge",
-}
-# config.json's model_type: absent, the official one, transformers' GlmForCausalLM (glm-4-9b-chat-hf, GLM-Edge) and
-# Glm4ForCausalLM (GLM-4-0414)
-MODEL_TYPES = (None, "chatglm", "glm", "glm4")
+# tokenizer_config.json's `tokenizer_class`: "ChatGLMTokenizer" is the official name of ChatGLM-6B's, ChatGLM2's and
+# ChatGLM3's alike (None: the files decide); each family names its own classes and the official ones of its
+# versions (`TOKENIZER_CLASSES`). Every name here is registered with transformers' AutoTokenizer.
+TOKENIZER_CLASSES: dict[str, str | None] = {"ChatGLMTokenizer": None, **glm.TOKENIZER_CLASSES}
+# config.json's model_type: absent, or one a family reads
+MODEL_TYPES = (None, *dict.fromkeys(t for family in FAMILIES for t in family.MODEL_TYPES))
 TOKENIZER_FILES = ("tokenizer_config.json", "ice_text.model", "tokenizer.model", "tokenizer.json")
 
 

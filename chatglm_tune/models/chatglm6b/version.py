@@ -59,6 +59,9 @@ class ChatGLM6B(Version):
 CHATGLM6B = ChatGLM6B()
 
 
+MODEL_TYPES = ("chatglm",)  # config.json's model_type (what the registry reads of this family)
+
+
 def detect(raw: dict, directory=None) -> str | None:
     """"chatglm" for a ChatGLM-6B config.json dict, else None."""
     return FORMAT.name if raw.get("model_type") != "glm" and any(k in raw for k in CONFIG_FIELDS) else None

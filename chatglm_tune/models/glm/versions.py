@@ -130,6 +130,12 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
             ReleasedFormVersion(GLM4_0414, export_refusals={"ggml": _NO_GGML.format("GLM-4-0414")}),
             ReleasedFormVersion(GLM_EDGE, export_refusals={"ggml": _NO_GGML.format("GLM-Edge")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
+# What the registry reads of this family: config.json's model_type of its versions (the official one, and
+# transformers' GlmForCausalLM and Glm4ForCausalLM), and tokenizer_config.json's tokenizer_class of each version
+# (ours, and the official GLM-4 one).
+MODEL_TYPES = ("chatglm", "glm", "glm4")
+TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
+                     "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge"}
 
 
 def _tokenizer_json_version(directory: Path) -> str:
