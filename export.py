@@ -8,8 +8,8 @@
 
 What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
 exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
-float source and choose --type). GGUF holds ChatGLM2/3 and GLM-4 (llama.cpp's `chatglm` architecture);
-llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty; files are
+float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture)
+and GLM-4-0414 (`glm4`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty; files are
 written under temporary names and renamed when complete. GGUF and GGML need the `export` extra
 (`pip install -e ".[export]"`: gguf-py).
 """

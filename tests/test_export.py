@@ -1,6 +1,7 @@
 """export.py: GGUF files read back with gguf-py's reader, transformers-native directories loaded by plain
 transformers in a process that never imports chatglm_tune, chatglm.cpp's GGML layout, the ollama Modelfile,
-and what is refused (P-tuning, INT4 directories, versions a format cannot hold).
+and what is refused (P-tuning, INT4 directories, versions a format cannot hold). GLM-4-0414 and GLM-Edge, released
+in transformers' own form, go through the same checks (GGUF at f16 and q8_0: llama.cpp's `glm4` and `chatglm`).
 
 llama.cpp and chatglm.cpp themselves run these files in tests/test_export_engines.py (optional builds)."""
 
@@ -22,11 +23,14 @@ gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pi
 import export as export_cli  # noqa: E402
 from chatglm_tune import loading  # noqa: E402
 from chatglm_tune.export.ollama import modelfile  # noqa: E402
+from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.models.registry import VERSIONS  # noqa: E402
 from chatglm_tune.export.gguf_file import TYPES  # noqa: E402
 from chatglm_tune.models.glm.weights import gguf_name, to_official  # noqa: E402
 
 GLM_VERSIONS = ("chatglm2", "chatglm3", "glm4")
+RELEASED_FORMS = ("glm4-0414", "glm-edge")  # in transformers' own form: transformers' keys, tokenizer.json
+ARCHES = {"glm4-0414": "glm4"}  # llama.cpp's architecture where it is not `chatglm`
 LINES = (ROOT / "data" / "spo_train.jsonl").read_text(encoding="utf-8").splitlines()
 
 
@@ -41,12 +45,13 @@ def export(*args) -> int:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export-models")
-    return {name: tiny_model(name, root / name) for name in (*GLM_VERSIONS, "chatglm")}
+    return {name: tiny_model(name, root / name) for name in (*GLM_VERSIONS, *RELEASED_FORMS, "chatglm")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """train.py runs on tiny GLM-4 and ChatGLM3: full, LoRA on that full run, P-tuning; and the GLM-4 one in INT4."""
+    """train.py runs on tiny GLM-4, ChatGLM3 and GLM-4-0414: full, LoRA on that full run; P-tuning; and the GLM-4
+    one in INT4."""
     import quantize as quantize_cli
     import train as train_cli
 
@@ -55,7 +60,7 @@ def runs(tmp_path_factory) -> Path:
     data.write_text("\n".join(LINES[:8]) + "\n", encoding="utf-8")
     flags = ["--train-file", data, "--max-src-len", 96, "--max-len", 112, "--batch-size", 8, "--threads", 1, "--max-steps", 2]
     train = lambda *args: train_cli.main([str(a) for a in args]) == 0  # noqa: E731
-    for version, preset in (("glm4", "tiny-glm4"), ("chatglm3", "tiny-chatglm3")):
+    for version, preset in (("glm4", "tiny-glm4"), ("chatglm3", "tiny-chatglm3"), ("glm4-0414", "tiny-glm4-0414")):
         assert train("--model", preset, "--tuning", "full", *flags, "--output-dir", root / f"{version}-full")
         assert train("--model", root / f"{version}-full", "--tuning", "lora", "--lr", "3e-2", *flags,
                      "--output-dir", root / f"{version}-lora")
@@ -67,6 +72,13 @@ def runs(tmp_path_factory) -> Path:
 def float_model(directory: Path, lora: Path | None = None):
     model, tokenizer = loading.load_run(loading.resolve_run(directory, lora=lora))
     return model, tokenizer
+
+
+def checkpoint_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under its version's released keys: official (q/k/v fused) for ChatGLM2/3 and GLM-4,
+    transformers' own for GLM-4-0414 and GLM-Edge."""
+    state = model.state_dict()
+    return state if model.config.chatglm_version in RELEASED_FORMS else to_official(state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,23 +104,25 @@ def error_bound(kind: str, source: torch.Tensor) -> torch.Tensor:
     return (step * (0.5 if kind == "Q8_0" else 1.0) + blocks.abs() * 2 ** -10 + 1e-7).expand_as(blocks).reshape(source.shape)
 
 
-@pytest.mark.parametrize("version", GLM_VERSIONS)
-@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("version,kind", [(v, k) for v in GLM_VERSIONS for k in TYPES]
+                         + [(v, k) for v in RELEASED_FORMS for k in ("f16", "q8_0")])
 def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
     out = tmp_path / "out"
     assert export(models[version], out, "--type", kind, "--name", "m") == 0
     meta, tensors = read_gguf(out / f"m-{kind}.gguf")
     model, tokenizer = float_model(models[version])
     c = model.config
-    assert meta["general.architecture"] == "chatglm"
-    assert (meta["chatglm.block_count"], meta["chatglm.embedding_length"], meta["chatglm.feed_forward_length"]) == (
+    arch = ARCHES.get(version, "chatglm")
+    assert meta["general.architecture"] == arch
+    assert (meta[f"{arch}.block_count"], meta[f"{arch}.embedding_length"], meta[f"{arch}.feed_forward_length"]) == (
         c.num_hidden_layers, c.hidden_size, c.intermediate_size)
-    assert (meta["chatglm.attention.head_count"], meta["chatglm.attention.head_count_kv"]) == (c.num_attention_heads,
+    assert (meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]) == (c.num_attention_heads,
                                                                                                c.num_key_value_heads)
-    assert meta["chatglm.rope.dimension_count"] == c.head_dim // 2  # rotary on half of each head
-    assert meta["chatglm.rope.freq_base"] == pytest.approx(c.rope_parameters["rope_theta"])
-    assert meta["chatglm.attention.layer_norm_rms_epsilon"] == pytest.approx(c.rms_norm_eps)
-    assert meta["chatglm.context_length"] == c.max_position_embeddings
+    assert meta[f"{arch}.attention.key_length"] == meta[f"{arch}.attention.value_length"] == c.head_dim
+    assert meta[f"{arch}.rope.dimension_count"] == c.head_dim // 2  # rotary on half of each head
+    assert meta[f"{arch}.rope.freq_base"] == pytest.approx(c.rope_parameters["rope_theta"])
+    assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(c.rms_norm_eps)
+    assert meta[f"{arch}.context_length"] == c.max_position_embeddings
     # the tokenizer: one entry per embedding row, the special tokens at their ids, the stop ids
     tokens = meta["tokenizer.ggml.tokens"]
     assert len(tokens) == c.vocab_size == len(meta["tokenizer.ggml.token_type"])
@@ -119,21 +133,28 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
     stops = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
              if k in meta}
     assert stops == set(tokenizer.stop_token_ids)
-    assert meta["tokenizer.ggml.add_bos_token"] is False
-    assert meta["tokenizer.ggml.model"] == ("gpt2" if version == "glm4" else "llama")
-    if version == "glm4":
-        assert meta["tokenizer.ggml.pre"] == "chatglm-bpe" and len(meta["tokenizer.ggml.merges"]) > 0
+    assert meta["tokenizer.ggml.add_bos_token"] is False and "tokenizer.ggml.bos_token_id" not in meta
+    assert meta["tokenizer.ggml.model"] == ("llama" if version in ("chatglm2", "chatglm3") else "gpt2")
+    if meta["tokenizer.ggml.model"] == "gpt2":  # GLM-4's regex, under the name llama.cpp gives it in the architecture
+        assert meta["tokenizer.ggml.pre"] == ("glm4" if arch == "glm4" else "chatglm-bpe")
+        assert len(meta["tokenizer.ggml.merges"]) > 0
     else:
         sp = tokenizer.sp_model
         assert tokens[:sp.get_piece_size()] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
         assert meta["tokenizer.ggml.scores"][5] == pytest.approx(sp.get_score(5))
-    assert "[gMASK]" in meta["tokenizer.chat_template"]
+    template = meta["tokenizer.chat_template"]
+    assert template == tokenizer.prompt_format.chat_template(tokenizer)
+    assert ("[gMASK]" in template) == (version != "glm-edge")  # GLM-Edge's prompts start with the first role token
     # every tensor: llama.cpp's name, the checkpoint's shape, the type asked for, the values within its error
-    official = to_official(model.state_dict())
-    assert set(tensors) == {gguf_name(k) for k in official}
-    for key, source in official.items():
+    state = checkpoint_state(model)
+    assert set(tensors) == {gguf_name(k) for k in state}
+    layer = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.0.")}
+    attention = {"attn_q.weight", "attn_k.weight", "attn_v.weight"} if version in RELEASED_FORMS else {"attn_qkv.weight"}
+    sandwich = {"post_attention_norm.weight", "post_ffw_norm.weight"}  # GLM-4-0414's norms after attention / the MLP
+    assert attention <= layer and layer & sandwich == (sandwich if version == "glm4-0414" else set())
+    for key, source in state.items():
         t = tensors[gguf_name(key)]
-        expected_type = "F32" if source.dim() == 1 else ("Q8_0" if kind == "q4_0" and key.startswith("transformer.output_layer")
+        expected_type = "F32" if source.dim() == 1 else ("Q8_0" if kind == "q4_0" and gguf_name(key) == "output.weight"
                                                          else TYPES[kind].name)
         assert t.tensor_type.name == expected_type, key
         assert [int(n) for n in reversed(t.shape)] == list(source.shape), key
@@ -141,19 +162,22 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
         assert ((values - source).abs() <= error_bound(expected_type, source)).all(), key
         if expected_type == "F32":
             assert torch.equal(values, source), key
+    modelfile_text = (out / "Modelfile").read_text(encoding="utf-8")
+    assert modelfile_text.startswith(f"FROM ./m-{kind}.gguf\n")
+    assert all(f'PARAMETER stop "{stop}"' in modelfile_text for stop in tokenizer.prompt_format.stop_texts)
 
 
-@pytest.mark.parametrize("kind", ["f16", "q4_0"])
-def test_a_model_directory_streams_into_the_same_gguf_as_the_loaded_model(models, tmp_path, kind):
-    """export.py writes a model directory's GGUF from its files, never loading the model: the tensors are those a
-    GGUF of the loaded model holds, byte for byte."""
+@pytest.mark.parametrize("version,kind", [("glm4", "f16"), ("glm4", "q4_0"), ("glm4-0414", "q8_0"), ("glm-edge", "f16")])
+def test_a_model_directory_streams_into_the_same_gguf_as_the_loaded_model(models, tmp_path, version, kind):
+    """export.py writes a model directory's GGUF from its files, never loading the model (an official checkpoint, or
+    one in transformers' own form): the tensors are those a GGUF of the loaded model holds, byte for byte."""
     from chatglm_tune.export.gguf_file import write_gguf
     from chatglm_tune.export.source import open_export
     from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors
 
-    streamed = open_export(models["glm4"], form="gguf")
+    streamed = open_export(models[version], form="gguf")
     assert streamed.model is None and isinstance(streamed.tensors, CheckpointTensors)
-    model, tokenizer = float_model(models["glm4"])
+    model, tokenizer = float_model(models[version])
     write_gguf(tmp_path / "files.gguf", streamed.config, streamed.tokenizer, streamed.tensors, kind)
     write_gguf(tmp_path / "model.gguf", model.config, tokenizer, ModelTensors(model), kind)
     (meta_a, a), (meta_b, b) = read_gguf(tmp_path / "files.gguf"), read_gguf(tmp_path / "model.gguf")
@@ -175,7 +199,32 @@ def test_gguf_fuses_qkv_and_the_gated_mlp_in_llama_cpp_order(models, tmp_path):
     assert torch.allclose(as_stored("blk.1.ffn_up.weight").reshape(gate_up.shape), gate_up, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("version", ["glm4", "chatglm3"])
+def test_glm4_0414s_extra_norms_take_llama_cpps_glm4_names(models, tmp_path):
+    """llama.cpp's `glm4` graph: attn_norm, attention, `post_attention_norm` (transformers' post_self_attn_layernorm)
+    before the residual add; ffn_norm (post_attention_layernorm), the MLP, `post_ffw_norm` (post_mlp_layernorm)."""
+    names = {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+             "post_attention_layernorm": "ffn_norm", "input_layernorm": "attn_norm"}
+    for ours, theirs in names.items():
+        assert gguf_name(f"model.layers.7.{ours}.weight") == f"blk.7.{theirs}.weight"
+    model, _ = float_model(models["glm4-0414"])
+    with torch.no_grad():  # norms of their own values, so that a swapped name shows
+        for n, layer in enumerate(model.model.layers):
+            for i, norm in enumerate(names):
+                getattr(layer, norm).weight.copy_(torch.linspace(0.5, 1.5, model.config.hidden_size) + i + 10 * n)
+    model.save_pretrained(tmp_path / "marked")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "marked" / file).write_bytes((models["glm4-0414"] / file).read_bytes())
+    assert export(tmp_path / "marked", tmp_path / "out", "--type", "f16", "--name", "m") == 0
+    _, tensors = read_gguf(tmp_path / "out" / "m-f16.gguf")
+    for n, layer in enumerate(model.model.layers):
+        for ours, theirs in names.items():
+            assert torch.equal(torch.from_numpy(tensors[f"blk.{n}.{theirs}.weight"].data.copy()), getattr(layer, ours).weight)
+    q = model.model.layers[1].self_attn.q_proj.weight  # q, k, v apart, as llama.cpp's converter writes them
+    assert torch.allclose(torch.from_numpy(tensors["blk.1.attn_q.weight"].data.astype("float32").copy()).reshape(q.shape), q,
+                          rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("version", ["glm4", "chatglm3", "glm4-0414"])
 def test_a_lora_run_is_merged_into_its_base(runs, tmp_path, version):
     out = tmp_path / "out"
     assert export(runs / f"{version}-lora", out, "--type", "f16", "--name", "m") == 0
@@ -184,8 +233,10 @@ def test_a_lora_run_is_merged_into_its_base(runs, tmp_path, version):
     base, _ = float_model(runs / f"{version}-full")
     q = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
     assert not torch.allclose(q(merged), q(base)), "the adapter must change what it targets"
-    qkv = torch.from_numpy(tensors["blk.0.attn_qkv.weight"].data.astype("float32").copy())
+    name = "blk.0.attn_q.weight" if version in RELEASED_FORMS else "blk.0.attn_qkv.weight"  # q rows come first
+    qkv = torch.from_numpy(tensors[name].data.astype("float32").copy())
     assert torch.allclose(qkv[: q(merged).shape[0]], q(merged), rtol=1e-3, atol=1e-4)
+    assert set(tensors) == {gguf_name(k) for k in checkpoint_state(merged)}  # GLM-4-0414's extra norms included
 
 
 def test_the_modelfile_carries_the_runs_instruction_and_the_stops(runs, tmp_path):
@@ -201,6 +252,22 @@ def test_the_modelfile_carries_the_runs_instruction_and_the_stops(runs, tmp_path
     assert "{{ if and $last" not in plain  # no empty condition left where no instruction goes
     with pytest.raises(ValueError, match="ollama TEMPLATE"):
         modelfile(VERSIONS["glm4"].format, "x.gguf", 'say """ this')
+
+
+@pytest.mark.parametrize("version", RELEASED_FORMS)
+def test_the_modelfile_of_a_released_form_version_is_its_chat_template(version):
+    """GLM-4-0414's template begins `[gMASK]<sop>` and ends its generation prompt with a newline; GLM-Edge's begins
+    with the first role token. The run's instruction goes before the last user message."""
+    prompt_format = VERSIONS[version].format
+    text = modelfile(prompt_format, "x.gguf", "Extract: ")
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert template.startswith("[gMASK]<sop>{{") == (version == "glm4-0414")
+    assert "[gMASK]" not in template or version == "glm4-0414"
+    assert template.endswith("<|assistant|>\n" if version == "glm4-0414" else "<|assistant|>")
+    assert 'eq $m.Role "user") }}Extract: {{ end }}{{ $m.Content }}' in template
+    assert [line for line in text.splitlines() if line.startswith("PARAMETER stop")] == [
+        f'PARAMETER stop "{stop}"' for stop in prompt_format.stop_texts]
+    assert "INSTRUCTION" not in modelfile(prompt_format, "x.gguf")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +290,8 @@ print(json.dumps({"class": type(model).__name__, "logits": logits,
 """
 
 
-@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora"])
+@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora", *RELEASED_FORMS,
+                                    "glm4-0414-lora"])
 def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, source):
     directory = runs / source if source.endswith("lora") else models[source]
     out = tmp_path / "hf"
@@ -238,13 +306,18 @@ def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, sou
                           capture_output=True, text=True, cwd=out, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["class"] == "GlmForCausalLM" and got["imported"] == []
+    version = model.config.chatglm_version
+    architecture = "Glm4ForCausalLM" if version == "glm4-0414" else "GlmForCausalLM"
+    assert got["class"] == architecture and got["imported"] == []
     assert max((torch.tensor(g) - e).abs().max().item() for g, e in zip(got["logits"], expected)) < 1e-4
     assert got["encoded"] == [tokenizer.encode_text(t) for t in texts]
     assert got["with_start"] == tokenizer.get_prefix_tokens() + tokenizer.encode_text(texts[0])
     assert got["chat"] == tokenizer.prompt_format.chat_ids(tokenizer, messages)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "glm" and config["architectures"] == ["GlmForCausalLM"]
+    assert config["model_type"] == ("glm4" if version == "glm4-0414" else "glm") and config["architectures"] == [architecture]
+    assert "chatglm_version" not in config  # transformers' fields only
+    if version in RELEASED_FORMS:  # the directory reads back as its version
+        assert registry.of_directory(out).name == version
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == list(tokenizer.stop_token_ids)
     sampling = tokenizer.prompt_format.chat_sampling
@@ -330,6 +403,8 @@ def test_what_cannot_be_exported_says_why(models, runs, tmp_path, capsys):
         ((runs / "int4", tmp_path / "b"), "stored in INT4 .*made from .*export its float source"),
         ((models["chatglm"], tmp_path / "c"), "no llama.cpp architecture.*--format ggml"),
         ((models["glm4"], tmp_path / "d", "--format", "ggml"), "use --format gguf"),
+        ((models["glm4-0414"], tmp_path / "f", "--format", "ggml"), "GLM-4-0414 file .*use --format gguf"),
+        ((models["glm-edge"], tmp_path / "g", "--format", "ggml"), "GLM-Edge file .*use --format gguf"),
         ((models["glm4"], tmp_path / "e", "--format", "hf", "--type", "q4_0"), "--type applies to gguf and ggml"),
         ((models["glm4"], models["chatglm3"]), "not an empty directory"),
     ]
@@ -339,4 +414,4 @@ def test_what_cannot_be_exported_says_why(models, runs, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("export.py: error: ") and "Traceback" not in err
         assert __import__("re").search(message, err), err
-    assert not any((tmp_path / n).exists() and any((tmp_path / n).iterdir()) for n in "abcde")
+    assert not any((tmp_path / n).exists() and any((tmp_path / n).iterdir()) for n in "abcdefg")

@@ -1,11 +1,18 @@
-"""A ChatGLM2/3 or GLM-4 model as one GGUF file for llama.cpp and ollama (llama.cpp's `chatglm` architecture).
+"""A ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model as one GGUF file for llama.cpp and ollama.
 
-What llama.cpp's `chatglm` graph reads, and what is written here for it:
-- tensors under its names (`models.glm.weights.GGUF_NAMES`): q|k|v rows fused into `attn_qkv` with its bias,
-  dense_h_to_4h's gate|up rows as `ffn_up`; the untied head as `output`;
+The architecture is the one llama.cpp's own converter gives the model's transformers class (`ARCHES`):
+`GlmForCausalLM` (ChatGLM2/3, GLM-4, GLM-Edge) is `chatglm`; `Glm4ForCausalLM` (GLM-4-0414, GLM-Z1) is `glm4`,
+the same graph with an RMSNorm after attention and after the MLP, each before its residual add. What the graph
+reads, and what is written here for it:
+- tensors under its names (`models.glm.weights.gguf_name`): from an official checkpoint, q|k|v rows fused into
+  `attn_qkv` with its bias and dense_h_to_4h's gate|up rows as `ffn_up`; from one in transformers' own form
+  (GLM-4-0414, GLM-Edge), `attn_q` / `attn_k` / `attn_v` apart (as llama.cpp's converter writes them),
+  `gate_up_proj` as `ffn_up`, GLM-4-0414's extra norms as `post_attention_norm` / `post_ffw_norm`; the untied
+  head as `output`;
 - hyperparameters: layers, width, heads, KV groups, `key_length` / `value_length` (= kv_channels), the FFN
   width, RMSNorm epsilon, context length (`seq_length`), rotary on half of each head (`rope.dimension_count` =
-  kv_channels / 2, adjacent pairs as the official code rotates them) with `rope.freq_base` = 10000 x rope_ratio;
+  kv_channels / 2, adjacent pairs as the official code rotates them) with `rope.freq_base` = 10000 x rope_ratio
+  (transformers' `rope_theta`); a scaled rotary (`rope_type` other than default) is refused;
 - the tokenizer (gguf_vocab.py) and the version's Jinja chat template (`PromptFormat.chat_template`);
 - norms and biases in F32; the matrices (embedding, head, block Linears) in the `--type`: F16, BF16, or ggml's
   blocks of 32 weights, Q8_0 (an fp16 scale absmax / 127 and 32 int8) or Q4_0 (an fp16 scale and 16 bytes of
@@ -13,7 +20,7 @@ What llama.cpp's `chatglm` graph reads, and what is written here for it:
   q4_0 keeps it above 4 bits, in Q6_K, which gguf-py cannot write). A matrix whose rows are not whole blocks
   stays F16.
 Tensors are converted and written one at a time (quantized in slices of rows), from a loaded model or straight
-from an official checkpoint's files (export/tensors.py): beside their source, memory holds one tensor. The file is
+from a checkpoint's files (export/tensors.py): beside their source, memory holds one tensor. The file is
 written under a temporary name and renamed when complete.
 """
 
@@ -29,9 +36,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from chatglm_tune.export.gguf_vocab import add_vocab
+from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.weights import gguf_name
 
-ARCH = "chatglm"
+ARCHES = {"GlmForCausalLM": "chatglm", "Glm4ForCausalLM": "glm4"}  # transformers class -> llama.cpp architecture
+# whether the architecture's attention output is hidden x hidden (`chatglm`), not heads x kv_channels (`glm4`)
+SQUARE_ATTENTION_OUTPUT = {"chatglm": True, "glm4": False}
 TYPES = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> ggml type of the matrices
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
@@ -70,10 +80,18 @@ def encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
     return out
 
 
+def architecture(config) -> str:
+    """llama.cpp's architecture of a model of this family (its config)."""
+    return ARCHES[transformers_form(config)["architectures"][0]]
+
+
 def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
-    if config.num_attention_heads * config.head_dim != config.hidden_size:
+    if SQUARE_ATTENTION_OUTPUT[writer.arch] and config.num_attention_heads * config.head_dim != config.hidden_size:
         raise ValueError(f"llama.cpp's chatglm architecture needs heads x kv_channels = hidden_size; this model has "
                          f"{config.num_attention_heads} x {config.head_dim} != {config.hidden_size}")
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"this model's rotary embedding is scaled ({rope_type}), which is not written into GGUF files here")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -90,14 +108,14 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
 
 def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "",
                progress: Callable[[str], None] = lambda n: None) -> dict:
-    """Write a ChatGLM2/3 or GLM-4 model (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of
-    its float tensors under official keys) as the GGUF file `path`; {"tensors": n, "bytes": size}.
+    """Write a model of this family (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of its
+    float tensors under checkpoint keys) as the GGUF file `path`; {"tensors": n, "bytes": size}.
     `progress(name)` is called after each tensor."""
     if kind not in TYPES:
         raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
     plan = [(key, gguf_name(key), shape) for key, shape in tensors.shapes()]
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, ARCH)
+    writer = gguf.GGUFWriter(tmp, architecture(config))
     try:
         writer.add_name(name or path.stem)
         hyperparameters(writer, config, kind)

@@ -1,15 +1,18 @@
-"""The tokenizer of a ChatGLM2/3 or GLM-4 model inside its GGUF file, as llama.cpp reads it.
+"""The tokenizer of a ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model inside its GGUF file, as llama.cpp reads it.
 
 - ChatGLM2/3 (`tokenizer.ggml.model = llama`, SentencePiece; pre-tokenizer `chatglm-spm`): every piece of
   `tokenizer.model` with its score and type (normal, unknown, control, byte), then the special tokens that
   follow the pieces (`[MASK] [gMASK] [sMASK] sop eop`, ChatGLM3's role tokens) as control tokens, then
   `[PAD<id>]` unused entries up to the embedding's rows. `add_space_prefix` is the model's own (SentencePiece's
   dummy prefix "▁"), read from how it encodes a word.
-- GLM-4 (`gpt2`, byte-level BPE; pre-tokenizer `chatglm-bpe`: GLM-4's regex): the BPE's tokens in
-  byte-to-unicode form and its merges, the special tokens after the ranks as control tokens, then padding.
+- GLM-4, GLM-4-0414, GLM-Edge (`gpt2`, byte-level BPE): the BPE's tokens in byte-to-unicode form and its
+  merges, the special tokens after the ranks as control tokens, then padding. The pre-tokenizer is GLM-4's regex
+  under the name llama.cpp's converter gives it for the architecture (`PRE_TOKENIZERS`): `chatglm-bpe` in a
+  `chatglm` file (GLM-4, GLM-Edge), `glm4` in a `glm4` file (GLM-4-0414), which also takes a word that is a
+  whole token as that token, as the tokenizer.json's BPE does (`ignore_merges`).
 - Special ids: eos, eot = `<|user|>`, eom = `<|observation|>` (llama.cpp ends generation on all three: the
   toolkit's stop ids), unk and pad as the tokenizer has them; no BOS is added (the chat template starts
-  `[gMASK]`).
+  `[gMASK]`, GLM-Edge's with its first role token).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from gguf import TokenType
 
 from chatglm_tune.tokenizing import adds_dummy_prefix
 
+PRE_TOKENIZERS = {"chatglm": "chatglm-bpe", "glm4": "glm4"}  # llama.cpp architecture -> its GLM-4 BPE pre-tokenizer
+
 
 def add_vocab(writer: gguf.GGUFWriter, tokenizer, rows: int) -> None:
-    """Write the tokenizer (SentencePiece: ChatGLM2/3; byte-level BPE: GLM-4) padded to `rows` entries (the
-    embedding's) into `writer`."""
+    """Write the tokenizer (SentencePiece: ChatGLM2/3; byte-level BPE: GLM-4, GLM-4-0414, GLM-Edge) padded to `rows`
+    entries (the embedding's) into `writer`."""
     tokens, types, scores = (_sentencepiece if hasattr(tokenizer, "sp_model") else _bpe)(writer, tokenizer)
     if len(tokens) > rows:
         raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the model's {rows} embedding rows")
@@ -70,12 +75,12 @@ def _bpe(writer, tokenizer) -> tuple[list[bytes], list[int], None]:
     backend = tokenizer._backend  # the tokenizers.Tokenizer: ranks as BPE, special tokens added after them
     by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
     if sorted(by_id) != list(range(len(by_id))):
-        raise ValueError("the GLM-4 tokenizer's ids are not contiguous")
+        raise ValueError("the byte-level BPE tokenizer's ids are not contiguous")
     special = set(tokenizer.special_ids.values())
     tokens = [by_id[i].encode("utf-8") for i in range(len(by_id))]
     types = [TokenType.CONTROL if i in special else TokenType.NORMAL for i in range(len(by_id))]
     merges = json.loads(backend.to_str())["model"]["merges"]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("chatglm-bpe")
+    writer.add_tokenizer_pre(PRE_TOKENIZERS[writer.arch])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     return tokens, types, None

@@ -1,20 +1,21 @@
 """A merged model as a transformers-native directory: what plain transformers, vLLM, SGLang and TGI load.
 
-ChatGLM2/3 and GLM-4 become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
-`glm-4-9b-chat-hf` is):
-- config.json in transformers' fields, plus `rope_theta` and `partial_rotary_factor` at the top level, where
-  transformers 4 reads them;
+ChatGLM2/3, GLM-4 and GLM-Edge become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
+`glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released):
+- config.json in transformers' fields (`config.transformers_form`, without the toolkit's own), plus `rope_theta`
+  and `partial_rotary_factor` at the top level, where transformers 4 reads them;
 - generation_config.json: the version's stop ids as `eos_token_id`, the official chat()'s sampling;
 - safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused);
-- the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, `[gMASK]` and the start token put
-  first by its post-processor) and the version's Jinja chat template in tokenizer_config.json.
+- the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, the version's prefix, `[gMASK]` and
+  the start token, put first by its post-processor; GLM-Edge has none and its post-processor adds nothing) and
+  the version's Jinja chat template in tokenizer_config.json.
 Loading needs no remote code and no `import chatglm_tune`.
 
 The tokenizer.json of ChatGLM2/3 is their SentencePiece model in `tokenizers` terms: each text piece between
 special tokens gets SentencePiece's "▁" in front and spaces become "▁" (SentencePiece's identity normalization
 with its dummy prefix), then the same pieces: a Unigram model with the pieces' scores, or for a BPE model
 (the real ChatGLM2/3 one) a BPE whose merges are ranked by the merged piece, both falling back to bytes.
-GLM-4's is its own byte-level BPE (`tokenizers`), as the toolkit runs it.
+GLM-4's (and GLM-4-0414's, GLM-Edge's) is its own byte-level BPE (`tokenizers`), as the toolkit runs it.
 
 ChatGLM-6B has no transformers-native class: its directory is the official layout (official keys and
 config.json, `ice_text.model`), which the official remote code and this toolkit load.
@@ -28,11 +29,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from chatglm_tune import checkpoint
+from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
-
-GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "hidden_act", "attention_dropout", "max_position_embeddings",
-              "rms_norm_eps", "attention_bias", "pad_token_id")
 
 
 def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> dict:
@@ -46,20 +44,10 @@ def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> 
     return {"files": sorted(p.name for p in out.iterdir())}
 
 
-def transformers_config(config) -> dict:
-    """transformers' `GlmConfig` fields of a ChatGLM2/3 / GLM-4 config, as config.json holds them."""
-    rope = dict(config.rope_parameters)
-    return {"architectures": ["GlmForCausalLM"], "model_type": "glm", **{k: getattr(config, k) for k in GLM_FIELDS},
-            "eos_token_id": config.eos_token_id, "tie_word_embeddings": False, "rope_parameters": rope,
-            "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope.get("partial_rotary_factor", 0.5),
-            "use_cache": True}
-
-
 def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int) -> None:
     state = model.state_dict()  # transformers' own keys (a P-tuning prefix never reaches export)
     checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes)
-    config = transformers_config(model.config)
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config = transformers_form(model.config, next(iter(state.values())).dtype, toolkit_fields=False)
     _write_json(out / "config.json", config)
     sampling = tokenizer.prompt_format.chat_sampling  # the official chat()'s
     _write_json(out / "generation_config.json", {
@@ -67,9 +55,13 @@ def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int) -> None:
         "do_sample": sampling.do_sample, "top_p": sampling.top_p, "temperature": sampling.temperature, "top_k": sampling.top_k})
     backend = _sentencepiece_backend(tokenizer) if hasattr(tokenizer, "sp_model") else _glm4_backend(tokenizer)
     names = {i: t for t, i in tokenizer.special_ids.items()}
-    start = " ".join(names[i] for i in tokenizer.get_prefix_tokens())  # "[gMASK] sop" / "[gMASK] <sop>"
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{start} $A", pair=f"{start} $A $B", special_tokens=[(names[i], i) for i in tokenizer.get_prefix_tokens()])
+    prefix = [names[i] for i in tokenizer.get_prefix_tokens()]  # "[gMASK] sop" / "[gMASK] <sop>"; GLM-Edge: none
+    if prefix:
+        start = " ".join(prefix)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{start} $A", pair=f"{start} $A $B", special_tokens=[(names[i], i) for i in tokenizer.get_prefix_tokens()])
+    else:  # whatever the source's tokenizer.json adds, this one adds no token (byte-level offsets only)
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
     backend.save(str(out / "tokenizer.json"))
     specials = sorted(tokenizer.special_ids.items(), key=lambda item: item[1])
     _write_json(out / "tokenizer_config.json", {

@@ -7,10 +7,10 @@ Refused, with the reason and what works instead:
   token; no engine (llama.cpp, ollama, transformers' generate, vLLM) takes a KV prefix;
 - a directory stored in INT8/INT4 (quantize.py's output, an official -int4 model): its weights are already
   rounded in a layout only this toolkit and the official code read; export the float source, with a `--type`.
-A model directory or a full run in the official layout goes into a GGUF file straight from its weight files
-(`export.tensors`), without loading the model. A QLoRA run (a LoRA adapter trained on a base quantized at
-load) merges into the float base: the adapter learned against rounded weights, so the merged float model
-differs from what the run evaluated by that rounding.
+A model directory or a full run, in the official layout or in transformers' own form (GLM-4-0414, GLM-Edge,
+glm-4-9b-chat-hf), goes into a GGUF file straight from its weight files (`export.tensors`), without loading the
+model. A QLoRA run (a LoRA adapter trained on a base quantized at load) merges into the float base: the adapter
+learned against rounded weights, so the merged float model differs from what the run evaluated by that rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatglm_tune import loading
-from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, is_official_checkpoint
+from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, names_every_tensor
 from chatglm_tune.loading import ModelSource
 from chatglm_tune.models import registry
 from chatglm_tune.models.version import Version
@@ -34,8 +34,8 @@ class ExportError(ValueError):
 @dataclass
 class Exportable:
     model: object | None  # in eval mode, float weights, any adapter merged; None: read from the files (`tensors`)
-    config: object  # the model's config (transformers' GlmConfig for ChatGLM2/3 and GLM-4)
-    tensors: object | None  # for a GGUF file: an `export.tensors` source of the official tensors
+    config: object  # the model's config (transformers' GlmConfig for ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge)
+    tensors: object | None  # for a GGUF file: an `export.tensors` source of the tensors under checkpoint keys
     tokenizer: object
     version: Version
     source: ModelSource
@@ -67,8 +67,8 @@ def check_exportable(source: ModelSource) -> None:
 def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None = None) -> Exportable:
     """The model of `model_dir` (+ `lora`), its adapter merged, in `dtype` ("auto": as stored), with its tokenizer.
     `form` ("gguf", "hf", "ggml"): refuse, before any weight is read, a version that cannot be written so. A GGUF
-    file of an official-layout checkpoint with no adapter is written from its files (`tensors`): the model is not
-    loaded."""
+    file of a checkpoint with no adapter, in the official layout or transformers' own form, is written from its
+    files (`tensors`): the model is not loaded."""
     source = loading.resolve_run(model_dir, lora=lora)
     check_exportable(source)
     version = registry.of_directory(source.base)
@@ -81,8 +81,11 @@ def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None =
                      "is merged into the float base, which differs from the weights it trained against by that rounding")
     tokenizer = loading.load_tokenizer(source)
     files = CheckpointTensors(source.base) if form == "gguf" and source.lora_dir is None else None
-    if files is not None and is_official_checkpoint(files):
-        model, config, tensors = None, version.config_class.from_pretrained(source.base), files
+    if files is not None and names_every_tensor(files):
+        from chatglm_tune.models.glm.config import glm_config  # GGUF holds this family only
+
+        config = glm_config(json.loads((source.base / CONFIG).read_text(encoding="utf-8")), version=version.name)
+        model, tensors = None, files
     else:
         model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)
         config, tensors = model.config, (ModelTensors(model) if form == "gguf" else None)

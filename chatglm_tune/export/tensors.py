@@ -1,9 +1,14 @@
-"""The tensors a GGUF file is written from, under their official keys, in one order for the header and the data.
+"""The tensors a GGUF file is written from, under their checkpoint keys, in one order for the header and the data.
 
-- `ModelTensors`: a loaded model's (a LoRA run merged into its base), q/k/v re-fused (`weights.to_official`).
-- `CheckpointTensors`: an official-layout checkpoint directory read as it lies, one weight file open at a time,
-  each tensor in the file's own dtype: what a model directory or a full fine-tuning run needs, without loading the
-  model (the memory of one tensor, not of the model). `is_official_checkpoint` says whether it holds one.
+A version's tensors go under the keys of the layout it is released in: ChatGLM2/3 and GLM-4 under the official
+keys (q/k/v fused as `query_key_value`); GLM-4-0414 and GLM-Edge, released in transformers' own form
+(`config.TRANSFORMERS_FORMS`), under transformers' keys (q, k, v apart; GLM-4-0414's extra norms). Either maps to
+llama.cpp's names (`weights.gguf_name`).
+- `ModelTensors`: a loaded model's (a LoRA run merged into its base), under its version's layout.
+- `CheckpointTensors`: a checkpoint directory read as it lies, one weight file open at a time, each tensor in the
+  file's own dtype: what a model directory or a full fine-tuning run needs, without loading the model (the memory
+  of one tensor, not of the model). `names_every_tensor` says whether each of its keys has a GGUF name (an
+  official-layout or a transformers-form checkpoint).
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import torch
 from safetensors import safe_open
 
 from chatglm_tune.checkpoint import iter_tensors, weight_files
+from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS
 from chatglm_tune.models.glm.weights import IGNORED, gguf_name, to_official
 
 
 class ModelTensors:
     def __init__(self, model):
-        self.state = to_official(model.state_dict())
+        state = model.state_dict()
+        released_form = getattr(model.config, "chatglm_version", None) in TRANSFORMERS_FORMS
+        self.state = state if released_form else to_official(state)
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [(key, tuple(t.shape)) for key, t in self.state.items()]
@@ -57,8 +65,9 @@ class CheckpointTensors:
                     yield key, tensor
 
 
-def is_official_checkpoint(tensors: CheckpointTensors) -> bool:
-    """Whether every tensor of a checkpoint has an official ChatGLM2/3 / GLM-4 key with a GGUF name."""
+def names_every_tensor(tensors: CheckpointTensors) -> bool:
+    """Whether every tensor of a checkpoint has a GGUF name: official ChatGLM2/3 / GLM-4 keys, or transformers'
+    keys (GLM-4-0414, GLM-Edge, glm-4-9b-chat-hf); a P-tuning prefix has none."""
     try:
         for key, _ in tensors.shapes():
             gguf_name(key)

@@ -212,10 +212,11 @@ class ChatGLMFamilyConfig(GlmConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """An official config.json (ChatGLM2/3 and GLM-4 keys: `padded_vocab_size`, ...) reads as `glm_config`
-        makes it, as `AutoConfig` reads it (peft's save compares the vocabulary size of the base this way);
-        transformers' own fields read as `GlmConfig` reads them."""
-        if "padded_vocab_size" not in config_dict:
+        """An official config.json (ChatGLM2/3 and GLM-4 keys: `padded_vocab_size`, ...) or one in transformers'
+        form (`model_type` glm / glm4) reads as `glm_config` makes it, with its version, as `AutoConfig` reads it
+        (peft's save compares the vocabulary size of the base this way); other fields read as `GlmConfig` reads
+        them."""
+        if "padded_vocab_size" not in config_dict and config_dict.get("model_type") not in ("glm", "glm4"):
             return super().from_dict(config_dict, **kwargs)
         config = glm_config(config_dict, version=read_version(config_dict))
         return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \

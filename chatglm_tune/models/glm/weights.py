@@ -20,6 +20,9 @@ LLaMA-Factory) use the same names: `target_modules` such as `["query_key_value"]
 on the fused `query_key_value`, `delta = scaling * B @ A` has the rows of the weight, so
 `B = B_q | B_k | B_v` is split by rows like it while `A` (the input side) is shared, a copy for each of
 q/k/v; with r and lora_alpha unchanged, the q/k/v adapters add exactly the fused one's delta.
+
+`gguf_name`: llama.cpp's name in a GGUF file of a tensor under either layout's keys (`GGUF_NAMES`,
+`GGUF_TRANSFORMERS_NAMES`, the latter with GLM-4-0414's two extra norms).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ QKV_PARTS = ("model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.k_
 
 # official module -> llama.cpp's name in a GGUF file (its `chatglm` architecture); q|k|v stay fused as
 # `attn_qkv`, and `ffn_up` holds dense_h_to_4h's gate|up rows (llama.cpp's SwiGLU gates with the first half).
+# A checkpoint in transformers' own form (GLM-4-0414's `Glm4ForCausalLM`, GLM-Edge's and glm-4-9b-chat-hf's
+# `GlmForCausalLM`) is named by GGUF_TRANSFORMERS_NAMES: q, k, v apart (`attn_q|k|v`, which llama.cpp's
+# `chatglm` and `glm4` architectures load as they load `attn_qkv`), `gate_up_proj` as `ffn_up`, and GLM-4-0414's
+# norms after attention and after the MLP as `post_attention_norm` and `post_ffw_norm` (llama.cpp's `glm4`).
 GGUF_NAMES = (
     ("transformer.embedding.word_embeddings", "token_embd"),
     ("transformer.encoder.layers.{n}.input_layernorm", "blk.{n}.attn_norm"),
@@ -62,6 +69,21 @@ GGUF_NAMES = (
     ("transformer.encoder.final_layernorm", "output_norm"),
     ("transformer.output_layer", "output"),
 )
+GGUF_TRANSFORMERS_NAMES = (
+    ("model.embed_tokens", "token_embd"),
+    ("model.layers.{n}.input_layernorm", "blk.{n}.attn_norm"),
+    ("model.layers.{n}.self_attn.q_proj", "blk.{n}.attn_q"),
+    ("model.layers.{n}.self_attn.k_proj", "blk.{n}.attn_k"),
+    ("model.layers.{n}.self_attn.v_proj", "blk.{n}.attn_v"),
+    ("model.layers.{n}.self_attn.o_proj", "blk.{n}.attn_output"),
+    ("model.layers.{n}.post_self_attn_layernorm", "blk.{n}.post_attention_norm"),
+    ("model.layers.{n}.post_attention_layernorm", "blk.{n}.ffn_norm"),
+    ("model.layers.{n}.mlp.gate_up_proj", "blk.{n}.ffn_up"),
+    ("model.layers.{n}.mlp.down_proj", "blk.{n}.ffn_down"),
+    ("model.layers.{n}.post_mlp_layernorm", "blk.{n}.post_ffw_norm"),
+    ("model.norm", "output_norm"),
+    ("lm_head", "output"),
+)
 
 
 def _pattern(module: str) -> re.Pattern:
@@ -70,7 +92,7 @@ def _pattern(module: str) -> re.Pattern:
 
 
 _TO_HF = [(_pattern(o), h) for o, h in RENAMES]
-_TO_GGUF = [(_pattern(o), g) for o, g in GGUF_NAMES]
+_TO_GGUF = [(_pattern(o), g) for o, g in (*GGUF_NAMES, *GGUF_TRANSFORMERS_NAMES)]
 _TO_OFFICIAL = [(_pattern(h), o) for o, h in RENAMES]
 _QKV_OFFICIAL = _pattern(QKV)
 _QKV_HF = [_pattern(p) for p in QKV_PARTS]
@@ -133,10 +155,11 @@ def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def gguf_name(key: str) -> str:
-    """llama.cpp's name of an official tensor (`GGUF_NAMES`), e.g. `blk.3.attn_qkv.bias`; ValueError if none."""
+    """llama.cpp's name of an official tensor (`GGUF_NAMES`), e.g. `blk.3.attn_qkv.bias`, or of a tensor under
+    transformers' keys (`GGUF_TRANSFORMERS_NAMES`), e.g. `blk.3.post_ffw_norm.weight`; ValueError if none."""
     name = _renamed(key, _TO_GGUF)
     if name is None:
-        raise ValueError(f"{key} has no name in llama.cpp's chatglm architecture")
+        raise ValueError(f"{key} has no name in llama.cpp's chatglm / glm4 architectures")
     return name
 
 
