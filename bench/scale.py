@@ -1,13 +1,16 @@
 """Benchmark: a ChatGLM version at full size on this machine: peak memory and speed of inference and of
 one training step, bf16 / INT8 / INT4. `--version` (bench/scale_versions.py, one row per version):
 `chatglm` (default) ChatGLM-6B, beside the seed's GPU figures (Table 18-1); `chatglm3`
-ChatGLM3-6B; `glm4` GLM-4-9B.
+ChatGLM3-6B; `glm4` GLM-4-9B; `glm4-0414` GLM-4-9B-0414 (transformers' `Glm4ForCausalLM` form);
+`glm4-0414-32b` GLM-4-32B-0414, written directly in quantize.py's INT4 layout (no fp16 checkpoint), its rows in
+GLM-4-9B-0414's results (`scale-glm4-0414.json`, keys `32b:<step>`; `--step report` of either writes both).
 
     python bench/scale.py --quick [--version V]              # 2-layer slice of the real config, every step in one go
     python bench/scale.py [--version V] --step write          # full size, one step per command:
     python bench/scale.py [--version V] --step quantize-int8  #   write, quantize-int8, quantize-int4, infer-bf16,
     ...                                                       #   infer-int8-load, infer-int8-file, infer-int4-load,
     python bench/scale.py [--version V] --step report         #   infer-int4-file, train-{ptuning,lora}-{bf16,int8,int4}, report
+    python bench/scale.py [--version V] --step clean          # then delete the checkpoints
 
 Steps:
 - `write`: a random-weight checkpoint of the version's full-size config in its official layout
@@ -16,6 +19,7 @@ Steps:
   shards, M = 8; ChatGLM3-6B / GLM-4-9B: the official config.json and keys, fp16 safetensors shards, M = 7 /
   10, and the real tokenizer, copied from the shared assets when they sit beside this checkout; 3 shards
   with `--quick`). Generated shard by shard (std 0.02, seeded per key): at most one shard in memory.
+  GLM-4-0414: transformers' config.json and keys, a tokenizer.json; GLM-4-32B-0414 as quantize.py's INT4 output.
 - `quantize-int8`, `quantize-int4`: `quantize.py --bits B` of that checkpoint (official per-row layout);
   its time and peak RSS are recorded.
 - `infer-*` (`bench/scale_children.py infer`): in a fresh process, load with `chatglm_tune.from_pretrained(dir,
@@ -39,6 +43,7 @@ Steps:
   train.py has them (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s` (the
   10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
   are measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
+- `clean` (not part of `all`): deletes the checkpoint and the quantize.py outputs beside it.
 - `report` (`bench/scale_report.py`): the table (also `<results>.md`; ChatGLM-6B beside the seed's GPU
   figures, with a bar chart `scale.png`), the version's targets, and the closing JSON line
   (`{"<results>": {...}}`).
@@ -80,6 +85,7 @@ from scale_report import report  # noqa: E402
 from scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS, frame_json  # noqa: E402
 
 STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "report"]
+CLEAN = "clean"  # not part of `all`: deletes the checkpoint and the quantize.py outputs beside it
 
 
 class Bench:
@@ -93,9 +99,20 @@ class Bench:
         self.out = args.out or (Path(f"/tmp/{slug}-scale-quick") if args.quick else ROOT / "bench" / "results")
         self.out.mkdir(parents=True, exist_ok=True)
         self.results_file = self.out / f"{self.version.stem}.json"
+        self.prefix = self.version.results_prefix  # its keys in a results file it shares with another version
 
     def dirs(self, which: str) -> Path:
-        return self.model_dir if which == "source" else Path(f"{self.model_dir}-{which}")
+        if which == "source" or which == f"int{self.version.written_bits}":
+            return self.model_dir  # a version written quantized: its checkpoint is the quantize.py output
+        return Path(f"{self.model_dir}-{which}")
+
+    def not_applicable(self, step: str) -> str | None:
+        """Why `step` cannot run (it needs the fp16 checkpoint of a version written quantized), else None."""
+        bits = self.version.written_bits
+        if bits and (step.startswith("quantize-") or step.startswith("train-") and not step.endswith(f"-int{bits}")
+                     or step.startswith("infer-") and step != f"infer-int{bits}-file"):
+            return f"{step}: {self.version.title} is written as INT{bits} (no fp16 checkpoint): not run"
+        return None
 
     def load_results(self) -> dict:
         return json.loads(self.results_file.read_text()) if self.results_file.exists() else {}
@@ -105,8 +122,9 @@ class Bench:
         record.update(when=time.strftime("%Y-%m-%d %H:%M:%S"), load_average=[round(x, 2) for x in os.getloadavg()],
                       threads=self.args.threads, torch=torch.__version__,
                       cpu_capability=torch.backends.cpu.get_cpu_capability(), native_bf16_gemm=native_bf16_gemm())
-        results[name] = record
-        results["_config"] = {"quick": self.quick, **self.version.shape(self.num_layers), "model_dir": str(self.model_dir)}
+        results[self.prefix + name] = record
+        results[self.prefix + "_config"] = {"quick": self.quick, **self.version.shape(self.num_layers),
+                                            "model_dir": str(self.model_dir), "written_bits": self.version.written_bits}
         tmp = self.results_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=1))
         os.replace(tmp, self.results_file)
@@ -149,6 +167,8 @@ class Bench:
                           "--budget-s", self.args.budget_s, *rows, *e8, env=env)
 
     def run(self, step: str) -> None:
+        if self.not_applicable(step):
+            raise SystemExit(self.not_applicable(step))
         if step == "write":
             layers = ["--num-layers", QUICK_LAYERS] if self.quick else []
             done = run_python(HERE / "checkpoint_writer.py", self.model_dir, "--version", self.version.name, *layers,
@@ -190,8 +210,15 @@ class Bench:
             r.update(peak_rss_gb=done.peak_rss / GB, process_s=round(done.seconds, 1),
                      malloc_mmap_threshold=self.args.malloc_mmap_threshold)
             self.save(step + suffix, r)
+        elif step == CLEAN:
+            for which in ("source", "int8", "int4"):
+                directory = self.dirs(which)
+                if directory.exists():
+                    size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+                    shutil.rmtree(directory)
+                    print(f"[clean] removed {directory} ({size / GB:.1f} GB)", flush=True)
         elif step == "report":
-            report(self.load_results(), self.out, self.version)
+            report(self.load_results(), self.out, VERSIONS[self.version.reported_by or self.version.name])
         else:
             raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
 
@@ -199,11 +226,12 @@ class Bench:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--version", choices=VERSIONS, default=DEFAULT_VERSION,
-                   help="chatglm: ChatGLM-6B; chatglm3: ChatGLM3-6B; glm4: GLM-4-9B "
+                   help="chatglm: ChatGLM-6B; chatglm3: ChatGLM3-6B; glm4: GLM-4-9B; glm4-0414: GLM-4-9B-0414; "
+                        "glm4-0414-32b: GLM-4-32B-0414 (written as INT4) "
                         "(default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help=f"a {QUICK_LAYERS}-layer slice of the real config (default: full size, 28 layers; GLM-4-9B 40)")
-    p.add_argument("--step", choices=STEPS + ["all"], default=None,
+    p.add_argument("--step", choices=STEPS + ["all", CLEAN], default=None,
                    help="run one step (full size: one per command, each under 10 minutes); default: all (--quick) ")
     p.add_argument("--model-dir", type=Path, help="where the random checkpoint goes (default "
                    "/tmp/{chatglm6b,chatglm3,glm4}-random[-2l]); "
@@ -232,6 +260,8 @@ def main(argv=None) -> None:
     if step is None:
         p.error("full size runs step by step: pass --step (one of: " + ", ".join(STEPS) + "), or --step all")
     for s in (STEPS if step == "all" else [step]):
+        if step == "all" and bench.not_applicable(s):
+            continue
         bench.run(s)
 
 

@@ -95,6 +95,8 @@ def summary(results: dict) -> dict:
         if r is not None and r.get("partial"):
             as_is[name.replace("-", "_")] = {k: r.get(k) for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
                                               if r.get(k) is not None}
+            if r.get("step_s") is not None:
+                as_is[name.replace("-", "_")]["extrapolated_step_s"] = r["step_s"]
     if as_is:
         out["as_is_training"] = as_is
     best = block(most_changes)
@@ -121,29 +123,125 @@ def report(results: dict, out: Path, version: BenchVersion = VERSIONS[DEFAULT_VE
     s = summary(results)
     cfg = results.get("_config", {})
     lines = _header(results, cfg, version)
+    for note in version.notes:
+        lines += ["", note]
     lines += _inference_table(results, version)
     lines += _training_table(results, version, cfg.get("num_layers"))
     lines += _preparation(results)
-    lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s, version)]
-    lines += ["", "## Targets with the measured options (see `code` above)", ""] + [f"- {t}" for t in target_lines(s["with_options"], version)]
+    if version.targets or version.decode_targets:
+        lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s, version)]
+        lines += ["", "## Targets with the measured options (see `code` above)", ""]
+        lines += [f"- {t}" for t in target_lines(s["with_options"], version)]
     if version.e8_targets:
         lines += ["", "## Targets with the INT8 embedding / head (`+e8` rows)", ""] + [f"- {t}" for t in e8_target_lines(results, version)]
     if version.fit_steps:
         lines += ["", f"## Fits this machine ({_machine_gb():.1f} GB of memory)", ""] + [f"- {t}" for t in fit_lines(results, version)]
+    for name in version.companions:
+        companion = VERSIONS[name]
+        rows = companion_results(results, companion)
+        lines += _companion_section(rows, companion)
+        s[name.replace("-", "_")] = summary(rows)
+    if version.compare_with:
+        other = VERSIONS[version.compare_with]
+        quoted = out / f"{other.stem}.json"
+        if quoted.exists():
+            lines += _comparison(results, json.loads(quoted.read_text()), version, other)
     text = "\n".join(lines) + "\n"
-    (out / f"{version.stem}.md").write_text(text)
+    closing = json.dumps({version.stem: s})
+    (out / f"{version.stem}.md").write_text(text + f"\nThe bench's closing JSON line:\n\n{closing}\n")
     if version.chart:
         chart(out / f"{version.stem}.png", s, cfg, version)
     print(text)
-    print(json.dumps({version.stem: s}))
+    print(closing)
+
+
+def companion_results(results: dict, companion: BenchVersion) -> dict:
+    """The records of `companion` (keys under its `results_prefix`) in a shared results file, unprefixed."""
+    prefix = companion.results_prefix
+    return {k[len(prefix):]: v for k, v in results.items() if k.startswith(prefix)}
+
+
+def _companion_section(rows: dict, version: BenchVersion) -> list[str]:
+    """A version whose rows share this results file: its config, inference and training rows, preparation, and
+    whether its steps ran to the end here."""
+    cfg = rows.get("_config", {})
+    lines = ["", f"# {version.title} (`--version {version.name}`)", ""]
+    written = (f" written directly as `quantize.py --bits {version.written_bits}` would write it (no fp16 checkpoint; "
+               "`bench/checkpoint_writer.py`)" if version.written_bits else "")
+    lines.append(f"Config: {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}; "
+                 f"random weights{written}. Steps that need the fp16 checkpoint (bf16 / INT8 rows, quantize-*, "
+                 "quantized-at-load rows) do not apply and are left out.")
+    only = None
+    if version.written_bits:
+        only = {f"int{version.written_bits}-file"}
+    lines += _inference_table(rows, version, only)
+    train_only = None if not version.written_bits else {n for n in TRAIN if n.endswith(f"-int{version.written_bits}")}
+    decode = [(suffix, r["decode_tok_s"]) for suffix, r in _variants(rows, "infer-int4-file")]
+    if decode:
+        lines += [""] + [f"Decode ({_variant_label(suffix)}): {1 / tok_s:.2f} s per token." for suffix, tok_s in decode]
+    lines += _training_table(rows, version, cfg.get("num_layers"), train_only)
+    lines += _partial_lines(rows, cfg.get("num_layers"))
+    lines += _preparation(rows)
+    if version.fit_steps:
+        lines += ["", f"## {version.title} fits this machine ({_machine_gb():.1f} GB of memory)", ""]
+        lines += [f"- {t}" for t in fit_lines(rows, version)]
+    return lines
+
+
+def _partial_lines(rows: dict, layers) -> list[str]:
+    """What a training row stopped at the budget measured, and the forward it implies."""
+    out = []
+    for key, r in rows.items():
+        if not key.startswith("train-") or not r.get("partial"):
+            continue
+        done, per_layer = r.get("forward_layers_done"), r.get("forward_per_layer_s")
+        text = (f"{key}: stopped at the budget {r.get('stopped_after_s')} s into the step ({r.get('stopped_in')}), "
+                f"after {r.get('load_s')} s of loading; peak RSS {r['peak_rss_gb']:.2f} GB")
+        if r.get("forward_s") is not None:
+            text += f"; forward {r['forward_s']} s"
+        if r.get("step_s") is not None:
+            text += (f"; the whole step, its backward at {r.get('backward_per_layer_s')} s per layer for {layers} layers, "
+                     f"about {r['step_s']:.0f} s: over one command's budget, so time, not memory "
+                     f"({r['peak_rss_gb']:.2f} of {_machine_gb():.1f} GB), is what stops it here")
+        elif done and per_layer:
+            text += (f"; {done}/{layers} layers forward at {per_layer} s each, so about {per_layer * layers:.0f} s for the "
+                     "forward alone")
+        out.append(text + ".")
+    return ["", *out] if out else []
+
+
+def _comparison(results: dict, quoted: dict, version: BenchVersion, other: BenchVersion) -> list[str]:
+    """`version`'s rows beside `other`'s, quoted from its results file (not rerun)."""
+    lines = ["", f"# Beside {other.title} (quoted from `bench/results/{other.stem}.json`, not rerun)", "",
+             "| step | model | peak RSS GB | load s | decode tok/s | forward s | step s | disk GB | load avg | when |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for step in ("write", "quantize-int4", "infer-int4-load", "infer-int4-file", "train-ptuning-int4"):
+        for title, rows in ((version.title, results), (other.title, quoted)):
+            r = rows.get(step)
+            if r is None:
+                lines.append(f"| {step} | {title} | not run |" + " |" * 7)
+                continue
+            disk = r.get("disk_gb", r.get("bytes", 0) / GB if "bytes" in r else None)
+            decode = r.get("decode_tok_s")
+            lines.append(f"| {step} | {title} | {r['peak_rss_gb']:.2f} | {_fmt(r.get('load_s'), '.0f')} | "
+                         f"{_fmt(decode, '.3f')} | {r.get('forward_s', '-')} | {r.get('step_s', r.get('seconds', '-'))} | "
+                         f"{_fmt(disk)} | {r['load_average'][0]} | {r.get('when', '-')} |")
+    loads = [[rows[k]["load_average"][0] for k in rows if not k.startswith("_") and ":" not in k and "load_average" in rows[k]]
+             for rows in (results, quoted)]
+    if all(loads):
+        lines += ["", f"Load average (1 min) over all rows: {version.title} {sum(loads[0]) / len(loads[0]):.1f}, "
+                  f"{other.title} {sum(loads[1]) / len(loads[1]):.1f} (other jobs on the 2 cores): compare peak RSS "
+                  "across the two, not seconds."]
+    return lines
 
 
 def _header(results: dict, cfg: dict, version: BenchVersion) -> list[str]:
     flag = "" if version.name == DEFAULT_VERSION else f" --version {version.name}"
     seed = " The seed's figures are GPU memory of the official code (Table 18-1)." if version.seed_gpu_gb else ""
     lines = [f"# {version.title} at {'a 2-layer slice of ' if cfg.get('quick') else ''}full size on this machine", ""]
+    layout = "transformers' own (as released)" if version.layout.startswith("glm4-0414") else "the official"
     lines.append(f"Config: {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}; "
-                 f"random fp16 weights (std 0.02) in the official sharded layout. Generated by `python bench/scale.py{flag}"
+                 f"random fp16 weights (std 0.02) in {layout} sharded layout. Generated by `python bench/scale.py{flag}"
                  f"{' --quick' if cfg.get('quick') else ' --step ...'}` (see its docstring). GB = 1e9 bytes; RSS = peak "
                  "`ru_maxrss` of the whole measuring process, a fresh one per row (Python + torch + transformers baseline, "
                  f"about 0.4 GB, included).{seed}")
@@ -169,13 +267,15 @@ def _seed(version: BenchVersion, section: str, kind: str):
     return (version.seed_gpu_gb or {}).get(section, {}).get(kind, "-")
 
 
-def _inference_table(results: dict, version: BenchVersion) -> list[str]:
+def _inference_table(results: dict, version: BenchVersion, only: set | None = None) -> list[str]:
     lines = ["", "## Inference (bf16 compute; batch 1, 64-token prompt, 32 greedy tokens)", "",
              "`-load`: quantized while loading the fp16 checkpoint; `-file`: loaded from the `quantize.py` output. "
              "Bound = copy bandwidth (read + written bytes/s, measured just before) / weight bytes read per token.", "",
              "| variant | code | peak RSS GB | target GB | seed GPU GB | load s | prefill s | decode tok/s | bound tok/s | of bound | GB read/token | copy GB/s | load avg |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in INFER:
+        if only is not None and name not in only:
+            continue
         kind = name.split("-")[0]
         target, seed = _target(version, "inference", kind), _seed(version, "inference", kind)
         found = _variants(results, f"infer-{name}")
@@ -189,12 +289,14 @@ def _inference_table(results: dict, version: BenchVersion) -> list[str]:
     return lines
 
 
-def _training_table(results: dict, version: BenchVersion, layers) -> list[str]:
+def _training_table(results: dict, version: BenchVersion, layers, only: set | None = None) -> list[str]:
     lines = ["", "## One training step (batch 1 x 256 tokens, 128 labelled; gradient checkpointing; bf16 weights and activations; AdamW)", "",
              "A row stopped at the budget (the 10-minute command limit) shows what was measured before the stop.", "",
              "| step | code | peak RSS GB | target GB | seed GPU GB | load s | forward s | backward s | step s | trainable | load avg |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in TRAIN:
+        if only is not None and name not in only:
+            continue
         tuning, base = name.split("-")
         target = _target(version, tuning, base)
         seed = _seed(version, "ptuning", base)  # the seed's figure is for parameter-efficient tuning (P-tuning v2)
@@ -273,6 +375,10 @@ def fit_lines(results: dict, version: BenchVersion) -> list[str]:
     out = []
     for step in version.fit_steps:
         r = results.get(step)
+        variants = [(suffix, v) for suffix, v in _variants(results, step) if suffix]
+        if r is None and variants:  # only with options: say which, and how far it got
+            suffix, r = variants[-1]
+            step = f"{step} ({_variant_label(suffix)}; as is: not run)"
         if r is None:
             out.append(f"{step}: not run")
         elif r.get("partial"):

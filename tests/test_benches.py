@@ -110,3 +110,49 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     assert records["llama"]["first_tokens"] == want[0] and records["llama"]["decode_ms"] > 0
     batch = records["llama-batch"]
     assert batch["batch"] == 3 and batch["first_tokens"] == want[0] and batch["last_tokens"] == [row[-1] for row in want]
+
+
+def _tensor_layout(directory: Path) -> dict:
+    from safetensors import safe_open
+
+    layout = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                layout[key] = (part.get_dtype(), tuple(part.get_shape()))
+    return layout
+
+
+def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_would(tmp_path):
+    """bench/scale.py's GLM-4-0414 checkpoints at a tiny shape: the fp16 one (transformers' form) loads as
+    `Glm4ForCausalLM`, and the INT4 one written directly (the 32B row: no fp16 checkpoint) has the keys, dtypes and
+    shapes that quantize.py --bits 4 writes from the fp16 one, and loads and runs."""
+    import dataclasses
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from checkpoint_writer import write_checkpoint
+    from scale_versions import VERSIONS
+
+    from chatglm_tune import from_pretrained
+
+    tiny = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
+
+    def row(name):
+        version = VERSIONS[name]
+        return dataclasses.replace(version, official_config={**version.official_config, **tiny}, tokenizer_assets=None)
+
+    write_checkpoint(tmp_path / "fp16", row("glm4-0414"), 2)
+    write_checkpoint(tmp_path / "int4", row("glm4-0414-32b"), 2)
+    model = from_pretrained(tmp_path / "fp16", dtype=torch.float32)
+    assert type(model).__name__ == "Glm4ForCausalLMWithPrefix"
+    done = subprocess.run([sys.executable, "quantize.py", "--bits", "4", str(tmp_path / "fp16"), str(tmp_path / "q")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _tensor_layout(tmp_path / "int4") == _tensor_layout(tmp_path / "q")
+    written = json.loads((tmp_path / "int4" / "config.json").read_text())
+    assert written["quantization_bit"] == 4 and written["model_type"] == "glm4"
+    model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantization_bit=4)
+    logits = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
+    assert torch.isfinite(logits).all() and logits.float().std() > 0
