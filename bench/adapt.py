@@ -1,8 +1,10 @@
 """Adapting a trained base to relations it never saw: P-tuning v2 and LoRA, on a tiny model of each version.
 
-`--version chatglm|chatglm3|glm4` picks the base's architecture, tokenizer and prompt format (the tiny
-preset of that version: `train.py --model tiny|tiny-chatglm3|tiny-glm4`); every stage below is the same
-for each, and LoRA puts adapters on the version's block Linears (attention and MLP).
+`--version chatglm|chatglm3|glm4|glm4-0414` picks the base's architecture, tokenizer and prompt format (the
+tiny preset of that version: `train.py --model tiny|tiny-chatglm3|tiny-glm4|tiny-glm4-0414`; GLM-4-0414 is
+GLM-4's architecture with a norm after attention and after the MLP, in transformers' own form, its prompt
+the chat template of its tokenizer.json); every stage below is the same for each, and LoRA puts adapters on
+the version's block Linears (attention and MLP).
 
 0. Pretraining. A real base (ChatGLM-6B) was pretrained on text before it was tuned: it can write
    every character and copy any span of its input. The tiny base gets the small version of that: it
@@ -68,8 +70,15 @@ written as another of the new relations' pool, 忽高忽低 -> 漂移, 突然升
 flags above) 0.858 (性能故障 0.857, 组成 0.858; 0.43, 0.74, 0.83, 0.85, 0.86 at each 2000 steps;
 LoRA 0.994: bench/results/adapt-glm4.json). On the ChatGLM3 base, the same flags: 0.903
 (性能故障 0.943, 组成 0.875; 0.55, 0.83, 0.88, 0.89, 0.90 at each 2000 steps; bench/results/adapt-chatglm3.json).
+On a tiny GLM-4-0414 base (--version glm4-0414), measured on a machine shared with two other jobs, so shortened
+to fit 75 minutes: 4 base epochs (base 0.969 on its own relations, 0.000 on the new ones), P-tuning with the
+flags above for 20 epochs instead of 40 reached only 0.231 (0.06, 0.13, 0.18, 0.22, 0.23 at each 1000 steps,
+dev loss 0.385 at the end; the GLM-4 base stood at 0.43 after 2000 of its 10,000 steps), LoRA for 3 epochs
+0.942 (bench/results/adapt-glm4-0414.json: pretraining 834 s and the base 1362 s ran in a first process that
+was stopped after the base, so its train_seconds hold the adaptations only). Whether 40 epochs on an 8-epoch
+base reach 0.8 is not measured yet (--ptuning-epochs, --lora-epochs: the run length of each adaptation).
 
-    OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4] [--work-dir DIR] [--results FILE]
+    OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4|glm4-0414] [--work-dir DIR] [--results FILE]
 """
 
 import argparse
@@ -90,6 +99,7 @@ import train as train_cli  # noqa: E402
 from chatglm_tune import loading  # noqa: E402
 from chatglm_tune.batches import SpecialIds, collate_train  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
+from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS  # noqa: E402
 from chatglm_tune.options import TINY_DEMO, TINY_PRESETS, EncodingOptions, TrainOptions  # noqa: E402
 from chatglm_tune.records import SPORecord, read_records  # noqa: E402
 from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
@@ -129,10 +139,16 @@ ADAPTATIONS = {
 PRESET_OF_VERSION = {version: preset for preset, version in TINY_PRESETS.items()}
 
 
-def adaptation_flags(name: str, version: str) -> list[str]:
-    """train.py flags of adaptation `name` on a base of `version`."""
+def adaptation_epochs(name: str) -> int:
+    """The epochs of adaptation `name` in its flags."""
+    flags = ADAPTATIONS[name]
+    return int(flags[flags.index("--epochs") + 1])
+
+
+def adaptation_flags(name: str, version: str, epochs: int | None = None) -> list[str]:
+    """train.py flags of adaptation `name` on a base of `version` (with `epochs` instead of its own)."""
     targets = ["--lora-target", *registry.VERSIONS[version].quantizable_linears] if name == "lora" else []
-    return [*ADAPTATIONS[name], *targets]
+    return [*ADAPTATIONS[name], *targets, *(["--epochs", str(epochs)] if epochs else [])]
 
 
 def make_data(work: Path, n_base: int, n_new: int, per_domain: int) -> tuple[dict, list[str]]:
@@ -165,8 +181,11 @@ def make_init(directory: Path, corpus: list[str], train_file: Path, num_layers: 
     shutil.rmtree(directory, ignore_errors=True)
     records, _ = read_records(train_file)
     torch.manual_seed(SEED)
+    # The block count in the version's config field: the official one, or transformers' for the versions released
+    # in transformers' form (GLM-4-0414, GLM-Edge), whose tiny config would keep its 2 layers beside a `num_layers`.
+    layers_field = "num_hidden_layers" if version in TRANSFORMERS_FORMS else "num_layers"
     model, tokenizer = build_tiny(records, directory, TrainOptions(tuning="full"), preset=PRESET_OF_VERSION[version],
-                                  extra_texts=(COPY_PROMPT, *make_spo.RELATIONS, *corpus), num_layers=num_layers)
+                                  extra_texts=(COPY_PROMPT, *make_spo.RELATIONS, *corpus), **{layers_field: num_layers})
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -251,12 +270,31 @@ def main() -> None:
     parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
     parser.add_argument("--reuse-base", action="store_true", help="keep a base already trained in the work dir")
     parser.add_argument("--only", nargs="+", choices=tuple(ADAPTATIONS), default=list(ADAPTATIONS))
+    for name in ADAPTATIONS:
+        parser.add_argument(f"--{name}-epochs", type=int, help=f"epochs of {name} (default {adaptation_epochs(name)})")
     args = parser.parse_args()
+    epochs = {name: getattr(args, f"{name}_epochs") or adaptation_epochs(name) for name in args.only}
     torch.set_num_threads(1)
     work = args.work_dir or Path("/tmp/chatglm_tune_adapt" + ("" if args.version == "chatglm" else f"-{args.version}"))
     bench_start = time.time()
     files, corpus = make_data(work, args.base_records, args.new_records, args.other_domain_records)
-    results, seconds = {}, {}
+    earlier, seconds = earlier_results(args), {}
+
+    def write_results(scores: dict) -> str:
+        """The JSON line of what is measured so far, written to --results after each stage: a run cut short
+        keeps its numbers, and `--reuse-base --only NAME` adds the missing ones."""
+        stages = {k: v for k, v in earlier.get("train_seconds", {}).items() if k != "total"} | {
+            k: round(v) for k, v in seconds.items()}
+        stages["total"] = sum(v for k, v in stages.items() if k != "total")  # training time of every stage
+        line = json.dumps({"adapt": earlier | {
+            "version": args.version, "other_domain_records": args.other_domain_records,
+            "base_epochs": json.loads((work / "base" / "run_args.json").read_text())["epochs"],  # as the base ran
+            "adaptation_epochs": earlier.get("adaptation_epochs", {}) | {n: epochs[n] for n in epochs if seconds.get(n)},
+            **{k: round(s["micro"]["f1"], 4) for k, s in scores.items()}, "train_seconds": stages}}, ensure_ascii=False)
+        if args.results:
+            args.results.write_text(line + "\n")
+        return line
+
     if not (args.reuse_base and (work / "base" / "model.safetensors").exists()):
         shutil.rmtree(work / "base", ignore_errors=True)
         init = make_init(work / "init", corpus, files["base_train"], args.base_layers, args.version)
@@ -269,12 +307,14 @@ def main() -> None:
                                "--epochs", str(args.base_epochs)])
     scores = {"base_on_base_relations": dev_f1(work / "base", files["base_dev"]),
               "base_on_new_relations": dev_f1(work / "base", files["new_dev"])}
+    write_results(scores)
     for name in args.only:
         shutil.rmtree(work / name, ignore_errors=True)
         seconds[name] = run(["--model", str(work / "base"), "--train-file", str(files["new_train"]), "--dev-file",
-                             str(files["new_dev"]), "--output-dir", str(work / name), *adaptation_flags(name, args.version)])
+                             str(files["new_dev"]), "--output-dir", str(work / name),
+                             *adaptation_flags(name, args.version, epochs[name])])
         scores[f"{name}_on_new_relations"] = dev_f1(work / name, files["new_dev"])
-    results = {k: s["micro"]["f1"] for k, s in scores.items()}
+        write_results(scores)
 
     print(f"\ntiny {args.version} base trained on {'/'.join(BASE_RELATIONS)}, adapted to {'/'.join(NEW_RELATIONS)}"
           " (dev, 200 records)")
@@ -290,16 +330,7 @@ def main() -> None:
         per = scores[f"{name}_on_new_relations"]["per_relation"]
         print(f"  {name} per relation: " + ", ".join(f"{rel} {per[rel]['f1']:.3f}" for rel in NEW_RELATIONS if rel in per))
     print(f"whole bench: {time.time() - bench_start:.0f} s")
-    earlier = earlier_results(args)
-    stages = earlier.get("train_seconds", {}) | {k: round(v) for k, v in seconds.items() if k != "total"}
-    stages["total"] = sum(v for k, v in stages.items() if k != "total")  # training time of every stage
-    line = json.dumps({"adapt": earlier | {"version": args.version, "other_domain_records": args.other_domain_records,
-                                           **({} if args.reuse_base else {"base_epochs": args.base_epochs}),
-                                           **{k: round(v, 4) for k, v in results.items()}, "train_seconds": stages}},
-                      ensure_ascii=False)
-    if args.results:
-        args.results.write_text(line + "\n")
-    print(line)
+    print(write_results(scores))
 
 
 if __name__ == "__main__":

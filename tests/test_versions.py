@@ -127,15 +127,16 @@ def cli(script, *args):
     return done
 
 
-def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli) -> Path:
+def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli, dev: bool = True) -> Path:
     """`root` with `data.jsonl` (24 dev records), `base` (`--model preset --tuning full`, `base_steps` steps: it
     learns them) and 2-step P-tuning v2 (`ptuning`) and LoRA (`lora`) runs on top of it; `run(script, *args)`
-    runs a command."""
+    runs a command. `dev=False`: no dev file (no generation while training: a run that only has to work)."""
     (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n", encoding="utf-8")
-    data = ["--train-file", root / "data.jsonl", "--dev-file", root / "data.jsonl", "--max-src-len", 96, "--max-len", 160,
-            "--batch-size", 8, "--threads", 1]
-    run("train.py", "--model", preset, "--tuning", "full", *data, "--max-steps", base_steps, "--lr", "5e-3",
-        "--eval-every", base_steps, "--output-dir", root / "base")
+    data = ["--train-file", root / "data.jsonl", *(["--dev-file", root / "data.jsonl"] if dev else []), "--max-src-len", 96,
+            "--max-len", 160, "--batch-size", 8, "--threads", 1]
+    evaluation = ["--eval-every", base_steps] if dev else []
+    run("train.py", "--model", preset, "--tuning", "full", *data, "--max-steps", base_steps, "--lr", "5e-3", *evaluation,
+        "--output-dir", root / "base")
     run("train.py", "--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, "--prefix-projection", *data,
         "--max-steps", 2, "--output-dir", root / "ptuning")
     run("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir", root / "lora")

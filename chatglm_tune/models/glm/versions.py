@@ -120,7 +120,12 @@ class ReleasedFormVersion(GLM4Version):
                "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "attention_bias": True,
                "max_position_embeddings": 512, "eos_token_id": tokenizer.stop_token_ids,
                "pad_token_id": tokenizer.pad_token_id, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
-               "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name, **config_overrides}
+               "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name}
+        unknown = sorted(set(config_overrides) - set(raw))
+        if unknown:  # an official name (num_layers, ...) would be kept as an unused attribute
+            raise ValueError(f"{self.title}'s config has no field {', '.join(unknown)} (transformers' names: "
+                             f"{', '.join(sorted(raw))})")
+        raw.update(config_overrides)
         return model_class(self.name)(glm_config(raw, version=self.name)), tokenizer
 
 
