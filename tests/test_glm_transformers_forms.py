@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast
+from transformers import DynamicCache, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast
 
 from chatglm_tune import from_pretrained
 from chatglm_tune.batches import encode_record, prompt_ids
@@ -111,21 +111,22 @@ def test_detection_names_each_kind_of_directory(tiny, tmp_path):
 
 
 def test_weights_of_the_other_class_are_refused(tmp_path):
-    glm4_dir, glm_dir = tmp_path / "glm4", tmp_path / "glm"
-    released(glm4_dir, "glm4-0414")
-    released(glm_dir, "glm-edge")
-    wrong = tmp_path / "wrong-type"  # Glm4ForCausalLM weights under model_type glm
-    wrong.mkdir()
-    save_file(load_file(glm4_dir / "model.safetensors"), wrong / "model.safetensors")
-    (wrong / "config.json").write_text(json.dumps({**json.loads((glm4_dir / "config.json").read_text()), "model_type": "glm"}))
+    released(tmp_path / "glm4", "glm4-0414")
+    released(tmp_path / "glm", "glm-edge")
+
+    def mixed(weights: str, model_type: str):
+        """The weights of the `weights` directory under its config.json with another `model_type`."""
+        directory = tmp_path / f"{weights}-as-{model_type}"
+        directory.mkdir()
+        save_file(load_file(tmp_path / weights / "model.safetensors"), directory / "model.safetensors")
+        config = json.loads((tmp_path / weights / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        return directory
+
     with pytest.raises(CheckpointError, match="post_(self_attn|mlp)_layernorm.*Glm4ForCausalLM.*model_type glm4"):
-        from_pretrained(wrong)
-    missing = tmp_path / "missing-norms"  # GlmForCausalLM weights under model_type glm4
-    missing.mkdir()
-    save_file(load_file(glm_dir / "model.safetensors"), missing / "model.safetensors")
-    (missing / "config.json").write_text(json.dumps({**json.loads((glm_dir / "config.json").read_text()), "model_type": "glm4"}))
+        from_pretrained(mixed("glm4", "glm"))  # Glm4ForCausalLM weights under model_type glm
     with pytest.raises(CheckpointError, match="missing weights.*post_self_attn_layernorm.*model_type glm\\)"):
-        from_pretrained(missing)
+        from_pretrained(mixed("glm", "glm4"))  # GlmForCausalLM weights under model_type glm4
 
 
 def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
@@ -149,6 +150,23 @@ def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
     with torch.no_grad():
         assert torch.equal(from_pretrained(tmp_path / "full")(ids, attention_mask=mask).logits, got)
         assert torch.equal(again(ids, attention_mask=mask).logits, got)
+
+
+def test_the_prefix_is_the_first_cache_entries_of_transformers_model(tiny):
+    """P-tuning v2 as ChatGLM3 / GLM-4 have it: transformers' own model with the prefix's keys and values as the first
+    `pre_seq_len` cache entries, the mask `[ones(P), mask]`, the real tokens at positions from 0."""
+    _, directory, reference, tokenizer = tiny
+    tuned = from_pretrained(directory, pre_seq_len=4)
+    ids, mask, positions = batch(tokenizer, pad=True)
+    with torch.no_grad():
+        tuned.prefix_encoder.embedding.weight.normal_(0, 1.0)
+        cache = DynamicCache()
+        for layer, (key, value) in enumerate(tuned.prefix_key_values(2, torch.float32)):
+            cache.update(key, value, layer)
+        want = reference(ids, attention_mask=torch.cat([torch.ones(2, 4, dtype=mask.dtype), mask], 1),
+                         position_ids=positions, cache=cache).logits
+        got = tuned(ids, attention_mask=mask).logits
+    assert (got - want)[mask.bool()].abs().max() < 1e-5
 
 
 def test_saving_writes_transformers_form_back(tiny, tmp_path):
