@@ -292,13 +292,13 @@ def test_the_quantized_model_is_the_float_model_with_dequantized_weights(bits, g
 @pytest.mark.parametrize("version", VERSIONS)
 def test_cpu_kernels_run_at_batch_one(version, bits, group_size):
     """Every golden width is a multiple of 16 and 32 (hidden 64/128, ffn 128/160/192, rows of q/k/v 32/64/128),
-    so no layer falls back at batch 1: int8pack for INT8, int4pack (or the AVX2-only `int4cpu`,
-    per-row INT4 on such CPUs) for INT4. A prefill longer than `max_kernel_rows` takes the dequant path."""
+    so no layer falls back at batch 1: int8dot where it builds (INT8, per-row INT4), else int8pack for INT8,
+    int4pack (or the AVX2-only `int4cpu`, per-row INT4 on such CPUs) for INT4. A prefill longer than `max_kernel_rows` takes the dequant path."""
     model = load_glm(golden_dir(version), quantization_bit=bits, group_size=group_size)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     with torch.no_grad():
         model(torch.tensor([[5]]))
-    fast = {"int8pack"} if bits == 8 else {"int4pack", "int4cpu"}
+    fast = {"int8pack", "int8dot"} if bits == 8 else {"int4pack", "int4cpu", "int8dot"}
     assert {m.last_kernel for m in layers} <= fast, {m.last_kernel for m in layers}
     long = torch.arange(QuantizedLinear.max_kernel_rows + 1)[None] + 5
     with torch.no_grad():

@@ -162,10 +162,10 @@ def test_the_int8_head_decodes_through_the_int8pack_kernel(realistic):
     model = load_glm(realistic / "glm4", quantize_embedding=True)
     with torch.no_grad():
         fast = model(batch()[:1, :4]).logits
-        assert model.lm_head.last_kernel == "int8pack"
+        assert model.lm_head.last_kernel in ("int8pack", "int8dot")  # int8dot where it builds
         model.lm_head.kernel = "dequant"
         slow = model(batch()[:1, :4]).logits
-    assert rel(fast, slow) < 0.01  # bf16 activations in the kernel
+    assert rel(fast, slow) < 0.01  # bf16 (int8pack) or int16 (int8dot) activations in the kernel
 
 
 def test_the_head_reads_the_dequantized_rows():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatglm_tune.quant import int4_cpu, kernels
+from chatglm_tune.quant import int4_cpu, int8dot_cpu, kernels
 from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.modules import QuantizedLinear
 
@@ -100,6 +100,7 @@ def test_a_failed_build_means_unavailable_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(int4_cpu, "_x86", lambda: True)
+    monkeypatch.setattr(int8dot_cpu, "available", lambda: False)  # decode's first choice where it builds
     int4_cpu._build.cache_clear()
     int4_cpu.available.cache_clear()
     try:
@@ -130,6 +131,7 @@ def test_avx512_cpus_keep_int4pack_without_building(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 32])
 def test_quantized_linear_routes_decode_here_where_available(monkeypatch, rows):
     monkeypatch.setattr(int4_cpu, "available", lambda: True)
+    monkeypatch.setattr(int8dot_cpu, "available", lambda: False)  # decode's first choice where it builds
     torch.manual_seed(0)
     layer = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4)
     x = torch.randn(rows, 256, dtype=torch.bfloat16)

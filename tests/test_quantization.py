@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from chatglm_tune.models.chatglm6b.config import QUANTIZABLE_LINEARS
-from chatglm_tune.quant import cpu_matmul, int4_cpu, kernels
+from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu, kernels
 from chatglm_tune.quant.apply import quantize_model, to_bitsandbytes
 from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight, unpack_int4
 from chatglm_tune.quant.modules import QuantizedLinear
@@ -132,14 +132,19 @@ def test_invalid_formats_are_rejected():
 # ---------------------------------------------------------------------------------------------- (b)
 
 EXPECTED_FAST = {8: "int8pack", 4: "int4pack"}
-# What `auto` picks for a per-row-scale layer at decode: on AVX2-only CPUs INT4 goes to int4_cpu.
+# What `auto` picks for a per-row-scale layer at decode: int8dot_cpu wherever it builds; else int8pack for INT8,
+# and for INT4 int4_cpu on AVX2-only CPUs, int4pack elsewhere.
 AUTO_FAST = {8: "int8pack", 4: "int4cpu" if int4_cpu.available() else "int4pack"}
+if int8dot_cpu.available():
+    AUTO_FAST = {8: "int8dot", 4: "int8dot"}
 
 
 @pytest.fixture
 def int4pack_auto(monkeypatch):
-    """`auto` as on CPUs where int4pack is INT4's kernel (AVX-512), whatever this CPU is."""
+    """`auto` as on CPUs where int4pack is INT4's kernel (AVX-512 without the int8 dot-product kernel), whatever
+    this CPU is."""
     monkeypatch.setattr(int4_cpu, "available", lambda: False)
+    monkeypatch.setattr(int8dot_cpu, "available", lambda: False)
 
 
 @pytest.mark.parametrize("bits, group_size", FORMATS)

@@ -37,7 +37,7 @@ from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_train
 from chatglm_tune.loading import load_run, resolve_run
 from chatglm_tune.lora import LoraOptions, apply_lora, load_lora
 from chatglm_tune.options import EncodingOptions
-from chatglm_tune.quant import int4_cpu
+from chatglm_tune.quant import int4_cpu, int8dot_cpu
 from chatglm_tune.quant.apply import quantize_embedding
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
 from chatglm_tune.records import read_records
@@ -181,7 +181,7 @@ def test_the_cpu_kernels_apply_to_both_test_models(source, bits, h128):
     model(torch.tensor([[5, 6, 7, model.config.gmask_token_id, model.config.bos_token_id]]))
     kernels = {m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     int4 = "int4cpu" if int4_cpu.available() else "int4pack"  # int4cpu: the kernel for AVX2-only CPUs
-    assert kernels == {"int8pack" if bits == 8 else int4}
+    assert kernels == {"int8dot" if int8dot_cpu.available() else "int8pack" if bits == 8 else int4}
 
 
 # ---------------------------------------------------------------------------------------------- (b) save/load

@@ -37,6 +37,10 @@ The kernel is compiled once per machine at first use (`torch.utils.cpp_extension
 20-40 s; cached under ~/.cache/torch_extensions) with the same compiler torch.compile's C++ backend
 needs. Where it cannot be built (no compiler, no ninja), `available()` is False (with one warning)
 and QuantizedLinear keeps PyTorch's int4pack kernel.
+
+Where `int8dot_cpu` (int8 dot products on activations quantized to int8 blocks) builds, QuantizedLinear routes
+per-row INT4 decode there first; this kernel stays the exact-fp32 choice (`kernel = "int4cpu"`) and the AVX2
+fallback where that one is unavailable.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ are compute-bound, about 3-4 G weights/s a core (bench/quant.py), so INT4 decode
   packed layout depends on the CPU's ISA, so it is never saved); official per-row scales are applied to
   its output in fp32, the kernel's own group scales being one shared tensor of ones;
 - "int4cpu" (AVX2-only CPUs): `int4_cpu`, which reads the official packed weight as it is;
+- "int8dot" (CPU, INT8 and per-row INT4, AVX2 or AVX-512 VNNI): `int8dot_cpu`, the official weight as it is times
+  activations quantized once per call (INT4: int8 in blocks of 32, q8_0; INT8: int16 in blocks of 64), integer dot
+  products; the first choice at decode;
 - "dequant" (everywhere, CUDA included): dequantize to the activation dtype (in row tiles on CPU) and
   run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
 Backward (`QuantizedMatmul`) always gives the input gradient through the dequantized weight, never a
@@ -21,12 +24,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from chatglm_tune.quant import cpu_matmul, int4_cpu
+from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import dequantize, unpack_int4
 
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)
-KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "dequant")  # int4cpu: int4_cpu, for AVX2-only CPUs
+KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "int8dot", "dequant")  # int4cpu: int4_cpu, for AVX2-only CPUs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,6 +187,8 @@ class QuantizedMatmul(torch.autograd.Function):
         x2d = x.reshape(-1, layer.in_features)
         if kernel == "int8pack":
             y = int8pack_mm(x2d, layer.weight, layer.weight_scale)
+        elif kernel == "int8dot":  # official INT8 / INT4 as they are, quantized activations, integer dot products
+            y = int8dot_cpu.matmul(x2d, layer.weight, layer.weight_scale, layer.bits)
         elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)
             y = int4_cpu.matmul(x2d, layer.weight, layer.weight_scale)
         elif kernel == "int4pack":

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from chatglm_tune import heap
-from chatglm_tune.quant import cpu_matmul, int4_cpu
+from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import check_format, dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block_rows, int4pack_to_int, int4pack_weight,
                                         whole_int4pack_blocks)
@@ -30,9 +30,11 @@ class QuantizedLinear(nn.Module):
     `[out]` or `[out, in/group_size]`, `bias` in the compute dtype (or None). `model.to(dtype)` casts
     the bias but keeps `weight_scale` fp16 (a cast would round the official scales).
 
-    `kernel` picks the matmul: "auto" (default), or force "int8pack", "int4pack" or "dequant"; a forced
+    `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu" or "dequant"; a forced
     kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
-    `last_kernel` records the path that ran. "auto" uses the CPU kernels for at most `max_kernel_rows`
+    `last_kernel` records the path that ran. "auto" uses `int8dot_cpu` (activations quantized to int8 blocks for
+    INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 for at most `int8dot_cpu.MAX_ROWS`
+    rows where it builds, else the other CPU kernels for at most `max_kernel_rows`
     rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
     ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
     sooner.
@@ -120,12 +122,21 @@ class QuantizedLinear(nn.Module):
             # where it beats int4pack (AVX2-only CPUs) and the official weight is still held
             "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
             and not self.holds_int4pack_only and int4_cpu.available(),
+            # INT8 and per-row INT4 on the official weight, wherever it builds (AVX2 or AVX-512 VNNI); the build
+            # (once per machine) is checked only where it would run, so prefill and training never wait for it
+            "int8dot": on_cpu and int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size)
+            and not self.holds_int4pack_only,
         }
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
         if self.kernel == "auto":
+            if (self.bits in int8dot_cpu.AUTO_BITS and rows <= min(self.max_kernel_rows, int8dot_cpu.MAX_ROWS)
+                    and usable["int8dot"] and int8dot_cpu.available()):
+                return "int8dot"
             fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"
             return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
+        if self.kernel == "int8dot":
+            return "int8dot" if usable["int8dot"] and int8dot_cpu.available() else "dequant"
         return self.kernel if usable.get(self.kernel, True) else "dequant"
 
     @property

@@ -1,0 +1,234 @@
+"""Benchmark: the int8 dot-product kernel (`chatglm_tune.quant.int8dot_cpu`, activations quantized to q8_0) against
+the kernels QuantizedLinear used before it, at batch 1 on ChatGLM-6B / ChatGLM3-6B layer shapes.
+
+    python bench/int8dot_kernels.py                      # native and AVX2 capability, 1 and 2 threads
+    python bench/int8dot_kernels.py --capabilities native --threads 2
+    python bench/int8dot_kernels.py --quick              # smoke run: one small shape, few repeats
+
+Candidates (same random official-format weights, side by side in interleaved rounds, median kept):
+- INT8: `int8pack` (`torch._weight_int8pack_mm`, bf16 x: the previous INT8 path), `int8dot` (the new kernel on
+  the path it picks at this capability, int16 activations), `int8dot-avx2` (its AVX2 path, forced, at the native
+  capability), `int8dot-act8` (int8 activations, q8_0, as llama.cpp's q8_0 x q8_0: faster in principle, not routed:
+  its error broke the toolkit's INT8 accuracy bounds);
+- INT4: `int4pack` (PyTorch's kernel on its repacked weight: the previous INT4 path at the AVX512 level),
+  `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-avx2`.
+Each capability runs in its own process (`ATEN_CPU_CAPABILITY=avx2` for "avx2", which also makes `int8dot` take
+its AVX2 path). Weights rotate over enough copies (>= 256 MB per candidate) that every call streams them from
+memory, as a decode step does. Per shape and thread count: ms per call, GB/s of weight bytes read, and that
+rate over `measure.copy_bandwidth` (read + written bytes of a 256 MiB copy) at the same thread count; relative
+error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x at 12288x4096. The load average
+is recorded: timings taken beside other work are only comparable within one run.
+Results go to bench/results/int8dot_kernels.json (`--out`); the last printed line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+# (out, in, layer)
+SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
+          (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"), (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
+QUICK_SHAPES = [(1024, 1024, "small")]
+CANDIDATES = ["int8pack", "int8dot", "int8dot-avx2", "int8dot-act8", "int4pack", "int4cpu", "int4dot", "int4dot-avx2"]
+ROWS = [1, 2, 4, 8, 16, 32]
+
+
+def _layers(torch, N: int, K: int, copies: int, seed: int):
+    from chatglm_tune.quant.format import pack_int4
+    from chatglm_tune.quant.kernels import int4pack_weight
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        q4 = torch.randint(-7, 8, (N, K), dtype=torch.int8, generator=g)
+        s8 = (torch.rand(N, generator=g) * 1e-3 + 1e-4).half()
+        s4 = (torch.rand(N, generator=g) * 1e-2 + 1e-3).half()
+        p4 = pack_int4(q4)
+        out.append({"q8": q8, "s8": s8, "s8b": s8.bfloat16(), "p4": p4, "s4": s4, "int4pack": int4pack_weight(p4, s4)})
+    return out
+
+
+def _candidates(torch, layers, N: int, K: int) -> dict:
+    """name -> (fn(i, x) on copy i, weight bytes read per call, bits)."""
+    from chatglm_tune.quant import int4_cpu, int8dot_cpu
+    from chatglm_tune.quant.kernels import int4pack_mm
+
+    fns = {
+        "int8pack": (lambda i, x: torch._weight_int8pack_mm(x.bfloat16(), layers[i]["q8"], layers[i]["s8b"]), N * K + 2 * N, 8),
+        "int4pack": (lambda i, x: int4pack_mm(x.bfloat16(), *layers[i]["int4pack"]),
+                     N * K // 2 + 4 * N * K // layers[0]["int4pack"][1] + 4 * N, 4),
+    }
+    if int4_cpu.compiled():
+        fns["int4cpu"] = (lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"]), N * K // 2 + 2 * N, 4)
+    isa = int8dot_cpu.isa()
+    if isa:
+        fns["int8dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8), N * K + 2 * N, 8)
+        fns["int4dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
+        fns["int8dot-act8"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, act=8), N * K + 2 * N, 8)
+        if isa != "avx2":
+            fns["int8dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, "avx2"), N * K + 2 * N, 8)
+            fns["int4dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4, "avx2"),
+                                   N * K // 2 + 2 * N, 4)
+    return fns
+
+
+def _time_rounds(fns: dict, copies: int, x, rounds: int, calls: int) -> dict:
+    """Median over `rounds` of (seconds per call over `calls` calls rotating the copies), interleaved."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for c in range(calls):
+                fn(c % copies, x)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def child(args) -> dict:
+    import torch
+
+    from chatglm_tune.quant import int8dot_cpu
+    from chatglm_tune.quant.format import dequantize
+    from measure import copy_bandwidth
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    want = os.environ.get("ATEN_CPU_CAPABILITY")
+    if want and capability.lower() != want.lower():
+        raise SystemExit(f"ATEN_CPU_CAPABILITY={want} did not take effect: get_cpu_capability() = {capability}")
+    out = {"capability": capability, "int8dot_isa": int8dot_cpu.isa(), "torch": torch.__version__,
+           "load_average_start": list(os.getloadavg()), "threads": {}}
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        copy_gb_s = copy_bandwidth(mib=256, repeats=3) / 1e9
+        per_shape = {}
+        for N, K, name in shapes:
+            copies = 2 if args.quick else max(2, -(-256 * 2**20 // (N * K // 2)))
+            layers = _layers(torch, N, K, copies, seed=N * 7 + K)
+            fns = {c: v for c, v in _candidates(torch, layers, N, K).items() if c in args.candidates}
+            x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))
+            row = {"copies": copies, "candidates": {}}
+            for cname, (fn, nbytes, bits) in fns.items():
+                w = layers[0]["q8"] if bits == 8 else layers[0]["p4"]
+                s = layers[0]["s8b"].float() if cname == "int8pack" else layers[0]["s8" if bits == 8 else "s4"]
+                ref = x @ dequantize(w, s, bits, torch.float32).t()
+                y = fn(0, x)
+                row["candidates"][cname] = {"bytes": nbytes, "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
+            for cname, sec in _time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds, args.calls).items():
+                c = row["candidates"][cname]
+                gb_s = c["bytes"] / sec / 1e9
+                c.update(ms=sec * 1e3, gb_s=gb_s, of_copy_bw=gb_s / copy_gb_s)
+            per_shape[f"{N}x{K}"] = {"layer": name, **row}
+            print(f"[{capability} {threads}t] {N}x{K}: " + ", ".join(
+                f"{k} {v['ms']:.2f} ms ({v['of_copy_bw']:.0%})" for k, v in row["candidates"].items()), flush=True)
+            del fns, layers
+        entry = {"copy_gb_s": copy_gb_s, "shapes": per_shape}
+        if args.rows and not args.quick:
+            entry["rows"] = _rows_sweep(torch, args)
+        out["threads"][str(threads)] = entry
+    out["load_average_end"] = list(os.getloadavg())
+    return out
+
+
+def _rows_sweep(torch, args) -> dict:
+    """ms per call at 12288x4096 for M rows of x: the kernels and QuantizedLinear's dequant path."""
+    from chatglm_tune.quant.modules import QuantizedLinear
+
+    N, K, copies = 12288, 4096, 6
+    layers = _layers(torch, N, K, copies, seed=5)
+    fns = {c: v[0] for c, v in _candidates(torch, layers, N, K).items() if c in args.candidates}
+    for bits, key, scale in ((8, "q8", "s8"), (4, "p4", "s4")):
+        deq = [QuantizedLinear.from_parts(layer[key], layer[scale], None, bits) for layer in layers]
+        for layer in deq:
+            layer.kernel = "dequant"
+        fns[f"dequant{bits}"] = (lambda d: lambda i, x: d[i](x))(deq)
+    out = {}
+    for M in ROWS:
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        for fn in fns.values():
+            fn(0, x)
+        medians = _time_rounds(fns, copies, x, max(3, args.rounds // 2), max(4, args.calls // 3))
+        out[str(M)] = {k: v * 1e3 for k, v in medians.items()}
+        print(f"  rows {M}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in medians.items()) + " ms", flush=True)
+    return out
+
+
+def report(runs: dict) -> str:
+    lines = []
+    for cap, run in runs.items():
+        if "error" in run:
+            lines.append(f"\n## {cap}: {run['error']}")
+            continue
+        lines.append(f"\n## capability {run['capability']} ({cap}), int8dot path {run['int8dot_isa']}, torch {run['torch']}, "
+                     f"load average {run['load_average_start'][0]:.1f} -> {run['load_average_end'][0]:.1f}")
+        for threads, entry in run["threads"].items():
+            names = [c for c in CANDIDATES if any(c in r["candidates"] for r in entry["shapes"].values())]
+            lines.append(f"\n{threads} thread(s), copy bandwidth {entry['copy_gb_s']:.1f} GB/s: ms per call at M=1 "
+                         "(GB/s of weight bytes read, share of the copy bandwidth)")
+            lines += [f"| shape | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+            for shape, row in entry["shapes"].items():
+                cells = [f"{v['ms']:.2f} ({v['gb_s']:.1f}, {v['of_copy_bw']:.0%})" if (v := row["candidates"].get(c)) else "-"
+                         for c in names]
+                lines.append(f"| {shape} {row['layer']} | " + " | ".join(cells) + " |")
+            if entry.get("rows"):
+                rn = list(next(iter(entry["rows"].values())))
+                lines += ["", f"12288x4096, M rows of x, ms per call: | M | {' | '.join(rn)} |", "|---" * (len(rn) + 1) + "|"]
+                lines += [f"| {M} | " + " | ".join(f"{r[n]:.2f}" for n in rn) + " |" for M, r in entry["rows"].items()]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: one small shape, few rounds")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--capabilities", nargs="+", default=["native", "avx2"], help="native and/or an ATEN_CPU_CAPABILITY value")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=12)
+    p.add_argument("--rows", action="store_true", help="also sweep M = 1..32 rows at 12288x4096")
+    p.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=CANDIDATES)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "int8dot_kernels.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = 3, 4
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    from measure import run_python
+
+    forwarded = ["--threads", *args.threads, "--rounds", args.rounds, "--calls", args.calls, "--candidates", *args.candidates] \
+        + (["--quick"] if args.quick else []) + (["--rows"] if args.rows else [])
+    runs = {}
+    for cap in args.capabilities:
+        env = {} if cap == "native" else {"ATEN_CPU_CAPABILITY": cap}
+        try:
+            done = run_python(__file__, "--child", *forwarded, env=env)
+            print(done.stdout.strip().rsplit("\n", 1)[0], flush=True)
+            runs[cap] = done.last_json()
+        except RuntimeError as e:
+            runs[cap] = {"error": str(e)[-500:]}
+    text = report(runs)
+    result = {"bench": "int8dot_kernels", "quick": args.quick, "load_average": list(os.getloadavg()), "runs": runs, "text": text}
+    if not args.quick or args.out != p.get_default("out"):
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    summary = {cap: {t: {s: {c: round(v["ms"], 3) for c, v in r["candidates"].items()} for s, r in e["shapes"].items()}
+                     for t, e in run.get("threads", {}).items()} for cap, run in runs.items()}
+    print(json.dumps({"bench": "int8dot_kernels", "ms_m1": summary, "out": str(args.out)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,611 @@
+"""Batch-1 (few-row) INT8 and INT4 matmuls on CPU with integer dot products, as llama.cpp's q4_0 x q8_0 does.
+
+`matmul(x2d, weight, weight_scale, bits)` computes `x @ dequant(W).T` for the official layouts (INT8 `weight`
+int8 `[out, in]`, INT4 packed int8 `[out, in/2]` with the even column in the high nibble; fp16 per-row
+`weight_scale` `[out]`), reading the official weight as it is (no repacked copy; nothing to rebuild for
+`state_dict`), with one change to the arithmetic: the activations are quantized once per call, in blocks with
+one fp32 scale each: `d = absmax / Q`, `q = round(x * Q / absmax)` (half to even). For INT4, int8 in blocks of 32
+columns (Q = 127: llama.cpp's q8_0); for INT8, int16 in blocks of 64 (Q = 32767; `INT8_ACTIVATION_BITS`, see
+there why; `act=8` gives the int8 ones). Blocks rather than one scale per row keep the error small where a few
+activations are outliers (as LLM hidden states have: one large column would otherwise coarsen every column of the
+row). Then for each weight row `n` and block `b` the integer dot product of `q` with the weight's integers is
+exact in int32, and `y[m, n] = weight_scale[n] * sum_b d_b * dot_b`, accumulated in fp32 (`reference` is the
+same arithmetic in PyTorch). Against the fp32 dequantized math, int8 activations give a relative error of 0.5%
+on Gaussian activations and 1.3% with a few columns 50x the rest, where one scale per row gives 0.9% and 8.3%
+and bf16 activations (the int8pack / int4pack kernels) 0.2%; int16 ones 0.006% (tests/test_int8dot_cpu.py).
+
+The integer products, as the instructions take them:
+- INT8 x int16 activations: the weight bytes sign-extended to int16 (`vpmovsxbw`), then `vpdpwssd` (AVX-512 VNNI)
+  or `vpmaddwd` (AVX2), signed x signed; at most 4 products of 127 * 32767 per int32 lane: exact.
+- int8 activations, AVX-512 VNNI (`vpdpbusd`, unsigned x signed, 64 bytes a step): INT4 bytes XOR 0x88 give each
+  signed nibble plus 8 (offset binary, a shift and a mask apart), INT8 bytes XOR 0x80 the weight plus 128, both
+  unsigned, times the signed activations; the offset times the block sums of the activations is one number per
+  row of x (`off`), subtracted once per output. Exact for every int8 weight.
+- int8 activations, AVX2 (`vpmaddubsw` + `vpmaddwd`, 32 bytes a step): INT4 as above (products of at most
+  15 * 127: no int16 saturation); INT8 by |x| times the weight with x's sign (`vpsignb`, |x| <= 127 and
+  |w| <= 127, the official range: pairs stay below 2^15).
+Both are compiled into one library (`#pragma GCC target` regions) and picked at run time: AVX-512 VNNI where
+the CPU has it and PyTorch runs at its AVX512 level, so `ATEN_CPU_CAPABILITY=avx2` (bench/peer.py
+`--capability avx2`) selects the AVX2 path as it does PyTorch's own kernels.
+
+For INT4 the activations come in the order the nibbles unpack (per 64 packed bytes, the 64 even columns of
+those 128, then the 64 odd ones), with one fp32 scale per int32 lane: every lane sums columns of one block only, so the
+order costs nothing at run time (it is made with the quantized activations, once per call). Weight rows go
+in blocks of 4 sharing each load of the activations, each prefetching the weight two blocks ahead (as
+`int4_cpu`: rows of a few KB defeat the hardware prefetcher), blocks split over PyTorch's threads by
+`at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x beyond the first read the block from cache.
+Tails (in not a multiple of 64 bytes, out not a multiple of 4) are handled: the last partial chunk of a row is
+copied into a zeroed 64-byte buffer (zero activations there), the last rows go one at a time.
+
+Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; batch 1, weights streamed from memory, a 2-core
+AVX-512 VNNI EPYC while other benchmarks ran, load average 2.8-4.3: only ratios within a run mean anything, and
+the 2-thread timings there were dominated by the other load), one thread at PyTorch's AVX512 level, ms at
+4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696: INT4 1.41 / 0.83 / 2.23 / 5.15 / 2.00 against
+int4pack's 1.73 / 1.00 / 2.84 / 6.32 / 2.99 (1.2-1.5x); INT8 (int16 activations) 2.54 / 1.29 / 3.55 / 7.76 / 3.60
+against int8pack's 2.89 / 1.55 / 4.44 / 8.85 / 3.83 (1.06-1.25x; int8 activations were no faster); at the AVX2
+level INT4 0.82 / 0.88 / 2.57 / 5.20 / 1.75 against int4_cpu's 1.02 / 1.00 / 2.94 / 5.84 / 2.67 (1.1-1.5x), INT8
+1.44 / 1.41 / 4.02 / 8.09 / 3.76 against int8pack's 1.78 / 1.79 / 5.14 / 10.68 / 4.41 (1.2-1.3x). With the weight
+in cache (1024x4096, one thread) it ran at 30 GB/s (INT8, int8 activations) and 21 GB/s (INT4) of weight bytes,
+above one core's memory bandwidth. At 8-32 rows of x it was 1.3-2.7x faster than int8pack / int4pack
+(results/int8dot_kernels_rows.json, INT8 with int8 activations, measured before the activation quantizer was
+vectorized, when it cost ~40 us more a call).
+
+Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
+~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
+warning; on CPUs without AVX2 (or not x86-64) it is False without a build; either way QuantizedLinear keeps
+the kernels it used before.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import platform
+import subprocess
+import warnings
+
+import torch
+from torch import Tensor
+
+BLOCK = 32  # activation columns per fp32 scale (q8_0)
+ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
+# INT8 weights take int16 activations (blocks of 64, `vpdpwssd` / `vpmaddwd`): int8 ones add an error as large as
+# INT8's own (0.5% per Linear on Gaussian activations, against 0.2% for int8pack's bf16), and on the golden test
+# models (random weights that amplify any perturbation ~10x) they took the INT8 logits past the toolkit's bounds
+# (largest relative error 0.27 against 0.2, a top-1 lost at a margin >= 0.5); int16 ones add ~0.006% (with outlier
+# columns), at the same speed in side-by-side runs (the chunk needs 2 widening moves and 2 `vpdpwssd` instead of an
+# XOR and one `vpdpbusd`). INT4 keeps int8 activations, as llama.cpp's q4_0 x q8_0 (its own error is ~10x larger).
+INT8_ACTIVATION_BITS = 16
+# Rows of x up to which QuantizedLinear's "auto" routes here (each further row re-reads the weight from cache and
+# unpacks it again): bench/int8dot_kernels.py `--rows` (12288x4096, 1 thread; results/int8dot_kernels_rows.json) measured it 1.3-2.7x faster than
+# int8pack / int4pack from 8 to 32 rows (int8pack: 54 / 110 ms at 8 / 32 rows, this kernel 32 / 41), so up to
+# QuantizedLinear.max_kernel_rows (32), above which the dequantizing GEMM takes over as before.
+MAX_ROWS = 32
+# The formats "auto" routes here (INT8 with int16 activations, `INT8_ACTIVATION_BITS`).
+AUTO_BITS = (4, 8)
+ISAS = {"avx2": 1, "avx512vnni": 2}
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QB = 32;            // activation columns per scale (int8 activations)
+constexpr int64_t QB16 = 64;          // the same for int16 activations (INT8 weights): one 64-byte weight chunk
+constexpr int64_t CH = 64;            // weight bytes per chunk: one 512-bit vector, two 256-bit ones
+constexpr int64_t R = 4;              // weight rows per block: they share each load of the activations
+constexpr int64_t PF = 2 * R;         // each row prefetches the same bytes this many rows ahead
+
+// the activations, prepared once per call
+struct Act {
+  const int8_t* q;   // [M, KP], in chunk order (INT4: per 128 columns, the 64 even ones then the 64 odd ones)
+  const float* dv;   // [M, NC * 16]: per chunk, the block scale of each of 16 int32 lanes
+  const float* off;  // [M]: offset * sum_b d_b * sum(q of block b), subtracted from every output of row m
+  int64_t KP, NC;
+};
+
+// q8_0: per block of 32 columns d = absmax / 127, q = round_half_even(x * (127 / absmax)) (0 where absmax is 0);
+// AVX2 (every path needs it): `vcvtps2dq` rounds half to even as nearbyint does (a libm call per value here, which
+// made the quantization of 4096 columns cost ~40 us a call). A partial last block goes through a zeroed buffer.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+// q: rows of `ldq` bytes (>= K)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, int64_t ldq, float* d, int32_t* bsum) {
+  const int64_t nb = (K + QB - 1) / QB;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  alignas(32) float buf[QB];
+  alignas(32) int8_t out[QB];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QB;
+      const int64_t len = std::min(QB, K - b * QB);
+      if (len < QB) {
+        std::memset(buf, 0, sizeof(buf));
+        std::memcpy(buf, xb, len * sizeof(float));
+        xb = buf;
+      }
+      __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 a = _mm256_andnot_ps(sign, v[i]);
+        amax = _mm256_max_ps(amax, a);
+        total = _mm256_add_ps(total, a);
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      float am = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      alignas(32) float t[8];
+      _mm256_store_ps(t, total);
+      float tot = 0.f;
+      for (int i = 0; i < 8; ++i) tot += t[i];
+      if (!std::isfinite(tot)) am = NAN;  // NaN / inf in x: a NaN scale, so the outputs of the row are NaN
+      const __m256 id = _mm256_set1_ps(am > 0.f ? 127.f / am : 0.f);
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // |.| <= 127 (+ rounding)
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      const __m256i qv = _mm256_max_epi8(_mm256_permutevar8x32_epi32(p, order), _mm256_set1_epi8(-127));
+      // the block's sum (finite x: the same integers; the padding is 0)
+      const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+      __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+      s1 = _mm_add_epi32(s1, _mm_shuffle_epi32(s1, 0x4E));
+      s1 = _mm_add_epi32(s1, _mm_shuffle_epi32(s1, 0xB1));
+      const int32_t sum = _mm_cvtsi128_si32(s1);
+      if (len == QB) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * ldq + b * QB), qv);
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out), qv);
+        std::memcpy(q + m * ldq + b * QB, out, len);
+      }
+      d[m * nb + b] = am / 127.f;
+      bsum[m * nb + b] = sum;
+    }
+}
+
+// For INT8 weights: int16 activations in blocks of 64 columns, d = absmax / 32767, q = round_half_even(x * (32767 /
+// absmax)); q: rows of `ldq` int16 (>= K, the padding left as it is)
+void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, int64_t ldq, float* d) {
+  const int64_t nb = (K + QB16 - 1) / QB16;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  alignas(32) float buf[QB16];
+  alignas(32) int16_t out[QB16];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QB16;
+      const int64_t len = std::min(QB16, K - b * QB16);
+      if (len < QB16) {
+        std::memset(buf, 0, sizeof(buf));
+        std::memcpy(buf, xb, len * sizeof(float));
+        xb = buf;
+      }
+      __m256 v[8], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+      for (int i = 0; i < 8; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 a = _mm256_andnot_ps(sign, v[i]);
+        amax = _mm256_max_ps(amax, a);
+        total = _mm256_add_ps(total, a);
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      float am = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      alignas(32) float t[8];
+      _mm256_store_ps(t, total);
+      float tot = 0.f;
+      for (int i = 0; i < 8; ++i) tot += t[i];
+      if (!std::isfinite(tot)) am = NAN;
+      const __m256 id = _mm256_set1_ps(am > 0.f ? 32767.f / am : 0.f);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], id));
+        const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i + 1], id));
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);  // 16 int16 in column order
+        p = _mm256_max_epi16(p, _mm256_set1_epi16(-32767));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + 16 * i), p);
+      }
+      std::memcpy(q + m * ldq + b * QB16, out, len * sizeof(int16_t));
+      d[m * nb + b] = am / 32767.f;
+    }
+}
+#pragma GCC pop_options
+
+// the chunk order and lane scales of `Act` (see the Python docstring); `offset`: 8 (INT4), 128 (INT8 on VNNI), 0.
+// q: [M, KP] natural order, zero beyond K; INT4 rows are written to qp in chunk order, INT8 ones are q itself.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+void layout(const int8_t* q, const float* d, const int32_t* bsum, int64_t M, int64_t K, int bits, float offset,
+            int8_t* qp, float* dv, float* off, int64_t KP, int64_t NC) {
+  const int64_t nb = (K + QB - 1) / QB;
+  // per 128-bit lane: the 8 even bytes, then the 8 odd ones
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* qm = q + m * KP;
+    int8_t* pm = qp + m * KP;
+    if (bits == 4) {
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t j = 0; j < 4; ++j) {  // columns c * 128 + 32 j .. + 31: 16 even ones, 16 odd ones
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qm + c * 128 + 32 * j));
+          const __m256i e = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);  // [16 even | 16 odd]
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(pm + c * 128 + 16 * j), _mm256_castsi256_si128(e));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(pm + c * 128 + 64 + 16 * j), _mm256_extracti128_si256(e, 1));
+        }
+    }
+    const int64_t lane_blocks = bits == 4 ? 4 : 8;  // int32 lanes per block: a lane holds 8 (INT4) or 4 (INT8) columns
+    const int64_t chunk_blocks = bits == 4 ? 4 : 2;
+    for (int64_t c = 0; c < NC; ++c)
+      for (int64_t l = 0; l < 16; ++l) {
+        const int64_t b = c * chunk_blocks + l / lane_blocks;
+        dv[(m * NC + c) * 16 + l] = b < nb ? d[m * nb + b] : 0.f;
+      }
+    float o = 0.f;
+    for (int64_t b = 0; b < nb; ++b) o += d[m * nb + b] * static_cast<float>(bsum[m * nb + b]);
+    off[m] = offset * o;
+  }
+}
+#pragma GCC pop_options
+
+using BlockFn = void (*)(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N,
+                         int64_t n);
+
+// ---------------------------------------------------------------------------------------------- AVX-512 VNNI
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
+
+template <int RR, int BITS>
+__attribute__((always_inline)) inline void chunk512(const int8_t* const* src, const int8_t* xq, const float* dv,
+                                                    __m512* acc) {
+  const __m512 d = _mm512_loadu_ps(dv);
+  if (BITS == 4) {
+    const __m512i xe = _mm512_loadu_si512(xq), xo = _mm512_loadu_si512(xq + 64);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x88));
+    for (int r = 0; r < RR; ++r) {
+      const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(src[r]), flip);  // nibbles + 8
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4), lo = _mm512_and_si512(b, m4);
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xe), lo, xo);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+    }
+  } else if (BITS == 16) {  // INT8 weights widened to int16 times int16 activations (vpdpwssd), one block a chunk
+    const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+    for (int r = 0; r < RR; ++r) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r])));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32)));
+      const __m512i s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+    }
+  } else {
+    const __m512i xv = _mm512_loadu_si512(xq), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int r = 0; r < RR; ++r) {
+      const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(src[r]), flip);  // weight + 128
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xv);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+    }
+  }
+}
+
+template <int RR, int BITS>
+void block512(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+  const int64_t full = KB / CH, tail = KB % CH;
+  const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
+  alignas(64) int8_t tb[RR][CH];
+  const int8_t* rows[RR];
+  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
+  if (tail) {
+    for (int r = 0; r < RR; ++r) {
+      std::memset(tb[r], 0, CH);
+      std::memcpy(tb[r], rows[r] + full * CH, tail);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.q + m * a.KP;
+    const float* dv = a.dv + m * a.NC * 16;
+    __m512 acc[RR];
+    for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
+    const int8_t* src[RR];
+    for (int64_t c = 0; c < full; ++c) {
+      for (int r = 0; r < RR; ++r) {
+        src[r] = rows[r] + c * CH;
+        if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+      }
+      chunk512<RR, BITS>(src, xq + c * xstep, dv + c * 16, acc);
+    }
+    if (tail) {
+      for (int r = 0; r < RR; ++r) src[r] = tb[r];
+      chunk512<RR, BITS>(src, xq + full * xstep, dv + full * 16, acc);
+    }
+    for (int r = 0; r < RR; ++r) y[m * N + n + r] = (_mm512_reduce_add_ps(acc[r]) - a.off[m]) * ws[n + r];
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------- AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// one 32-byte half `h` of a chunk
+template <int RR, int BITS>
+__attribute__((always_inline)) inline void half256(const int8_t* const* src, int h, const int8_t* xq, const float* dv,
+                                                   __m256* acc) {
+  const __m256 d = _mm256_loadu_ps(dv + 8 * h);
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (BITS == 4) {
+    const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+    const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 + 32 * h));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+    for (int r = 0; r < RR; ++r) {
+      const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32 * h)), flip);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), lo = _mm256_and_si256(b, m4);
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(hi, xe), _mm256_maddubs_epi16(lo, xo));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), d, acc[r]);
+    }
+  } else if (BITS == 16) {  // 32 INT8 weights widened to int16 times int16 activations (vpmaddwd)
+    const int16_t* x16 = reinterpret_cast<const int16_t*>(xq) + 32 * h;
+    __m256i s[RR];
+    for (int r = 0; r < RR; ++r) s[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 2; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + 16 * j));
+      for (int r = 0; r < RR; ++r) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r] + 32 * h + 16 * j)));
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(w, xv));
+      }
+    }
+    for (int r = 0; r < RR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), d, acc[r]);
+  } else {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
+    const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x|
+    for (int r = 0; r < RR; ++r) {
+      const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32 * h)), xv);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones)), d, acc[r]);
+    }
+  }
+}
+
+template <int RR, int BITS>
+void block256(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+  const int64_t full = KB / CH, tail = KB % CH;
+  const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
+  alignas(64) int8_t tb[RR][CH];
+  const int8_t* rows[RR];
+  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
+  if (tail) {
+    for (int r = 0; r < RR; ++r) {
+      std::memset(tb[r], 0, CH);
+      std::memcpy(tb[r], rows[r] + full * CH, tail);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = a.q + m * a.KP;
+    const float* dv = a.dv + m * a.NC * 16;
+    __m256 acc[RR];
+    for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+    const int8_t* src[RR];
+    for (int64_t c = 0; c < full; ++c) {
+      for (int r = 0; r < RR; ++r) {
+        src[r] = rows[r] + c * CH;
+        if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+      }
+      half256<RR, BITS>(src, 0, xq + c * xstep, dv + c * 16, acc);
+      half256<RR, BITS>(src, 1, xq + c * xstep, dv + c * 16, acc);
+    }
+    if (tail) {
+      for (int r = 0; r < RR; ++r) src[r] = tb[r];
+      half256<RR, BITS>(src, 0, xq + full * xstep, dv + full * 16, acc);
+      half256<RR, BITS>(src, 1, xq + full * xstep, dv + full * 16, acc);
+    }
+    for (int r = 0; r < RR; ++r) y[m * N + n + r] = (hsum256(acc[r]) - a.off[m]) * ws[n + r];
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------- ops
+
+bool isa_supported(int64_t isa) {
+  __builtin_cpu_init();
+  if (isa == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+           && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+// x fp32 [M, K] -> (q int8 [M, K], d fp32 [M, ceil(K / 32)]): the activation quantization, for tests
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t act_bits) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "quantize: contiguous fp32 [M, K]");
+  if (act_bits == 16) {
+    const int64_t M = x.size(0), K = x.size(1), nb = (K + QB16 - 1) / QB16;
+    at::Tensor q = at::empty({M, K}, x.options().dtype(at::kShort)), d = at::empty({M, nb}, x.options());
+    quantize_rows16(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), K, d.data_ptr<float>());
+    return {q, d};
+  }
+  const int64_t M = x.size(0), K = x.size(1), nb = (K + QB - 1) / QB;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, nb}, x.options());
+  std::vector<int32_t> bsum(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), K, d.data_ptr<float>(), bsum.data());
+  return {q, d};
+}
+
+// x fp32 [M, K]; w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing); scale fp32 [N] -> fp32 [M, N]
+// act_bits 16 (INT8 weights only): int16 activations in blocks of 64, int16 dot products
+at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bits, int64_t isa, int64_t act_bits) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
+              "int8dot mm: fp32 x and scale, int8 weight");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.dim() == 2 && w.dim() == 2,
+              "int8dot mm: contiguous 2-d x and weight");
+  TORCH_CHECK(bits == 4 || bits == 8, "int8dot mm: bits 4 or 8");
+  TORCH_CHECK(isa_supported(isa), "int8dot mm: this CPU lacks the instructions of isa ", isa);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KB = w.size(1);
+  TORCH_CHECK(KB == (bits == 4 ? K / 2 : K) && (bits == 8 || K % 2 == 0) && scale.numel() == N, "int8dot mm: shapes");
+  const int64_t nb = (K + QB - 1) / QB;
+  const int64_t NC = (KB + CH - 1) / CH, KP = NC * (bits == 4 ? 2 * CH : CH);
+  TORCH_CHECK(act_bits == 8 || (act_bits == 16 && bits == 8), "int8dot mm: int16 activations are for INT8 weights");
+  const bool a16 = act_bits == 16;
+  std::vector<int8_t> q(M * KP * (a16 ? 2 : 1)), qp(bits == 4 ? M * KP : 0);  // zero-initialized: padding beyond K
+  std::vector<float> d(M * nb), dv(M * NC * 16), off(M);
+  std::vector<int32_t> bsum(M * nb);
+  if (a16) {  // blocks of 64 = chunks: every lane of chunk c takes d[c]; no offset
+    quantize_rows16(x.data_ptr<float>(), M, K, reinterpret_cast<int16_t*>(q.data()), KP, d.data());  // d: [M, NC]
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t l = 0; l < 16; ++l) dv[(m * NC + c) * 16 + l] = d[m * NC + c];
+  } else {
+    quantize_rows(x.data_ptr<float>(), M, K, q.data(), KP, d.data(), bsum.data());
+    const float offset = bits == 4 ? 8.f : (isa == 2 ? 128.f : 0.f);
+    layout(q.data(), d.data(), bsum.data(), M, K, static_cast<int>(bits), offset, qp.data(), dv.data(), off.data(), KP, NC);
+  }
+  const Act a{bits == 4 ? qp.data() : q.data(), dv.data(), off.data(), KP * (a16 ? 2 : 1), NC};
+  BlockFn blockR, block1;
+  if (a16) {
+    blockR = isa == 2 ? block512<R, 16> : block256<R, 16>;
+    block1 = isa == 2 ? block512<1, 16> : block256<1, 16>;
+  } else if (isa == 2) {
+    blockR = bits == 4 ? block512<R, 4> : block512<R, 8>;
+    block1 = bits == 4 ? block512<1, 4> : block512<1, 8>;
+  } else {
+    blockR = bits == 4 ? block256<R, 4> : block256<R, 8>;
+    block1 = bits == 4 ? block256<1, 4> : block256<1, 8>;
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* pw = w.data_ptr<int8_t>();
+  const float* ps = scale.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t blocks = N / R, tasks = blocks + N % R;
+  at::parallel_for(0, tasks, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t < blocks) blockR(pw, KB, a, M, ps, py, N, t * R);
+      else block1(pw, KB, a, M, ps, py, N, blocks * R + (t - blocks));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
+  lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8) -> Tensor", &mm);
+  lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
+  lib.def("isa_supported(int isa) -> bool", &isa_supported);
+}
+"""
+
+
+@functools.cache
+def _build() -> bool:
+    """Compile and load the kernel (once per process; the build itself is cached on disk)."""
+    from torch.utils import cpp_extension
+
+    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {}
+    try:
+        cpp_extension.load_inline(
+            "chatglm_int8dot_cpu", _SOURCE, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, **lean
+        )
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
+        warnings.warn(f"chatglm_tune.int8dot_cpu: the int8 dot-product kernel could not be built ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); keeping the previous CPU kernels")
+        return False
+    return True
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def supported_isas() -> list[str]:
+    """The kernel's instruction sets this CPU runs (whatever PyTorch's capability), built if needed."""
+    if not (_x86() and _build()):
+        return []
+    return [name for name, code in ISAS.items() if torch.ops.chatglm_int8dot_cpu.isa_supported(code)]
+
+
+@functools.cache
+def isa() -> str | None:
+    """The path `matmul` takes by default: "avx512vnni" where the CPU has AVX-512 VNNI and PyTorch runs at its
+    AVX512 level, "avx2" at the AVX2 level (so `ATEN_CPU_CAPABILITY=avx2` picks it), None where neither runs
+    (not x86-64, below AVX2, or no build). Checked before building: other CPUs never compile it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not _x86() or capability not in ("AVX2", "AVX512"):
+        return None
+    have = supported_isas()
+    if capability == "AVX512" and "avx512vnni" in have:
+        return "avx512vnni"
+    return "avx2" if "avx2" in have else None
+
+
+def available() -> bool:
+    """Whether QuantizedLinear can route to `matmul` on this machine."""
+    return isa() is not None
+
+
+def usable(in_features: int, out_features: int, bits: int, group_size: int) -> bool:
+    """Whether a layer of this format can use `matmul`: per-row scales (INT8, or INT4 without groups)."""
+    return bits in (4, 8) and group_size == 0 and in_features > 0 and out_features > 0
+
+
+def act_bits(bits: int, act: int | None = None) -> int:
+    """The activation width `matmul` uses for weights of `bits`: 8 for INT4, `INT8_ACTIVATION_BITS` for INT8."""
+    return act or (8 if bits == 4 else INT8_ACTIVATION_BITS)
+
+
+def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, isa_name: str | None = None,
+           act: int | None = None) -> Tensor:
+    """(M, in) @ dequant(W).T -> (M, out) in x's dtype, with x quantized (`reference`), for the official INT8 / INT4
+    `weight` and per-row `weight_scale` (check `available()` and `usable` first). `isa_name` forces a path
+    ("avx2", "avx512vnni"; default `isa()`), `act` the activation width (8, or 16 for INT8; default `act_bits`)."""
+    code = ISAS[isa_name or isa()]
+    _build()  # cached: a no-op once built (a forced `isa_name` may come first)
+    y = torch.ops.chatglm_int8dot_cpu.mm(x2d.float().contiguous(), weight.contiguous(), weight_scale.float().contiguous(),
+                                         bits, code, act_bits(bits, act))
+    return y.to(x2d.dtype)
+
+
+def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:
+    """The kernel's own activation quantization of fp32 (M, K): int8 (M, K) and fp32 scales (M, ceil(K/32)), or for
+    `act` 16 int16 (M, K) and (M, ceil(K/64))."""
+    return torch.ops.chatglm_int8dot_cpu.quantize(x2d.float().contiguous(), act)
+
+
+def reference_quantize(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:
+    """`quantize_activations` in PyTorch: per block of 32 columns (64 for int16; the last one partial), d = absmax / Q
+    and q = round(x * (Q / absmax)), half to even, 0 where absmax is 0, Q = 127 (32767 for int16)."""
+    block, qmax = ACT_BLOCKS[act], 2 ** (act - 1) - 1
+    x = x2d.float()
+    M, K = x.shape
+    nb = -(-K // block)
+    xb = torch.nn.functional.pad(x, (0, nb * block - K)).view(M, nb, block)
+    amax = xb.abs().amax(-1)
+    # a true fp32 division (`qmax / amax` would be `amax.reciprocal() * qmax`, an ulp off at times)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    q = (xb * inv[..., None]).round().clamp(-qmax, qmax).to(torch.int8 if act == 8 else torch.int16)
+    return q.view(M, -1)[:, :K].contiguous(), amax / qmax
+
+
+def reference(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, act: int | None = None) -> Tensor:
+    """The same arithmetic as `matmul`, in PyTorch (float64 at the end): quantized activations times the weight's
+    integers, exact int64 sums per block, times the block scales, summed, times the row scale."""
+    from chatglm_tune.quant.format import unpack_int4
+
+    act = act_bits(bits, act)
+    block = ACT_BLOCKS[act]
+    q, d = reference_quantize(x2d, act)
+    M, K = q.shape
+    w = unpack_int4(weight) if bits == 4 else weight  # (N, K) integers
+    nb = d.shape[1]
+    pad = nb * block - K
+    qb = torch.nn.functional.pad(q.long(), (0, pad)).view(M, nb, block)
+    wb = torch.nn.functional.pad(w.long(), (0, pad)).view(w.shape[0], nb, block)
+    dots = torch.einsum("mbk,nbk->mnb", qb, wb)  # exact
+    return (dots.double() * d.double()[:, None, :]).sum(-1) * weight_scale.double().view(1, -1)

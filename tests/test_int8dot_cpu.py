@@ -1,0 +1,225 @@
+"""Tests for chatglm_tune.quant.int8dot_cpu: the integer dot-product kernel on official INT8 / INT4 weights as they
+are (activations quantized once per call: int8 in q8_0 blocks of 32 for INT4, int16 in blocks of 64 for INT8, or
+int8 there too where asked).
+
+- Its activation quantization equals the PyTorch one (`reference_quantize`) bit for bit, int8 and int16.
+- Its output equals the same arithmetic written in PyTorch (`reference`: exact integer block sums, float64 after)
+  to fp32 accumulation rounding (relative 1e-5; measured below 1e-6), on odd shapes: `in` not a multiple of 64
+  or 128 (a partial chunk), of 32 (a partial block), `out` not a multiple of 4 (single rows), M = 1..5, on 1 and
+  2 threads (bit-identical: each output is summed by one thread in one order), on every path this CPU runs.
+- Small-integer inputs (block absmax 127, so d = 1; unit weight scales) give the integer matmul exactly.
+- Against the fp32 dequantized math, int8 activations: relative error 0.5% with Gaussian activations (the toolkit's
+  kernel tolerance is 1e-2; bf16 activations give 0.2%), 1.3% with a few outlier columns 50x the rest (bound
+  2e-2), where one scale per row of x gives 8.3%: hence the blocks. int16 activations (INT8's default): < 1e-4.
+- QuantizedLinear routes decode (at most `MAX_ROWS` rows; INT8 and per-row INT4) here where it is available, keeps
+  the official weight as the only copy, and falls back to the previous kernels where it cannot build (one warning).
+Kernel tests skip where it cannot run (not x86-64 with AVX2, or no compiler).
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatglm_tune.quant import int8dot_cpu
+from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
+from chatglm_tune.quant.modules import QuantizedLinear
+
+ISAS = int8dot_cpu.supported_isas()
+needs_kernel = pytest.mark.skipif(not int8dot_cpu.available(), reason="the int8 dot-product kernel cannot run or be built here")
+each_isa = pytest.mark.parametrize("isa", ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="no path runs here"))])
+
+
+def rel_err(y, ref) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def official(bits: int, out_features: int, in_features: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, scale = quantize_weight(torch.randn(out_features, in_features, generator=g).half() * 0.02, bits)
+    return (pack_int4(q) if bits == 4 else q), scale
+
+
+def activations(rows: int, in_features: int, seed: int = 1, outliers: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g)
+    if outliers:  # a few columns ~50x the rest, as in ChatGLM's hidden states
+        x[:, torch.randperm(in_features, generator=g)[: max(1, in_features // 256)]] *= 50
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [1, 31, 32, 33, 100, 1056, 4096])
+@pytest.mark.parametrize("act", [8, 16])
+def test_activation_quantization_is_the_pytorch_one_bit_for_bit(in_features, act):
+    qmax, block = 2 ** (act - 1) - 1, int8dot_cpu.ACT_BLOCKS[act]
+    x = activations(4, in_features, outliers=True)
+    x[1] = 0  # a zero row: scale 0, integers 0
+    ties = torch.tensor([qmax, 0.5, -0.5, 1.5, 2.5, -2.5, qmax - 0.5])[:in_features]  # block absmax qmax: d = 1, exact ties
+    x[2, :block] = 0
+    x[2, : len(ties)] = ties  # round half to even: 0, -0, 2, 2, -2, qmax - 1
+    q, d = int8dot_cpu.quantize_activations(x, act)
+    rq, rd = int8dot_cpu.reference_quantize(x, act)
+    assert q.dtype == (torch.int8 if act == 8 else torch.int16) and d.shape == (4, -(-in_features // block))
+    assert torch.equal(q, rq) and torch.equal(d, rd)
+    assert int(q.abs().max()) == qmax and torch.equal(q[1], torch.zeros_like(q[1]))
+
+
+@needs_kernel
+@each_isa
+@pytest.mark.parametrize("bits, act", [(8, 16), (8, 8), (4, 8)])
+@pytest.mark.parametrize("out_features, in_features", [(36, 1056), (37, 200), (5, 130), (7, 96), (13, 4160), (3, 62), (1, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_equals_the_same_arithmetic_in_pytorch(isa, bits, act, out_features, in_features, threads):
+    weight, scale = official(bits, out_features, in_features)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for rows in range(1, 6):
+            x = activations(rows, in_features, seed=rows, outliers=True)
+            y = int8dot_cpu.matmul(x, weight, scale, bits, isa, act)
+            ref = int8dot_cpu.reference(x, weight, scale, bits, act)
+            assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+            assert rel_err(y, ref) < 1e-5, rows
+            assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().max() + 1e-30).all(), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@each_isa
+@pytest.mark.parametrize("bits, act", [(8, 16), (8, 8), (4, 8)])
+def test_the_thread_count_does_not_change_a_bit(isa, bits, act):
+    weight, scale = official(bits, 4 * 64 + 3, 1056)
+    x = activations(3, 1056)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int8dot_cpu.matmul(x, weight, scale, bits, isa, act)
+        torch.set_num_threads(2)
+        assert torch.equal(int8dot_cpu.matmul(x, weight, scale, bits, isa, act), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@each_isa
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("in_features", [256, 200])
+def test_small_integers_are_exact(isa, bits, in_features):
+    """Int8 activations, each block holding +-127 (d = 1 exactly), unit weight scales: every product and sum is an
+    exact integer (int16 activations: `test_equals_the_same_arithmetic_in_pytorch`)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (3, in_features), generator=g).float()
+    x[:, ::32] = 127.0
+    qmax = 7 if bits == 4 else 127
+    q = torch.randint(-qmax, qmax + 1, (9, in_features), dtype=torch.int8, generator=g)
+    q[0], q[1] = qmax, -qmax  # the extremes of both nibbles / bytes
+    weight = pack_int4(q) if bits == 4 else q
+    y = int8dot_cpu.matmul(x, weight, torch.ones(9, dtype=torch.float16), bits, isa, act=8)
+    assert torch.equal(y, (x.double() @ q.double().t()).float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_within_the_kernel_tolerance_of_the_dequantized_math(bits, outliers):
+    weight, scale = official(bits, 256, 4096, seed=3)
+    x = activations(2, 4096, outliers=outliers)
+    ref = x @ dequantize(weight, scale, bits, torch.float32).t()
+    tol = 2e-2 if outliers else 1e-2  # measured 0.0128 / 0.0052 (bf16 activations: 0.0015 / 0.0017)
+    for isa in ISAS:
+        assert rel_err(int8dot_cpu.matmul(x, weight, scale, bits, isa, act=8), ref) < tol
+        assert rel_err(int8dot_cpu.matmul(x.bfloat16(), weight, scale, bits, isa, act=8), ref) < tol
+        if bits == 8:  # int16 activations, INT8's default: measured 6e-5 with the outliers
+            assert rel_err(int8dot_cpu.matmul(x, weight, scale, bits, isa), ref) < 1e-4
+    if outliers:  # what the blocks buy: one scale per row of x is 6.5x worse here (0.083)
+        q = (x * (127 / x.abs().amax(1, keepdim=True))).round()
+        per_row = (q * (x.abs().amax(1, keepdim=True) / 127)) @ dequantize(weight, scale, bits, torch.float32).t()
+        assert rel_err(per_row, ref) > 4 * rel_err(int8dot_cpu.matmul(x, weight, scale, bits, act=8), ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nan_and_inf_activations_give_nan_rows_as_the_float_math_does(bits):
+    weight, scale = official(bits, 8, 96)
+    x = activations(3, 96)
+    x[0, 40], x[2, 5] = float("nan"), float("inf")
+    for isa in ISAS:
+        y = int8dot_cpu.matmul(x, weight, scale, bits, isa)
+        assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+
+
+def test_formats_it_cannot_take_are_refused():
+    assert int8dot_cpu.usable(4096, 4096, 8, 0) and int8dot_cpu.usable(13696, 4096, 4, 0)
+    assert not int8dot_cpu.usable(1024, 64, 4, 32)  # group-wise INT4 scales
+
+
+@needs_kernel
+def test_a_path_this_cpu_lacks_is_refused_not_run(monkeypatch):
+    weight, scale = official(8, 4, 64)
+    for isa in set(int8dot_cpu.ISAS) - set(ISAS):
+        with pytest.raises(RuntimeError, match="lacks"):
+            int8dot_cpu.matmul(torch.randn(1, 64), weight, scale, 8, isa)
+
+
+def test_the_path_follows_pytorchs_capability(monkeypatch):
+    monkeypatch.setattr(int8dot_cpu, "supported_isas", lambda: ["avx2", "avx512vnni"])
+    monkeypatch.setattr(int8dot_cpu, "_x86", lambda: True)
+    try:
+        for capability, want in (("AVX512", "avx512vnni"), ("AVX2", "avx2"), ("DEFAULT", None)):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            int8dot_cpu.isa.cache_clear()
+            assert int8dot_cpu.isa() == want, capability
+    finally:
+        int8dot_cpu.isa.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_routes_decode_here(bits):
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(256, 68).half(), bits)
+    official_weight = layer.weight.data_ptr()
+    for rows in range(1, int8dot_cpu.MAX_ROWS + 1, 3):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), dequantize(layer.weight, layer.weight_scale, bits, torch.float32), layer.bias.float())
+        y = layer(x)
+        assert layer.last_kernel == "int8dot" and y.dtype == torch.bfloat16
+        assert rel_err(y, ref) < 1e-2
+    assert layer.weight.data_ptr() == official_weight and not layer.holds_int4pack_only  # the only copy, as it is
+    layer(torch.randn(QuantizedLinear.max_kernel_rows + 1, 256))
+    assert layer.last_kernel == "dequant"  # prefill as before
+    grouped = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4, group_size=32)
+    grouped(torch.randn(1, 256))
+    assert grouped.last_kernel != "int8dot"
+
+
+def test_a_failed_build_keeps_the_previous_kernels_with_one_warning(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'chatglm_int8dot_cpu'\nc++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(int8dot_cpu, "_x86", lambda: True)
+    int8dot_cpu._build.cache_clear()
+    int8dot_cpu.isa.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built"):
+            assert not int8dot_cpu.available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not int8dot_cpu.available()  # cached: no second build, no warning
+        layer = QuantizedLinear.from_linear(nn.Linear(64, 32).half(), 8)
+        layer(torch.randn(1, 64, dtype=torch.bfloat16))
+        assert layer.last_kernel == "int8pack"  # PyTorch's kernel, as before
+        layer.kernel = "int8dot"
+        layer(torch.randn(1, 64))
+        assert layer.last_kernel == "dequant"  # forced but not built: the dequantized math, never a crash
+    finally:
+        int8dot_cpu._build.cache_clear()
+        int8dot_cpu.isa.cache_clear()
