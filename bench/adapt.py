@@ -70,13 +70,14 @@ written as another of the new relations' pool, 忽高忽低 -> 漂移, 突然升
 flags above) 0.858 (性能故障 0.857, 组成 0.858; 0.43, 0.74, 0.83, 0.85, 0.86 at each 2000 steps;
 LoRA 0.994: bench/results/adapt-glm4.json). On the ChatGLM3 base, the same flags: 0.903
 (性能故障 0.943, 组成 0.875; 0.55, 0.83, 0.88, 0.89, 0.90 at each 2000 steps; bench/results/adapt-chatglm3.json).
-On a tiny GLM-4-0414 base (--version glm4-0414), measured on a machine shared with two other jobs, so shortened
-to fit 75 minutes: 4 base epochs (base 0.969 on its own relations, 0.000 on the new ones), P-tuning with the
-flags above for 20 epochs instead of 40 reached only 0.231 (0.06, 0.13, 0.18, 0.22, 0.23 at each 1000 steps,
-dev loss 0.385 at the end; the GLM-4 base stood at 0.43 after 2000 of its 10,000 steps), LoRA for 3 epochs
-0.942 (bench/results/adapt-glm4-0414.json: pretraining 834 s and the base 1362 s ran in a first process that
-was stopped after the base, so its train_seconds hold the adaptations only). Whether 40 epochs on an 8-epoch
-base reach 0.8 is not measured yet (--ptuning-epochs, --lora-epochs: the run length of each adaptation).
+On a tiny GLM-4-0414 base (--version glm4-0414), measured on a machine shared with other jobs, so with 4 base
+epochs instead of 8 (base 0.969 on its own relations, 0.000 on the new ones): LoRA 0.942 in 3 epochs; P-tuning
+with the flags above 0.460 in 40 epochs (性能故障 0.517, 组成 0.420; 0.11, 0.28, 0.41, 0.45, 0.46 at each 2000
+steps, dev loss 0.264 at the end) and 0.231 in 20, where the GLM-4 base stood at 0.43, 0.74, 0.83 at each 2000
+steps (bench/results/adapt-glm4-0414.json: pretraining 834 s and the base 1362 s ran in a first process, so its
+train_seconds hold the adaptations only). The prefix itself is transformers' Glm4ForCausalLM with the prefix as the
+first cache entries (tests/test_glm_transformers_forms.py, 1e-5): whether an 8-epoch base brings P-tuning to 0.8
+on this architecture is not measured yet (--ptuning-epochs, --lora-epochs: the run length of each adaptation).
 
     OMP_NUM_THREADS=1 python bench/adapt.py [--version chatglm|chatglm3|glm4|glm4-0414] [--work-dir DIR] [--results FILE]
 """
