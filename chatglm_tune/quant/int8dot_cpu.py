@@ -118,36 +118,45 @@ struct Act {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 // q: rows of `ldq` bytes (>= K)
+// Block b of 8 * V columns of row xr (K columns; a partial last block through a zeroed buffer) into v; returns its
+// absmax, NaN where the block holds NaN / inf (a NaN scale: the outputs of the row are NaN, as the float math's).
+template <int V>
+inline float load_block(const float* xr, int64_t K, int64_t b, __m256 (&v)[V]) {
+  alignas(32) float buf[8 * V];
+  const float* xb = xr + b * 8 * V;
+  const int64_t len = std::min<int64_t>(8 * V, K - b * 8 * V);
+  if (len < 8 * V) {
+    std::memset(buf, 0, sizeof(buf));
+    std::memcpy(buf, xb, len * sizeof(float));
+    xb = buf;
+  }
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < V; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    amax = _mm256_max_ps(amax, a);
+    total = _mm256_add_ps(total, a);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float am = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, total);
+  float tot = 0.f;
+  for (int i = 0; i < 8; ++i) tot += t[i];
+  return std::isfinite(tot) ? am : NAN;
+}
+
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, int64_t ldq, float* d, int32_t* bsum) {
   const int64_t nb = (K + QB - 1) / QB;
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  alignas(32) float buf[QB];
   alignas(32) int8_t out[QB];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * QB;
       const int64_t len = std::min(QB, K - b * QB);
-      if (len < QB) {
-        std::memset(buf, 0, sizeof(buf));
-        std::memcpy(buf, xb, len * sizeof(float));
-        xb = buf;
-      }
-      __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        const __m256 a = _mm256_andnot_ps(sign, v[i]);
-        amax = _mm256_max_ps(amax, a);
-        total = _mm256_add_ps(total, a);
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      float am = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-      alignas(32) float t[8];
-      _mm256_store_ps(t, total);
-      float tot = 0.f;
-      for (int i = 0; i < 8; ++i) tot += t[i];
-      if (!std::isfinite(tot)) am = NAN;  // NaN / inf in x: a NaN scale, so the outputs of the row are NaN
+      __m256 v[4];
+      const float am = load_block(x + m * K, K, b, v);
       const __m256 id = _mm256_set1_ps(am > 0.f ? 127.f / am : 0.f);
       __m256i r[4];
       for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // |.| <= 127 (+ rounding)
@@ -174,33 +183,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, int64_t ldq,
 // absmax)); q: rows of `ldq` int16 (>= K, the padding left as it is)
 void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, int64_t ldq, float* d) {
   const int64_t nb = (K + QB16 - 1) / QB16;
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  alignas(32) float buf[QB16];
   alignas(32) int16_t out[QB16];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * QB16;
       const int64_t len = std::min(QB16, K - b * QB16);
-      if (len < QB16) {
-        std::memset(buf, 0, sizeof(buf));
-        std::memcpy(buf, xb, len * sizeof(float));
-        xb = buf;
-      }
-      __m256 v[8], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
-      for (int i = 0; i < 8; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        const __m256 a = _mm256_andnot_ps(sign, v[i]);
-        amax = _mm256_max_ps(amax, a);
-        total = _mm256_add_ps(total, a);
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      float am = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-      alignas(32) float t[8];
-      _mm256_store_ps(t, total);
-      float tot = 0.f;
-      for (int i = 0; i < 8; ++i) tot += t[i];
-      if (!std::isfinite(tot)) am = NAN;
+      __m256 v[8];
+      const float am = load_block(x + m * K, K, b, v);
       const __m256 id = _mm256_set1_ps(am > 0.f ? 32767.f / am : 0.f);
       for (int i = 0; i < 4; ++i) {
         const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * i], id));
