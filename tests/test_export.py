@@ -290,8 +290,7 @@ print(json.dumps({"class": type(model).__name__, "logits": logits,
 """
 
 
-@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora", *RELEASED_FORMS,
-                                    "glm4-0414-lora"])
+@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora", *RELEASED_FORMS])
 def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, source):
     directory = runs / source if source.endswith("lora") else models[source]
     out = tmp_path / "hf"

@@ -41,7 +41,8 @@ from serving import ROOT, TEXTS, free_port, serve_py, tiny_model  # noqa: E402
 
 LINES = (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()
 GREEDY = SamplingOptions()
-VERSIONS = ("chatglm", "chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge")
+# GLM-Edge stands for the versions whose prompt is their directory's chat template (GLM-4-0414's too)
+VERSIONS = ("chatglm", "chatglm2", "chatglm3", "glm4", "glm-edge")
 
 
 class Served:
