@@ -122,7 +122,7 @@ def _candidates(torch, N: int, K: int, copies: int):
     return fns, reference, layers, int4_cpu
 
 
-def _time_rounds(fns: dict, copies: int, x, rounds: int, calls: int) -> dict:
+def time_rounds(fns: dict, copies: int, x, rounds: int, calls: int) -> dict:
     """Median over `rounds` of (seconds per call over `calls` calls rotating the copies), interleaved."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
@@ -189,7 +189,7 @@ def child(args) -> dict:
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 row["candidates"][cname] = {"rel_err": err, "first_call_s": round(first_s, 2), "bytes": nbytes}
                 usable[cname] = fn
-            medians = _time_rounds(usable, copies, x, args.rounds, args.calls)
+            medians = time_rounds(usable, copies, x, args.rounds, args.calls)
             base = medians.get("int8pack")
             for cname, sec in medians.items():
                 c = row["candidates"][cname]
@@ -222,12 +222,17 @@ def _rows_sweep(torch, args) -> dict:
     if int4_cpu.compiled():
         chosen["int4cpu-direct"] = lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], direct_rows=1 << 20)
         chosen["int4cpu-buffered"] = lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], direct_rows=0)
+    return time_rows(torch, chosen, copies, K, max(3, args.rounds // 2), max(4, args.calls // 4))
+
+
+def time_rows(torch, fns: dict, copies: int, K: int, rounds: int, calls: int) -> dict:
+    """{rows M: {candidate: ms}} for x of each of ROWS rows (`time_rounds`, after one call each), printed as it goes."""
     out = {}
     for M in ROWS:
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-        for fn in chosen.values():
+        for fn in fns.values():
             fn(0, x)
-        medians = _time_rounds(chosen, copies, x, max(3, args.rounds // 2), max(4, args.calls // 4))
+        medians = time_rounds(fns, copies, x, rounds, calls)
         out[str(M)] = {k: v * 1e3 for k, v in medians.items()}
         print(f"  rows {M}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in medians.items()) + " ms", flush=True)
     return out

@@ -26,21 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from int4_kernels import time_rounds, time_rows  # noqa: E402  (the same timing as the INT4 kernel bench)
+
 # (out, in, layer)
 SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
           (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"), (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
 QUICK_SHAPES = [(1024, 1024, "small")]
 CANDIDATES = ["int8pack", "int8dot", "int8dot-avx2", "int8dot-act8", "int4pack", "int4cpu", "int4dot", "int4dot-avx2"]
-ROWS = [1, 2, 4, 8, 16, 32]
 
 
 def _layers(torch, N: int, K: int, copies: int, seed: int):
@@ -83,18 +82,6 @@ def _candidates(torch, layers, N: int, K: int) -> dict:
     return fns
 
 
-def _time_rounds(fns: dict, copies: int, x, rounds: int, calls: int) -> dict:
-    """Median over `rounds` of (seconds per call over `calls` calls rotating the copies), interleaved."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for c in range(calls):
-                fn(c % copies, x)
-            times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
 def child(args) -> dict:
     import torch
 
@@ -125,7 +112,7 @@ def child(args) -> dict:
                 ref = x @ dequantize(w, s, bits, torch.float32).t()
                 y = fn(0, x)
                 row["candidates"][cname] = {"bytes": nbytes, "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
-            for cname, sec in _time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds, args.calls).items():
+            for cname, sec in time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds, args.calls).items():
                 c = row["candidates"][cname]
                 gb_s = c["bytes"] / sec / 1e9
                 c.update(ms=sec * 1e3, gb_s=gb_s, of_copy_bw=gb_s / copy_gb_s)
@@ -153,15 +140,7 @@ def _rows_sweep(torch, args) -> dict:
         for layer in deq:
             layer.kernel = "dequant"
         fns[f"dequant{bits}"] = (lambda d: lambda i, x: d[i](x))(deq)
-    out = {}
-    for M in ROWS:
-        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-        for fn in fns.values():
-            fn(0, x)
-        medians = _time_rounds(fns, copies, x, max(3, args.rounds // 2), max(4, args.calls // 3))
-        out[str(M)] = {k: v * 1e3 for k, v in medians.items()}
-        print(f"  rows {M}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in medians.items()) + " ms", flush=True)
-    return out
+    return time_rows(torch, fns, copies, K, max(3, args.rounds // 2), max(4, args.calls // 3))
 
 
 def report(runs: dict) -> str:
