@@ -17,19 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_first_hour import ok, tree_bytes
+from commands import ROOT, cli, ok, side_by_side
+from test_first_hour import tree_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "data" / "spo_dev.jsonl"
 PRESETS = ("tiny", "tiny-chatglm3", "tiny-glm4")
 SMALL = ["--max-src-len", "96", "--max-len", "160", "--batch-size", "8"]
-
-
-def cli(script: str, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A command line as a user runs it, with OMP_NUM_THREADS only where `env` sets it."""
-    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          env={**environment, **(env or {})}, cwd=ROOT, timeout=timeout)
 
 
 def train_here(*args, capsys) -> tuple[int, str, str]:
@@ -66,13 +59,10 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(data):
     """A 2-step full run of each preset (with a dev file), trained with OMP_NUM_THREADS=1 and no --threads."""
-    out = {}
-    for preset in PRESETS:
-        done = ok(cli("train.py", "--model", preset, "--tuning", "full", "--train-file", data / "a.jsonl",
-                      "--dev-file", data / "a.jsonl", *SMALL, "--max-steps", 2, "--output-dir", data / preset,
-                      env={"OMP_NUM_THREADS": "1"}))
-        out[preset] = (data / preset, done)
-    return out
+    done = side_by_side(*(("train.py", "--model", preset, "--tuning", "full", "--train-file", data / "a.jsonl",
+                           "--dev-file", data / "a.jsonl", *SMALL, "--max-steps", 2, "--output-dir", data / preset)
+                          for preset in PRESETS))
+    return {preset: (data / preset, run) for preset, run in zip(PRESETS, done)}
 
 
 # Threads: an environment the user set wins over a preset, and the summary says which

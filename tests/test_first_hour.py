@@ -22,22 +22,11 @@ import torch
 
 from chatglm_tune import loading, rundir
 from chatglm_tune.quant.modules import QuantizedLinear
+from commands import ROOT, cli, finish, ok, side_by_side, start
 
-ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "data" / "spo_dev.jsonl"
 SMALL = ["--max-src-len", "96", "--max-len", "160", "--batch-size", "8", "--threads", "1"]
 WARNING = re.compile(r"warn|Removed shared tensor|deprecat", re.IGNORECASE)
-
-
-def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=timeout)
-
-
-def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def tree_bytes(directory: Path) -> dict[str, bytes]:
@@ -51,15 +40,16 @@ def work(tmp_path_factory):
     umask = os.umask(0o022)  # the runs below are made as under the usual umask (test 6)
     (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n", encoding="utf-8")
     data = ["--train-file", root / "data.jsonl", "--dev-file", root / "data.jsonl", *SMALL]
-    runs = {
-        "base": ok(cli("train.py", "--model", "tiny", "--tuning", "full", *data, "--max-steps", 400, "--lr", "5e-3",
-                       "--eval-every", 400, "--output-dir", root / "base")),
-        "lora": ok(cli("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir", root / "lora")),
-        "qlora": ok(cli("train.py", "--model", root / "base", "--tuning", "lora", "--quantization-bit", 4, *data,
-                        "--max-steps", 2, "--output-dir", root / "qlora")),
-        "ptuning": ok(cli("train.py", "--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, *data,
-                          "--max-steps", 2, "--output-dir", root / "ptuning")),
+    base = ok(cli("train.py", "--model", "tiny", "--tuning", "full", *data, "--max-steps", 200, "--lr", "1e-2",
+                  "--eval-every", 200, "--output-dir", root / "base"))
+    adapters = {  # two cores: the three short runs on the base go side by side
+        "lora": ["--tuning", "lora"],
+        "qlora": ["--tuning", "lora", "--quantization-bit", 4],
+        "ptuning": ["--tuning", "ptuning", "--pre-seq-len", 4],
     }
+    done = side_by_side(*(("train.py", "--model", root / "base", *flags, *data, "--max-steps", 2, "--output-dir", root / name)
+                          for name, flags in adapters.items()))
+    runs = {"base": base} | dict(zip(adapters, done))
     os.umask(umask)
     return root, runs
 
@@ -102,15 +92,15 @@ def test_a_run_into_an_existing_run_is_refused_unless_resumed_or_overwritten(wor
     root, _ = work
     args = ["--model", root / "base", "--tuning", "lora", "--train-file", root / "data.jsonl", *SMALL, "--max-steps", 1]
     before = tree_bytes(root / "lora")
-    done = cli("train.py", *args, "--output-dir", root / "lora")
-    assert done.returncode == 2 and "not empty: pass --resume" in done.stderr and "Traceback" not in done.stderr
-    assert tree_bytes(root / "lora") == before
-
     other = tmp_path / "notes"
     other.mkdir()
     (other / "mine.txt").write_text("keep me")
+    into_run = start("train.py", *args, "--output-dir", root / "lora")
     done = cli("train.py", *args, "--output-dir", other, "--overwrite")
     assert done.returncode == 2 and "not a train.py run directory" in done.stderr
+    done = finish(into_run)
+    assert done.returncode == 2 and "not empty: pass --resume" in done.stderr and "Traceback" not in done.stderr
+    assert tree_bytes(root / "lora") == before
     assert (other / "mine.txt").read_text() == "keep me"
 
     again = tmp_path / "again"
@@ -143,13 +133,19 @@ def test_a_missing_model_directory_fails_at_once_without_a_traceback(tmp_path):
 
 def test_a_quantized_run_infers_with_its_prompt_and_budget_and_scores_as_the_run(work, tmp_path):
     root, _ = work
+
+    def infer(name: str, model: Path) -> subprocess.Popen:
+        return start("infer.py", "--model", model, "--input", root / "data.jsonl", "--output", tmp_path / f"{name}.jsonl")
+
+    float_run = infer("float", root / "base")  # beside the quantization
     ok(cli("quantize.py", "--bits", 8, root / "base", tmp_path / "q8"))
     trained = rundir.read_run_args(root / "base")
     carried = rundir.read_run_args(tmp_path / "q8")
     assert carried["encoding"] == trained["encoding"] and carried["tuning"] == "full"
+    runs = {"float": float_run, "int8": infer("int8", tmp_path / "q8")}
     scores = {}
-    for name, model in (("float", root / "base"), ("int8", tmp_path / "q8")):
-        ok(cli("infer.py", "--model", model, "--input", root / "data.jsonl", "--output", tmp_path / f"{name}.jsonl"))
+    for name, process in runs.items():
+        ok(finish(process))
         summary = json.loads((tmp_path / f"{name}.jsonl.summary.json").read_text(encoding="utf-8"))
         encoding = summary["settings"]["encoding"]
         assert (encoding["prompt"], encoding["max_src_len"], encoding["max_len"]) == (
@@ -161,8 +157,9 @@ def test_a_quantized_run_infers_with_its_prompt_and_budget_and_scores_as_the_run
 
 def test_a_run_directory_of_each_kind_quantizes(work, tmp_path):
     root, _ = work
-    for kind in ("lora", "ptuning"):
-        done = ok(cli("quantize.py", "--bits", 4, root / kind, tmp_path / kind))
+    started = {kind: start("quantize.py", "--bits", 4, root / kind, tmp_path / kind) for kind in ("lora", "ptuning")}
+    for kind, process in started.items():
+        done = ok(finish(process))
         assert "run it:" in done.stdout
         model, _ = loading.load_run(loading.resolve_run(tmp_path / kind))
         assert model.config.quantization_bit == 4

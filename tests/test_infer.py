@@ -28,8 +28,8 @@ from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.quant.modules import QuantizedLinear
 from chatglm_tune.records import SPORecord, read_records
 from chatglm_tune.rundir import RunDirectoryError
+from commands import ROOT, cli, ok, side_by_side
 
-ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "infer.py"
 DEV = ROOT / "data" / "spo_dev.jsonl"
 N_RECORDS = 20
@@ -294,11 +294,9 @@ def train_runs(tmp_path_factory):
     runs = {"full": ["--model", "tiny", "--tuning", "full"],
             "ptuning": ["--model", root / "full", "--tuning", "ptuning", "--pre-seq-len", "4", "--prefix-projection"],
             "lora": ["--model", root / "full", "--tuning", "lora"]}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, args in runs.items():
-        cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args), *map(str, common), "--output-dir", str(root / name)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+    command = {name: ("train.py", *args, *common, "--output-dir", root / name) for name, args in runs.items()}
+    ok(cli(*command["full"]))
+    side_by_side(command["ptuning"], command["lora"])  # both on the full run
     return root
 
 

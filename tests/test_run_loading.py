@@ -12,10 +12,7 @@ runs on it, all with a 96/160 length budget, not the default one):
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,21 +23,14 @@ import chatglm_tune
 import train as train_cli
 from chatglm_tune import loading, rundir
 from chatglm_tune.checkpoint import CheckpointError
-from test_first_hour import ok
+from commands import ROOT, cli
 
-ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "data" / "spo_dev.jsonl"
 PRESETS = ("tiny", "tiny-chatglm3", "tiny-glm4")
 NAMES = {"tiny": "ChatGLM-6B", "tiny-chatglm3": "ChatGLM3-6B", "tiny-glm4": "GLM-4"}
 BUDGET = {"max_src_len": 96, "max_len": 160}  # the runs' budget; EncodingOptions' default is 256/288
 SMALL = ["--max-src-len", 96, "--max-len", 160, "--batch-size", 8, "--threads", 1]
 TEXT = "诊断过程：发动机异响。"
-
-
-def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ toolkit's commands on ChatGLM3.
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+import commands
 import pytest
 import torch
 
@@ -119,12 +118,8 @@ def test_training_rows_label_the_answer_as_the_official_fine_tuning(tiny3):
 # The commands on a tiny ChatGLM3
 
 
-def cli(script, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+def cli(script, *args) -> subprocess.CompletedProcess:
+    return commands.ok(commands.cli(script, *args, timeout=600))
 
 
 def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli, dev: bool = True) -> Path:
@@ -137,9 +132,14 @@ def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli, dev: b
     evaluation = ["--eval-every", base_steps] if dev else []
     run("train.py", "--model", preset, "--tuning", "full", *data, "--max-steps", base_steps, "--lr", "5e-3", *evaluation,
         "--output-dir", root / "base")
-    run("train.py", "--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, "--prefix-projection", *data,
-        "--max-steps", 2, "--output-dir", root / "ptuning")
-    run("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir", root / "lora")
+    adapters = [("train.py", "--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, "--prefix-projection",
+                 *data, "--max-steps", 2, "--output-dir", root / "ptuning"),
+                ("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir", root / "lora")]
+    if run is cli:  # two interpreters on two cores
+        commands.side_by_side(*adapters)
+    else:
+        for command in adapters:
+            run(*command)
     return root
 
 
@@ -147,6 +147,11 @@ def assert_infers(model_dir: Path, data: Path, output: Path, *, min_f1: float, r
     """infer.py on `data` from `model_dir` alone: micro F1 above `min_f1`, every answer ended by a stop id, no
     special-token text in what was generated."""
     run("infer.py", "--model", model_dir, "--input", data, "--output", output)
+    assert_inferred(output, min_f1, model_dir)
+
+
+def assert_inferred(output: Path, min_f1: float, model_dir: Path) -> None:
+    """What `assert_infers` checks of infer.py's `output`."""
     summary = json.loads(output.with_name(output.name + ".summary.json").read_text(encoding="utf-8"))
     assert summary["scores"]["micro"]["f1"] > min_f1, model_dir
     rows = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
@@ -170,8 +175,11 @@ def test_the_tiny_chatglm3_learns_and_every_run_infers_from_its_directory(runs, 
                            "transformer.prefix_encoder.trans.2.bias"}  # the official P-tuning keys
     adapter = json.loads((runs / "lora" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["k_proj", "q_proj", "v_proj"]
-    for name in ("base", "ptuning", "lora"):  # 2 adapter steps keep what the base knows
-        assert_infers(runs / name, runs / "data.jsonl", tmp_path / f"{name}.jsonl", min_f1=0.9)
+    names = ("base", "ptuning", "lora")
+    commands.side_by_side(*(("infer.py", "--model", runs / name, "--input", runs / "data.jsonl", "--output",
+                             tmp_path / f"{name}.jsonl") for name in names))
+    for name in names:  # 2 adapter steps keep what the base knows
+        assert_inferred(tmp_path / f"{name}.jsonl", 0.9, runs / name)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
