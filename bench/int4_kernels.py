@@ -225,10 +225,10 @@ def _rows_sweep(torch, args) -> dict:
     return time_rows(torch, chosen, copies, K, max(3, args.rounds // 2), max(4, args.calls // 4))
 
 
-def time_rows(torch, fns: dict, copies: int, K: int, rounds: int, calls: int) -> dict:
-    """{rows M: {candidate: ms}} for x of each of ROWS rows (`time_rounds`, after one call each), printed as it goes."""
+def time_rows(torch, fns: dict, copies: int, K: int, rounds: int, calls: int, rows=ROWS) -> dict:
+    """{rows M: {candidate: ms}} for x of each of `rows` rows (`time_rounds`, after one call each), printed as it goes."""
     out = {}
-    for M in ROWS:
+    for M in rows:
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
         for fn in fns.values():
             fn(0, x)

@@ -16,7 +16,7 @@ Each capability runs in its own process (`ATEN_CPU_CAPABILITY=avx2` for "avx2", 
 its AVX2 path). Weights rotate over enough copies (>= 256 MB per candidate) that every call streams them from
 memory, as a decode step does. Per shape and thread count: ms per call, GB/s of weight bytes read, and that
 rate over `measure.copy_bandwidth` (read + written bytes of a 256 MiB copy) at the same thread count; relative
-error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x at 12288x4096. The load average
+error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x (decode, batched) and 64..512 (prefill) at 12288x4096. The load average
 is recorded: timings taken beside other work are only comparable within one run.
 Results go to bench/results/int8dot_kernels.json (`--out`); the last printed line is JSON.
 """
@@ -128,8 +128,13 @@ def child(args) -> dict:
     return out
 
 
+# --rows: decode and batched decode, then prefill lengths (64 tokens, 512) and a batch of 8 x 64
+PREFILL_ROWS = (64, 128, 512)
+
+
 def _rows_sweep(torch, args) -> dict:
-    """ms per call at 12288x4096 for M rows of x: the kernels and QuantizedLinear's dequant path."""
+    """ms per call at 12288x4096 for M rows of x (fp32, the CPU default; `-bf16`: bf16 x): the kernels and
+    QuantizedLinear's dequant path (its tiles dequantized to x's dtype, then a GEMM)."""
     from chatglm_tune.quant.modules import QuantizedLinear
 
     N, K, copies = 12288, 4096, 6
@@ -140,7 +145,13 @@ def _rows_sweep(torch, args) -> dict:
         for layer in deq:
             layer.kernel = "dequant"
         fns[f"dequant{bits}"] = (lambda d: lambda i, x: d[i](x))(deq)
-    return time_rows(torch, fns, copies, K, max(3, args.rounds // 2), max(4, args.calls // 3))
+        fns[f"dequant{bits}-bf16"] = (lambda d: lambda i, x: d[i](x.bfloat16()))(deq)
+    rounds, calls = max(3, args.rounds // 2), max(4, args.calls // 3)
+    # prefill: the integer-dot kernels against the dequant path (the GEMV kernels were never routed there)
+    prefill = {name: fn for name, fn in fns.items() if "dot" in name or name.startswith("dequant")}
+    with torch.inference_mode():
+        return time_rows(torch, fns, copies, K, rounds, calls) | time_rows(torch, prefill, copies, K, rounds, 2,
+                                                                           rows=PREFILL_ROWS)
 
 
 def report(runs: dict) -> str:
@@ -163,7 +174,8 @@ def report(runs: dict) -> str:
             if entry.get("rows"):
                 rn = list(next(iter(entry["rows"].values())))
                 lines += ["", f"12288x4096, M rows of x, ms per call: | M | {' | '.join(rn)} |", "|---" * (len(rn) + 1) + "|"]
-                lines += [f"| {M} | " + " | ".join(f"{r[n]:.2f}" for n in rn) + " |" for M, r in entry["rows"].items()]
+                lines += [f"| {M} | " + " | ".join(f"{r[n]:.2f}" if n in r else "-" for n in rn) + " |"
+                          for M, r in entry["rows"].items()]
     text = "\n".join(lines)
     print(text)
     return text
@@ -176,7 +188,7 @@ def main(argv=None) -> None:
     p.add_argument("--capabilities", nargs="+", default=["native", "avx2"], help="native and/or an ATEN_CPU_CAPABILITY value")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=12)
-    p.add_argument("--rows", action="store_true", help="also sweep M = 1..32 rows at 12288x4096")
+    p.add_argument("--rows", action="store_true", help="also sweep M = 1..512 rows of x at 12288x4096")
     p.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=CANDIDATES)
     p.add_argument("--out", type=Path, default=HERE / "results" / "int8dot_kernels.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

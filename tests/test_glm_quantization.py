@@ -22,6 +22,7 @@ from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.modeling import load_glm, save_official
+from chatglm_tune.quant import int8dot_cpu
 from chatglm_tune.models.glm.weights import qkv_rows, split_rows
 from chatglm_tune.options import LoraOptions
 from chatglm_tune.quant.apply import quantize_model
@@ -293,7 +294,8 @@ def test_the_quantized_model_is_the_float_model_with_dequantized_weights(bits, g
 def test_cpu_kernels_run_at_batch_one(version, bits, group_size):
     """Every golden width is a multiple of 16 and 32 (hidden 64/128, ffn 128/160/192, rows of q/k/v 32/64/128),
     so no layer falls back at batch 1: int8dot where it builds (INT8, per-row INT4), else int8pack for INT8,
-    int4pack (or the AVX2-only `int4cpu`, per-row INT4 on such CPUs) for INT4. A prefill longer than `max_kernel_rows` takes the dequant path."""
+    int4pack (or the AVX2-only `int4cpu`, per-row INT4 on such CPUs) for INT4. A prefill longer than `max_kernel_rows`
+    (fp32, no gradient) takes int8dot where it builds (INT8, per-row INT4), else the dequant path."""
     model = load_glm(golden_dir(version), quantization_bit=bits, group_size=group_size)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     with torch.no_grad():
@@ -303,7 +305,8 @@ def test_cpu_kernels_run_at_batch_one(version, bits, group_size):
     long = torch.arange(QuantizedLinear.max_kernel_rows + 1)[None] + 5
     with torch.no_grad():
         model(long)
-    assert {m.last_kernel for m in layers} == {"dequant"}
+    prefill = "int8dot" if int8dot_cpu.available() and group_size == 0 else "dequant"
+    assert {m.last_kernel for m in layers} == {prefill}
 
 
 def test_kernel_and_dequant_paths_agree():

@@ -11,7 +11,8 @@ int8 there too where asked).
 - Against the fp32 dequantized math, int8 activations: relative error 0.5% with Gaussian activations (the toolkit's
   kernel tolerance is 1e-2; bf16 activations give 0.2%), 1.3% with a few outlier columns 50x the rest (bound
   2e-2), where one scale per row of x gives 8.3%: hence the blocks. int16 activations (INT8's default): < 1e-4.
-- QuantizedLinear routes decode (at most `MAX_ROWS` rows; INT8 and per-row INT4) here where it is available, keeps
+- QuantizedLinear routes decode (at most `MAX_ROWS` rows; INT8 and per-row INT4) here where it is available, and
+  prefill where no gradient flows through x (INT4; INT8 in fp32, or bf16 up to `MAX_ROWS_INT8_BF16` rows), keeps
   the official weight as the only copy, and falls back to the previous kernels where it cannot build (one warning).
 Kernel tests skip where it cannot run (not x86-64 with AVX2, or no compiler).
 """
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatglm_tune.quant import int8dot_cpu
+from chatglm_tune.quant import cpu_matmul, int8dot_cpu
 from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.modules import QuantizedLinear
 
@@ -77,7 +78,7 @@ def test_equals_the_same_arithmetic_in_pytorch(isa, bits, act, out_features, in_
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        for rows in range(1, 6):
+        for rows in (1, 2, 3, 4, 5, 9):  # tiles of 4 (AVX-512) or 2 (AVX2) rows of x, and the rest
             x = activations(rows, in_features, seed=rows, outliers=True)
             y = int8dot_cpu.matmul(x, weight, scale, bits, isa, act)
             ref = int8dot_cpu.reference(x, weight, scale, bits, act)
@@ -179,7 +180,7 @@ def test_the_path_follows_pytorchs_capability(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_linear_routes_decode_here(bits):
+def test_quantized_linear_routes_decode_and_prefill_here(bits):
     torch.manual_seed(0)
     layer = QuantizedLinear.from_linear(nn.Linear(256, 68).half(), bits)
     official_weight = layer.weight.data_ptr()
@@ -190,8 +191,17 @@ def test_quantized_linear_routes_decode_here(bits):
         assert layer.last_kernel == "int8dot" and y.dtype == torch.bfloat16
         assert rel_err(y, ref) < 1e-2
     assert layer.weight.data_ptr() == official_weight and not layer.holds_int4pack_only  # the only copy, as it is
-    layer(torch.randn(QuantizedLinear.max_kernel_rows + 1, 256))
-    assert layer.last_kernel == "dequant"  # prefill as before
+    long = int8dot_cpu.MAX_ROWS_INT8_BF16 + 1
+    layer(torch.randn(long, 256))
+    assert layer.last_kernel == "int8dot"  # prefill in fp32, the CPU default
+    layer(torch.randn(long, 256, dtype=torch.bfloat16))
+    native_bf16 = cpu_matmul.native_bf16_gemm()  # where bf16 GEMMs are native, they win there for INT8
+    assert layer.last_kernel == ("int8dot" if bits == 4 or not native_bf16 else "dequant")
+    layer(torch.randn(int8dot_cpu.MAX_ROWS + 1, 256, requires_grad=True))
+    assert layer.last_kernel == "dequant"  # training: the dequantized math, as the backward's
+    with torch.no_grad():
+        layer(torch.randn(int8dot_cpu.MAX_ROWS + 1, 256, requires_grad=True))
+    assert layer.last_kernel == "int8dot"
     grouped = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4, group_size=32)
     grouped(torch.randn(1, 256))
     assert grouped.last_kernel != "int8dot"

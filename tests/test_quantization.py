@@ -194,12 +194,15 @@ def test_int4pack_per_row_scales_are_applied_to_the_output_and_the_unit_scales_s
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_auto_uses_the_kernel_for_decode_and_dequant_for_prefill(bits):
+def test_auto_uses_the_kernel_for_decode_and_the_faster_path_for_prefill(bits):
     layer = make_layer(bits, 0)
     layer(torch.randn(1, 1, 64, dtype=torch.bfloat16))
     assert layer.last_kernel == AUTO_FAST[bits]
-    layer(torch.randn(QuantizedLinear.max_kernel_rows + 1, 64, dtype=torch.bfloat16))
-    assert layer.last_kernel == "dequant"
+    # a bf16 prefill: INT4 stays on the integer-dot kernel where it builds, INT8 takes the dequantizing GEMM where
+    # bf16 GEMMs are native
+    layer(torch.randn(max(QuantizedLinear.max_kernel_rows, int8dot_cpu.MAX_ROWS_INT8_BF16) + 1, 64, dtype=torch.bfloat16))
+    integer_dot = int8dot_cpu.available() and (bits == 4 or not cpu_matmul.native_bf16_gemm())
+    assert layer.last_kernel == ("int8dot" if integer_dot else "dequant")
 
 
 def test_dequant_tiles_cover_every_row(monkeypatch):

@@ -31,24 +31,26 @@ the CPU has it and PyTorch runs at its AVX512 level, so `ATEN_CPU_CAPABILITY=avx
 For INT4 the activations come in the order the nibbles unpack (per 64 packed bytes, the 64 even columns of
 those 128, then the 64 odd ones), with one fp32 scale per int32 lane: every lane sums columns of one block only, so the
 order costs nothing at run time (it is made with the quantized activations, once per call). Weight rows go
-in blocks of 4 sharing each load of the activations, each prefetching the weight two blocks ahead (as
-`int4_cpu`: rows of a few KB defeat the hardware prefetcher), blocks split over PyTorch's threads by
-`at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x beyond the first read the block from cache.
-Tails (in not a multiple of 64 bytes, out not a multiple of 4) are handled: the last partial chunk of a row is
-copied into a zeroed 64-byte buffer (zero activations there), the last rows go one at a time.
+in blocks of 8 sharing each load of the activations (8 rather than 4: 12-20% faster at batch 1, one thread), each
+prefetching the weight two blocks ahead (as `int4_cpu`: rows of a few KB defeat the hardware prefetcher), blocks
+split over PyTorch's threads by `at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x go in tiles of 4
+(AVX2: 2): each weight chunk is loaded and unpacked once per tile and its integer dot products taken with each of
+the tile's rows, at most 16 accumulators (AVX2: 8) at a time (a block of 8 weight rows takes two passes of 4 for
+a tile of 4 rows); the weight is read from memory by the first tile and from cache by the others, so prefill and
+batched decoding run here too. Tails (in not a multiple of 64 bytes, out not a multiple of 8) are handled: the
+last partial chunk of a row is copied into a zeroed 64-byte buffer (zero activations there), the last rows go one
+at a time.
 
-Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; batch 1, weights streamed from memory, a 2-core
-AVX-512 VNNI EPYC while other benchmarks ran, load average 2.8-4.3: only ratios within a run mean anything, and
-the 2-thread timings there were dominated by the other load), one thread at PyTorch's AVX512 level, ms at
-4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696: INT4 1.41 / 0.83 / 2.23 / 5.15 / 2.00 against
-int4pack's 1.73 / 1.00 / 2.84 / 6.32 / 2.99 (1.2-1.5x); INT8 (int16 activations) 2.54 / 1.29 / 3.55 / 7.76 / 3.60
-against int8pack's 2.89 / 1.55 / 4.44 / 8.85 / 3.83 (1.06-1.25x; int8 activations were no faster); at the AVX2
-level INT4 0.82 / 0.88 / 2.57 / 5.20 / 1.75 against int4_cpu's 1.02 / 1.00 / 2.94 / 5.84 / 2.67 (1.1-1.5x), INT8
-1.44 / 1.41 / 4.02 / 8.09 / 3.76 against int8pack's 1.78 / 1.79 / 5.14 / 10.68 / 4.41 (1.2-1.3x). With the weight
-in cache (1024x4096, one thread) it ran at 30 GB/s (INT8, int8 activations) and 21 GB/s (INT4) of weight bytes,
-above one core's memory bandwidth. At 8-32 rows of x it was 1.3-2.7x faster than int8pack / int4pack
-(results/int8dot_kernels_rows.json, INT8 with int8 activations, measured before the activation quantizer was
-vectorized, when it cost ~40 us more a call).
+Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
+streamed from memory), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696, AVX512 level:
+one thread INT4 0.63 / 0.71 / 1.82 / 4.29 / 1.60 against int4pack's 0.90 / 1.00 / 2.61 / 5.94 / 2.92 (1.4-1.8x),
+INT8 (int16 activations) 1.01 / 1.13 / 3.01 / 7.01 / 2.94 against int8pack's 1.37 / 1.53 / 4.08 / 9.44 / 3.75
+(1.3-1.4x; int8 activations 0-4% faster); two threads INT4 at 66-100% of the copy bandwidth, INT8 at 80-108%
+(int8pack 65-85%). At the AVX2 level, one thread: INT4 0.77 / 0.81 / 2.21 / 4.64 / 1.62 against int4_cpu's
+0.91 / 0.97 / 2.57 / 5.34 / 2.64, INT8 1.20 / 1.36 / 3.48 / 6.81 / 3.49 against int8pack's 1.57 / 1.77 / 4.71 /
+9.74 / 4.15. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`. INT4 stays below INT8's share of the bandwidth: unpacking
+two nibbles a byte is more arithmetic a byte (in cache, one thread, an earlier version ran at 21 GB/s of INT4
+weight bytes against 30 for INT8).
 
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
 ~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
@@ -67,6 +69,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from chatglm_tune.quant import cpu_matmul
+
 BLOCK = 32  # activation columns per fp32 scale (q8_0)
 ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
 # INT8 weights take int16 activations (blocks of 64, `vpdpwssd` / `vpmaddwd`): int8 ones add an error as large as
@@ -76,11 +80,17 @@ ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
 # columns), at the same speed in side-by-side runs (the chunk needs 2 widening moves and 2 `vpdpwssd` instead of an
 # XOR and one `vpdpbusd`). INT4 keeps int8 activations, as llama.cpp's q4_0 x q8_0 (its own error is ~10x larger).
 INT8_ACTIVATION_BITS = 16
-# Rows of x up to which QuantizedLinear's "auto" routes here (each further row re-reads the weight from cache and
-# unpacks it again): bench/int8dot_kernels.py `--rows` (12288x4096, 1 thread; results/int8dot_kernels_rows.json) measured it 1.3-2.7x faster than
-# int8pack / int4pack from 8 to 32 rows (int8pack: 54 / 110 ms at 8 / 32 rows, this kernel 32 / 41), so up to
-# QuantizedLinear.max_kernel_rows (32), above which the dequantizing GEMM takes over as before.
+# Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): bench/int8dot_kernels.py
+# `--rows` (12288x4096, results/int8dot_kernels.json) measured it 1.4-2.8x faster than int8pack / int4pack from 4
+# to 32 rows (1 thread, AVX-512 level: INT8 24 ms at 32 rows against int8pack's 48, INT4 13 against int4pack's 37):
+# each weight chunk is unpacked once for a tile of 4 rows of x (2 on AVX2).
 MAX_ROWS = 32
+# Beyond it (prefill, batched extraction) where no gradient flows through x, against the dequantizing GEMM (same
+# bench, 2 threads, AVX-512 level): INT4 won at every length (512 rows: 116 ms against 336 with fp32 x, 165 with
+# bf16), INT8 with fp32 x (the CPU default: 196 against 319) and with bf16 x up to 64 rows (24 against 26; at 128
+# rows 50 against 41, at 512 196 against 149: native bf16 GEMMs run at about twice the rate of int16 dot products).
+# Without native bf16 GEMMs (the AVX2 level: the dequant path's bf16 runs in fp32) it won at every length.
+MAX_ROWS_INT8_BF16 = 64
 # The formats "auto" routes here (INT8 with int16 activations, `INT8_ACTIVATION_BITS`).
 AUTO_BITS = (4, 8)
 ISAS = {"avx2": 1, "avx512vnni": 2}
@@ -101,8 +111,12 @@ namespace {
 constexpr int64_t QB = 32;            // activation columns per scale (int8 activations)
 constexpr int64_t QB16 = 64;          // the same for int16 activations (INT8 weights): one 64-byte weight chunk
 constexpr int64_t CH = 64;            // weight bytes per chunk: one 512-bit vector, two 256-bit ones
-constexpr int64_t R = 4;              // weight rows per block: they share each load of the activations
+constexpr int64_t R = 8;              // weight rows per block: they share each load of the activations
 constexpr int64_t PF = 2 * R;         // each row prefetches the same bytes this many rows ahead
+constexpr int MT_MAX = 4;             // rows of x per tile: each unpacked weight chunk serves this many
+constexpr int MT_MAX_AVX2 = 2;        // the same with AVX2's 16 registers
+constexpr int ACC512 = 16;            // accumulators (rows of W x rows of x) per pass: 16 of the 32 zmm registers
+constexpr int ACC256 = 8;             // the same of AVX2's 16 ymm registers
 
 // the activations, prepared once per call
 struct Act {
@@ -246,68 +260,103 @@ using BlockFn = void (*)(const int8_t* w, int64_t KB, const Act& a, int64_t M, c
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
 
-template <int RR, int BITS>
-__attribute__((always_inline)) inline void chunk512(const int8_t* const* src, const int8_t* xq, const float* dv,
-                                                    __m512* acc) {
-  const __m512 d = _mm512_loadu_ps(dv);
+// One 64-byte chunk of RR weight rows times MT rows of x: each row's chunk is unpacked once for all MT rows
+// (acc[m * RR + r]); the activations come from L1 (memory operands).
+template <int RR, int MT, int BITS>
+__attribute__((always_inline)) inline void chunk512(const int8_t* const* src, const int8_t* xq, int64_t xld,
+                                                    const float* dv, int64_t dld, __m512* acc) {
   if (BITS == 4) {
-    const __m512i xe = _mm512_loadu_si512(xq), xo = _mm512_loadu_si512(xq + 64);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x88));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
     for (int r = 0; r < RR; ++r) {
-      const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(src[r]), flip);  // nibbles + 8
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4), lo = _mm512_and_si512(b, m4);
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xe), lo, xo);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+      const __m512i b = _mm512_loadu_si512(src[r]);
+      // (nibble & 0xF) ^ 8: the signed nibble plus 8 (offset binary), one ternary-logic op each
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), m4, eight, 0x6A);
+      const __m512i lo = _mm512_ternarylogic_epi32(b, m4, eight, 0x6A);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xq + m * xld;
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x)),
+                                              lo, _mm512_loadu_si512(x + 64));
+        acc[m * RR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dv + m * dld), acc[m * RR + r]);
+      }
     }
   } else if (BITS == 16) {  // INT8 weights widened to int16 times int16 activations (vpdpwssd), one block a chunk
-    const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
     for (int r = 0; r < RR; ++r) {
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r])));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32)));
-      const __m512i s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xq + m * xld;
+        const __m512i s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x)),
+                                              w1, _mm512_loadu_si512(x + 64));
+        acc[m * RR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dv + m * dld), acc[m * RR + r]);
+      }
     }
   } else {
-    const __m512i xv = _mm512_loadu_si512(xq), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int r = 0; r < RR; ++r) {
       const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(src[r]), flip);  // weight + 128
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, xv);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[r]);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, _mm512_loadu_si512(xq + m * xld));
+        acc[m * RR + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dv + m * dld), acc[m * RR + r]);
+      }
     }
   }
 }
 
-template <int RR, int BITS>
-void block512(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+// Weight rows n .. n + RR - 1 times rows m0 .. m0 + MT - 1 of x; the first tile (m0 == 0) prefetches the weight.
+template <int RR, int MT, int BITS>
+void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0, const float* ws,
+             float* y, int64_t N, int64_t n) {
   const int64_t full = KB / CH, tail = KB % CH;
   const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
+  const int8_t* xq = a.q + m0 * a.KP;
+  const float* dv = a.dv + m0 * a.NC * 16;
+  __m512 acc[MT * RR];
+  for (int i = 0; i < MT * RR; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* src[RR];
+  for (int64_t c = 0; c < full; ++c) {
+    for (int r = 0; r < RR; ++r) {
+      src[r] = rows[r] + c * CH;
+      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+    }
+    chunk512<RR, MT, BITS>(src, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
+  }
+  if (tail) {
+    for (int r = 0; r < RR; ++r) src[r] = tb[r];
+    chunk512<RR, MT, BITS>(src, xq + full * xstep, a.KP, dv + full * 16, a.NC * 16, acc);
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < RR; ++r)
+      y[(m0 + m) * N + n + r] = (_mm512_reduce_add_ps(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
+}
+
+// The RR rows of a block for one tile of MT rows of x, in passes of at most ACC512 / MT rows (a power of two):
+// the accumulators stay in registers.
+template <int RR, int MT, int BITS>
+inline void rows512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
+                    const float* ws, float* y, int64_t N, int64_t n) {
+  constexpr int FIT = ACC512 / MT >= 8 ? 8 : ACC512 / MT >= 4 ? 4 : ACC512 / MT >= 2 ? 2 : 1;
+  constexpr int SUB = RR < FIT ? RR : FIT;
+  for (int r0 = 0; r0 < RR; r0 += SUB) tile512<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
+}
+
+template <int RR, int BITS>
+void block512(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
   for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
-  if (tail) {
+  if (KB % CH) {
     for (int r = 0; r < RR; ++r) {
       std::memset(tb[r], 0, CH);
-      std::memcpy(tb[r], rows[r] + full * CH, tail);
+      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* xq = a.q + m * a.KP;
-    const float* dv = a.dv + m * a.NC * 16;
-    __m512 acc[RR];
-    for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
-    const int8_t* src[RR];
-    for (int64_t c = 0; c < full; ++c) {
-      for (int r = 0; r < RR; ++r) {
-        src[r] = rows[r] + c * CH;
-        if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
-      }
-      chunk512<RR, BITS>(src, xq + c * xstep, dv + c * 16, acc);
-    }
-    if (tail) {
-      for (int r = 0; r < RR; ++r) src[r] = tb[r];
-      chunk512<RR, BITS>(src, xq + full * xstep, dv + full * 16, acc);
-    }
-    for (int r = 0; r < RR; ++r) y[m * N + n + r] = (_mm512_reduce_add_ps(acc[r]) - a.off[m]) * ws[n + r];
+  int64_t m = 0;
+  for (; m + MT_MAX <= M; m += MT_MAX) rows512<RR, MT_MAX, BITS>(rows, tb, KB, a, m, ws, y, N, n);
+  switch (M - m) {
+    case 3: rows512<RR, 3, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
+    case 2: rows512<RR, 2, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
+    case 1: rows512<RR, 1, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
+    default: break;
   }
 }
 
@@ -323,78 +372,103 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// one 32-byte half `h` of a chunk
-template <int RR, int BITS>
-__attribute__((always_inline)) inline void half256(const int8_t* const* src, int h, const int8_t* xq, const float* dv,
-                                                   __m256* acc) {
-  const __m256 d = _mm256_loadu_ps(dv + 8 * h);
+// One 32-byte half `h` of a chunk of RR weight rows times MT rows of x (acc[m * RR + r]), each row's half
+// unpacked once for all MT rows.
+template <int RR, int MT, int BITS>
+__attribute__((always_inline)) inline void half256(const int8_t* const* src, int h, const int8_t* xq, int64_t xld,
+                                                   const float* dv, int64_t dld, __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   if (BITS == 4) {
-    const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
-    const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 + 32 * h));
     const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
     for (int r = 0; r < RR; ++r) {
       const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32 * h)), flip);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), lo = _mm256_and_si256(b, m4);
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(hi, xe), _mm256_maddubs_epi16(lo, xo));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), d, acc[r]);
-    }
-  } else if (BITS == 16) {  // 32 INT8 weights widened to int16 times int16 activations (vpmaddwd)
-    const int16_t* x16 = reinterpret_cast<const int16_t*>(xq) + 32 * h;
-    __m256i s[RR];
-    for (int r = 0; r < RR; ++r) s[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 2; ++j) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + 16 * j));
-      for (int r = 0; r < RR; ++r) {
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r] + 32 * h + 16 * j)));
-        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(w, xv));
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xq + m * xld;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 + 32 * h));
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(hi, xe), _mm256_maddubs_epi16(lo, xo));
+        acc[m * RR + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                          _mm256_loadu_ps(dv + m * dld + 8 * h), acc[m * RR + r]);
       }
     }
-    for (int r = 0; r < RR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), d, acc[r]);
-  } else {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h));
-    const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x|
+  } else if (BITS == 16) {  // 32 INT8 weights widened to int16 times int16 activations (vpmaddwd)
     for (int r = 0; r < RR; ++r) {
-      const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32 * h)), xv);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones)), d, acc[r]);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r] + 32 * h)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[r] + 32 * h + 16)));
+      for (int m = 0; m < MT; ++m) {
+        const int16_t* x16 = reinterpret_cast<const int16_t*>(xq + m * xld) + 32 * h;
+        const __m256i s = _mm256_add_epi32(
+            _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16))),
+            _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + 16))));
+        acc[m * RR + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_loadu_ps(dv + m * dld + 8 * h), acc[m * RR + r]);
+      }
+    }
+  } else {
+    for (int r = 0; r < RR; ++r) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + 32 * h));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * xld + 32 * h));
+        // |x| times the weight with x's sign
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
+        acc[m * RR + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                          _mm256_loadu_ps(dv + m * dld + 8 * h), acc[m * RR + r]);
+      }
     }
   }
 }
 
-template <int RR, int BITS>
-void block256(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+template <int RR, int MT, int BITS>
+void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0, const float* ws,
+             float* y, int64_t N, int64_t n) {
   const int64_t full = KB / CH, tail = KB % CH;
   const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
+  const int8_t* xq = a.q + m0 * a.KP;
+  const float* dv = a.dv + m0 * a.NC * 16;
+  __m256 acc[MT * RR];
+  for (int i = 0; i < MT * RR; ++i) acc[i] = _mm256_setzero_ps();
+  const int8_t* src[RR];
+  for (int64_t c = 0; c < full; ++c) {
+    for (int r = 0; r < RR; ++r) {
+      src[r] = rows[r] + c * CH;
+      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+    }
+    half256<RR, MT, BITS>(src, 0, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
+    half256<RR, MT, BITS>(src, 1, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
+  }
+  if (tail) {
+    for (int r = 0; r < RR; ++r) src[r] = tb[r];
+    half256<RR, MT, BITS>(src, 0, xq + full * xstep, a.KP, dv + full * 16, a.NC * 16, acc);
+    half256<RR, MT, BITS>(src, 1, xq + full * xstep, a.KP, dv + full * 16, a.NC * 16, acc);
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < RR; ++r)
+      y[(m0 + m) * N + n + r] = (hsum256(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
+}
+
+// `rows512` with AVX2's budget of accumulators
+template <int RR, int MT, int BITS>
+inline void rows256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
+                    const float* ws, float* y, int64_t N, int64_t n) {
+  constexpr int FIT = ACC256 / MT >= 4 ? 4 : ACC256 / MT >= 2 ? 2 : 1;
+  constexpr int SUB = RR < FIT ? RR : FIT;
+  for (int r0 = 0; r0 < RR; r0 += SUB) tile256<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
+}
+
+template <int RR, int BITS>
+void block256(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
   for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
-  if (tail) {
+  if (KB % CH) {
     for (int r = 0; r < RR; ++r) {
       std::memset(tb[r], 0, CH);
-      std::memcpy(tb[r], rows[r] + full * CH, tail);
+      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* xq = a.q + m * a.KP;
-    const float* dv = a.dv + m * a.NC * 16;
-    __m256 acc[RR];
-    for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
-    const int8_t* src[RR];
-    for (int64_t c = 0; c < full; ++c) {
-      for (int r = 0; r < RR; ++r) {
-        src[r] = rows[r] + c * CH;
-        if (m == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
-      }
-      half256<RR, BITS>(src, 0, xq + c * xstep, dv + c * 16, acc);
-      half256<RR, BITS>(src, 1, xq + c * xstep, dv + c * 16, acc);
-    }
-    if (tail) {
-      for (int r = 0; r < RR; ++r) src[r] = tb[r];
-      half256<RR, BITS>(src, 0, xq + full * xstep, dv + full * 16, acc);
-      half256<RR, BITS>(src, 1, xq + full * xstep, dv + full * 16, acc);
-    }
-    for (int r = 0; r < RR; ++r) y[m * N + n + r] = (hsum256(acc[r]) - a.off[m]) * ws[n + r];
-  }
+  int64_t m = 0;
+  for (; m + MT_MAX_AVX2 <= M; m += MT_MAX_AVX2) rows256<RR, MT_MAX_AVX2, BITS>(rows, tb, KB, a, m, ws, y, N, n);
+  if (M - m == 1) rows256<RR, 1, BITS>(rows, tb, KB, a, m, ws, y, N, n);
 }
 
 #pragma GCC pop_options
@@ -541,6 +615,17 @@ def available() -> bool:
 def usable(in_features: int, out_features: int, bits: int, group_size: int) -> bool:
     """Whether a layer of this format can use `matmul`: per-row scales (INT8, or INT4 without groups)."""
     return bits in (4, 8) and group_size == 0 and in_features > 0 and out_features > 0
+
+
+def routes(bits: int, rows: int, dtype: torch.dtype, needs_grad: bool) -> bool:
+    """Whether QuantizedLinear's "auto" sends `rows` rows of x (of `dtype`) here (`MAX_ROWS`): the weight's `bits` in
+    `AUTO_BITS`; at most MAX_ROWS rows, or more where no gradient flows through x and the kernel wins there."""
+    if bits not in AUTO_BITS:
+        return False
+    if rows <= MAX_ROWS:
+        return True
+    return not needs_grad and (bits == 4 or dtype == torch.float32 or rows <= MAX_ROWS_INT8_BF16
+                               or not cpu_matmul.native_bf16_gemm())
 
 
 def act_bits(bits: int, act: int | None = None) -> int:

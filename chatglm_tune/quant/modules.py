@@ -33,8 +33,9 @@ class QuantizedLinear(nn.Module):
     `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu" or "dequant"; a forced
     kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
     `last_kernel` records the path that ran. "auto" uses `int8dot_cpu` (activations quantized to int8 blocks for
-    INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 for at most `int8dot_cpu.MAX_ROWS`
-    rows where it builds, else the other CPU kernels for at most `max_kernel_rows`
+    INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 where it builds, for decode (at most
+    `int8dot_cpu.MAX_ROWS` rows) and, where no gradient flows through x, for prefill where it beats the dequantizing
+    GEMM (`int8dot_cpu.routes`); else the other CPU kernels for at most `max_kernel_rows`
     rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
     ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
     sooner.
@@ -130,8 +131,9 @@ class QuantizedLinear(nn.Module):
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
         if self.kernel == "auto":
-            if (self.bits in int8dot_cpu.AUTO_BITS and rows <= min(self.max_kernel_rows, int8dot_cpu.MAX_ROWS)
-                    and usable["int8dot"] and int8dot_cpu.available()):
+            needs_grad = torch.is_grad_enabled() and x.requires_grad
+            if (int8dot_cpu.routes(self.bits, rows, x.dtype, needs_grad) and usable["int8dot"]
+                    and int8dot_cpu.available()):
                 return "int8dot"
             fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"
             return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
