@@ -253,6 +253,27 @@ void layout(const int8_t* q, const float* d, const int32_t* bsum, int64_t M, int
 }
 #pragma GCC pop_options
 
+// The rows n .. n + RR - 1 of a block and, where a row is not a whole number of chunks, its last partial chunk
+// copied into tb, zero-padded (facing zero activations).
+template <int RR>
+inline void block_rows(const int8_t* w, int64_t KB, int64_t n, const int8_t* (&rows)[RR], int8_t (&tb)[RR][CH]) {
+  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
+  if (KB % CH) {
+    for (int r = 0; r < RR; ++r) {
+      std::memset(tb[r], 0, CH);
+      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
+    }
+  }
+}
+
+// Weight rows per pass over a tile of mt rows of x: the largest power of two, at most rr, whose mt * rows
+// accumulators fit in acc registers.
+constexpr int rows_per_pass(int rr, int mt, int acc) {
+  int rows = 1;
+  while (rows * 2 <= rr && rows * 2 * mt <= acc) rows *= 2;
+  return rows;
+}
+
 using BlockFn = void (*)(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N,
                          int64_t n);
 
@@ -329,13 +350,12 @@ void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
       y[(m0 + m) * N + n + r] = (_mm512_reduce_add_ps(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
 }
 
-// The RR rows of a block for one tile of MT rows of x, in passes of at most ACC512 / MT rows (a power of two):
-// the accumulators stay in registers.
+// The RR rows of a block for one tile of MT rows of x, in passes of `rows_per_pass` rows: the accumulators stay in
+// registers.
 template <int RR, int MT, int BITS>
 inline void rows512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
                     const float* ws, float* y, int64_t N, int64_t n) {
-  constexpr int FIT = ACC512 / MT >= 8 ? 8 : ACC512 / MT >= 4 ? 4 : ACC512 / MT >= 2 ? 2 : 1;
-  constexpr int SUB = RR < FIT ? RR : FIT;
+  constexpr int SUB = rows_per_pass(RR, MT, ACC512);
   for (int r0 = 0; r0 < RR; r0 += SUB) tile512<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
 }
 
@@ -343,13 +363,7 @@ template <int RR, int BITS>
 void block512(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
-  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
-  if (KB % CH) {
-    for (int r = 0; r < RR; ++r) {
-      std::memset(tb[r], 0, CH);
-      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
-    }
-  }
+  block_rows(w, KB, n, rows, tb);
   int64_t m = 0;
   for (; m + MT_MAX <= M; m += MT_MAX) rows512<RR, MT_MAX, BITS>(rows, tb, KB, a, m, ws, y, N, n);
   switch (M - m) {
@@ -450,8 +464,7 @@ void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
 template <int RR, int MT, int BITS>
 inline void rows256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
                     const float* ws, float* y, int64_t N, int64_t n) {
-  constexpr int FIT = ACC256 / MT >= 4 ? 4 : ACC256 / MT >= 2 ? 2 : 1;
-  constexpr int SUB = RR < FIT ? RR : FIT;
+  constexpr int SUB = rows_per_pass(RR < 4 ? RR : 4, MT, ACC256);  // at most 4: the registers also hold the weights
   for (int r0 = 0; r0 < RR; r0 += SUB) tile256<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
 }
 
@@ -459,13 +472,7 @@ template <int RR, int BITS>
 void block256(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
-  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
-  if (KB % CH) {
-    for (int r = 0; r < RR; ++r) {
-      std::memset(tb[r], 0, CH);
-      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
-    }
-  }
+  block_rows(w, KB, n, rows, tb);
   int64_t m = 0;
   for (; m + MT_MAX_AVX2 <= M; m += MT_MAX_AVX2) rows256<RR, MT_MAX_AVX2, BITS>(rows, tb, KB, a, m, ws, y, N, n);
   if (M - m == 1) rows256<RR, 1, BITS>(rows, tb, KB, a, m, ws, y, N, n);
