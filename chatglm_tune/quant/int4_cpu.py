@@ -46,13 +46,11 @@ fallback where that one is unavailable.
 from __future__ import annotations
 
 import functools
-import inspect
-import platform
-import subprocess
-import warnings
 
 import torch
 from torch import Tensor
+
+from chatglm_tune.quant import inline_build
 
 # Rows of x up to which each row unpacks the weight in registers; above, chunks are unpacked once into
 # an fp32 buffer shared by every row (crossover measured at 16384x4096 by bench/int4_kernels.py `--rows`:
@@ -207,24 +205,11 @@ TORCH_LIBRARY(chatglm_int4_cpu, lib) {
 @functools.cache
 def _build() -> bool:
     """Compile and load the kernel (once per process; the build itself is cached on disk)."""
-    from torch.utils import cpp_extension
-
-    # without torch/extension.h (pybind11): a faster build; the option exists from torch 2.6
-    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {}
-    try:
-        cpp_extension.load_inline(
-            "chatglm_int4_cpu", _SOURCE, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            is_python_module=False, **lean
-        )
-    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
-        warnings.warn(f"chatglm_tune.int4_cpu: the AVX2 INT4 kernel could not be built ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using PyTorch's int4pack kernel")
-        return False
-    return True
+    return inline_build.build("chatglm_int4_cpu", _SOURCE, ["-mavx2", "-mfma"], "the AVX2 INT4 kernel",
+                              "using PyTorch's int4pack kernel")
 
 
-def _x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
+_x86 = inline_build.x86
 
 
 def compiled() -> bool:

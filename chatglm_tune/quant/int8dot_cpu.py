@@ -61,15 +61,11 @@ the kernels it used before.
 from __future__ import annotations
 
 import functools
-import inspect
-import platform
-import subprocess
-import warnings
 
 import torch
 from torch import Tensor
 
-from chatglm_tune.quant import cpu_matmul
+from chatglm_tune.quant import cpu_matmul, inline_build
 
 BLOCK = 32  # activation columns per fp32 scale (q8_0)
 ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
@@ -574,23 +570,10 @@ TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
 @functools.cache
 def _build() -> bool:
     """Compile and load the kernel (once per process; the build itself is cached on disk)."""
-    from torch.utils import cpp_extension
-
-    lean = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {}
-    try:
-        cpp_extension.load_inline(
-            "chatglm_int8dot_cpu", _SOURCE, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            is_python_module=False, **lean
-        )
-    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler / ninja, or a failed build
-        warnings.warn(f"chatglm_tune.int8dot_cpu: the int8 dot-product kernel could not be built ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); keeping the previous CPU kernels")
-        return False
-    return True
+    return inline_build.build("chatglm_int8dot_cpu", _SOURCE, [], "the int8 dot-product kernel", "keeping the previous CPU kernels")
 
 
-def _x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
+_x86 = inline_build.x86
 
 
 def supported_isas() -> list[str]:
