@@ -280,28 +280,41 @@ def report(runs: dict) -> dict:
     return {"text": text, "summary": summary}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def kernel_bench_args(argv, description: str, candidates: list[str], out: Path, calls: int, rows_help: str):
+    """(parser, args) of a kernel bench (this one, int8dot_kernels.py): threads, capabilities, rounds, calls, a rows
+    sweep, candidates, the results file; `--quick` shortens the timing; `--child` is the measuring process."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="smoke run: one small shape, few rounds")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts (default 1 2)")
     p.add_argument("--capabilities", nargs="+", default=["native", "avx2"], help="native and/or an ATEN_CPU_CAPABILITY value")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (median kept)")
-    p.add_argument("--calls", type=int, default=16, help="calls per round, rotating the weight copies")
-    p.add_argument("--rows", action="store_true", help="also sweep M = 1..32 rows at 16384x4096")
-    p.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=CANDIDATES, help="which to run (default: all)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "int4_kernels.json")
+    p.add_argument("--calls", type=int, default=calls, help="calls per round, rotating the weight copies")
+    p.add_argument("--rows", action="store_true", help=rows_help)
+    p.add_argument("--candidates", nargs="+", choices=candidates, default=candidates, help="which to run (default: all)")
+    p.add_argument("--out", type=Path, default=out)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.calls = 3, 4
+    return p, args
+
+
+def child_argv(args) -> list:
+    """The measuring process's arguments, as the parent got them."""
+    return ["--threads", *args.threads, "--rounds", args.rounds, "--calls", args.calls, "--candidates", *args.candidates] \
+        + (["--quick"] if args.quick else []) + (["--rows"] if args.rows else [])
+
+
+def main(argv=None) -> None:
+    p, args = kernel_bench_args(argv, __doc__.split("\n\n")[0], CANDIDATES, HERE / "results" / "int4_kernels.json", 16,
+                                "also sweep M = 1..32 rows at 16384x4096")
     if args.child:
         print(json.dumps(child(args)))
         return
     from measure import run_python
 
     runs = {}
-    forwarded = ["--threads", *args.threads, "--rounds", args.rounds, "--calls", args.calls, "--candidates", *args.candidates] \
-        + (["--quick"] if args.quick else []) + (["--rows"] if args.rows else [])
+    forwarded = child_argv(args)
     for cap in args.capabilities:
         # A private inductor cache per capability: reusing artifacts compiled under another capability gave
         # silently wrong results here (relative error ~50 for `compile-sum` under avx2 after a native run).

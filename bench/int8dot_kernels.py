@@ -23,7 +23,6 @@ Results go to bench/results/int8dot_kernels.json (`--out`); the last printed lin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from int4_kernels import time_rounds, time_rows  # noqa: E402  (the same timing as the INT4 kernel bench)
+from int4_kernels import child_argv, kernel_bench_args, time_rounds, time_rows  # noqa: E402  (the same timing as the INT4 kernel bench)
 
 # (out, in, layer)
 SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
@@ -182,26 +181,14 @@ def report(runs: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: one small shape, few rounds")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--capabilities", nargs="+", default=["native", "avx2"], help="native and/or an ATEN_CPU_CAPABILITY value")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=12)
-    p.add_argument("--rows", action="store_true", help="also sweep M = 1..512 rows of x at 12288x4096")
-    p.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=CANDIDATES)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "int8dot_kernels.json")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.calls = 3, 4
+    p, args = kernel_bench_args(argv, __doc__.split("\n\n")[0], CANDIDATES, HERE / "results" / "int8dot_kernels.json", 12,
+                                "also sweep M = 1..512 rows of x at 12288x4096")
     if args.child:
         print(json.dumps(child(args)))
         return
     from measure import run_python
 
-    forwarded = ["--threads", *args.threads, "--rounds", args.rounds, "--calls", args.calls, "--candidates", *args.candidates] \
-        + (["--quick"] if args.quick else []) + (["--rows"] if args.rows else [])
+    forwarded = child_argv(args)
     runs = {}
     for cap in args.capabilities:
         env = {} if cap == "native" else {"ATEN_CPU_CAPABILITY": cap}
