@@ -65,3 +65,14 @@ def golden(request) -> Golden:
 def left_pad_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
     """2D mask (1 = token) of a left-padded batch: the leading run of pad ids is padding."""
     return (input_ids != pad_id).long().cummax(dim=1).values
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """`cpp_extension.load_inline` failing as it does on a machine without a C++ compiler (the CPU kernels' build)."""
+    from torch.utils import cpp_extension
+
+    def fail(name, *args, **kwargs):
+        raise RuntimeError(f"Error building extension '{name}'\nc++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fail)
