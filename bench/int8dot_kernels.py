@@ -7,11 +7,12 @@ the kernels QuantizedLinear used before it, at batch 1 on ChatGLM-6B / ChatGLM3-
 
 Candidates (same random official-format weights, side by side in interleaved rounds, median kept):
 - INT8: `int8pack` (`torch._weight_int8pack_mm`, bf16 x: the previous INT8 path), `int8dot` (the new kernel on
-  the path it picks at this capability, int16 activations), `int8dot-avx2` (its AVX2 path, forced, at the native
-  capability), `int8dot-act8` (int8 activations, q8_0, as llama.cpp's q8_0 x q8_0: faster in principle, not routed:
+  the path it picks at this capability, int16 activations, the official layout as it is), `int8dot-interleaved` (the
+  same on `int8dot_cpu.pack`'s layout, which QuantizedLinear holds for rows of at most `PACK_MAX_ROW_BYTES`),
+  `int8dot-avx2` (its AVX2 path, forced, at the native capability), `int8dot-act8` (int8 activations, q8_0, as llama.cpp's q8_0 x q8_0: faster in principle, not routed:
   its error broke the toolkit's INT8 accuracy bounds);
 - INT4: `int4pack` (PyTorch's kernel on its repacked weight: the previous INT4 path at the AVX512 level),
-  `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-avx2`.
+  `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-interleaved`, `int4dot-avx2`.
 Each capability runs in its own process (`ATEN_CPU_CAPABILITY=avx2` for "avx2", which also makes `int8dot` take
 its AVX2 path). Weights rotate over enough copies (>= 256 MB per candidate) that every call streams them from
 memory, as a decode step does. Per shape and thread count: ms per call, GB/s of weight bytes read, and that
@@ -38,10 +39,12 @@ from int4_kernels import child_argv, kernel_bench_args, time_rounds, time_rows  
 SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
           (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"), (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
 QUICK_SHAPES = [(1024, 1024, "small")]
-CANDIDATES = ["int8pack", "int8dot", "int8dot-avx2", "int8dot-act8", "int4pack", "int4cpu", "int4dot", "int4dot-avx2"]
+CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-avx2", "int8dot-act8", "int4pack", "int4cpu", "int4dot",
+              "int4dot-interleaved", "int4dot-avx2"]
 
 
 def _layers(torch, N: int, K: int, copies: int, seed: int):
+    from chatglm_tune.quant import int8dot_cpu
     from chatglm_tune.quant.format import pack_int4
     from chatglm_tune.quant.kernels import int4pack_weight
 
@@ -53,7 +56,10 @@ def _layers(torch, N: int, K: int, copies: int, seed: int):
         s8 = (torch.rand(N, generator=g) * 1e-3 + 1e-4).half()
         s4 = (torch.rand(N, generator=g) * 1e-2 + 1e-3).half()
         p4 = pack_int4(q4)
-        out.append({"q8": q8, "s8": s8, "s8b": s8.bfloat16(), "p4": p4, "s4": s4, "int4pack": int4pack_weight(p4, s4)})
+        layer = {"q8": q8, "s8": s8, "s8b": s8.bfloat16(), "p4": p4, "s4": s4, "int4pack": int4pack_weight(p4, s4)}
+        if int8dot_cpu.isa():  # the interleaved layout of the path run
+            layer |= {"q8i": int8dot_cpu.pack(q8), "p4i": int8dot_cpu.pack(p4)}
+        out.append(layer)
     return out
 
 
@@ -72,7 +78,9 @@ def _candidates(torch, layers, N: int, K: int) -> dict:
     isa = int8dot_cpu.isa()
     if isa:
         fns["int8dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8), N * K + 2 * N, 8)
+        fns["int8dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8i"], layers[i]["s8"], 8), N * K + 2 * N, 8)
         fns["int4dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
+        fns["int4dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4i"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
         fns["int8dot-act8"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, act=8), N * K + 2 * N, 8)
         if isa != "avx2":
             fns["int8dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, "avx2"), N * K + 2 * N, 8)

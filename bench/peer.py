@@ -61,7 +61,8 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   greedy, no stop on <eop>); the kernel the INT4 layers ran is recorded.
 - `batch-*-bN`: what infer.py does per batch (`extraction._decode_batch` -> `generation.generate`): N prompts of
   64 tokens (ending [gMASK] <sop>, no padding), 32 new tokens each; records/s = N / wall time of the call.
-`--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
+`--prompt-len N` gives toolkit-* and llama-* steps a prompt of N tokens instead of 64 (prefill of long prompts),
+kept under a `+pN` suffix. `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
 without AVX-512); results are kept beside the native ones under a `+avx2` suffix, as `+e8` marks
 `--quantize-embedding` (neither applies to the peers' steps). chatglm.cpp and llama.cpp are built for the machine
 they run on (ggml's native build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers'
@@ -94,7 +95,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from measure import run_python  # noqa: E402
-from peer_children import BATCHES, BITS, GB, child_batch, child_toolkit  # noqa: E402
+from peer_children import BATCHES, BITS, GB, PROMPT_LEN, child_batch, child_toolkit  # noqa: E402
 from peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
 from peer_llama import BATCH_TYPES, LLAMA_TYPES, NO_CHATGLM6B, export_args, gguf_path, has_llama_cpp, remove_gguf, workload  # noqa: E402
 from peer_llama import INSTALL as LLAMA_INSTALL  # noqa: E402
@@ -147,6 +148,8 @@ class Bench:
         a = self.args
         suffix = ("+e8" if a.quantize_embedding and not step.startswith(PEERS) else "")
         suffix += f"+{a.capability}" if a.capability and not step.startswith(PEERS) else ""
+        long_prompt = step.startswith(("toolkit-", "llama-")) and not step.startswith("llama-batch-")  # what --prompt-len sets
+        suffix += f"+p{a.prompt_len}" if a.prompt_len != PROMPT_LEN and long_prompt else ""
         return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch", "llama") else step
 
     def child(self, kind: str, *extra, env: dict | None = None):
@@ -177,7 +180,8 @@ class Bench:
         elif step.startswith(("gguf-", "llama-")):
             self.run_llama(step)
         elif step.startswith("toolkit-"):
-            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, "--frame", self.frame(), *e8, env=env)
+            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, "--frame", self.frame(),
+                              "--prompt-len", a.prompt_len, *e8, env=env)
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
         elif step.startswith("batch-"):
             _, variant, b = step.split("-")
@@ -225,7 +229,7 @@ class Bench:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: run --step gguf-{dtype} first")
         done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch", "--gguf", path,
-                          "--threads", self.args.threads, "--workload", workload(json.loads(self.frame()), batch))
+                          "--threads", self.args.threads, "--workload", workload(json.loads(self.frame()), batch, self.args.prompt_len))
         record = done.last_json()
         if "skipped" not in record:  # a binding missing in the installed llama-cpp-python: recorded as not run
             record.update(peak_rss_gb=done.peak_rss / GB, process_s=done.seconds, file_gb=path.stat().st_size / GB)
@@ -241,6 +245,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads of the measured process (default %(default)s)")
     p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
     p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels (+avx2)")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                   help="toolkit-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds +pN to the step's key)")
     p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML and GGUF files go beside it")
     p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
     p.add_argument("--child", choices=["convert", "cpp", "toolkit", "batch"], help=argparse.SUPPRESS)

@@ -85,12 +85,13 @@ def remove_gguf(model_dir: Path, dtype: str) -> None:
         path.parent.rmdir()
 
 
-def workload(frame: dict, batch: int | None = None) -> str:
-    """The prompt ids of `llama-*` (batch None: the one 64-token prompt the other runtimes decode 64 tokens after)
-    or `llama-batch-*-bN` (the N prompts of `batch-*-bN`), with the warm-up, as JSON for `--workload`."""
+def workload(frame: dict, batch: int | None = None, prompt_len: int | None = None) -> str:
+    """The prompt ids of `llama-*` (batch None: the one prompt of `prompt_len` tokens, default 64, the other runtimes
+    decode 64 tokens after) or `llama-batch-*-bN` (the N prompts of `batch-*-bN`), with the warm-up, as JSON for
+    `--workload`."""
     from peer_children import EXTRACT_NEW_TOKENS, NEW_TOKENS, PROMPT_LEN, WARMUP_PROMPT, WARMUP_TOKENS, prompt
 
-    prompts = prompt(frame, PROMPT_LEN, 0) if batch is None else prompt(frame, PROMPT_LEN, 3, batch)
+    prompts = prompt(frame, prompt_len or PROMPT_LEN, 0) if batch is None else prompt(frame, PROMPT_LEN, 3, batch)
     return json.dumps({"warmup": prompt(frame, WARMUP_PROMPT, 1)[0], "warmup_new": WARMUP_TOKENS, "prompts": prompts,
                        "new": NEW_TOKENS if batch is None else EXTRACT_NEW_TOKENS})
 
@@ -179,7 +180,8 @@ def child_llama(args, work: dict) -> dict:
     greedy.generate([work["warmup"]], work["warmup_new"])
     stamps, (out,) = greedy.generate(work["prompts"], new)
     steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
-    record = {"load_s": load_s, "prefill_ms": (stamps[1] - stamps[0]) * 1e3, "decode_ms": statistics.mean(steps) * 1e3,
+    record = {"load_s": load_s, "prompt_len": prompt_len, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
+              "decode_ms": statistics.mean(steps) * 1e3,
               "decode_median_ms": statistics.median(steps) * 1e3, "rss_load_gb": rss_load / 1e9,
               "distinct_tokens": len(set(out)), "first_tokens": out[:8], "n_ctx": llama_cpp.llama_n_ctx(llm.ctx),
               **_common(llama_cpp, args.threads)}

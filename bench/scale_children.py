@@ -63,7 +63,7 @@ def _prompt(frame: dict, length: int, seed: int) -> torch.Tensor:
 
 def _bytes_read_per_token(model) -> int:
     """Weight bytes one decode step reads: every unique parameter once (the tied head too), with an
-    INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
+    INT8/INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
     (ChatGLM2/3, GLM-4; float or INT8 rows and scales) is not counted: a step reads one row of it."""
     from chatglm_tune.quant.modules import QuantizedLinear
 
@@ -71,16 +71,18 @@ def _bytes_read_per_token(model) -> int:
     untied = head is not None and head.weight is not embedding.weight
     seen, total = {id(p) for p in embedding.parameters()} if untied else set(), 0
     for module in model.modules():
-        cache = getattr(module, "_int4_cache", None) if isinstance(module, QuantizedLinear) else None
+        layout = module._layout if isinstance(module, QuantizedLinear) else None
+        # what the kernel reads instead: int8dot's layout and the official scales, int4pack's four
+        skipped = () if layout is None else ("weight",) if layout[0] == "int8dot" else ("weight", "weight_scale")
         for name, p in module.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if cache is not None and name in ("weight", "weight_scale"):
+            if name in skipped:
                 continue
             total += p.numel() * p.element_size()
-        if cache is not None:
-            total += sum(t.numel() * t.element_size() for t in cache[1:] if torch.is_tensor(t))
+        if layout is not None:
+            total += sum(t.numel() * t.element_size() for t in layout[2:] if torch.is_tensor(t))
     return total
 
 

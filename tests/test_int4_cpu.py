@@ -133,7 +133,7 @@ def test_quantized_linear_routes_decode_here_where_available(monkeypatch, rows):
     y = layer(x)
     assert layer.last_kernel == "int4cpu" and y.dtype == torch.bfloat16
     assert rel_err(y, ref) < TOL[torch.bfloat16]
-    assert not layer.holds_int4pack_only  # the official weight is the only copy: nothing repacked
+    assert layer.held_layout is None  # the official weight is the only copy: nothing repacked
     layer(torch.randn(QuantizedLinear.max_kernel_rows + 1, 256, dtype=torch.bfloat16))
     assert layer.last_kernel == "dequant"  # prefill as before
 
@@ -147,11 +147,11 @@ def test_quantized_linear_falls_back_where_it_cannot_route_here(monkeypatch):
     layer = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4)
     layer.kernel = "int4pack"
     layer(torch.randn(1, 256, dtype=torch.bfloat16))
-    if layer.holds_int4pack_only:  # the official weight was released for the kernel layout (AVX2 layout)
-        layer.kernel = "int4cpu"
+    if layer.held_layout == "int4pack":  # the official weight was released for the kernel layout (AVX2 layout)
+        layer.kernel = "int4cpu"  # a forced kernel that reads the official weight gets it back
         x = torch.randn(1, 256)
         y = layer(x)
-        assert layer.last_kernel == "dequant"
+        assert layer.last_kernel == "int4cpu" and layer.held_layout is None
         ref = F.linear(x, dequantize(layer.state_dict()["weight"], layer.weight_scale, 4, torch.float32), layer.bias.float())
         assert rel_err(y, ref) < TOL[torch.float32]
     assert kernels.KERNELS.count("int4cpu") == 1

@@ -7,13 +7,15 @@ int8 there too where asked).
   to fp32 accumulation rounding (relative 1e-5; measured below 1e-6), on odd shapes: `in` not a multiple of 64
   or 128 (a partial chunk), of 32 (a partial block), `out` not a multiple of 4 (single rows), M = 1..5, on 1 and
   2 threads (bit-identical: each output is summed by one thread in one order), on every path this CPU runs.
+- The interleaved layout (`pack`, what QuantizedLinear holds for short rows) gives the same outputs bit for bit as the official
+  one, read by either path whatever path it was packed for, and `unpack` gives back the official rows.
 - Small-integer inputs (block absmax 127, so d = 1; unit weight scales) give the integer matmul exactly.
 - Against the fp32 dequantized math, int8 activations: relative error 0.5% with Gaussian activations (the toolkit's
   kernel tolerance is 1e-2; bf16 activations give 0.2%), 1.3% with a few outlier columns 50x the rest (bound
   2e-2), where one scale per row of x gives 8.3%: hence the blocks. int16 activations (INT8's default): < 1e-4.
 - QuantizedLinear routes decode (at most `MAX_ROWS` rows; INT8 and per-row INT4) here where it is available, and
-  prefill where no gradient flows through x (INT4; INT8 in fp32, or bf16 up to `MAX_ROWS_INT8_BF16` rows), keeps
-  the official weight as the only copy, and falls back to the previous kernels where it cannot build (one warning).
+  prefill where no gradient flows through x (INT4; INT8 in fp32, or bf16 up to `MAX_ROWS_INT8_BF16` rows), holds
+  the weight once (interleaved, the official one rebuilt for saving), and falls back to the previous kernels where it cannot build (one warning).
 Kernel tests skip where it cannot run (not x86-64 with AVX2, or no compiler).
 """
 
@@ -75,6 +77,7 @@ def test_activation_quantization_is_the_pytorch_one_bit_for_bit(in_features, act
 @pytest.mark.parametrize("threads", [1, 2])
 def test_equals_the_same_arithmetic_in_pytorch(isa, bits, act, out_features, in_features, threads):
     weight, scale = official(bits, out_features, in_features)
+    packed = int8dot_cpu.pack(weight, isa)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -85,8 +88,40 @@ def test_equals_the_same_arithmetic_in_pytorch(isa, bits, act, out_features, in_
             assert y.dtype == torch.float32 and y.shape == (rows, out_features)
             assert rel_err(y, ref) < 1e-5, rows
             assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().max() + 1e-30).all(), rows
+            assert torch.equal(int8dot_cpu.matmul(x, packed, scale, bits, isa, act), y), rows
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("out_features, in_features", [(36, 1056), (13, 200), (8, 128), (1, 2)])
+def test_the_interleaved_layout_reads_back_and_serves_either_path(bits, out_features, in_features):
+    weight, scale = official(bits, out_features, in_features)
+    x = activations(3, in_features)
+    for packed_for in int8dot_cpu.INTERLEAVE:
+        packed = int8dot_cpu.pack(weight, packed_for)
+        il = int8dot_cpu.INTERLEAVE[packed_for]
+        # rows padded to whole blocks of 8, each row to whole chunks of 64 bytes, il rows interleaved
+        assert packed.shape == (-(-out_features // 8) * 8 // il, -(-weight.shape[1] // 64), il, 64)
+        assert torch.equal(int8dot_cpu.unpack(packed, 0, out_features, weight.shape[1]), weight)
+        assert torch.equal(int8dot_cpu.unpack(packed, 3, min(11, out_features), weight.shape[1]), weight[3:11])
+        for isa in ISAS:  # a layout made for one path is read right by the other
+            assert torch.equal(int8dot_cpu.matmul(x, packed, scale, bits, isa), int8dot_cpu.matmul(x, weight, scale, bits, isa))
+        # in place (no padding needed: out a multiple of 8, rows of whole chunks): the same bytes, rearranged
+        own = weight.clone()
+        in_place = int8dot_cpu.pack(own, packed_for, in_place=True)
+        assert torch.equal(in_place, packed)
+        assert (in_place.data_ptr() == own.data_ptr()) == (out_features % 8 == 0 and weight.shape[1] % 64 == 0)
+
+
+@needs_kernel
+def test_packing_in_place_goes_tile_by_tile(monkeypatch):
+    weight, _ = official(8, 64, 256)
+    want = int8dot_cpu.pack(weight, "avx2")
+    monkeypatch.setattr(int8dot_cpu, "PACK_TILE_BYTES", 3 * 4 * 256)  # 3 groups of 4 rows a tile: a partial last one
+    own = weight.clone()
+    assert torch.equal(int8dot_cpu.pack(own, "avx2", in_place=True), want)
 
 
 @needs_kernel
@@ -183,14 +218,14 @@ def test_the_path_follows_pytorchs_capability(monkeypatch):
 def test_quantized_linear_routes_decode_and_prefill_here(bits):
     torch.manual_seed(0)
     layer = QuantizedLinear.from_linear(nn.Linear(256, 68).half(), bits)
-    official_weight = layer.weight.data_ptr()
+    official_weight = layer.weight.clone()
     for rows in range(1, int8dot_cpu.MAX_ROWS + 1, 3):
         x = torch.randn(rows, 256, dtype=torch.bfloat16)
-        ref = F.linear(x.float(), dequantize(layer.weight, layer.weight_scale, bits, torch.float32), layer.bias.float())
+        ref = F.linear(x.float(), dequantize(official_weight, layer.weight_scale, bits, torch.float32), layer.bias.float())
         y = layer(x)
         assert layer.last_kernel == "int8dot" and y.dtype == torch.bfloat16
         assert rel_err(y, ref) < 1e-2
-    assert layer.weight.data_ptr() == official_weight and not layer.holds_int4pack_only  # the only copy, as it is
+    assert layer.held_layout == "int8dot" and layer.weight.numel() == 0  # one copy: the interleaved one
     long = int8dot_cpu.MAX_ROWS_INT8_BF16 + 1
     layer(torch.randn(long, 256))
     assert layer.last_kernel == "int8dot"  # prefill in fp32, the CPU default
@@ -205,6 +240,73 @@ def test_quantized_linear_routes_decode_and_prefill_here(bits):
     grouped = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4, group_size=32)
     grouped(torch.randn(1, 256))
     assert grouped.last_kernel != "int8dot"
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("in_features, out_features", [(200, 37), (256, 64)])  # padded; rearranged in place
+def test_the_layer_holds_its_weight_once_interleaved_and_nothing_changes(bits, in_features, out_features, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features).half()
+    layer, twin = QuantizedLinear.from_linear(linear, bits), QuantizedLinear.from_linear(linear, bits)
+    twin.kernel = "dequant"
+    official_weight, where = layer.state_dict()["weight"].clone(), layer.weight.data_ptr()
+    decode, prefill = torch.randn(1, in_features), torch.randn(int8dot_cpu.MAX_ROWS + 1, in_features)
+    y_decode = layer(decode)
+    assert layer.held_layout == "int8dot" and layer.weight.numel() == 0 and "int8dot layout" in repr(layer)
+    assert (layer.weight_for("int8dot").data_ptr() == where) == (out_features % 8 == 0)  # in place: one copy ever
+    assert torch.equal(y_decode, int8dot_cpu.matmul(decode, official_weight, layer.weight_scale, bits) + layer.bias)
+    # the dequantize path (training forward and backward) reads the integers from the interleaved layout: bit-identical
+    x, x_twin = prefill.clone().requires_grad_(), prefill.clone().requires_grad_()
+    y, y_twin = layer(x), twin(x_twin)
+    assert layer.last_kernel == "dequant" and torch.equal(y, y_twin)
+    y.sum().backward()
+    y_twin.sum().backward()
+    assert torch.equal(x.grad, x_twin.grad)
+    # the official weight comes back for saving, loading and moving; a forced other kernel rebuilds it
+    assert torch.equal(layer.state_dict()["weight"], official_weight)
+    save_file(layer.state_dict(), tmp_path / "layer.safetensors")
+    assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], official_weight)
+    other = QuantizedLinear.from_linear(nn.Linear(in_features, out_features).half(), bits)
+    layer.load_state_dict(other.state_dict())
+    assert layer.held_layout is None and torch.equal(layer(decode), other(decode))
+    layer.to(torch.float32)
+    assert layer.held_layout is None and torch.equal(layer.weight, other.state_dict()["weight"])
+    if bits == 8:  # a forced kernel that reads the official weight gets it back
+        forced = QuantizedLinear.from_linear(nn.Linear(256, 40).half(), bits)
+        weight = forced.weight.clone()
+        forced(torch.randn(1, 256))
+        forced.kernel = "int8pack"
+        forced(torch.randn(1, 256))
+        assert forced.last_kernel == "int8pack" and forced.held_layout is None and torch.equal(forced.weight, weight)
+
+
+@needs_kernel
+def test_long_rows_are_read_as_they_are(monkeypatch):
+    monkeypatch.setattr(int8dot_cpu, "PACK_MAX_ROW_BYTES", 128)  # as rows of 4096 bytes at full size
+    long, short = (QuantizedLinear.from_linear(nn.Linear(in_features, 64).half(), 8) for in_features in (256, 128))
+    where = long.weight.data_ptr()
+    for layer in (long, short):
+        layer(torch.randn(1, layer.in_features))
+        assert layer.last_kernel == "int8dot"
+    assert long.held_layout is None and long.weight.data_ptr() == where and short.held_layout == "int8dot"
+
+
+@needs_kernel
+def test_a_head_tied_to_its_embedding_keeps_the_one_official_copy():
+    from chatglm_tune.quant.apply import install_int8_embedding
+    from chatglm_tune.quant.format import quantize_rows
+
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(50, 64), None
+    model.set_input_embeddings = lambda m: setattr(model, "embed", m)
+    model.set_output_embeddings = lambda m: setattr(model, "head", m)
+    install_int8_embedding(model, *quantize_rows(torch.randn(50, 64), torch.float32, 8, 0), torch.float32)
+    model.head(torch.randn(1, 64))
+    assert model.head.last_kernel == "int8dot" and model.head.held_layout is None
+    assert model.head.weight is model.embed.weight and model.embed.weight.shape == (50, 64)
 
 
 def test_a_failed_build_keeps_the_previous_kernels_with_one_warning(monkeypatch, no_compiler):

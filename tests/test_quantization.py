@@ -184,13 +184,13 @@ def test_int4pack_per_row_scales_are_applied_to_the_output_and_the_unit_scales_s
     for layer in (a, b):
         layer.kernel = "int4pack"
     ya, yb = a(x), b(x)
-    assert a._int4pack()[2] is b._int4pack()[2] and torch.equal(a._int4pack()[2][..., 0], torch.ones(1, 64).bfloat16())
+    assert a.weight_for("int4pack")[2] is b.weight_for("int4pack")[2] and torch.equal(a.weight_for("int4pack")[2][..., 0], torch.ones(1, 64).bfloat16())
     assert torch.equal(yb, ya * 4)
     assert rel_err(ya, F.linear(x, dequantize(a.state_dict()["weight"], a.weight_scale, 4, x.dtype))) < TOL[torch.bfloat16]
     grouped = make_layer(4, 128, in_features=256, out_features=64)
     grouped.kernel = "int4pack"
     grouped(x)
-    assert grouped._int4pack()[3] is None  # group-wise scales stay in the kernel's own tensor
+    assert grouped.weight_for("int4pack")[3] is None  # group-wise scales stay in the kernel's own tensor
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -224,7 +224,7 @@ def test_dequant_tiles_reuse_one_buffer_across_layers_and_calls(monkeypatch):
     for layer in layers:
         layer.kernel = "dequant"
         if layer.bits == 4:
-            layer._int4pack()  # held in the kernel layout (whole blocks of 32 or 64 rows) where it reads back
+            layer.weight_for("int4pack")  # held in the kernel layout (whole blocks of 32 or 64 rows) where it reads back
     seen = set()
     for _ in range(2):
         for layer, expect in zip(layers, want):
@@ -279,10 +279,11 @@ def test_unknown_kernel_name_is_rejected():
 def test_backward_gives_the_input_gradient_only(bits, group_size, kernel):
     layer = make_layer(bits, group_size)
     layer.kernel = kernel
+    weight = layer.weight.clone()  # the forward may repack it into its kernel's layout
     x = torch.randn(2, 1, 64, requires_grad=True)
     grad_y = torch.randn(2, 1, 48)
     layer(x).backward(grad_y)
-    expected = grad_y @ dequantize(layer.weight, layer.weight_scale, bits, torch.float32)
+    expected = grad_y @ dequantize(weight, layer.weight_scale, bits, torch.float32)
     assert rel_err(x.grad, expected) < TOL[torch.float32]
     for p in layer.parameters():
         assert not p.requires_grad and p.grad is None
@@ -348,11 +349,11 @@ def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, 
     decode, prefill = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(40, 64)
     official = layer.state_dict()["weight"].clone()
     y_decode = layer(decode)
-    assert layer.last_kernel == "int4pack" and layer.holds_int4pack_only
+    assert layer.last_kernel == "int4pack" and layer.held_layout == "int4pack"
     assert layer.weight.numel() == 0 and "int4pack layout" in repr(layer)
     # the dequantize path (prefill, backward) reads the integers from the kernel layout: bit-identical
     assert torch.equal(layer(prefill), twin(prefill)) and layer.last_kernel == "dequant"
-    assert not twin.holds_int4pack_only and torch.equal(y_decode, twin(decode))
+    assert twin.held_layout is None and torch.equal(y_decode, twin(decode))
     x = prefill.clone().requires_grad_()
     layer(x).sum().backward()
     x_twin = prefill.clone().requires_grad_()
@@ -367,7 +368,7 @@ def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, 
     layer.load_state_dict(other.state_dict())
     assert torch.equal(layer(decode), other(decode)) and torch.equal(layer.state_dict()["weight"], other.state_dict()["weight"])
     layer.to(torch.float32)
-    assert not layer.holds_int4pack_only and torch.equal(layer.weight, other.state_dict()["weight"])
+    assert layer.held_layout is None and torch.equal(layer.weight, other.state_dict()["weight"])
 
 
 @int4pack_invertible

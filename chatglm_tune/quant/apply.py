@@ -61,7 +61,7 @@ def install_int8_embedding(model: nn.Module, weight: Tensor, weight_scale: Tenso
     input embedding (computing in `dtype`); also used by the loader, which quantizes them while reading."""
     embedding = QuantizedEmbedding.from_parts(weight, weight_scale, dtype)
     model.set_input_embeddings(embedding)
-    model.set_output_embeddings(QuantizedLinear.from_parts(embedding.weight, embedding.weight_scale, None, 8))
+    model.set_output_embeddings(QuantizedLinear.from_parts(embedding.weight, embedding.weight_scale, None, 8, shared=True))
 
 
 def refuse_int8_embedding(state: dict[str, Tensor], scale_keys: tuple[str, ...]) -> None:

@@ -2,8 +2,10 @@
 
 `matmul(x2d, weight, weight_scale, bits)` computes `x @ dequant(W).T` for the official layouts (INT8 `weight`
 int8 `[out, in]`, INT4 packed int8 `[out, in/2]` with the even column in the high nibble; fp16 per-row
-`weight_scale` `[out]`), reading the official weight as it is (no repacked copy; nothing to rebuild for
-`state_dict`), with one change to the arithmetic: the activations are quantized once per call, in blocks with
+`weight_scale` `[out]`), read as they are or in the interleaved layout `pack` makes of them (the same bytes
+reordered: each group of 4 or 8 rows one sequential stream; faster for short rows, `PACK_MAX_ROW_BYTES`, which
+QuantizedLinear holds that way, made in place at first use, the official one rebuilt for `state_dict`), with one
+change to the arithmetic: the activations are quantized once per call, in blocks with
 one fp32 scale each: `d = absmax / Q`, `q = round(x * Q / absmax)` (half to even). For INT4, int8 in blocks of 32
 columns (Q = 127: llama.cpp's q8_0); for INT8, int16 in blocks of 64 (Q = 32767; `INT8_ACTIVATION_BITS`, see
 there why; `act=8` gives the int8 ones). Blocks rather than one scale per row keep the error small where a few
@@ -32,25 +34,27 @@ For INT4 the activations come in the order the nibbles unpack (per 64 packed byt
 those 128, then the 64 odd ones), with one fp32 scale per int32 lane: every lane sums columns of one block only, so the
 order costs nothing at run time (it is made with the quantized activations, once per call). Weight rows go
 in blocks of 8 sharing each load of the activations (8 rather than 4: 12-20% faster at batch 1, one thread), each
-prefetching the weight two blocks ahead (as `int4_cpu`: rows of a few KB defeat the hardware prefetcher), blocks
-split over PyTorch's threads by `at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x go in tiles of 4
-(AVX2: 2): each weight chunk is loaded and unpacked once per tile and its integer dot products taken with each of
-the tile's rows, at most 16 accumulators (AVX2: 8) at a time (a block of 8 weight rows takes two passes of 4 for
-a tile of 4 rows); the weight is read from memory by the first tile and from cache by the others, so prefill and
-batched decoding run here too. Tails (in not a multiple of 64 bytes, out not a multiple of 8) are handled: the
-last partial chunk of a row is copied into a zeroed 64-byte buffer (zero activations there), the last rows go one
-at a time.
+prefetching the weight ahead (official layout: two blocks ahead, as `int4_cpu`: rows of a few KB defeat the
+hardware prefetcher; interleaved: 2 KB ahead in its stream), blocks split over PyTorch's threads by
+`at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x go in tiles of 4 (AVX2: 2; 2 on the AVX-512
+interleaved layout, whose passes take all 8 rows of a group): each weight chunk is loaded and unpacked once per
+tile and its integer dot products taken with each of the tile's rows, at most 16 accumulators (AVX2: 8) at a time
+(a block of 8 weight rows takes two passes of 4 for a tile of 4 rows); the weight is read from memory by the first
+tile and from cache by the others, so prefill and batched decoding run here too. Tails (in not a multiple of 64
+bytes, out not a multiple of 8) are handled: in the official layout the last partial chunk of a row is copied into
+a zeroed 64-byte buffer (zero activations there) and the last rows go one at a time; the interleaved layout is
+zero-padded to whole chunks and blocks (the padding rows' outputs are not written).
 
 Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
-streamed from memory), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696, AVX512 level:
-one thread INT4 0.63 / 0.71 / 1.82 / 4.29 / 1.60 against int4pack's 0.90 / 1.00 / 2.61 / 5.94 / 2.92 (1.4-1.8x),
-INT8 (int16 activations) 1.01 / 1.13 / 3.01 / 7.01 / 2.94 against int8pack's 1.37 / 1.53 / 4.08 / 9.44 / 3.75
-(1.3-1.4x; int8 activations 0-4% faster); two threads INT4 at 66-100% of the copy bandwidth, INT8 at 80-108%
-(int8pack 65-85%). At the AVX2 level, one thread: INT4 0.77 / 0.81 / 2.21 / 4.64 / 1.62 against int4_cpu's
-0.91 / 0.97 / 2.57 / 5.34 / 2.64, INT8 1.20 / 1.36 / 3.48 / 6.81 / 3.49 against int8pack's 1.57 / 1.77 / 4.71 /
-9.74 / 4.15. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`. INT4 stays below INT8's share of the bandwidth: unpacking
-two nibbles a byte is more arithmetic a byte (in cache, one thread, an earlier version ran at 21 GB/s of INT4
-weight bytes against 30 for INT8).
+streamed from memory), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696, in the layout
+QuantizedLinear holds (interleaved, but the last shape official), AVX512 level, one thread: INT4 0.43 / 0.41 / 1.07 /
+2.37 / 1.65 against int4pack's 0.90 / 1.00 / 2.61 / 5.77 / 2.98 (1.8-2.4x), INT8 (int16 activations) 0.99 / 0.97 /
+2.66 / 5.41 / 3.01 against int8pack's 1.44 / 1.51 / 4.06 / 8.73 / 3.91 (1.3-1.6x); two threads INT4 at 79-113% of
+the copy bandwidth, INT8 at 80-103% (int8pack 64-80%). At the AVX2 level, one thread: INT4 0.41 / 0.39 / 1.12 /
+2.40 / 1.83 against int4_cpu's 0.88 / 0.95 / 2.56 / 5.47 / 2.61, INT8 0.89 / 0.82 / 2.40 / 5.60 / 3.53 against
+int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`; the layout:
+`PACK_MAX_ROW_BYTES`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
+memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
 
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
 ~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
@@ -90,6 +94,22 @@ MAX_ROWS_INT8_BF16 = 64
 # The formats "auto" routes here (INT8 with int16 activations, `INT8_ACTIVATION_BITS`).
 AUTO_BITS = (4, 8)
 ISAS = {"avx2": 1, "avx512vnni": 2}
+# The interleaved layout (`pack`): chunks of CHUNK weight bytes, rows padded to whole blocks of BLOCK_ROWS, and per
+# path the rows whose chunks alternate: as many as one pass of the kernel takes at batch 1 (AVX-512: a block of 8;
+# AVX2: 4, its registers' budget), so that a pass reads one sequential stream.
+CHUNK, BLOCK_ROWS = 64, 8
+INTERLEAVE = {"avx2": 4, "avx512vnni": 8}
+PACK_TILE_BYTES = 8 << 20  # what `pack(in_place=True)` rearranges at a time (its one temporary)
+# QuantizedLinear holds a weight interleaved where its rows are at most this many bytes (`packs`). Measured side by
+# side at batch 1, weights streamed from memory (bench/int8dot_kernels.py, results/int8dot_kernels.json; 2-core
+# AVX-512 EPYC): INT4 with 4096 columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) 1.1-1.8x
+# faster (2 threads: 90-113% of the copy bandwidth, against 65-73% on the official layout; AVX2 level 1.4-2.0x), INT8
+# with 4096 columns 1.0-1.4x (4096-byte rows; 2 threads: 80-103% against 81-89%); rows of 6848 bytes (INT4 4096x13696)
+# and INT8 13696 columns within a few percent either way. With 2 or more rows of x the interleaved layout reads a
+# little slower (12288x4096: 0.75-0.96x from 2 to 512 rows), which prefill and batched decoding can spare.
+# At full size (ChatGLM3-6B, bench/results/peer-chatglm3-packed.md) INT4 decode went from 3.86 to 5.01 tok/s at one
+# thread (llama.cpp q4_0: 5.23), INT8's from 4.33 to 4.50 at two (q8_0 4.25 in the same run).
+PACK_MAX_ROW_BYTES = 4096
 
 _SOURCE = r"""
 #include <ATen/ATen.h>
@@ -108,7 +128,8 @@ constexpr int64_t QB = 32;            // activation columns per scale (int8 acti
 constexpr int64_t QB16 = 64;          // the same for int16 activations (INT8 weights): one 64-byte weight chunk
 constexpr int64_t CH = 64;            // weight bytes per chunk: one 512-bit vector, two 256-bit ones
 constexpr int64_t R = 8;              // weight rows per block: they share each load of the activations
-constexpr int64_t PF = 2 * R;         // each row prefetches the same bytes this many rows ahead
+constexpr int64_t PF = 2 * R;         // official layout: each row prefetches the same bytes this many rows ahead
+constexpr int64_t PF_PACKED = 2048;   // interleaved layout: each row prefetches this many bytes ahead in its stream
 constexpr int MT_MAX = 4;             // rows of x per tile: each unpacked weight chunk serves this many
 constexpr int MT_MAX_AVX2 = 2;        // the same with AVX2's 16 registers
 constexpr int ACC512 = 16;            // accumulators (rows of W x rows of x) per pass: 16 of the 32 zmm registers
@@ -249,15 +270,27 @@ void layout(const int8_t* q, const float* d, const int32_t* bsum, int64_t M, int
 }
 #pragma GCC pop_options
 
-// The rows n .. n + RR - 1 of a block and, where a row is not a whole number of chunks, its last partial chunk
-// copied into tb, zero-padded (facing zero activations).
+// The weight as the kernel reads it: chunk c (64 bytes) of row n at
+//   w + (n / il) * il * row_bytes + (c * il + n % il) * CH.
+// The official layout [N, KB] is il 1, row_bytes KB (a partial last chunk where KB % 64 != 0); the interleaved
+// one (`pack`) [ceil(N / R) * R / il, NC, il, CH], zero-padded, is il rows (4 or 8) whose chunks alternate,
+// row_bytes NC * CH: one sequential stream per group of il rows.
+struct Weight {
+  const int8_t* w;
+  int64_t row_bytes;  // KB, or NC * CH interleaved
+  int64_t il;         // rows interleaved: 1 (official), 4 or 8
+  int64_t ahead;      // bytes each row prefetches ahead of the chunk it reads
+};
+
+// The rows n .. n + RR - 1 of a block and, where a row is not a whole number of chunks (official layout only),
+// its last partial chunk copied into tb, zero-padded (facing zero activations).
 template <int RR>
-inline void block_rows(const int8_t* w, int64_t KB, int64_t n, const int8_t* (&rows)[RR], int8_t (&tb)[RR][CH]) {
-  for (int r = 0; r < RR; ++r) rows[r] = w + (n + r) * KB;
-  if (KB % CH) {
+inline void block_rows(const Weight& wt, int64_t n, const int8_t* (&rows)[RR], int8_t (&tb)[RR][CH]) {
+  for (int r = 0; r < RR; ++r) rows[r] = wt.w + (n + r) / wt.il * wt.il * wt.row_bytes + (n + r) % wt.il * CH;
+  if (wt.row_bytes % CH) {
     for (int r = 0; r < RR; ++r) {
       std::memset(tb[r], 0, CH);
-      std::memcpy(tb[r], rows[r] + KB / CH * CH, KB % CH);
+      std::memcpy(tb[r], rows[r] + wt.row_bytes / CH * CH, wt.row_bytes % CH);
     }
   }
 }
@@ -270,8 +303,7 @@ constexpr int rows_per_pass(int rr, int mt, int acc) {
   return rows;
 }
 
-using BlockFn = void (*)(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N,
-                         int64_t n);
+using BlockFn = void (*)(const Weight& wt, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n);
 
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI
 #pragma GCC push_options
@@ -321,9 +353,9 @@ __attribute__((always_inline)) inline void chunk512(const int8_t* const* src, co
 
 // Weight rows n .. n + RR - 1 times rows m0 .. m0 + MT - 1 of x; the first tile (m0 == 0) prefetches the weight.
 template <int RR, int MT, int BITS>
-void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0, const float* ws,
-             float* y, int64_t N, int64_t n) {
-  const int64_t full = KB / CH, tail = KB % CH;
+void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], const Weight& wt, const Act& a, int64_t m0,
+             const float* ws, float* y, int64_t N, int64_t n) {
+  const int64_t full = wt.row_bytes / CH, tail = wt.row_bytes % CH, step = wt.il * CH;
   const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
   const int8_t* xq = a.q + m0 * a.KP;
   const float* dv = a.dv + m0 * a.NC * 16;
@@ -332,8 +364,8 @@ void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
   const int8_t* src[RR];
   for (int64_t c = 0; c < full; ++c) {
     for (int r = 0; r < RR; ++r) {
-      src[r] = rows[r] + c * CH;
-      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+      src[r] = rows[r] + c * step;
+      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + wt.ahead), _MM_HINT_T0);
     }
     chunk512<RR, MT, BITS>(src, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
   }
@@ -343,29 +375,30 @@ void tile512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < RR; ++r)
-      y[(m0 + m) * N + n + r] = (_mm512_reduce_add_ps(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
+      if (n + r < N) y[(m0 + m) * N + n + r] = (_mm512_reduce_add_ps(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
 }
 
 // The RR rows of a block for one tile of MT rows of x, in passes of `rows_per_pass` rows: the accumulators stay in
 // registers.
 template <int RR, int MT, int BITS>
-inline void rows512(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
+inline void rows512(const int8_t* const* rows, const int8_t (*tb)[CH], const Weight& wt, const Act& a, int64_t m0,
                     const float* ws, float* y, int64_t N, int64_t n) {
   constexpr int SUB = rows_per_pass(RR, MT, ACC512);
-  for (int r0 = 0; r0 < RR; r0 += SUB) tile512<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
+  for (int r0 = 0; r0 < RR; r0 += SUB) tile512<SUB, MT, BITS>(rows + r0, tb + r0, wt, a, m0, ws, y, N, n + r0);
 }
 
-template <int RR, int BITS>
-void block512(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+// MT: rows of x per tile (MT_MAX, or 2 where a pass must take all 8 rows of an interleaved group)
+template <int RR, int BITS, int MT>
+void block512(const Weight& wt, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
-  block_rows(w, KB, n, rows, tb);
+  block_rows(wt, n, rows, tb);
   int64_t m = 0;
-  for (; m + MT_MAX <= M; m += MT_MAX) rows512<RR, MT_MAX, BITS>(rows, tb, KB, a, m, ws, y, N, n);
+  for (; m + MT <= M; m += MT) rows512<RR, MT, BITS>(rows, tb, wt, a, m, ws, y, N, n);
   switch (M - m) {
-    case 3: rows512<RR, 3, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
-    case 2: rows512<RR, 2, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
-    case 1: rows512<RR, 1, BITS>(rows, tb, KB, a, m, ws, y, N, n); break;
+    case 3: rows512<RR, 3, BITS>(rows, tb, wt, a, m, ws, y, N, n); break;
+    case 2: rows512<RR, 2, BITS>(rows, tb, wt, a, m, ws, y, N, n); break;
+    case 1: rows512<RR, 1, BITS>(rows, tb, wt, a, m, ws, y, N, n); break;
     default: break;
   }
 }
@@ -429,9 +462,9 @@ __attribute__((always_inline)) inline void half256(const int8_t* const* src, int
 }
 
 template <int RR, int MT, int BITS>
-void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0, const float* ws,
-             float* y, int64_t N, int64_t n) {
-  const int64_t full = KB / CH, tail = KB % CH;
+void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], const Weight& wt, const Act& a, int64_t m0,
+             const float* ws, float* y, int64_t N, int64_t n) {
+  const int64_t full = wt.row_bytes / CH, tail = wt.row_bytes % CH, step = wt.il * CH;
   const int64_t xstep = BITS == 8 ? CH : 2 * CH;  // activation bytes per chunk (int16 ones for BITS 16)
   const int8_t* xq = a.q + m0 * a.KP;
   const float* dv = a.dv + m0 * a.NC * 16;
@@ -440,8 +473,8 @@ void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
   const int8_t* src[RR];
   for (int64_t c = 0; c < full; ++c) {
     for (int r = 0; r < RR; ++r) {
-      src[r] = rows[r] + c * CH;
-      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + PF * KB), _MM_HINT_T0);
+      src[r] = rows[r] + c * step;
+      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src[r] + wt.ahead), _MM_HINT_T0);
     }
     half256<RR, MT, BITS>(src, 0, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
     half256<RR, MT, BITS>(src, 1, xq + c * xstep, a.KP, dv + c * 16, a.NC * 16, acc);
@@ -453,25 +486,25 @@ void tile256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, cons
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < RR; ++r)
-      y[(m0 + m) * N + n + r] = (hsum256(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
+      if (n + r < N) y[(m0 + m) * N + n + r] = (hsum256(acc[m * RR + r]) - a.off[m0 + m]) * ws[n + r];
 }
 
 // `rows512` with AVX2's budget of accumulators
 template <int RR, int MT, int BITS>
-inline void rows256(const int8_t* const* rows, const int8_t (*tb)[CH], int64_t KB, const Act& a, int64_t m0,
+inline void rows256(const int8_t* const* rows, const int8_t (*tb)[CH], const Weight& wt, const Act& a, int64_t m0,
                     const float* ws, float* y, int64_t N, int64_t n) {
   constexpr int SUB = rows_per_pass(RR < 4 ? RR : 4, MT, ACC256);  // at most 4: the registers also hold the weights
-  for (int r0 = 0; r0 < RR; r0 += SUB) tile256<SUB, MT, BITS>(rows + r0, tb + r0, KB, a, m0, ws, y, N, n + r0);
+  for (int r0 = 0; r0 < RR; r0 += SUB) tile256<SUB, MT, BITS>(rows + r0, tb + r0, wt, a, m0, ws, y, N, n + r0);
 }
 
 template <int RR, int BITS>
-void block256(const int8_t* w, int64_t KB, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
+void block256(const Weight& wt, const Act& a, int64_t M, const float* ws, float* y, int64_t N, int64_t n) {
   alignas(64) int8_t tb[RR][CH];
   const int8_t* rows[RR];
-  block_rows(w, KB, n, rows, tb);
+  block_rows(wt, n, rows, tb);
   int64_t m = 0;
-  for (; m + MT_MAX_AVX2 <= M; m += MT_MAX_AVX2) rows256<RR, MT_MAX_AVX2, BITS>(rows, tb, KB, a, m, ws, y, N, n);
-  if (M - m == 1) rows256<RR, 1, BITS>(rows, tb, KB, a, m, ws, y, N, n);
+  for (; m + MT_MAX_AVX2 <= M; m += MT_MAX_AVX2) rows256<RR, MT_MAX_AVX2, BITS>(rows, tb, wt, a, m, ws, y, N, n);
+  if (M - m == 1) rows256<RR, 1, BITS>(rows, tb, wt, a, m, ws, y, N, n);
 }
 
 #pragma GCC pop_options
@@ -503,19 +536,29 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t act_bit
   return {q, d};
 }
 
-// x fp32 [M, K]; w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing); scale fp32 [N] -> fp32 [M, N]
+// x fp32 [M, K]; w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing), or either interleaved
+// ([G, NC, il, 64], `Weight`); scale fp32 [N] -> fp32 [M, N]
 // act_bits 16 (INT8 weights only): int16 activations in blocks of 64, int16 dot products
 at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bits, int64_t isa, int64_t act_bits) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "int8dot mm: fp32 x and scale, int8 weight");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.dim() == 2 && w.dim() == 2,
-              "int8dot mm: contiguous 2-d x and weight");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.dim() == 2 && (w.dim() == 2 || w.dim() == 4),
+              "int8dot mm: contiguous 2-d x and 2-d (official) or 4-d (interleaved) weight");
   TORCH_CHECK(bits == 4 || bits == 8, "int8dot mm: bits 4 or 8");
   TORCH_CHECK(isa_supported(isa), "int8dot mm: this CPU lacks the instructions of isa ", isa);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), KB = w.size(1);
-  TORCH_CHECK(KB == (bits == 4 ? K / 2 : K) && (bits == 8 || K % 2 == 0) && scale.numel() == N, "int8dot mm: shapes");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), KB = bits == 4 ? K / 2 : K;
+  TORCH_CHECK(bits == 8 || K % 2 == 0, "int8dot mm: INT4 needs an even in");
   const int64_t nb = (K + QB - 1) / QB;
   const int64_t NC = (KB + CH - 1) / CH, KP = NC * (bits == 4 ? 2 * CH : CH);
+  const bool packed = w.dim() == 4;
+  if (packed) {
+    const int64_t il = w.size(2);
+    TORCH_CHECK((il == 4 || il == 8) && w.size(3) == CH && w.size(1) == NC && w.size(0) * il == (N + R - 1) / R * R,
+                "int8dot mm: an interleaved weight [ceil(N / 8) * 8 / il, ceil(KB / 64), il, 64], il 4 or 8");
+  } else {
+    TORCH_CHECK(w.size(0) == N && w.size(1) == KB, "int8dot mm: shapes");
+  }
+  const Weight wt{w.data_ptr<int8_t>(), packed ? NC * CH : KB, packed ? w.size(2) : 1, packed ? PF_PACKED : PF * KB};
   TORCH_CHECK(act_bits == 8 || (act_bits == 16 && bits == 8), "int8dot mm: int16 activations are for INT8 weights");
   const bool a16 = act_bits == 16;
   std::vector<int8_t> q(M * KP * (a16 ? 2 : 1)), qp(bits == 4 ? M * KP : 0);  // zero-initialized: padding beyond K
@@ -533,25 +576,26 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
   }
   const Act a{bits == 4 ? qp.data() : q.data(), dv.data(), off.data(), KP * (a16 ? 2 : 1), NC};
   BlockFn blockR, block1;
+  const bool pairs = wt.il == R;  // AVX-512 passes of all 8 rows of a group: tiles of 2 rows of x
   if (a16) {
-    blockR = isa == 2 ? block512<R, 16> : block256<R, 16>;
-    block1 = isa == 2 ? block512<1, 16> : block256<1, 16>;
+    blockR = isa == 2 ? (pairs ? block512<R, 16, 2> : block512<R, 16, MT_MAX>) : block256<R, 16>;
+    block1 = isa == 2 ? block512<1, 16, MT_MAX> : block256<1, 16>;
   } else if (isa == 2) {
-    blockR = bits == 4 ? block512<R, 4> : block512<R, 8>;
-    block1 = bits == 4 ? block512<1, 4> : block512<1, 8>;
+    blockR = bits == 4 ? (pairs ? block512<R, 4, 2> : block512<R, 4, MT_MAX>) : (pairs ? block512<R, 8, 2> : block512<R, 8, MT_MAX>);
+    block1 = bits == 4 ? block512<1, 4, MT_MAX> : block512<1, 8, MT_MAX>;
   } else {
     blockR = bits == 4 ? block256<R, 4> : block256<R, 8>;
     block1 = bits == 4 ? block256<1, 4> : block256<1, 8>;
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* pw = w.data_ptr<int8_t>();
   const float* ps = scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  const int64_t blocks = N / R, tasks = blocks + N % R;
+  // official: N / R blocks, then the last rows one at a time; interleaved: whole blocks (the padding rows unwritten)
+  const int64_t blocks = packed ? (N + R - 1) / R : N / R, tasks = packed ? blocks : blocks + N % R;
   at::parallel_for(0, tasks, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      if (t < blocks) blockR(pw, KB, a, M, ps, py, N, t * R);
-      else block1(pw, KB, a, M, ps, py, N, blocks * R + (t - blocks));
+      if (t < blocks) blockR(wt, a, M, ps, py, N, t * R);
+      else block1(wt, a, M, ps, py, N, blocks * R + (t - blocks));
     }
   });
   return y;
@@ -623,11 +667,51 @@ def act_bits(bits: int, act: int | None = None) -> int:
     return act or (8 if bits == 4 else INT8_ACTIVATION_BITS)
 
 
+def pack(weight: Tensor, isa_name: str | None = None, in_place: bool = False) -> Tensor:
+    """The official INT8 `[out, in]` / packed INT4 `[out, in/2]` weight in the interleaved layout `matmul` reads
+    fastest on path `isa_name` (default `isa()`): `[G, NC, il, CHUNK]`, G * il = out rounded up to BLOCK_ROWS,
+    NC = chunks of a row, chunk c of row n at `[n // il, c, n % il]`, zero-padded (`unpack` reads it back).
+
+    `in_place`: where no padding is needed (out a multiple of 8, a row whole chunks; the usual model shapes) and the
+    weight is contiguous, its own bytes are rearranged (in tiles of PACK_TILE_BYTES) and the result is a view of
+    them: no second copy of the layer exists at any time, so loading a model does not raise its peak memory. `weight`
+    is then no longer the official weight; its caller drops it."""
+    il = INTERLEAVE[isa_name or isa()]
+    rows, row_bytes = weight.shape
+    chunks, groups = -(-row_bytes // CHUNK), -(-rows // BLOCK_ROWS) * BLOCK_ROWS // il
+    if (rows, row_bytes) != (groups * il, chunks * CHUNK):
+        padded = torch.nn.functional.pad(weight, (0, chunks * CHUNK - row_bytes, 0, groups * il - rows))
+        return padded.view(groups, il, chunks, CHUNK).transpose(1, 2).contiguous()
+    if not (in_place and weight.is_contiguous()):
+        return weight.view(groups, il, chunks, CHUNK).transpose(1, 2).contiguous()
+    grouped = weight.view(groups, il, chunks, CHUNK)  # each group's il rows hold its bytes, in either layout
+    packed = weight.view(groups, chunks, il, CHUNK)
+    step = max(1, PACK_TILE_BYTES // (il * row_bytes))
+    with torch.no_grad():
+        for g in range(0, groups, step):
+            packed[g : g + step] = grouped[g : g + step].transpose(1, 2).clone()  # read the tile before overwriting it
+    return packed
+
+
+def packs(row_bytes: int) -> bool:
+    """Whether QuantizedLinear holds a weight of rows of `row_bytes` interleaved (`PACK_MAX_ROW_BYTES`)."""
+    return row_bytes <= PACK_MAX_ROW_BYTES
+
+
+def unpack(packed: Tensor, start: int, stop: int, row_bytes: int) -> Tensor:
+    """Rows start .. stop - 1 of the official weight (`row_bytes` a row) from `pack`'s layout: a new tensor."""
+    groups, chunks, il, _ = packed.shape
+    first = start // il
+    rows = packed[first : -(-stop // il)].transpose(1, 2).reshape(-1, chunks * CHUNK)
+    return rows[start - first * il : stop - first * il, :row_bytes].contiguous()
+
+
 def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, isa_name: str | None = None,
            act: int | None = None) -> Tensor:
     """(M, in) @ dequant(W).T -> (M, out) in x's dtype, with x quantized (`reference`), for the official INT8 / INT4
-    `weight` and per-row `weight_scale` (check `available()` and `usable` first). `isa_name` forces a path
-    ("avx2", "avx512vnni"; default `isa()`), `act` the activation width (8, or 16 for INT8; default `act_bits`)."""
+    `weight` (or the same in `pack`'s layout, read faster) and per-row `weight_scale` (check `available()` and
+    `usable` first). `isa_name` forces a path ("avx2", "avx512vnni"; default `isa()`), `act` the activation width
+    (8, or 16 for INT8; default `act_bits`)."""
     code = ISAS[isa_name or isa()]
     _build()  # cached: a no-op once built (a forced `isa_name` may come first)
     y = torch.ops.chatglm_int8dot_cpu.mm(x2d.float().contiguous(), weight.contiguous(), weight_scale.float().contiguous(),

@@ -7,9 +7,9 @@ are compute-bound, about 3-4 G weights/s a core (bench/quant.py), so INT4 decode
   packed layout depends on the CPU's ISA, so it is never saved); official per-row scales are applied to
   its output in fp32, the kernel's own group scales being one shared tensor of ones;
 - "int4cpu" (AVX2-only CPUs): `int4_cpu`, which reads the official packed weight as it is;
-- "int8dot" (CPU, INT8 and per-row INT4, AVX2 or AVX-512 VNNI): `int8dot_cpu`, the official weight as it is times
-  activations quantized once per call (INT4: int8 in blocks of 32, q8_0; INT8: int16 in blocks of 64), integer dot
-  products; the first choice at decode;
+- "int8dot" (CPU, INT8 and per-row INT4, AVX2 or AVX-512 VNNI): `int8dot_cpu`, the weight as it is (short rows:
+  rearranged once per process into its interleaved layout) times activations quantized once per call (INT4: int8 in blocks of 32, q8_0; INT8:
+  int16 in blocks of 64), integer dot products; the first choice at decode;
 - "dequant" (everywhere, CUDA included): dequantize to the activation dtype (in row tiles on CPU) and
   run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
 Backward (`QuantizedMatmul`) always gives the input gradient through the dequantized weight, never a
@@ -145,18 +145,15 @@ def dequant_tiles(
     on_cpu = device.type == "cpu"
     reuse = on_cpu and dtype in (torch.float16, torch.float32)  # the dtypes `dequantize` writes into `out`
     step = cpu_matmul.tile_rows(layer.in_features) if on_cpu else layer.out_features
-    if layer.holds_int4pack_only:
+    if layer.held_layout == "int4pack":
         step = whole_int4pack_blocks(step)
     for start in range(0, layer.out_features, step):
         rows = slice(start, start + step)
         n = min(step, layer.out_features - start)
         out = cpu_matmul.workspace("weight", (n, layer.in_features), dtype) if reuse else None
-        if layer.holds_int4pack_only:  # integers from the kernel layout; `dequantize` of int8 is q * scale
-            ints = cpu_matmul.workspace("int4", (n, layer.in_features), torch.int8) if on_cpu else None
-            q = int4pack_to_int(layer._int4_cache[1][rows], layer.in_features, out=ints)
-            yield rows, dequantize(q, layer.weight_scale[rows], 8, dtype, out=out)
-        else:
-            yield rows, dequantize(layer.weight[rows], layer.weight_scale[rows], layer.bits, dtype, out=out)
+        # a released weight: its rows from the kernel layout that holds it
+        weight, bits = layer.held_rows(start, start + n) if layer.held_layout else (layer.weight[rows], layer.bits)
+        yield rows, dequantize(weight, layer.weight_scale[rows], bits, dtype, out=out)
 
 
 def _work_dtype(x2d: Tensor) -> torch.dtype:
@@ -186,13 +183,13 @@ class QuantizedMatmul(torch.autograd.Function):
         ctx.layer = layer
         x2d = x.reshape(-1, layer.in_features)
         if kernel == "int8pack":
-            y = int8pack_mm(x2d, layer.weight, layer.weight_scale)
-        elif kernel == "int8dot":  # official INT8 / INT4 as they are, quantized activations, integer dot products
-            y = int8dot_cpu.matmul(x2d, layer.weight, layer.weight_scale, layer.bits)
+            y = int8pack_mm(x2d, layer.weight_for(kernel), layer.weight_scale)
+        elif kernel == "int8dot":  # INT8 / INT4 interleaved, quantized activations, integer dot products
+            y = int8dot_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale, layer.bits)
         elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)
-            y = int4_cpu.matmul(x2d, layer.weight, layer.weight_scale)
+            y = int4_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale)
         elif kernel == "int4pack":
-            y = int4pack_mm(x2d, *layer._int4pack())
+            y = int4pack_mm(x2d, *layer.weight_for(kernel))
         else:
             y = dequant_mm(x2d, layer)
         return y.view(*x.shape[:-1], layer.out_features)

@@ -3,6 +3,8 @@
 
 Their state_dict entries are the checkpoint's keys and nothing else (`weight`, fp16 `weight_scale`,
 `bias`); `model.to(dtype)` casts the bias but never the official scales. The matmul is `kernels`'.
+A layer may hold its weight in a kernel's own layout instead of the official one (one copy, not two; built at the
+kernel's first use, for this process only); `state_dict` then rebuilds the official weight.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class QuantizedLinear(nn.Module):
     entries: `weight` int8 `[out, in]` (bits 8) or `[out, in/2]` (bits 4, packed), `weight_scale` fp16
     `[out]` or `[out, in/group_size]`, `bias` in the compute dtype (or None). `model.to(dtype)` casts
     the bias but keeps `weight_scale` fp16 (a cast would round the official scales).
+
+    The first int8dot call on short rows (`int8dot_cpu.packs`), or int4pack call, repacks the weight into that
+    kernel's layout and releases the official one (`held_layout`; a weight shared with a tied embedding stays as it is).
 
     `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu" or "dequant"; a forced
     kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
@@ -71,17 +76,20 @@ class QuantizedLinear(nn.Module):
         self.bias = frozen((out_features,), dtype) if bias else None
         self.kernel = "auto"
         self.last_kernel: str | None = None
-        # (data_ptr of the official weight, or None once it is released; then `int4pack_weight`'s four)
-        self._int4_cache: tuple | None = None  # never saved
+        self.shares_weight = False  # the weight is also a tied embedding's: never repacked
+        # (kernel, data_ptr of the official weight or None once it is released, then that kernel's weight data)
+        self._layout: tuple | None = None  # never saved
 
     @classmethod
-    def from_parts(cls, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, bits: int, group_size: int = 0) -> QuantizedLinear:
+    def from_parts(cls, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, bits: int, group_size: int = 0,
+                   shared: bool = False) -> QuantizedLinear:
         """A layer holding these tensors as they are (the stored layout: `weight` packed for INT4; Parameters,
         e.g. a tied embedding's, shared, not wrapped); `bias` None for none, or a meta tensor for one assigned
-        later (by a checkpoint loader)."""
+        later (by a checkpoint loader); `shared`: another module reads `weight` too (it is never repacked)."""
         in_features = weight.shape[1] * (2 if bits == 4 else 1)
         layer = cls(in_features, weight.shape[0], bits, group_size, bias=False, device="meta")
         layer.weight, layer.weight_scale = _frozen(weight), _frozen(weight_scale)
+        layer.shares_weight = shared
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
         return layer
@@ -93,12 +101,11 @@ class QuantizedLinear(nn.Module):
         return cls.from_parts(pack_int4(q) if bits == 4 else q, scale, linear.bias, bits, group_size)
 
     def extra_repr(self) -> str:
-        packed_in = self.in_features // 2 if self.bits == 4 else self.in_features
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-            f"group_size={self.group_size}, weight={(self.out_features, packed_in)}, "
+            f"group_size={self.group_size}, weight={(self.out_features, self.weight_row_bytes)}, "
             f"weight_scale={tuple(self.weight_scale.shape)}, bias={self.bias is not None}"
-            + (", held in the int4pack layout" if self.holds_int4pack_only else "")
+            + (f", held in the {self.held_layout} layout" if self.held_layout else "")
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -120,13 +127,12 @@ class QuantizedLinear(nn.Module):
             "int4pack": self.bits == 4
             and self.out_features % 16 == 0
             and (self.group_size or self.in_features) % 32 == 0,
-            # where it beats int4pack (AVX2-only CPUs) and the official weight is still held
+            # where it beats int4pack (AVX2-only CPUs)
             "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
-            and not self.holds_int4pack_only and int4_cpu.available(),
-            # INT8 and per-row INT4 on the official weight, wherever it builds (AVX2 or AVX-512 VNNI); the build
-            # (once per machine) is checked only where it would run, so prefill and training never wait for it
-            "int8dot": on_cpu and int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size)
-            and not self.holds_int4pack_only,
+            and int4_cpu.available(),
+            # INT8 and per-row INT4, wherever it builds (AVX2 or AVX-512 VNNI); the build (once per machine) is
+            # checked only where it would run, so prefill and training never wait for it
+            "int8dot": on_cpu and int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size),
         }
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
@@ -142,43 +148,70 @@ class QuantizedLinear(nn.Module):
         return self.kernel if usable.get(self.kernel, True) else "dequant"
 
     @property
-    def holds_int4pack_only(self) -> bool:
-        """True once an INT4 weight lives only in the CPU kernel's layout (see `_int4pack`)."""
-        return self._int4_cache is not None and self._int4_cache[0] is None
+    def held_layout(self) -> str | None:
+        """The kernel ("int8dot", "int4pack") whose layout alone holds the weight once the official one is
+        released, else None."""
+        return self._layout[0] if self._layout is not None and self._layout[1] is None else None
 
-    def _int4pack(self) -> tuple[Tensor, int, Tensor, Tensor | None]:
-        """The CPU-repacked INT4 weight, built at first use and kept for this process only.
+    def weight_for(self, kernel: str):
+        """The weight as `kernel` reads it: "int8dot" `int8dot_cpu.pack`'s layout for short rows
+        (`int8dot_cpu.packs`; the official weight for longer ones, or where it is shared), "int4pack"
+        `int4pack_weight`'s four, any other the official weight (rebuilt if released).
 
-        Where this CPU's layout can be read back (`int4pack_block_rows`: AVX2, AVX-512), the official packed
-        weight is then released: one resident copy, not two. The dequantize path reads its integers from
-        the kernel layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
+        A kernel's layout is built at its first use and kept for this process only. The official weight is then
+        released (one resident copy, not two; int8dot's layout is made in the official weight's own bytes) where
+        the layout reads back (int4pack: `int4pack_block_rows`, AVX2 and AVX-512): the dequantize path reads its
+        integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
-        cache = self._int4_cache
-        if cache is None or (cache[0] is not None and cache[0] != self.weight.data_ptr()):
-            repacked = int4pack_weight(self.weight, self.weight_scale)
-            block = int4pack_block_rows()
-            release = block is not None and self.out_features % block == 0
-            self._int4_cache = (None if release else self.weight.data_ptr(), *repacked)
+        if kernel == "int8dot" and (self.shares_weight or not int8dot_cpu.packs(self.weight_row_bytes)):
+            return self.weight  # read as it is
+        if kernel not in ("int8dot", "int4pack"):
+            self._restore_official_weight()
+            return self.weight
+        cache = self._layout
+        if cache is None or cache[0] != kernel or (cache[1] is not None and cache[1] != self.weight.data_ptr()):
+            self._restore_official_weight()  # another kernel's layout (a forced kernel), or weights loaded since
+            if kernel == "int8dot":  # rearranged in its own bytes where no padding is needed: never two copies
+                data, release = (int8dot_cpu.pack(self.weight.data, in_place=True),), True
+            else:
+                data = int4pack_weight(self.weight, self.weight_scale)
+                block = int4pack_block_rows()
+                release = block is not None and self.out_features % block == 0
+            self._layout = (kernel, None if release else self.weight.data_ptr(), *data)
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)
                 heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
-        return self._int4_cache[1:]
+        return self._layout[2] if kernel == "int8dot" else self._layout[2:]
+
+    def held_rows(self, start: int, stop: int) -> tuple[Tensor, int]:
+        """Rows start .. stop - 1 of a released weight read from the layout that holds it, and their `bits` for
+        `dequantize` (int4pack's come as int8 integers: 8)."""
+        if self.held_layout == "int4pack":
+            return int4pack_to_int(self._layout[2][start:stop], self.in_features), 8
+        return int8dot_cpu.unpack(self._layout[2], start, stop, self.weight_row_bytes), self.bits
+
+    @property
+    def weight_row_bytes(self) -> int:
+        """Bytes of a row of the official weight (INT4 packs two columns a byte)."""
+        return self.in_features // 2 if self.bits == 4 else self.in_features
 
     def _official_weight(self) -> Tensor:
-        """The official packed INT4 weight `[out, in/2]`, rebuilt (tile by tile) from the kernel layout."""
-        packed = self._int4_cache[1]
+        """The official weight, rebuilt (tile by tile for int4pack) from the layout that holds it."""
+        if self.held_layout == "int8dot":
+            return int8dot_cpu.unpack(self._layout[2], 0, self.out_features, self.weight_row_bytes)
+        packed = self._layout[2]
         step = whole_int4pack_blocks(cpu_matmul.tile_rows(self.in_features))
         tiles = range(0, self.out_features, step)
         return torch.cat([pack_int4(int4pack_to_int(packed[s : s + step], self.in_features)) for s in tiles])
 
     def _restore_official_weight(self) -> None:
-        if self.holds_int4pack_only:
+        if self.held_layout:
             self.weight.data = self._official_weight()
-        self._int4_cache = None
+        self._layout = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.holds_int4pack_only:
+        if self.held_layout:
             destination[prefix + "weight"] = self._official_weight()
 
     def _apply(self, fn, recurse=True):
@@ -188,9 +221,9 @@ class QuantizedLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         # load_state_dict copies in place (same data_ptr, new values): drop the repacked weight
-        if self.holds_int4pack_only:
-            self.weight.data = torch.empty(self.out_features, self.in_features // 2, dtype=torch.int8)
-        self._int4_cache = None
+        if self.held_layout:
+            self.weight.data = torch.empty(self.out_features, self.weight_row_bytes, dtype=torch.int8)
+        self._layout = None
         super()._load_from_state_dict(*args, **kwargs)
 
 
