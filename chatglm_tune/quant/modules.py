@@ -163,9 +163,9 @@ class QuantizedLinear(nn.Module):
         the layout reads back (int4pack: `int4pack_block_rows`, AVX2 and AVX-512): the dequantize path reads its
         integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
-        if kernel == "int8dot" and (self.shares_weight or not int8dot_cpu.packs(self.weight_row_bytes)):
-            return self.weight  # read as it is
-        if kernel not in ("int8dot", "int4pack"):
+        as_is = kernel not in ("int8dot", "int4pack") or (
+            kernel == "int8dot" and (self.shares_weight or not int8dot_cpu.packs(self.weight_row_bytes)))
+        if as_is:  # the official weight, back from a layout another kernel left
             self._restore_official_weight()
             return self.weight
         cache = self._layout
