@@ -185,9 +185,10 @@ class QuantizedLinear(nn.Module):
 
     def held_rows(self, start: int, stop: int) -> tuple[Tensor, int]:
         """Rows start .. stop - 1 of a released weight read from the layout that holds it, and their `bits` for
-        `dequantize` (int4pack's come as int8 integers: 8)."""
+        `dequantize` (int4pack's come as int8 integers: 8, written into one reused CPU buffer)."""
         if self.held_layout == "int4pack":
-            return int4pack_to_int(self._layout[2][start:stop], self.in_features), 8
+            ints = cpu_matmul.workspace("int4", (stop - start, self.in_features), torch.int8)
+            return int4pack_to_int(self._layout[2][start:stop], self.in_features, out=ints), 8
         return int8dot_cpu.unpack(self._layout[2], start, stop, self.weight_row_bytes), self.bits
 
     @property
