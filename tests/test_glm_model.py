@@ -156,6 +156,29 @@ def test_prefix_without_a_cache_equals_the_cached_path(version):
     assert_logits(out.logits, golden.logits[case["expect_tensor"] + "_all"], mask)
 
 
+@pytest.mark.parametrize("padded", (False, True))
+def test_the_decode_step_attention_equals_transformers_sdpa(padded):
+    """One query over grouped key/value heads runs as the group's heads as queries of one head: the same logits as
+    transformers' SDPA attention, with no mask (PyTorch's GQA path there) and with a left-padding mask."""
+    from chatglm_tune.models.glm.attention import ATTENTION
+
+    model = load_glm(FIXTURES / "glm4-tiny")
+    assert model.config._attn_implementation == ATTENTION
+    torch.manual_seed(0)
+    ids = torch.randint(5, model.config.vocab_size, (2, 9))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+    steps = {}
+    for attention in (ATTENTION, "sdpa"):
+        model.set_attn_implementation(attention)
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :-1], attention_mask=mask[:, :-1], cache=cache, use_cache=True)
+            steps[attention] = model(ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(steps[ATTENTION], steps["sdpa"], rtol=1e-5, atol=1e-5)
+
+
 # --- training: prefix, gradient checkpointing, nothing frozen ------------------------------------------
 
 

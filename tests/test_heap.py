@@ -46,3 +46,26 @@ def test_freed_large_blocks_leave_the_process_for_a_large_model():
     grown = {kind: float(subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, check=True).stdout)
              for kind in ("default", "large")}
     assert grown["large"] < 16 < grown["default"], grown
+
+
+def test_huge_page_tensors_are_aligned_writable_and_freed_with_the_tensor():
+    import torch
+
+    assert heap.huge_pages_empty((1024,), torch.float32) is None  # under one 2 MB page: the ordinary allocator
+    tensor = heap.huge_pages_empty((3, 1 << 19), torch.float32)  # 6 MB
+    if not heap.huge_pages_available():
+        assert tensor is None
+        return
+    assert tensor.shape == (3, 1 << 19) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert tensor.data_ptr() % heap.HUGE_PAGE_BYTES == 0
+    tensor.fill_(2.5)
+    assert float(tensor.sum()) == 2.5 * 3 * (1 << 19)
+    address = tensor.data_ptr()
+
+    def mapped() -> bool:  # whether a mapping of this process holds the address
+        spans = (line.split()[0].split("-") for line in open("/proc/self/maps"))
+        return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans)
+
+    assert mapped()
+    del tensor
+    assert not mapped()

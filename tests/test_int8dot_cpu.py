@@ -284,23 +284,29 @@ def test_the_layer_holds_its_weight_once_interleaved_and_nothing_changes(bits, i
 
 
 @needs_kernel
-def test_long_rows_are_read_as_they_are(monkeypatch):
-    monkeypatch.setattr(int8dot_cpu, "PACK_MAX_ROW_BYTES", 64)  # as rows of 8192 bytes at full size
-    long, short = (QuantizedLinear.from_linear(nn.Linear(in_features, 64).half(), 8) for in_features in (128, 64))
-    where = long.weight.data_ptr()
-    for layer in (long, short):
-        layer(torch.randn(1, layer.in_features))
-        assert layer.last_kernel == "int8dot"
-    assert long.held_layout is None and long.weight.data_ptr() == where and short.held_layout == "int8dot"
-    # a long-row INT4 weight that a forced int4pack left in its own layout is read as it is again
+def test_a_layout_a_forced_kernel_left_is_interleaved_again():
     int4 = QuantizedLinear.from_linear(nn.Linear(256, 64).half(), 4)
     official_weight, x = int4.weight.clone(), torch.randn(1, 256)
     int4.kernel = "int4pack"
     int4(x)
     int4.kernel = "auto"
     y = int4(x)
-    assert int4.last_kernel == "int8dot" and int4.held_layout is None and torch.equal(int4.weight, official_weight)
+    assert int4.last_kernel == "int8dot" and int4.held_layout == "int8dot"
+    assert torch.equal(int4.state_dict()["weight"], official_weight)
     assert torch.equal(y, int8dot_cpu.matmul(x, official_weight, int4.weight_scale, 4) + int4.bias)
+
+
+@needs_kernel
+def test_a_weight_of_whole_huge_pages_is_held_in_them_where_linux_offers_them():
+    from chatglm_tune import heap
+
+    layer = QuantizedLinear.from_linear(nn.Linear(4096, 1024).half(), 8)  # 4 MB
+    official_weight, x = layer.weight.clone(), torch.randn(1, 4096)
+    y = layer(x)
+    held = layer.weight_for("int8dot")
+    assert (held.data_ptr() % heap.HUGE_PAGE_BYTES == 0) == heap.huge_pages_available()
+    assert torch.equal(y, int8dot_cpu.matmul(x, official_weight, layer.weight_scale, 8) + layer.bias)
+    assert torch.equal(layer.state_dict()["weight"], official_weight)
 
 
 @needs_kernel

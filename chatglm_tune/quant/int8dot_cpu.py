@@ -3,8 +3,8 @@
 `matmul(x2d, weight, weight_scale, bits)` computes `x @ dequant(W).T` for the official layouts (INT8 `weight`
 int8 `[out, in]`, INT4 packed int8 `[out, in/2]` with the even column in the high nibble; fp16 per-row
 `weight_scale` `[out]`), read as they are or in the interleaved layout `pack` makes of them (the same bytes
-reordered: each group of 4 or 8 rows one sequential stream; faster for short rows, `PACK_MAX_ROW_BYTES`, which
-QuantizedLinear holds that way, made in place at first use, the official one rebuilt for `state_dict`), with one
+reordered: each group of 4 or 8 rows one sequential stream, faster; QuantizedLinear holds its weight that way, made
+at first use, the official one rebuilt for `state_dict`), with one
 change to the arithmetic: the activations are quantized once per call, in blocks with
 one fp32 scale each: `d = absmax / Q`, `q = round(x * Q / absmax)` (half to even). For INT4, int8 in blocks of 32
 columns (Q = 127: llama.cpp's q8_0); for INT8, int16 in blocks of 64 (Q = 32767; `INT8_ACTIVATION_BITS`, see
@@ -46,14 +46,14 @@ a zeroed 64-byte buffer (zero activations there) and the last rows go one at a t
 zero-padded to whole chunks and blocks (the padding rows' outputs are not written).
 
 Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
-streamed from memory), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696, in the layout
-QuantizedLinear holds (interleaved, but the last shape official), AVX512 level, one thread: INT4 0.43 / 0.41 / 1.07 /
+streamed from memory, 4 KB pages), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696,
+interleaved but the last shape official, AVX512 level, one thread: INT4 0.43 / 0.41 / 1.07 /
 2.37 / 1.65 against int4pack's 0.90 / 1.00 / 2.61 / 5.77 / 2.98 (1.8-2.4x), INT8 (int16 activations) 0.99 / 0.97 /
 2.66 / 5.41 / 3.01 against int8pack's 1.44 / 1.51 / 4.06 / 8.73 / 3.91 (1.3-1.6x); two threads INT4 at 79-113% of
 the copy bandwidth, INT8 at 80-103% (int8pack 64-80%). At the AVX2 level, one thread: INT4 0.41 / 0.39 / 1.12 /
 2.40 / 1.83 against int4_cpu's 0.88 / 0.95 / 2.56 / 5.47 / 2.61, INT8 0.89 / 0.82 / 2.40 / 5.60 / 3.53 against
-int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`; the layout:
-`PACK_MAX_ROW_BYTES`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
+int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`; the layout and its
+pages: `PACK_TILE_BYTES`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
 memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
 
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
@@ -100,16 +100,15 @@ ISAS = {"avx2": 1, "avx512vnni": 2}
 CHUNK, BLOCK_ROWS = 64, 8
 INTERLEAVE = {"avx2": 4, "avx512vnni": 8}
 PACK_TILE_BYTES = 8 << 20  # what `pack(in_place=True)` rearranges at a time (its one temporary)
-# QuantizedLinear holds a weight interleaved where its rows are at most this many bytes (`packs`). Measured side by
-# side at batch 1, weights streamed from memory (bench/int8dot_kernels.py, results/int8dot_kernels.json; 2-core
-# AVX-512 EPYC): INT4 with 4096 columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) 1.1-1.8x
-# faster (2 threads: 90-113% of the copy bandwidth, against 65-73% on the official layout; AVX2 level 1.4-2.0x), INT8
-# with 4096 columns 1.0-1.4x (4096-byte rows; 2 threads: 80-103% against 81-89%); rows of 6848 bytes (INT4 4096x13696)
-# and INT8 13696 columns within a few percent either way. With 2 or more rows of x the interleaved layout reads a
-# little slower (12288x4096: 0.75-0.96x from 2 to 512 rows), which prefill and batched decoding can spare.
-# At full size (ChatGLM3-6B, bench/results/peer-chatglm3-packed.md) INT4 decode went from 3.86 to 5.01 tok/s at one
-# thread (llama.cpp q4_0: 5.23), INT8's from 4.33 to 4.50 at two (q8_0 4.25 in the same run).
-PACK_MAX_ROW_BYTES = 4096
+# QuantizedLinear holds every weight interleaved, in 2 MB pages where the system gives them (`heap.huge_pages_empty`).
+# Measured side by side at batch 1, weights streamed from memory (2-core AVX-512 EPYC): on 4 KB pages INT4 with 4096
+# columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) ran 1.1-1.8x faster interleaved (2
+# threads: 90-113% of the copy bandwidth, against 65-73% on the official layout; AVX2 level 1.4-2.0x), INT8 with 4096
+# columns 1.0-1.4x, while rows of 6848 bytes (INT4 4096x13696) and more ran within a few percent either way
+# (bench/int8dot_kernels.py, results/int8dot_kernels.json). On 2 MB pages the long rows gain too: 4096x13696 INT4
+# 0.83 ms against 0.89 official at 2 threads, 1.27 against 1.50 at one (AVX2 level 1.59 against 1.72), INT8 1.62
+# against 1.74 and 2.52 against 2.86. With 2 or more rows of x the interleaved layout reads a little slower
+# (12288x4096: 0.75-0.96x from 2 to 512 rows), which prefill and batched decoding can spare.
 
 _SOURCE = r"""
 #include <ATen/ATen.h>
@@ -536,14 +535,17 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t act_bit
   return {q, d};
 }
 
-// x fp32 [M, K]; w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing), or either interleaved
-// ([G, NC, il, 64], `Weight`); scale fp32 [N] -> fp32 [M, N]
+// x float [M, K] (fp32, bf16 or fp16); w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing), or either
+// interleaved ([G, NC, il, 64], `Weight`); scale float [N]; bias [N] or none -> [M, N] in x's dtype:
+// the fp32 product rounded to x's dtype, then plus the bias in that dtype (as `F.linear`'s caller adds it)
 // act_bits 16 (INT8 weights only): int16 activations in blocks of 64, int16 dot products
-at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t bits, int64_t isa, int64_t act_bits) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "int8dot mm: fp32 x and scale, int8 weight");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous() && x.dim() == 2 && (w.dim() == 2 || w.dim() == 4),
-              "int8dot mm: contiguous 2-d x and 2-d (official) or 4-d (interleaved) weight");
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale_in, int64_t bits, int64_t isa,
+              int64_t act_bits, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()) && w.scalar_type() == at::kChar && at::isFloatingType(scale_in.scalar_type()),
+              "int8dot mm: float x and scale, int8 weight");
+  TORCH_CHECK(w.is_contiguous() && x_in.dim() == 2 && (w.dim() == 2 || w.dim() == 4),
+              "int8dot mm: 2-d x and a contiguous 2-d (official) or 4-d (interleaved) weight");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), scale = scale_in.to(at::kFloat).contiguous();
   TORCH_CHECK(bits == 4 || bits == 8, "int8dot mm: bits 4 or 8");
   TORCH_CHECK(isa_supported(isa), "int8dot mm: this CPU lacks the instructions of isa ", isa);
   const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), KB = bits == 4 ? K / 2 : K;
@@ -598,13 +600,18 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
       else block1(wt, a, M, ps, py, N, blocks * R + (t - blocks));
     }
   });
+  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
+  if (bias) {
+    TORCH_CHECK(bias->numel() == N, "int8dot mm: a bias of out values");
+    y.add_(bias->to(y.scalar_type()));
+  }
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
-  lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8) -> Tensor", &mm);
+  lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8, Tensor? bias=None) -> Tensor", &mm);
   lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
   lib.def("isa_supported(int isa) -> bool", &isa_supported);
 }
@@ -667,35 +674,41 @@ def act_bits(bits: int, act: int | None = None) -> int:
     return act or (8 if bits == 4 else INT8_ACTIVATION_BITS)
 
 
-def pack(weight: Tensor, isa_name: str | None = None, in_place: bool = False) -> Tensor:
+def packed_shape(rows: int, row_bytes: int, isa_name: str | None = None) -> tuple[int, int, int, int]:
+    """The shape of `pack`'s layout of an official weight of `rows` rows of `row_bytes`: `[G, NC, il, CHUNK]`."""
+    il = INTERLEAVE[isa_name or isa()]
+    return -(-rows // BLOCK_ROWS) * BLOCK_ROWS // il, -(-row_bytes // CHUNK), il, CHUNK
+
+
+def pack(weight: Tensor, isa_name: str | None = None, in_place: bool = False, out: Tensor | None = None) -> Tensor:
     """The official INT8 `[out, in]` / packed INT4 `[out, in/2]` weight in the interleaved layout `matmul` reads
     fastest on path `isa_name` (default `isa()`): `[G, NC, il, CHUNK]`, G * il = out rounded up to BLOCK_ROWS,
     NC = chunks of a row, chunk c of row n at `[n // il, c, n % il]`, zero-padded (`unpack` reads it back).
 
+    `out`: a tensor of `packed_shape` to write it into (e.g. one in 2 MB pages), in tiles of PACK_TILE_BYTES.
     `in_place`: where no padding is needed (out a multiple of 8, a row whole chunks; the usual model shapes) and the
     weight is contiguous, its own bytes are rearranged (in tiles of PACK_TILE_BYTES) and the result is a view of
     them: no second copy of the layer exists at any time, so loading a model does not raise its peak memory. `weight`
     is then no longer the official weight; its caller drops it."""
-    il = INTERLEAVE[isa_name or isa()]
     rows, row_bytes = weight.shape
-    chunks, groups = -(-row_bytes // CHUNK), -(-rows // BLOCK_ROWS) * BLOCK_ROWS // il
+    groups, chunks, il, _ = packed_shape(rows, row_bytes, isa_name)
     if (rows, row_bytes) != (groups * il, chunks * CHUNK):
         padded = torch.nn.functional.pad(weight, (0, chunks * CHUNK - row_bytes, 0, groups * il - rows))
-        return padded.view(groups, il, chunks, CHUNK).transpose(1, 2).contiguous()
-    if not (in_place and weight.is_contiguous()):
-        return weight.view(groups, il, chunks, CHUNK).transpose(1, 2).contiguous()
+        packed = padded.view(groups, il, chunks, CHUNK).transpose(1, 2)
+        return packed.contiguous() if out is None else out.copy_(packed)
     grouped = weight.view(groups, il, chunks, CHUNK)  # each group's il rows hold its bytes, in either layout
-    packed = weight.view(groups, chunks, il, CHUNK)
     step = max(1, PACK_TILE_BYTES // (il * row_bytes))
+    if out is not None:
+        for g in range(0, groups, step):
+            out[g : g + step] = grouped[g : g + step].transpose(1, 2)
+        return out
+    if not (in_place and weight.is_contiguous()):
+        return grouped.transpose(1, 2).contiguous()
+    packed = weight.view(groups, chunks, il, CHUNK)
     with torch.no_grad():
         for g in range(0, groups, step):
             packed[g : g + step] = grouped[g : g + step].transpose(1, 2).clone()  # read the tile before overwriting it
     return packed
-
-
-def packs(row_bytes: int) -> bool:
-    """Whether QuantizedLinear holds a weight of rows of `row_bytes` interleaved (`PACK_MAX_ROW_BYTES`)."""
-    return row_bytes <= PACK_MAX_ROW_BYTES
 
 
 def unpack(packed: Tensor, start: int, stop: int, row_bytes: int) -> Tensor:
@@ -707,16 +720,15 @@ def unpack(packed: Tensor, start: int, stop: int, row_bytes: int) -> Tensor:
 
 
 def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, isa_name: str | None = None,
-           act: int | None = None) -> Tensor:
-    """(M, in) @ dequant(W).T -> (M, out) in x's dtype, with x quantized (`reference`), for the official INT8 / INT4
-    `weight` (or the same in `pack`'s layout, read faster) and per-row `weight_scale` (check `available()` and
-    `usable` first). `isa_name` forces a path ("avx2", "avx512vnni"; default `isa()`), `act` the activation width
-    (8, or 16 for INT8; default `act_bits`)."""
+           act: int | None = None, bias: Tensor | None = None) -> Tensor:
+    """(M, in) @ dequant(W).T (+ bias) -> (M, out) in x's dtype, with x quantized (`reference`), for the official
+    INT8 / INT4 `weight` (or the same in `pack`'s layout, read faster) and per-row `weight_scale` (check `available()`
+    and `usable` first). The product is computed in fp32 and rounded to x's dtype; `bias` is added after, in that
+    dtype, as to the output of a Linear without one. `isa_name` forces a path ("avx2", "avx512vnni"; default `isa()`),
+    `act` the activation width (8, or 16 for INT8; default `act_bits`)."""
     code = ISAS[isa_name or isa()]
     _build()  # cached: a no-op once built (a forced `isa_name` may come first)
-    y = torch.ops.chatglm_int8dot_cpu.mm(x2d.float().contiguous(), weight.contiguous(), weight_scale.float().contiguous(),
-                                         bits, code, act_bits(bits, act))
-    return y.to(x2d.dtype)
+    return torch.ops.chatglm_int8dot_cpu.mm(x2d, weight.contiguous(), weight_scale, bits, code, act_bits(bits, act), bias)
 
 
 def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:

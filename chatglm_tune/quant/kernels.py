@@ -175,24 +175,30 @@ def dequant_mm_grad(grad_y2d: Tensor, layer) -> Tensor:
     return grad_x.to(grad_y2d.dtype)
 
 
+def quantized_matmul(x: Tensor, layer, kernel: str, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ dequant(W).T (+ bias, in x's dtype) -> (..., out) in x's dtype, by `kernel`; no autograd."""
+    x2d = x.reshape(-1, layer.in_features)
+    if kernel == "int8dot":  # INT8 / INT4 interleaved, quantized activations, integer dot products; adds the bias
+        y, bias = int8dot_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale, layer.bits, bias=bias), None
+    elif kernel == "int8pack":
+        y = int8pack_mm(x2d, layer.weight_for(kernel), layer.weight_scale)
+    elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)
+        y = int4_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale)
+    elif kernel == "int4pack":
+        y = int4pack_mm(x2d, *layer.weight_for(kernel))
+    else:
+        y = dequant_mm(x2d, layer)
+    y = y.view(*x.shape[:-1], layer.out_features)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class QuantizedMatmul(torch.autograd.Function):
-    """y = x @ dequant(W).T with a fast forward kernel; backward gives grad_x only."""
+    """y = x @ dequant(W).T with a fast forward kernel (`quantized_matmul`); backward gives grad_x only."""
 
     @staticmethod
     def forward(ctx, x: Tensor, layer, kernel: str) -> Tensor:
         ctx.layer = layer
-        x2d = x.reshape(-1, layer.in_features)
-        if kernel == "int8pack":
-            y = int8pack_mm(x2d, layer.weight_for(kernel), layer.weight_scale)
-        elif kernel == "int8dot":  # INT8 / INT4 interleaved, quantized activations, integer dot products
-            y = int8dot_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale, layer.bits)
-        elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)
-            y = int4_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale)
-        elif kernel == "int4pack":
-            y = int4pack_mm(x2d, *layer.weight_for(kernel))
-        else:
-            y = dequant_mm(x2d, layer)
-        return y.view(*x.shape[:-1], layer.out_features)
+        return quantized_matmul(x, layer, kernel)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):

@@ -16,7 +16,7 @@ from chatglm_tune import heap
 from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import check_format, dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block_rows, int4pack_to_int, int4pack_weight,
-                                        whole_int4pack_blocks)
+                                        quantized_matmul, whole_int4pack_blocks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -32,8 +32,8 @@ class QuantizedLinear(nn.Module):
     `[out]` or `[out, in/group_size]`, `bias` in the compute dtype (or None). `model.to(dtype)` casts
     the bias but keeps `weight_scale` fp16 (a cast would round the official scales).
 
-    The first int8dot call on short rows (`int8dot_cpu.packs`), or int4pack call, repacks the weight into that
-    kernel's layout and releases the official one (`held_layout`; a weight shared with a tied embedding stays as it is).
+    The first int8dot or int4pack call repacks the weight into that kernel's layout and releases the official one
+    (`held_layout`; a weight shared with a tied embedding stays as it is).
 
     `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu" or "dequant"; a forced
     kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
@@ -112,40 +112,42 @@ class QuantizedLinear(nn.Module):
         """x (..., in) -> (..., out), in x's dtype."""
         kernel = self._choose_kernel(x)
         self.last_kernel = kernel
-        y = QuantizedMatmul.apply(x, self, kernel)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        bias = self.bias
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            y = QuantizedMatmul.apply(x, self, kernel)
+            return y if bias is None else y + bias.to(y.dtype)
+        # no gradient to give: the kernel straight away (a decode step is ~170 such calls; autograd's bookkeeping
+        # took a fifth of each small one's time)
+        return quantized_matmul(x, self, kernel, bias)
 
     def _choose_kernel(self, x: Tensor) -> str:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         rows = x.numel() // self.in_features
         on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
-        usable = {
-            # int8pack segfaults for K % 16 != 0 (cpu-kernels.md)
-            "int8pack": self.bits == 8 and self.in_features % 16 == 0,
-            # the int4 kernel needs N % 16 == 0 and scale groups made of 32..256-column kernel groups
-            "int4pack": self.bits == 4
-            and self.out_features % 16 == 0
-            and (self.group_size or self.in_features) % 32 == 0,
-            # where it beats int4pack (AVX2-only CPUs)
-            "int4cpu": self.bits == 4 and on_cpu and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
-            and int4_cpu.available(),
-            # INT8 and per-row INT4, wherever it builds (AVX2 or AVX-512 VNNI); the build (once per machine) is
-            # checked only where it would run, so prefill and training never wait for it
-            "int8dot": on_cpu and int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size),
-        }
         if not (on_cpu and x.is_floating_point() and rows > 0):
             return "dequant"
         if self.kernel == "auto":
             needs_grad = torch.is_grad_enabled() and x.requires_grad
-            if (int8dot_cpu.routes(self.bits, rows, x.dtype, needs_grad) and usable["int8dot"]
-                    and int8dot_cpu.available()):
+            if int8dot_cpu.routes(self.bits, rows, x.dtype, needs_grad) and self._usable("int8dot"):
                 return "int8dot"
-            fast = "int8pack" if self.bits == 8 else "int4cpu" if usable["int4cpu"] else "int4pack"
-            return fast if usable[fast] and rows <= self.max_kernel_rows else "dequant"
-        if self.kernel == "int8dot":
-            return "int8dot" if usable["int8dot"] and int8dot_cpu.available() else "dequant"
-        return self.kernel if usable.get(self.kernel, True) else "dequant"
+            fast = "int8pack" if self.bits == 8 else "int4cpu" if self._usable("int4cpu") else "int4pack"
+            return fast if self._usable(fast) and rows <= self.max_kernel_rows else "dequant"
+        return self.kernel if self._usable(self.kernel) else "dequant"
+
+    def _usable(self, kernel: str) -> bool:
+        """Whether `kernel` can run this layer on the CPU (asked only of the kernel being considered, so the C++ kernels'
+        builds, once per machine, happen only where they would run, and prefill and training never wait for them)."""
+        if kernel == "int8pack":  # int8pack segfaults for K % 16 != 0 (cpu-kernels.md)
+            return self.bits == 8 and self.in_features % 16 == 0
+        if kernel == "int4pack":  # needs N % 16 == 0 and scale groups made of 32..256-column kernel groups
+            return self.bits == 4 and self.out_features % 16 == 0 and (self.group_size or self.in_features) % 32 == 0
+        if kernel == "int4cpu":  # where it beats int4pack (AVX2-only CPUs)
+            return (self.bits == 4 and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
+                    and int4_cpu.available())
+        if kernel == "int8dot":  # INT8 and per-row INT4, wherever it builds (AVX2 or AVX-512 VNNI)
+            return int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size) and int8dot_cpu.available()
+        return True  # dequant
 
     @property
     def held_layout(self) -> str | None:
@@ -154,25 +156,23 @@ class QuantizedLinear(nn.Module):
         return self._layout[0] if self._layout is not None and self._layout[1] is None else None
 
     def weight_for(self, kernel: str):
-        """The weight as `kernel` reads it: "int8dot" `int8dot_cpu.pack`'s layout for short rows
-        (`int8dot_cpu.packs`; the official weight for longer ones, or where it is shared), "int4pack"
-        `int4pack_weight`'s four, any other the official weight (rebuilt if released).
+        """The weight as `kernel` reads it: "int8dot" `int8dot_cpu.pack`'s layout (the official weight where it is
+        shared), "int4pack" `int4pack_weight`'s four, any other the official weight (rebuilt if released).
 
         A kernel's layout is built at its first use and kept for this process only. The official weight is then
-        released (one resident copy, not two; int8dot's layout is made in the official weight's own bytes) where
-        the layout reads back (int4pack: `int4pack_block_rows`, AVX2 and AVX-512): the dequantize path reads its
+        released (one resident copy, not two; int8dot's layout is made a tile at a time) where the layout reads back
+        (int8dot's always, int4pack's where `int4pack_block_rows` knows it: AVX2 and AVX-512): the dequantize path reads its
         integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
-        as_is = kernel not in ("int8dot", "int4pack") or (
-            kernel == "int8dot" and (self.shares_weight or not int8dot_cpu.packs(self.weight_row_bytes)))
+        as_is = kernel not in ("int8dot", "int4pack") or (kernel == "int8dot" and self.shares_weight)
         if as_is:  # the official weight, back from a layout another kernel left
             self._restore_official_weight()
             return self.weight
         cache = self._layout
         if cache is None or cache[0] != kernel or (cache[1] is not None and cache[1] != self.weight.data_ptr()):
             self._restore_official_weight()  # another kernel's layout (a forced kernel), or weights loaded since
-            if kernel == "int8dot":  # rearranged in its own bytes where no padding is needed: never two copies
-                data, release = (int8dot_cpu.pack(self.weight.data, in_place=True),), True
+            if kernel == "int8dot":
+                data, release = self._int8dot_weight(), True
             else:
                 data = int4pack_weight(self.weight, self.weight_scale)
                 block = int4pack_block_rows()
@@ -180,8 +180,15 @@ class QuantizedLinear(nn.Module):
             self._layout = (kernel, None if release else self.weight.data_ptr(), *data)
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)
-                heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
+            heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
         return self._layout[2] if kernel == "int8dot" else self._layout[2:]
+
+    def _int8dot_weight(self) -> tuple[Tensor]:
+        """(int8dot's weight,): the interleaved layout (`int8dot_cpu.pack`), written tile by tile into 2 MB pages where
+        the system gives them (`heap.huge_pages_empty`: the kernel streams it at every step), else made in the
+        official weight's own bytes."""
+        out = heap.huge_pages_empty(int8dot_cpu.packed_shape(self.out_features, self.weight_row_bytes), torch.int8)
+        return (int8dot_cpu.pack(self.weight.data, in_place=out is None, out=out),)
 
     def held_rows(self, start: int, stop: int) -> tuple[Tensor, int]:
         """Rows start .. stop - 1 of a released weight read from the layout that holds it, and their `bits` for

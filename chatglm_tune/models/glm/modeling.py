@@ -46,6 +46,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from chatglm_tune import checkpoint
 from chatglm_tune.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.models.glm.attention import ATTENTION
 from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
                                             official_config, read_version, stored_format, transformers_form)
 from chatglm_tune.models.glm.prefix import prefix_encoder, prefix_width
@@ -86,6 +87,8 @@ class PrefixModel(Chat):
         self.model.embed_tokens.padding_idx = None
         self.prefix_encoder = prefix_encoder(config) if getattr(config, "pre_seq_len", None) else None
         self.prefix_dropout = nn.Dropout(PREFIX_DROPOUT)
+        if config._attn_implementation == "sdpa":  # transformers' default: the same, with a faster decode step
+            self.set_attn_implementation(ATTENTION)
         for layer in self.model.layers:
             # Checkpointed layers keep the cache they are given; forward only gives them a read-only
             # PrefixCache while checkpointing (see prefix.PrefixCache), never a cache they write.
