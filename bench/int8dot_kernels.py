@@ -8,15 +8,18 @@ the kernels QuantizedLinear used before it, at batch 1 on ChatGLM-6B / ChatGLM3-
 Candidates (same random official-format weights, side by side in interleaved rounds, median kept):
 - INT8: `int8pack` (`torch._weight_int8pack_mm`, bf16 x: the previous INT8 path), `int8dot` (the new kernel on
   the path it picks at this capability, int16 activations, the official layout as it is), `int8dot-interleaved` (the
-  same on `int8dot_cpu.pack`'s layout, which QuantizedLinear holds for rows of at most `PACK_MAX_ROW_BYTES`),
+  same on `int8dot_cpu.pack`'s layout), `int8dot-interleaved-2m` (that layout in 2 MB pages: what QuantizedLinear
+  holds where the system offers them, `heap.huge_pages_empty`),
   `int8dot-avx2` (its AVX2 path, forced, at the native capability), `int8dot-act8` (int8 activations, q8_0, as llama.cpp's q8_0 x q8_0: faster in principle, not routed:
   its error broke the toolkit's INT8 accuracy bounds);
 - INT4: `int4pack` (PyTorch's kernel on its repacked weight: the previous INT4 path at the AVX512 level),
-  `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-interleaved`, `int4dot-avx2`.
+  `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-interleaved`,
+  `int4dot-interleaved-2m`, `int4dot-avx2`.
 Each capability runs in its own process (`ATEN_CPU_CAPABILITY=avx2` for "avx2", which also makes `int8dot` take
 its AVX2 path). Weights rotate over enough copies (>= 256 MB per candidate) that every call streams them from
 memory, as a decode step does. Per shape and thread count: ms per call, GB/s of weight bytes read, and that
-rate over `measure.copy_bandwidth` (read + written bytes of a 256 MiB copy) at the same thread count; relative
+rate over `measure.copy_bandwidth` (read + written bytes of a 256 MiB copy) at the same thread count, on 4 KB
+pages, and for the `-2m` candidates on 2 MB ones (a stream over 4 KB pages also pays a TLB miss per page); relative
 error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x (decode, batched) and 64..512 (prefill) at 12288x4096. The load average
 is recorded: timings taken beside other work are only comparable within one run.
 Results go to bench/results/int8dot_kernels.json (`--out`); the last printed line is JSON.
@@ -39,11 +42,12 @@ from int4_kernels import child_argv, kernel_bench_args, time_rounds, time_rows  
 SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
           (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"), (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
 QUICK_SHAPES = [(1024, 1024, "small")]
-CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-avx2", "int8dot-act8", "int4pack", "int4cpu", "int4dot",
-              "int4dot-interleaved", "int4dot-avx2"]
+CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-interleaved-2m", "int8dot-avx2", "int8dot-act8", "int4pack",
+              "int4cpu", "int4dot", "int4dot-interleaved", "int4dot-interleaved-2m", "int4dot-avx2"]
 
 
 def _layers(torch, N: int, K: int, copies: int, seed: int):
+    from chatglm_tune import heap
     from chatglm_tune.quant import int8dot_cpu
     from chatglm_tune.quant.format import pack_int4
     from chatglm_tune.quant.kernels import int4pack_weight
@@ -57,8 +61,11 @@ def _layers(torch, N: int, K: int, copies: int, seed: int):
         s4 = (torch.rand(N, generator=g) * 1e-2 + 1e-3).half()
         p4 = pack_int4(q4)
         layer = {"q8": q8, "s8": s8, "s8b": s8.bfloat16(), "p4": p4, "s4": s4, "int4pack": int4pack_weight(p4, s4)}
-        if int8dot_cpu.isa():  # the interleaved layout of the path run
+        if int8dot_cpu.isa():  # the interleaved layout of the path run, on 4 KB pages and on 2 MB ones where offered
             layer |= {"q8i": int8dot_cpu.pack(q8), "p4i": int8dot_cpu.pack(p4)}
+            for key, w in (("q8h", q8), ("p4h", p4)):
+                if (pages := heap.huge_pages_empty(int8dot_cpu.packed_shape(*w.shape), torch.int8)) is not None:
+                    layer[key] = int8dot_cpu.pack(w, out=pages)
         out.append(layer)
     return out
 
@@ -81,6 +88,10 @@ def _candidates(torch, layers, N: int, K: int) -> dict:
         fns["int8dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8i"], layers[i]["s8"], 8), N * K + 2 * N, 8)
         fns["int4dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
         fns["int4dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4i"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
+        if "q8h" in layers[0]:
+            fns["int8dot-interleaved-2m"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8h"], layers[i]["s8"], 8), N * K + 2 * N, 8)
+            fns["int4dot-interleaved-2m"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4h"], layers[i]["s4"], 4),
+                                             N * K // 2 + 2 * N, 4)
         fns["int8dot-act8"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, act=8), N * K + 2 * N, 8)
         if isa != "avx2":
             fns["int8dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, "avx2"), N * K + 2 * N, 8)
@@ -106,6 +117,8 @@ def child(args) -> dict:
     for threads in args.threads:
         torch.set_num_threads(threads)
         copy_gb_s = copy_bandwidth(mib=256, repeats=3) / 1e9
+        copy_2m = copy_bandwidth(mib=256, repeats=3, huge_pages=True)
+        copy_gb_s_2m = copy_2m / 1e9 if copy_2m else None
         per_shape = {}
         for N, K, name in shapes:
             copies = 2 if args.quick else max(2, -(-256 * 2**20 // (N * K // 2)))
@@ -122,12 +135,12 @@ def child(args) -> dict:
             for cname, sec in time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds, args.calls).items():
                 c = row["candidates"][cname]
                 gb_s = c["bytes"] / sec / 1e9
-                c.update(ms=sec * 1e3, gb_s=gb_s, of_copy_bw=gb_s / copy_gb_s)
+                c.update(ms=sec * 1e3, gb_s=gb_s, of_copy_bw=gb_s / (copy_gb_s_2m if cname.endswith("-2m") else copy_gb_s))
             per_shape[f"{N}x{K}"] = {"layer": name, **row}
             print(f"[{capability} {threads}t] {N}x{K}: " + ", ".join(
                 f"{k} {v['ms']:.2f} ms ({v['of_copy_bw']:.0%})" for k, v in row["candidates"].items()), flush=True)
             del fns, layers
-        entry = {"copy_gb_s": copy_gb_s, "shapes": per_shape}
+        entry = {"copy_gb_s": copy_gb_s, "copy_gb_s_2m": copy_gb_s_2m, "shapes": per_shape}
         if args.rows and not args.quick:
             entry["rows"] = _rows_sweep(torch, args)
         out["threads"][str(threads)] = entry
@@ -171,8 +184,9 @@ def report(runs: dict) -> str:
                      f"load average {run['load_average_start'][0]:.1f} -> {run['load_average_end'][0]:.1f}")
         for threads, entry in run["threads"].items():
             names = [c for c in CANDIDATES if any(c in r["candidates"] for r in entry["shapes"].values())]
-            lines.append(f"\n{threads} thread(s), copy bandwidth {entry['copy_gb_s']:.1f} GB/s: ms per call at M=1 "
-                         "(GB/s of weight bytes read, share of the copy bandwidth)")
+            huge = f", {entry['copy_gb_s_2m']:.1f} on 2 MB pages" if entry.get("copy_gb_s_2m") else ""
+            lines.append(f"\n{threads} thread(s), copy bandwidth {entry['copy_gb_s']:.1f} GB/s{huge}: ms per call at M=1 "
+                         "(GB/s of weight bytes read, share of the copy bandwidth on the same pages)")
             lines += [f"| shape | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
             for shape, row in entry["shapes"].items():
                 cells = [f"{v['ms']:.2f} ({v['gb_s']:.1f}, {v['of_copy_bw']:.0%})" if (v := row["candidates"].get(c)) else "-"

@@ -82,6 +82,15 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def huge_pages_gb() -> float | None:
+    """This process's anonymous memory in 2 MB pages (AnonHugePages of /proc/self/smaps_rollup), GB; None off Linux."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 / 1e9 for line in f if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def memory_status() -> dict:
     """VmHWM (the peak), VmRSS, RssAnon and RssFile of this process in MB (1e6 bytes): where memory is."""
     out = {}
@@ -107,13 +116,22 @@ class PeakRSS:
         self.peak = peak_rss()
 
 
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+def copy_bandwidth(mib: int = 256, repeats: int = 5, huge_pages: bool = False) -> float | None:
     """(read + written) bytes per second of the fastest of `repeats` copies of a `mib` MiB fp32 tensor
-    into another (after one untimed copy that faults both in), at torch's current thread count."""
+    into another (after one untimed copy that faults both in), at torch's current thread count; `huge_pages`: both
+    in 2 MB pages (`heap.huge_pages_empty`; None where the system offers none)."""
     import torch
 
-    src = torch.ones(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
+    from chatglm_tune import heap
+
+    n = mib * 2**20 // 4
+    if huge_pages:
+        src, dst = heap.huge_pages_empty((n,), torch.float32), heap.huge_pages_empty((n,), torch.float32)
+        if src is None:
+            return None
+        src.fill_(1.0)
+    else:
+        src, dst = torch.ones(n), torch.empty(n)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):

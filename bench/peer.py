@@ -10,6 +10,8 @@ speed, prefill time and peak memory side by side, and batched extraction records
     python bench/peer.py --step toolkit-int4 --threads 2   # the toolkit: toolkit-bf16, toolkit-int8, toolkit-int4
     python bench/peer.py --step toolkit-int4 --threads 2 --quantize-embedding   # ... with the INT8 embedding/head
     python bench/peer.py --step batch-int4-b8 --threads 2  # batched extraction: batch-{bf16,int8,int4}-b{1,8,32}
+    python bench/peer.py --version chatglm3 --step toolkit-int4 --threads 2 --quantize-embedding --again
+                                                           # one more run: the record is the median one (alternate sides)
     python bench/peer.py --step report                     # peer.json, peer.md, the closing JSON line
     python bench/peer.py --step clean                      # delete the checkpoint, GGML and GGUF files
     python bench/peer.py --quick --step all                # a 2-layer slice, every step, into /tmp
@@ -110,6 +112,18 @@ STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in 
 PEERS = ("cpp", "convert", "gguf", "llama")  # steps of a peer: no +e8 / +avx2 (those set the toolkit's loading and kernels)
 
 
+# What a run's speed is read from, fastest first: decode ms per token, else a batch's seconds.
+SPEED_FIELDS = ("decode_ms", "seconds")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median speed (the slower middle one of an even count), holding every run's record in `runs`."""
+    field = next(f for f in SPEED_FIELDS if f in runs[0])
+    plain = [{k: v for k, v in r.items() if k != "runs"} for r in runs]
+    middle = sorted(plain, key=lambda r: r[field])[len(plain) // 2]
+    return {**middle, "runs": plain}
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -137,6 +151,9 @@ class Bench:
         record.update(when=time.strftime("%Y-%m-%d %H:%M:%S"), load_average=[round(v, 2) for v in os.getloadavg()],
                       torch=torch.__version__)
         results = self.load()
+        earlier = results.get(key, {})
+        if self.args.again and any(f in earlier and f in record for f in SPEED_FIELDS):
+            record = median_run(earlier.get("runs", [earlier]) + [record])
         results[key] = record
         tmp = self.steps_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=1))
@@ -247,6 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels (+avx2)")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
                    help="toolkit-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds +pN to the step's key)")
+    p.add_argument("--again", action="store_true",
+                   help="keep the step's earlier runs: its record becomes the run of median speed, with every run in `runs` "
+                        "(alternate the two sides' steps: this machine's memory bandwidth drifts by 20%% within minutes)")
     p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML and GGUF files go beside it")
     p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
     p.add_argument("--child", choices=["convert", "cpp", "toolkit", "batch"], help=argparse.SUPPRESS)

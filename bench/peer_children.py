@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from measure import copy_bandwidth, peak_rss
+from measure import copy_bandwidth, huge_pages_gb, peak_rss
 from scale_children import _bytes_read_per_token, _framed
 
 GB = 1e9
@@ -63,7 +63,7 @@ def child_toolkit(args) -> dict:
     assert len(out) == NEW_TOKENS == len(calls), (len(out), len(calls))
     return {"load_s": load_s, "prompt_len": args.prompt_len, "prefill_ms": (calls[1] - start) * 1e3, "decode_ms": (end - calls[1]) / (NEW_TOKENS - 1) * 1e3,
             "rss_load_gb": rss_load / GB, "kernels": _kernels(model), "distinct_tokens": len(set(out)), "first_tokens": list(out[:8]),
-            "weight_bytes_per_token": _bytes_read_per_token(model),
+            "weight_bytes_per_token": _bytes_read_per_token(model), "huge_pages_gb": huge_pages_gb(),
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gb_s": copy_gb_s}
 
 

@@ -88,6 +88,20 @@ def _runs_table(steps: dict) -> list[str]:
     return lines
 
 
+def _repeats_table(steps: dict) -> list[str]:
+    """The steps run more than once (`--again`): each run's decode ms (a batch's seconds), in the order run."""
+    repeated = [(k, r) for k, r in steps.items() if len(r.get("runs", [])) > 1]
+    if not repeated:
+        return []
+    lines = ["", "## Steps run more than once (`--again`; each row's figures above are its median run)", "",
+             "| run | runs | decode ms per token (batch: seconds), in the order run | median |", "|---|---|---|---|"]
+    for key, r in repeated:
+        field = "decode_ms" if "decode_ms" in r else "seconds"
+        values = ", ".join(f"{run[field]:.0f}" if field == "decode_ms" else f"{run[field]:.1f}" for run in r["runs"])
+        lines.append(f"| {key} | {len(r['runs'])} | {values} | {r[field]:.1f} |")
+    return lines
+
+
 def _batch_row(key: str, r: dict) -> str:
     prefill = f"{r['prefill_s']:.1f}" if "prefill_s" in r else "-"
     kernels = (",".join(r["kernels"]) or "bf16") if "kernels" in r else "ggml"
@@ -187,7 +201,7 @@ def report(steps: dict, out: Path, threads: int, title: str = "ChatGLM-6B", stem
     summary = summarize(steps, threads)
     peer = summary["peer"]
     lines = [f"# {title} on CPU: the toolkit against {_peers(steps)}{' (--quick: 2 layers)' if quick else ''}", "",
-             *INTRO, *_runs_table(steps), *_batch_table(steps), *_files_table(steps), *_side_by_side(summary, threads),
+             *INTRO, *_runs_table(steps), *_batch_table(steps), *_repeats_table(steps), *_files_table(steps), *_side_by_side(summary, threads),
              *_acceptance(peer, _avx2_decode(steps, threads)), *_not_run(steps)]
     text = "\n".join(lines) + "\n"
     print(text)

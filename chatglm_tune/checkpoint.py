@@ -153,7 +153,7 @@ def copy_out(key: str, tensor: torch.Tensor, dtype: torch.dtype, pages: _FilePag
     file pages released as soon as it is copied: loading a tensor costs its final size plus one chunk,
     whatever the source and target dtypes."""
     target = _cast(key, tensor[:0] if tensor.dim() else tensor, dtype, prefix_key).dtype
-    out = torch.empty(tensor.shape, dtype=target)
+    out = heap.large_empty(tuple(tensor.shape), target)  # weights that decoding streams: 2 MB pages where offered
     if tensor.dim() == 0 or tensor.numel() == 0:
         return out.copy_(tensor)
     row_bytes = max(1, tensor[0].numel() * tensor.element_size())

@@ -11,7 +11,8 @@ A decode step reads every weight once, GBs of them, and with 4 KB pages it also 
 a 27392x4096 INT4 weight (56 MB) took 1.77 ms at 2 threads on 4 KB pages and 1.13 ms on 2 MB ones (AMD EPYC, the
 int8dot kernel). PyTorch's allocator gives 4 KB pages unless its process started with THP_MEM_ALLOC_ENABLE=1, and
 Linux gives large pages to anonymous memory only where asked (transparent huge pages in "madvise" mode, the
-usual setting). `huge_pages_empty` asks, for the tensors a kernel reads at every step.
+usual setting). `huge_pages_empty` asks; `large_empty` is what checkpoint loaders and quantizers write weights into,
+so that the int8dot layout, made in a weight's own bytes, keeps them (no second copy of a layer, not even for a moment).
 """
 
 from __future__ import annotations
@@ -91,3 +92,18 @@ def huge_pages_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype=dtype)` on the CPU, in 2 MB pages where `huge_pages_empty` gives them: for weights,
+    which loaders write once and decoding streams at every step."""
+    out = huge_pages_empty(shape, dtype)
+    return out if out is not None else torch.empty(shape, dtype=dtype)
+
+
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` starts on a 2 MB boundary of CPU memory and fills at least one such page, as every tensor of
+    `huge_pages_empty` does (glibc's blocks never start there: their data follows a header): rearranging it in its
+    own bytes then keeps its pages."""
+    return (tensor.device.type == "cpu" and huge_pages_available() and tensor.data_ptr() % HUGE_PAGE_BYTES == 0
+            and tensor.numel() * tensor.element_size() >= HUGE_PAGE_BYTES)

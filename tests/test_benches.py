@@ -80,6 +80,22 @@ def test_peer_bench_records_the_llama_steps_of_chatglm6b_as_not_run(tmp_path):
     assert not_run in (tmp_path / "peer.md").read_text()
 
 
+def test_peer_bench_again_keeps_every_run_and_reports_the_median_one():
+    sys.path.insert(0, str(REPO / "bench"))
+    import peer
+    import peer_report
+
+    runs = [{"decode_ms": ms, "prefill_ms": 10.0 * i} for i, ms in enumerate((120.0, 90.0, 100.0))]
+    record = peer.median_run(peer.median_run(runs[:2])["runs"] + runs[2:])
+    assert record["decode_ms"] == 100.0 and record["prefill_ms"] == 20.0  # the whole median run, not mixed fields
+    assert [r["decode_ms"] for r in record["runs"]] == [120.0, 90.0, 100.0]
+    assert peer.median_run(runs[:2])["decode_ms"] == 120.0  # an even count: the slower middle run
+    batch = peer.median_run([{"seconds": 30.0}, {"seconds": 20.0}, {"seconds": 25.0}])
+    assert batch["seconds"] == 25.0
+    table = "\n".join(peer_report._repeats_table({"toolkit-int4@2t": record, "llama-q4_0@2t": runs[0]}))
+    assert "| toolkit-int4@2t | 3 | 120, 90, 100 | 100.0 |" in table and "llama-q4_0@2t" not in table
+
+
 def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     """bench/peer_llama.py's processes on a tiny ChatGLM3 GGUF (export.py, f16): one sequence, and three decoded in
     one llama.cpp batch, give the toolkit's greedy tokens."""

@@ -299,6 +299,7 @@ def test_a_layout_a_forced_kernel_left_is_interleaved_again():
 @needs_kernel
 def test_a_weight_of_whole_huge_pages_is_held_in_them_where_linux_offers_them():
     from chatglm_tune import heap
+    from chatglm_tune.quant.format import quantize_rows
 
     layer = QuantizedLinear.from_linear(nn.Linear(4096, 1024).half(), 8)  # 4 MB
     official_weight, x = layer.weight.clone(), torch.randn(1, 4096)
@@ -307,6 +308,13 @@ def test_a_weight_of_whole_huge_pages_is_held_in_them_where_linux_offers_them():
     assert (held.data_ptr() % heap.HUGE_PAGE_BYTES == 0) == heap.huge_pages_available()
     assert torch.equal(y, int8dot_cpu.matmul(x, official_weight, layer.weight_scale, 8) + layer.bias)
     assert torch.equal(layer.state_dict()["weight"], official_weight)
+    # a weight quantized as loaders do it is in such pages already: rearranged in its own bytes, never copied
+    quantized, scale = quantize_rows(torch.randn(1024, 4096), torch.float32, 8, 0)
+    assert heap.on_huge_pages(quantized) == heap.huge_pages_available()
+    loaded = QuantizedLinear.from_parts(quantized, scale, None, 8)
+    where = quantized.data_ptr()
+    loaded(x)
+    assert loaded.held_layout == "int8dot" and loaded.weight_for("int8dot").data_ptr() == where
 
 
 @needs_kernel

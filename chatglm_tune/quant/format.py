@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from chatglm_tune import heap
 from chatglm_tune.options import raise_problems
 
 
@@ -110,7 +111,9 @@ def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int
     `release(chunk)` is called on each chunk of `weight` once it is read (a file map's pages)."""
     out_features, in_features = weight.shape
     rows = max(1, (1 << 20) // max(1, in_features))  # ~4 MB float32 temporaries per chunk
-    q_out = torch.empty(out_features, in_features // 2 if bits == 4 else in_features, dtype=torch.int8, device=weight.device)
+    q_shape = (out_features, in_features // 2 if bits == 4 else in_features)
+    q_out = (heap.large_empty(q_shape, torch.int8) if weight.device.type == "cpu"  # 2 MB pages where offered
+             else torch.empty(q_shape, dtype=torch.int8, device=weight.device))
     scale_out = None
     for start in range(0, out_features, rows):
         chunk = weight[start : start + rows]

@@ -184,11 +184,13 @@ class QuantizedLinear(nn.Module):
         return self._layout[2] if kernel == "int8dot" else self._layout[2:]
 
     def _int8dot_weight(self) -> tuple[Tensor]:
-        """(int8dot's weight,): the interleaved layout (`int8dot_cpu.pack`), written tile by tile into 2 MB pages where
-        the system gives them (`heap.huge_pages_empty`: the kernel streams it at every step), else made in the
-        official weight's own bytes."""
-        out = heap.huge_pages_empty(int8dot_cpu.packed_shape(self.out_features, self.weight_row_bytes), torch.int8)
-        return (int8dot_cpu.pack(self.weight.data, in_place=out is None, out=out),)
+        """(int8dot's weight,): the interleaved layout (`int8dot_cpu.pack`), in 2 MB pages where the system gives them
+        (the kernel streams it at every step): made in the official weight's own bytes where those are such pages (a
+        loaded weight: `heap.large_empty`) or none are offered, else written tile by tile into new ones."""
+        weight = self.weight.data
+        out = None if heap.on_huge_pages(weight) else heap.huge_pages_empty(
+            int8dot_cpu.packed_shape(self.out_features, self.weight_row_bytes), torch.int8)
+        return (int8dot_cpu.pack(weight, in_place=out is None, out=out),)
 
     def held_rows(self, start: int, stop: int) -> tuple[Tensor, int]:
         """Rows start .. stop - 1 of a released weight read from the layout that holds it, and their `bits` for
