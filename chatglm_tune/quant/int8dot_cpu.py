@@ -107,7 +107,10 @@ PACK_TILE_BYTES = 8 << 20  # what `pack(in_place=True)` rearranges at a time (it
 # columns 1.0-1.4x, while rows of 6848 bytes (INT4 4096x13696) and more ran within a few percent either way
 # (bench/int8dot_kernels.py, results/int8dot_kernels.json). On 2 MB pages the long rows gain too: 4096x13696 INT4
 # 0.83 ms against 0.89 official at 2 threads, 1.27 against 1.50 at one (AVX2 level 1.59 against 1.72), INT8 1.62
-# against 1.74 and 2.52 against 2.86. With 2 or more rows of x the interleaved layout reads a little slower
+# against 1.74 and 2.52 against 2.86. The kernel bench's `-2m` candidates (results/int8dot_kernels-2m.json): at 2 threads
+# 88-104% of the copy bandwidth on 2 MB pages (37.2 GB/s; 31.0 on 4 KB pages), INT4 27392x4096 1.20 ms (46.7 GB/s
+# read); at one thread INT4 79-81% and INT8 65-68% of it (31.9 GB/s): there a core's arithmetic limits, not memory.
+# With 2 or more rows of x the interleaved layout reads a little slower
 # (12288x4096: 0.75-0.96x from 2 to 512 rows), which prefill and batched decoding can spare.
 
 _SOURCE = r"""
