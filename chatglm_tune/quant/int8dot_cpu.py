@@ -52,8 +52,8 @@ interleaved but the last shape official, AVX512 level, one thread: INT4 0.43 / 0
 2.66 / 5.41 / 3.01 against int8pack's 1.44 / 1.51 / 4.06 / 8.73 / 3.91 (1.3-1.6x); two threads INT4 at 79-113% of
 the copy bandwidth, INT8 at 80-103% (int8pack 64-80%). At the AVX2 level, one thread: INT4 0.41 / 0.39 / 1.12 /
 2.40 / 1.83 against int4_cpu's 0.88 / 0.95 / 2.56 / 5.47 / 2.61, INT8 0.89 / 0.82 / 2.40 / 5.60 / 3.53 against
-int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11. Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`; the layout and its
-pages: `PACK_TILE_BYTES`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
+int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11 (on 2 MB pages: the note below `INTERLEAVE`). Rows of x: `MAX_ROWS`,
+`MAX_ROWS_INT8_BF16`; the layout: `INTERLEAVE`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
 memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
 
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
@@ -99,7 +99,7 @@ ISAS = {"avx2": 1, "avx512vnni": 2}
 # AVX2: 4, its registers' budget), so that a pass reads one sequential stream.
 CHUNK, BLOCK_ROWS = 64, 8
 INTERLEAVE = {"avx2": 4, "avx512vnni": 8}
-PACK_TILE_BYTES = 8 << 20  # what `pack(in_place=True)` rearranges at a time (its one temporary)
+PACK_TILE_BYTES = 8 << 20  # what `pack` rearranges at a time (in place: its one temporary)
 # QuantizedLinear holds every weight interleaved, in 2 MB pages where the system gives them (`heap.huge_pages_empty`).
 # Measured side by side at batch 1, weights streamed from memory (2-core AVX-512 EPYC): on 4 KB pages INT4 with 4096
 # columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) ran 1.1-1.8x faster interleaved (2
@@ -110,8 +110,8 @@ PACK_TILE_BYTES = 8 << 20  # what `pack(in_place=True)` rearranges at a time (it
 # against 1.74 and 2.52 against 2.86. The kernel bench's `-2m` candidates (results/int8dot_kernels-2m.json): at 2 threads
 # 88-104% of the copy bandwidth on 2 MB pages (37.2 GB/s; 31.0 on 4 KB pages), INT4 27392x4096 1.20 ms (46.7 GB/s
 # read); at one thread INT4 79-81% and INT8 65-68% of it (31.9 GB/s): there a core's arithmetic limits, not memory.
-# With 2 or more rows of x the interleaved layout reads a little slower
-# (12288x4096: 0.75-0.96x from 2 to 512 rows), which prefill and batched decoding can spare.
+# With 2 or more rows of x the interleaved layout reads a little slower (12288x4096: 0.75-0.96x from 2 to 512 rows),
+# which prefill and batched decoding can spare.
 
 _SOURCE = r"""
 #include <ATen/ATen.h>
