@@ -12,6 +12,8 @@ speed, prefill time and peak memory side by side, and batched extraction records
     python bench/peer.py --step batch-int4-b8 --threads 2  # batched extraction: batch-{bf16,int8,int4}-b{1,8,32}
     python bench/peer.py --version chatglm3 --step toolkit-int4 --threads 2 --quantize-embedding --again
                                                            # one more run: the record is the median one (alternate sides)
+    python bench/peer.py --version chatglm3 --step llama-q4_0 --capability avx2 --llama-cpp DIR
+                                                           # without AVX-512: llama.cpp's AVX2 build in DIR (+avx2)
     python bench/peer.py --step report                     # peer.json, peer.md, the closing JSON line
     python bench/peer.py --step clean                      # delete the checkpoint, GGML and GGUF files
     python bench/peer.py --quick --step all                # a 2-layer slice, every step, into /tmp
@@ -39,7 +41,7 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   q4_0 blocks (32 weights and an fp16 scale each; q4_0 scaled by the block's signed absmax / -8) for the
   embedding, the head and the block Linears, f32 norms and biases.
 - `cpp-*`: `chatglm_cpp.Pipeline(file).model.generate_next_token` (0.4.2's `Pipeline.generate` is broken),
-  greedy, after an 8-token warm-up that also faults the mapped weights in: a 64-token prompt then 64 new
+  greedy, after an 8-token warm-up that also faults the mapped weights in: a 64-token prompt (`--prompt-len`) then 64 new
   tokens (prefill = the first call; decode ms/token = the other 63 calls), then one extraction record (a
   64-token prompt, 32 new tokens: chatglm.cpp decodes one sequence at a time, so records/s = 1 / its time).
   Threads: 0.4.2's Python API has no thread setting (`cpp_threads`: the online CPUs, up to 4); cpp steps run
@@ -63,11 +65,12 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   greedy, no stop on <eop>); the kernel the INT4 layers ran is recorded.
 - `batch-*-bN`: what infer.py does per batch (`extraction._decode_batch` -> `generation.generate`): N prompts of
   64 tokens (ending [gMASK] <sop>, no padding), 32 new tokens each; records/s = N / wall time of the call.
-`--prompt-len N` gives toolkit-* and llama-* steps a prompt of N tokens instead of 64 (prefill of long prompts),
+`--prompt-len N` gives toolkit-*, cpp-* and llama-* steps a prompt of N tokens instead of 64 (prefill of long prompts),
 kept under a `+pN` suffix. `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
-without AVX-512); results are kept beside the native ones under a `+avx2` suffix, as `+e8` marks
-`--quantize-embedding` (neither applies to the peers' steps). chatglm.cpp and llama.cpp are built for the machine
-they run on (ggml's native build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers'
+without AVX-512), and llama-* steps on a llama.cpp built with ggml's AVX2 kernels only, which `--llama-cpp DIR` names
+(built as `peer_llama.INSTALL_AVX2` says, into DIR, 10-15 minutes on 2 cores; a build reporting AVX512 = 1 is refused); results are kept
+beside the native ones under a `+avx2` suffix, as `+e8` marks `--quantize-embedding` (the toolkit's steps only).
+chatglm.cpp is built for the machine it runs on (ggml's native build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers'
 GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16 flash attention, which fails under that setting
 ("pack_vnni2 is only supported when avx512 is supported").
 
@@ -101,6 +104,7 @@ from peer_children import BATCHES, BITS, GB, PROMPT_LEN, child_batch, child_tool
 from peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
 from peer_llama import BATCH_TYPES, LLAMA_TYPES, NO_CHATGLM6B, export_args, gguf_path, has_llama_cpp, remove_gguf, workload  # noqa: E402
 from peer_llama import INSTALL as LLAMA_INSTALL  # noqa: E402
+from peer_llama import INSTALL_AVX2 as LLAMA_INSTALL_AVX2  # noqa: E402
 from peer_report import report  # noqa: E402
 from scale_versions import VERSIONS, frame_json  # noqa: E402
 
@@ -109,7 +113,8 @@ PEER_VERSIONS = ("chatglm", "chatglm3")  # what chatglm.cpp 0.4.2 and `peer_cpp.
 STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES] + [f"gguf-{t}" for t in LLAMA_TYPES]
          + [f"llama-{t}" for t in LLAMA_TYPES] + [f"llama-batch-{t}-b{n}" for t in BATCH_TYPES for n in BATCHES]
          + [f"toolkit-{b}" for b in BITS] + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
-PEERS = ("cpp", "convert", "gguf", "llama")  # steps of a peer: no +e8 / +avx2 (those set the toolkit's loading and kernels)
+PEERS = ("cpp", "convert", "gguf", "llama")  # steps of a peer: no +e8 (the toolkit's loading)
+BUILT_FOR_CAPABILITY = ("toolkit", "batch", "llama")  # steps that --capability avx2 runs as without AVX-512 (+avx2)
 
 
 # What a run's speed is read from, fastest first: decode ms per token, else a batch's seconds.
@@ -164,8 +169,8 @@ class Bench:
     def key(self, step: str) -> str:
         a = self.args
         suffix = ("+e8" if a.quantize_embedding and not step.startswith(PEERS) else "")
-        suffix += f"+{a.capability}" if a.capability and not step.startswith(PEERS) else ""
-        long_prompt = step.startswith(("toolkit-", "llama-")) and not step.startswith("llama-batch-")  # what --prompt-len sets
+        suffix += f"+{a.capability}" if a.capability and step.startswith(BUILT_FOR_CAPABILITY) else ""
+        long_prompt = step.startswith(("toolkit-", "llama-", "cpp-")) and not step.startswith("llama-batch-")  # what --prompt-len sets
         suffix += f"+p{a.prompt_len}" if a.prompt_len != PROMPT_LEN and long_prompt else ""
         return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch", "llama") else step
 
@@ -191,7 +196,7 @@ class Bench:
                   f"cannot change that; run it with --threads {cpp_threads()}", flush=True)
         elif step.startswith("cpp-"):
             dtype = step.split("-", 1)[1]
-            done = self.child("cpp", "--ggml", self.ggml(dtype), "--frame", self.frame())
+            done = self.child("cpp", "--ggml", self.ggml(dtype), "--frame", self.frame(), "--prompt-len", a.prompt_len)
             self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds,
                                        "file_gb": self.ggml(dtype).stat().st_size / GB})
         elif step.startswith(("gguf-", "llama-")):
@@ -245,8 +250,11 @@ class Bench:
         path = gguf_path(self.model_dir, dtype)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: run --step gguf-{dtype} first")
+        a = self.args
+        build = {"PYTHONPATH": os.pathsep.join([str(a.llama_cpp), os.environ.get("PYTHONPATH", "")])} if a.llama_cpp else None
         done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch", "--gguf", path,
-                          "--threads", self.args.threads, "--workload", workload(json.loads(self.frame()), batch, self.args.prompt_len))
+                          "--threads", a.threads, "--workload", workload(json.loads(self.frame()), batch, a.prompt_len),
+                          *(["--capability", a.capability] if a.capability else []), env=build)
         record = done.last_json()
         if "skipped" not in record:  # a binding missing in the installed llama-cpp-python: recorded as not run
             record.update(peak_rss_gb=done.peak_rss / GB, process_s=done.seconds, file_gb=path.stat().st_size / GB)
@@ -261,9 +269,12 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help=f"a {QUICK_LAYERS}-layer slice, results in /tmp/<version>-peer-quick")
     p.add_argument("--threads", type=int, default=2, help="threads of the measured process (default %(default)s)")
     p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
-    p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels (+avx2)")
+    p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels; "
+                   "llama-* steps: a llama.cpp built without AVX-512 (--llama-cpp), refused otherwise (+avx2)")
+    p.add_argument("--llama-cpp", type=Path, help="llama-* steps: a directory holding another llama-cpp-python build "
+                   f"(`{LLAMA_INSTALL_AVX2}`), first on their import path")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
-                   help="toolkit-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds +pN to the step's key)")
+                   help="toolkit-*/cpp-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds +pN to the step's key)")
     p.add_argument("--again", action="store_true",
                    help="keep the step's earlier runs: its record becomes the run of median speed, with every run in `runs` "
                         "(alternate the two sides' steps: this machine's memory bandwidth drifts by 20%% within minutes)")

@@ -108,12 +108,13 @@ def child_cpp(args) -> dict:
     import chatglm_cpp
     from chatglm_cpp import _C
 
+    longest = max(args.prompt_len, PROMPT_LEN)  # the measured prompt (--prompt-len), the extraction record's
     start = time.perf_counter()
-    pipe = chatglm_cpp.Pipeline(str(args.ggml), max_length=PROMPT_LEN + NEW_TOKENS + 8)
+    pipe = chatglm_cpp.Pipeline(str(args.ggml), max_length=longest + NEW_TOKENS + 8)
     model = pipe.model
     load_s = time.perf_counter() - start
-    config = _C.GenerationConfig(max_length=PROMPT_LEN + NEW_TOKENS + 8, max_new_tokens=NEW_TOKENS,
-                                 max_context_length=PROMPT_LEN + 8, do_sample=False)
+    config = _C.GenerationConfig(max_length=longest + NEW_TOKENS + 8, max_new_tokens=NEW_TOKENS,
+                                 max_context_length=longest + 8, do_sample=False)
 
     def run(ids: list[int], new: int) -> tuple[list[float], list[int]]:
         """Greedy `new` tokens after `ids`: (the time of each call, the tokens), as 0.4.2's own loop feeds it."""
@@ -127,10 +128,10 @@ def child_cpp(args) -> dict:
         return stamps, out
 
     run(prompt(args.frame, WARMUP_PROMPT, 1)[0], WARMUP_TOKENS)
-    stamps, out = run(prompt(args.frame, PROMPT_LEN, 0)[0], NEW_TOKENS)
+    stamps, out = run(prompt(args.frame, args.prompt_len, 0)[0], NEW_TOKENS)
     threads = len(os.listdir("/proc/self/task"))
     record, _ = run(prompt(args.frame, PROMPT_LEN, 2)[0], EXTRACT_NEW_TOKENS)
-    return {"load_s": load_s, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
+    return {"load_s": load_s, "prompt_len": args.prompt_len, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
             "decode_ms": (stamps[-1] - stamps[1]) / (NEW_TOKENS - 1) * 1e3, "record_s": record[-1] - record[0],
             "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "first_tokens": out[:8], "os_threads": threads,
             "threads": cpp_threads()}

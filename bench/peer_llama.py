@@ -45,6 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TYPES = ("f16", "q8_0", "q4_0")  # the GGUF files written (`export.py --type`) and run
 BATCH_TYPES = ("q8_0", "q4_0")  # llama-batch-*: the quantized files, which extraction runs on
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
+# A second build, for CPUs without AVX-512 (peer.py --capability avx2 --llama-cpp DIR): ggml's AVX2 kernels only
+INSTALL_AVX2 = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
+                '-DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" '
+                'pip install --no-deps --target DIR llama-cpp-python')
 NO_CHATGLM6B = ("llama.cpp has no ChatGLM-6B architecture (GLM's 2D positions, bidirectional attention over the "
                 "prompt; export.py writes no GGUF of it); chatglm.cpp runs it (convert-*/cpp-*)")
 NEEDED = ("llama_batch_init", "llama_batch_free", "llama_decode", "llama_get_logits_ith", "llama_get_memory",
@@ -97,6 +101,15 @@ def workload(frame: dict, batch: int | None = None, prompt_len: int | None = Non
 
 
 # ---------------------------------------------------------------------------------------------- the children
+
+
+def _wrong_build(llama_cpp, capability: str | None) -> str | None:
+    """Why the imported llama.cpp cannot stand for a CPU of `capability` ("avx2": no AVX-512 kernels), else None."""
+    info = llama_cpp.llama_print_system_info().decode()
+    if capability == "avx2" and "AVX512 = 1" in info:
+        return (f"the llama.cpp at {Path(llama_cpp.__file__).parent} was built with AVX-512 kernels; for --capability "
+                f"avx2 build one without them ({INSTALL_AVX2}) and pass --llama-cpp DIR")
+    return None
 
 
 def _missing() -> list[str]:
@@ -168,6 +181,9 @@ def child_llama(args, work: dict) -> dict:
 
     from measure import peak_rss
 
+    wrong = _wrong_build(llama_cpp, args.capability)
+    if wrong:
+        raise SystemExit(wrong)
     if _missing():
         return {"skipped": f"llama-cpp-python {llama_cpp.__version__} lacks {', '.join(_missing())}"}
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
@@ -212,6 +228,9 @@ def child_llama_batch(args, work: dict) -> dict:
 
     import llama_cpp
 
+    wrong = _wrong_build(llama_cpp, args.capability)
+    if wrong:
+        raise SystemExit(wrong)
     if _missing():
         return {"skipped": f"llama-cpp-python {llama_cpp.__version__} lacks {', '.join(_missing())}"}
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
@@ -242,6 +261,7 @@ def main(argv=None) -> None:
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--workload", type=json.loads, required=True, help="`workload()`'s JSON")
+    p.add_argument("--capability", choices=["avx2"], help="refuse a llama.cpp built with kernels beyond this ISA")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     child = child_llama if args.child == "llama" else child_llama_batch

@@ -25,8 +25,8 @@ INTRO = [
     "peak RSS = the measuring process's own `ru_maxrss` (bench/measure.py), GB = 1e9 bytes. chatglm.cpp's process also "
     "holds torch's import (a peer.py child); llama.cpp's imports llama_cpp and numpy only. `+e8`: the "
     "embedding / head held in INT8 (`quantize_embedding`; ChatGLM-6B's tied pair as one copy); `+avx2`: PyTorch's kernels run with "
-    "`ATEN_CPU_CAPABILITY=avx2` (as on a CPU without AVX-512; chatglm.cpp and llama.cpp are built for this machine's ISA "
-    "either way).", "",
+    "`ATEN_CPU_CAPABILITY=avx2` (as on a CPU without AVX-512), and llama.cpp's `+avx2` runs a build of ggml's AVX2 "
+    "kernels only (chatglm.cpp is built for this machine's ISA either way).", "",
     "## Every run", "",
     "GB read/token: the weight bytes one decode step reads (the toolkit: every parameter once; chatglm.cpp, llama.cpp: "
     "the file, all weights). Bound: copy bandwidth measured by the toolkit's process at the same thread count "
@@ -146,6 +146,30 @@ def _side_by_side(summary: dict, threads: int) -> list[str]:
     return lines + _records_table(peer["records_per_s"])
 
 
+def _without_avx512(steps: dict) -> list[str]:
+    """The `+avx2` runs side by side at each thread count run: the toolkit's fastest INT8 / INT4 (as is or +e8)
+    against llama.cpp's AVX2 build on the nearest file type; nothing where no such pair was run."""
+    threads = sorted({int(k.split("@")[1].split("t")[0]) for k in steps if "+avx2" in k and "@" in k})
+    rows = []
+    for t in threads:
+        for variant, kind in PAIRS[1:]:
+            ours = [(k, r) for k, r in steps.items() if "decode_ms" in r and k in (f"toolkit-{variant}@{t}t+avx2", f"toolkit-{variant}@{t}t+e8+avx2")]
+            theirs = steps.get(f"llama-{kind}@{t}t+avx2", {})
+            if not ours or "decode_ms" not in theirs:
+                continue
+            key, r = min(ours, key=lambda kr: kr[1]["decode_ms"])
+            rows.append(f"| {t} | {key} | {r['decode_ms']:.1f} | {r['prefill_ms']:.0f} | {r['peak_rss_gb']:.2f} | {kind} | "
+                        f"{theirs['decode_ms']:.1f} | {theirs['prefill_ms']:.0f} | {theirs['peak_rss_gb']:.2f} | "
+                        f"{_ratio(theirs['decode_ms'], r['decode_ms'])} | {_ratio(theirs['prefill_ms'], r['prefill_ms'])} | "
+                        f"{_ratio(r['peak_rss_gb'], theirs['peak_rss_gb'])} |")
+    if not rows:
+        return []
+    return ["", "## Without AVX-512 (`+avx2`), side by side", "",
+            "Ratios: llama.cpp's time / the toolkit's (above 1: the toolkit is faster); peak RSS: the toolkit's / llama.cpp's.", "",
+            "| threads | toolkit | decode ms | prefill ms | peak RSS GB | llama.cpp | decode ms | prefill ms | peak RSS GB | "
+            "decode | prefill | RSS |", "|---" * 12 + "|", *rows]
+
+
 def _records_table(rec: dict) -> list[str]:
     """records/s (64 + 32 tokens) by runtime and batch: the `records_per_s` of `peer.json` as a grid."""
     rows = ([(f"toolkit {v}", {n: f"{v}_b{n}" for n in BATCHES}) for v, _ in PAIRS]
@@ -202,6 +226,7 @@ def report(steps: dict, out: Path, threads: int, title: str = "ChatGLM-6B", stem
     peer = summary["peer"]
     lines = [f"# {title} on CPU: the toolkit against {_peers(steps)}{' (--quick: 2 layers)' if quick else ''}", "",
              *INTRO, *_runs_table(steps), *_batch_table(steps), *_repeats_table(steps), *_files_table(steps), *_side_by_side(summary, threads),
+             *_without_avx512(steps),
              *_acceptance(peer, _avx2_decode(steps, threads)), *_not_run(steps)]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -3,9 +3,9 @@ weights in 2 MB pages (`huge_pages_empty`).
 
 Loading, repacking and the tiled matmuls of a large model free many megabyte-sized temporaries between
 small tensors that stay (scales, biases, activations). glibc keeps such fragmented free memory resident
-(hundreds of MB at 6B size) unless asked: `trim()` asks once; `mmap_large_blocks(model)` makes glibc
-serve large blocks with mmap, which it returns as soon as they are freed. No-ops where the C library
-is not glibc (musl, macOS, Windows).
+(hundreds of MB at 6B size) unless asked: `trim()` asks once; `trim_after_each(layers)` asks after each layer
+of a prefill; `mmap_large_blocks(model)` makes glibc serve large blocks with mmap, which it returns as soon as
+they are freed. No-ops where the C library is not glibc (musl, macOS, Windows).
 
 A decode step reads every weight once, GBs of them, and with 4 KB pages it also misses the TLB for each 4 KB read:
 a 27392x4096 INT4 weight (56 MB) took 1.77 ms at 2 threads on 4 KB pages and 1.13 ms on 2 MB ones (AMD EPYC, the
@@ -32,6 +32,9 @@ import torch
 LARGE_MODEL_BYTES = 1 << 30
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+# An inference forward of a layer over at least this many positions (a prefill; not a decode step of up to 32 rows)
+# is followed by `trim()`: about 2.5 ms, against 100 ms for such a layer at 6B size.
+TRIM_MIN_ROWS = 33
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the mode in brackets
 
@@ -51,6 +54,23 @@ def trim() -> None:
     malloc_trim = _glibc("malloc_trim")
     if malloc_trim is not None:
         malloc_trim(ctypes.c_size_t(0))
+
+
+def trim_after_each(layers) -> None:
+    """Have every module of `layers` (a model's blocks) call `trim()` after a CPU forward without gradients over
+    at least TRIM_MIN_ROWS positions (training has `mmap_large_blocks`). A prefill frees its activations layer
+    by layer among the cache entries it keeps, and glibc kept ~2 MB more of them resident per layer: 0.07 GB at
+    ChatGLM3-6B's 28 layers over 64 tokens, enough to lift an INT8 model's peak RSS above llama.cpp's (6.75
+    against 6.72 GB; 6.71 with this)."""
+    for layer in layers:
+        layer.register_forward_hook(_trim_after_rows)
+
+
+def _trim_after_rows(module, args, output) -> None:
+    x = args[0] if args else None
+    if (isinstance(x, torch.Tensor) and x.device.type == "cpu" and not torch.is_grad_enabled() and x.dim()
+            and x.numel() >= TRIM_MIN_ROWS * x.shape[-1]):
+        trim()
 
 
 def mmap_large_blocks(model) -> bool:

@@ -96,6 +96,49 @@ def test_peer_bench_again_keeps_every_run_and_reports_the_median_one():
     assert "| toolkit-int4@2t | 3 | 120, 90, 100 | 100.0 |" in table and "llama-q4_0@2t" not in table
 
 
+def test_peer_bench_runs_llama_without_avx512_only_on_a_build_without_it(tmp_path):
+    """--capability avx2 marks llama-* steps +avx2 (not the GGUF export, which llama.cpp does not run), and a
+    llama.cpp whose ggml reports AVX-512 kernels is refused with what to build instead."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import peer
+    import peer_llama
+
+    args = peer.argparse.Namespace(version="chatglm3", model_dir=tmp_path / "m", quick=False, out=tmp_path, threads=2,
+                                   quantize_embedding=True, capability="avx2", prompt_len=peer.PROMPT_LEN)
+    bench = peer.Bench(args)
+    assert bench.key("llama-q4_0") == "llama-q4_0@2t+avx2" and bench.key("toolkit-int4") == "toolkit-int4@2t+e8+avx2"
+    assert bench.key("gguf-q4_0") == "gguf-q4_0" and bench.key("cpp-q4_0") == "cpp-q4_0@2t"
+
+    class Build:
+        __file__ = "/somewhere/llama_cpp/__init__.py"
+
+        def __init__(self, info):
+            self.info = info
+
+        def llama_print_system_info(self):
+            return self.info.encode()
+
+    native = Build("CPU : SSE3 = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | OPENMP = 1 |")
+    avx2 = Build("CPU : SSE3 = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | OPENMP = 1 |")
+    refused = peer_llama._wrong_build(native, "avx2")
+    assert "/somewhere/llama_cpp" in refused and "-DGGML_AVX512=OFF" in refused and "--llama-cpp DIR" in refused
+    assert peer_llama._wrong_build(avx2, "avx2") is None and peer_llama._wrong_build(native, None) is None
+
+
+def test_peer_report_puts_the_avx2_runs_side_by_side():
+    sys.path.insert(0, str(REPO / "bench"))
+    import peer_report
+
+    run = lambda ms, prefill, rss: {"decode_ms": ms, "prefill_ms": prefill, "peak_rss_gb": rss}  # noqa: E731
+    steps = {"toolkit-int4@2t+avx2": run(150.0, 3000.0, 4.4), "toolkit-int4@2t+e8+avx2": run(120.0, 2900.0, 3.9),
+             "llama-q4_0@2t+avx2": run(132.0, 4600.0, 6.9), "toolkit-int8@1t+e8+avx2": run(300.0, 6000.0, 6.7),
+             "llama-q4_0@2t": run(100.0, 2700.0, 6.9)}
+    lines = peer_report._without_avx512(steps)
+    assert "| 2 | toolkit-int4@2t+e8+avx2 | 120.0 | 2900 | 3.90 | q4_0 | 132.0 | 4600 | 6.90 | 1.10x | 1.59x | 0.57x |" in lines
+    assert not any(line.startswith("| 1 |") for line in lines)  # no llama.cpp run of INT8 at one thread: no row
+    assert peer_report._without_avx512({"llama-q4_0@2t": run(100.0, 2700.0, 6.9)}) == []
+
+
 def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     """bench/peer_llama.py's processes on a tiny ChatGLM3 GGUF (export.py, f16): one sequence, and three decoded in
     one llama.cpp batch, give the toolkit's greedy tokens."""

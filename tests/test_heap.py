@@ -69,3 +69,36 @@ def test_huge_page_tensors_are_aligned_writable_and_freed_with_the_tensor():
     assert mapped()
     del tensor
     assert not mapped()
+
+
+def test_a_prefill_trims_after_each_layer_and_a_decode_step_or_training_does_not(monkeypatch):
+    import torch
+
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    heap.trim_after_each(layers)
+
+    def forward(rows):
+        x = torch.randn(1, rows, 8)
+        for layer in layers:
+            x = layer(x)
+
+    with torch.no_grad():
+        forward(heap.TRIM_MIN_ROWS)  # a prefill: after every layer
+        assert len(trims) == 3
+        forward(heap.TRIM_MIN_ROWS - 1)  # a (batched) decode step: never
+        assert len(trims) == 3
+    forward(64)  # with gradients (training): never
+    assert len(trims) == 3
+
+
+def test_quantizing_rows_gives_its_temporaries_back(monkeypatch):
+    import torch
+
+    from chatglm_tune.quant.format import quantize_rows
+
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    q, scale = quantize_rows(torch.randn(40, 64, dtype=torch.float16), torch.bfloat16, 8, 0)
+    assert q.shape == (40, 64) and scale.shape == (40,) and trims == [1]

@@ -15,7 +15,6 @@ import re
 import torch
 from torch import Tensor, nn
 
-from chatglm_tune import heap
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.format import quantize_rows
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
@@ -166,7 +165,6 @@ class QuantizeOnLoad:
             bias = getattr(parent, attr).bias  # meta: the loader assigns the real one when it reads it
             q, scale = quantize_rows(tensor, self.dtype, self.bits, self.group_size, pages.release)
             setattr(parent, attr, QuantizedLinear.from_parts(q, scale, bias, self.bits, self.group_size))
-            heap.trim()  # the quantization temporaries interleave with small kept tensors
         else:
             return False
         return True

@@ -108,7 +108,9 @@ def check_bits(stored: int, requested: int | None, where) -> None:
 def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int, release=None) -> tuple[Tensor, Tensor]:
     """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
     rule is per row, so the result is identical, and no full-size float temporary ever exists.
-    `release(chunk)` is called on each chunk of `weight` once it is read (a file map's pages)."""
+    `release(chunk)` is called on each chunk of `weight` once it is read (a file map's pages). On the CPU the
+    chunks' float temporaries, freed among small tensors that stay, go back to the system at the end (`heap.trim`):
+    without that a ChatGLM3-6B INT8 load kept 0.16 GB of them resident at its peak."""
     out_features, in_features = weight.shape
     rows = max(1, (1 << 20) // max(1, in_features))  # ~4 MB float32 temporaries per chunk
     q_shape = (out_features, in_features // 2 if bits == 4 else in_features)
@@ -124,4 +126,6 @@ def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int
         scale_out[start : start + rows] = scale
         if release is not None:
             release(chunk)
+    if weight.device.type == "cpu":
+        heap.trim()
     return q_out, scale_out

@@ -79,6 +79,9 @@ ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
 # (largest relative error 0.27 against 0.2, a top-1 lost at a margin >= 0.5); int16 ones add ~0.006% (with outlier
 # columns), at the same speed in side-by-side runs (the chunk needs 2 widening moves and 2 `vpdpwssd` instead of an
 # XOR and one `vpdpbusd`). INT4 keeps int8 activations, as llama.cpp's q4_0 x q8_0 (its own error is ~10x larger).
+# Where it costs: AVX2's `vpmaddwd` takes half as many int16 products an instruction as `vpmaddubsw` takes int8 ones, so
+# long GEMMs at that level are bound by it (ChatGLM3-6B, 2 threads: a 512-token INT8 prefill 0.96x llama.cpp's q8_0 speed,
+# batch-32 extraction 0.74x, where INT4 with int8 activations extracts 2.1x as fast as INT8).
 INT8_ACTIVATION_BITS = 16
 # Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): bench/int8dot_kernels.py
 # `--rows` (12288x4096, results/int8dot_kernels.json) measured it 1.4-2.8x faster than int8pack / int4pack from 4

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from chatglm_tune import checkpoint
+from chatglm_tune import checkpoint, heap
 from chatglm_tune.chat import Chat
 from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
@@ -164,6 +164,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         super().__init__(config)
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GLMBlock(config, i) for i in range(config.num_layers))
+        heap.trim_after_each(self.layers)
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         if config.pre_seq_len is not None:  # P-tuning v2 (what trains is `training.set_trainable`'s decision)
             width = 2 * config.num_layers * config.hidden_size

@@ -43,7 +43,7 @@ from torch import nn
 from transformers import Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
 
-from chatglm_tune import checkpoint
+from chatglm_tune import checkpoint, heap
 from chatglm_tune.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models.glm.attention import ATTENTION
@@ -93,6 +93,7 @@ class PrefixModel(Chat):
             # Checkpointed layers keep the cache they are given; forward only gives them a read-only
             # PrefixCache while checkpointing (see prefix.PrefixCache), never a cache they write.
             layer._can_checkpoint_with_cache = True
+        heap.trim_after_each(self.model.layers)
 
     @property
     def pre_seq_len(self) -> int:
