@@ -181,9 +181,6 @@ def child_llama(args, work: dict) -> dict:
 
     from measure import peak_rss
 
-    wrong = _wrong_build(llama_cpp, args.capability)
-    if wrong:
-        raise SystemExit(wrong)
     if _missing():
         return {"skipped": f"llama-cpp-python {llama_cpp.__version__} lacks {', '.join(_missing())}"}
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
@@ -228,9 +225,6 @@ def child_llama_batch(args, work: dict) -> dict:
 
     import llama_cpp
 
-    wrong = _wrong_build(llama_cpp, args.capability)
-    if wrong:
-        raise SystemExit(wrong)
     if _missing():
         return {"skipped": f"llama-cpp-python {llama_cpp.__version__} lacks {', '.join(_missing())}"}
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
@@ -264,6 +258,12 @@ def main(argv=None) -> None:
     p.add_argument("--capability", choices=["avx2"], help="refuse a llama.cpp built with kernels beyond this ISA")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if args.capability:
+        import llama_cpp
+
+        wrong = _wrong_build(llama_cpp, args.capability)
+        if wrong:
+            raise SystemExit(wrong)
     child = child_llama if args.child == "llama" else child_llama_batch
     print(json.dumps(child(args, args.workload)))
 
