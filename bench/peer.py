@@ -251,7 +251,8 @@ class Bench:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: run --step gguf-{dtype} first")
         a = self.args
-        build = {"PYTHONPATH": os.pathsep.join([str(a.llama_cpp), os.environ.get("PYTHONPATH", "")])} if a.llama_cpp else None
+        paths = [str(a.llama_cpp), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))] if a.llama_cpp else []
+        build = {"PYTHONPATH": os.pathsep.join(paths)} if paths else None  # an empty entry would add the working directory
         done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch", "--gguf", path,
                           "--threads", a.threads, "--workload", workload(json.loads(self.frame()), batch, a.prompt_len),
                           *(["--capability", a.capability] if a.capability else []), env=build)

@@ -36,10 +36,12 @@ INTRO = [
 ]
 
 
-def _best(steps: dict, base: str, threads: int, field: str, higher: bool = True) -> tuple[str | None, dict | None]:
-    """(key, record) of the best native run of `base` at `threads` (as is or +e8) by `field`; a record of a step not
-    run has no such field."""
-    runs = [(k, r) for k, r in steps.items() if k in (f"{base}@{threads}t", f"{base}@{threads}t+e8") and field in r]
+def _best(steps: dict, base: str, threads: int, field: str, higher: bool = True,
+          capability: str = "") -> tuple[str | None, dict | None]:
+    """(key, record) of the best run of `base` at `threads` (as is or +e8) by `field`, native or with `capability`'s
+    suffix ("+avx2"); a record of a step not run has no such field."""
+    keys = (f"{base}@{threads}t{capability}", f"{base}@{threads}t+e8{capability}")
+    runs = [(k, r) for k, r in steps.items() if k in keys and field in r]
     if not runs:
         return None, None
     return max(runs, key=lambda kr: kr[1][field] if higher else -kr[1][field])
@@ -153,11 +155,10 @@ def _without_avx512(steps: dict) -> list[str]:
     rows = []
     for t in threads:
         for variant, kind in PAIRS[1:]:
-            ours = [(k, r) for k, r in steps.items() if "decode_ms" in r and k in (f"toolkit-{variant}@{t}t+avx2", f"toolkit-{variant}@{t}t+e8+avx2")]
+            key, r = _best(steps, f"toolkit-{variant}", t, "decode_ms", higher=False, capability="+avx2")
             theirs = steps.get(f"llama-{kind}@{t}t+avx2", {})
-            if not ours or "decode_ms" not in theirs:
+            if r is None or "decode_ms" not in theirs:
                 continue
-            key, r = min(ours, key=lambda kr: kr[1]["decode_ms"])
             rows.append(f"| {t} | {key} | {r['decode_ms']:.1f} | {r['prefill_ms']:.0f} | {r['peak_rss_gb']:.2f} | {kind} | "
                         f"{theirs['decode_ms']:.1f} | {theirs['prefill_ms']:.0f} | {theirs['peak_rss_gb']:.2f} | "
                         f"{_ratio(theirs['decode_ms'], r['decode_ms'])} | {_ratio(theirs['prefill_ms'], r['prefill_ms'])} | "
@@ -193,8 +194,8 @@ def _avx2_decode(steps: dict, threads: int) -> dict:
     """{"int8", "int4"}: decode tok/s of the fastest `+avx2` run of each (as without AVX-512), None if not run."""
     best = {}
     for variant in ("int8", "int4"):
-        runs = [r for k, r in steps.items() if k in (f"toolkit-{variant}@{threads}t+avx2", f"toolkit-{variant}@{threads}t+e8+avx2")]
-        best[variant] = max((1e3 / r["decode_ms"] for r in runs), default=None)
+        _, r = _best(steps, f"toolkit-{variant}", threads, "decode_ms", higher=False, capability="+avx2")
+        best[variant] = None if r is None else 1e3 / r["decode_ms"]
     return best
 
 
