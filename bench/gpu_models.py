@@ -121,7 +121,7 @@ def prompt(version: str, batch: int, length: int, seed: int = 0, tail_at: int | 
 
 
 def toolkit_decoder(model):
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     return lambda ids, n: sum(map(len, generate(model, ids, max_new_tokens=n, eos_token_id=None)))
 

@@ -47,7 +47,7 @@ def _kernels(model) -> list[str]:
 def child_toolkit(args) -> dict:
     import torch
 
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     torch.set_num_threads(args.threads)
     copy_gb_s = copy_bandwidth() / GB  # before the load: its two 256 MiB buffers stay out of the model's peak RSS
@@ -70,7 +70,7 @@ def child_toolkit(args) -> dict:
 def child_batch(args) -> dict:
     import torch
 
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     model, load_s = _load_toolkit(args)
     generate(model, torch.tensor(prompt(args.frame, WARMUP_PROMPT, 1)), max_new_tokens=WARMUP_TOKENS, eos_token_id=None)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
-from chatglm_tune.generation import generate  # noqa: E402
+from chatglm_tune.decoding.generation import generate  # noqa: E402
 from chatglm_tune.models.chatglm6b.config import QUANTIZABLE_LINEARS as BLOCK_LINEARS  # noqa: E402
 from measure import copy_bandwidth, median_seconds, peak_rss, run_python  # noqa: E402
 

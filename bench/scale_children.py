@@ -88,7 +88,7 @@ def _bytes_read_per_token(model) -> int:
 
 def child_infer(args) -> dict:
     from chatglm_tune import from_pretrained
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     rss_start = peak_rss()
     start = time.perf_counter()

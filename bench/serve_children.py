@@ -83,7 +83,7 @@ def floor(args) -> dict:
     import torch
 
     from chatglm_tune import loading
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     source = loading.resolve_run(args.model_dir)
     model, tokenizer, _ = loading.load_for_inference(source, threads=args.threads)

@@ -1,6 +1,6 @@
 """Can transformers' own continuous batching (`generate_batch`, the `ContinuousBatchingManager` behind
 `transformers serve`) run the toolkit's models? Tried on tiny random models, side by side with the
-toolkit's engine (`chatglm_tune.engine`, what serve.py runs) on the same prompts:
+toolkit's engine (`chatglm_tune.decoding.engine`, what serve.py runs) on the same prompts:
 
     python bench/transformers_cb.py            # ~1 minute; results in bench/results/transformers_cb.json
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import GenerationConfig, GlmForCausalLM  # noqa: E402
 
 from chatglm_tune.batches import SpecialIds  # noqa: E402
-from chatglm_tune.engine import Engine, Request  # noqa: E402
-from chatglm_tune.generation import generate  # noqa: E402
+from chatglm_tune.decoding.engine import Engine, Request  # noqa: E402
+from chatglm_tune.decoding.generation import generate  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.options import EncodingOptions  # noqa: E402
 from chatglm_tune.quant.apply import quantize_model  # noqa: E402

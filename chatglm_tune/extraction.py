@@ -31,7 +31,7 @@ from pathlib import Path
 
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.checkpoint import atomic_write
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.records import SPORecord

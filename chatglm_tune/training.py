@@ -26,7 +26,7 @@ from transformers import get_scheduler
 
 from chatglm_tune import rundir
 from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry

@@ -148,7 +148,7 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     from serving import tiny_model
 
     from chatglm_tune import from_pretrained
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     directory = tiny_model("chatglm3", tmp_path / "tiny")
     gguf = tmp_path / "gguf"

@@ -1,4 +1,4 @@
-"""The official `model.chat` / `model.stream_chat` of every version (chatglm_tune.chat).
+"""The official `model.chat` / `model.stream_chat` of every version (chatglm_tune.decoding.chat).
 
 - ChatGLM3 / GLM-4 take and return history as role messages (system, user, assistant, observation; the query's
   role is `role=`), build the official prompt (ChatGLM3's `build_chat_input`, GLM-4's chat template), and
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import chatglm_tune.chat as chat_module
-from chatglm_tune.chat import chat, chat_defaults, stream_chat
-from chatglm_tune.generation import generate
+import chatglm_tune.decoding.chat as chat_module
+from chatglm_tune.decoding.chat import chat, chat_defaults, stream_chat
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.formats import FORMATS
 from chatglm_tune.models.glm.sp_tokenizer import ChatGLM2Tokenizer

@@ -35,7 +35,7 @@ import infer as infer_cli
 import train as train_cli
 from chatglm_tune import loading, rundir, training
 from chatglm_tune.batches import SpecialIds, collate_prompts, collate_train, encode_record, prompt_ids
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import EncodingOptions, LoraOptions

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from chatglm_tune.batches import SpecialIds
-from chatglm_tune.engine import (
+from chatglm_tune.decoding.engine import (
     FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
 )
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions
 from chatglm_tune.records import SPORecord

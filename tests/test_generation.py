@@ -1,4 +1,4 @@
-"""Tests of chatglm_tune.generation: golden greedy ids, batching, cache, samplers, stopping, chat().
+"""Tests of chatglm_tune.decoding.generation: golden greedy ids, batching, cache, samplers, stopping, chat().
 
 The golden checkpoints come from conftest's `golden` fixture (`model-small-vocab` always, `model-tiny`
 when the shared golden folder beside the checkout is there). Ids are compared up to the first step
@@ -10,16 +10,9 @@ import pytest
 import torch
 from conftest import left_pad_mask
 
-from chatglm_tune.chat import chat
-from chatglm_tune.generation import (
-    generate,
-    generate_recompute,
-    guard_invalid_scores,
-    limit_vocab,
-    next_tokens,
-    top_k_filter,
-    top_p_filter,
-)
+from chatglm_tune.decoding.chat import chat
+from chatglm_tune.decoding.generation import generate, generate_recompute
+from chatglm_tune.decoding.sampling import guard_invalid_scores, limit_vocab, next_tokens, top_k_filter, top_p_filter
 from chatglm_tune.models.chatglm6b.format import process_response
 from chatglm_tune.options import CHAT_SAMPLING, SamplingOptions
 

@@ -23,7 +23,7 @@ from transformers import DynamicCache, Glm4Config, Glm4ForCausalLM, GlmConfig, G
 from chatglm_tune import from_pretrained
 from chatglm_tune.batches import encode_record, prompt_ids
 from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, train_released_bpe
 from chatglm_tune.models.glm.modeling import Glm4ForCausalLMWithPrefix, GlmForCausalLMWithPrefix

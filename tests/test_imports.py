@@ -3,7 +3,7 @@
     command lines (train.py, infer.py, quantize.py, serve.py, export.py)
       -> training, extraction, metrics, lora, loading, rundir, auto, serve/, export/ (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
-      -> shared layers: batches, records, generation, chat, prefix, checkpoint, tokenizing, quant/, heap
+      -> shared layers: batches, records, decoding/ (generation, the engine, chat), prefix, checkpoint, tokenizing, quant/, heap
       -> options
 
 A family never imports another family, the registry or an upper layer; a shared layer never imports
@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "generation", "engine", "chat", "tokenizing", "quant"}
+SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "decoding", "tokenizing", "quant"}
 UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
@@ -122,11 +122,11 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_checks_catch_a_circle_and_imports_against_the_rooms():
-    graph = {"chatglm_tune.batches": {"chatglm_tune.generation"}, "chatglm_tune.generation": {"chatglm_tune.batches"},
+    graph = {"chatglm_tune.batches": {"chatglm_tune.decoding.generation"}, "chatglm_tune.decoding.generation": {"chatglm_tune.batches"},
              "chatglm_tune.models.glm.modeling": {"chatglm_tune.models.chatglm6b.config", "chatglm_tune.loading"},
              "chatglm_tune.prefix": {"chatglm_tune.models.registry"}, "chatglm_tune.models.chatglm6b.config": set(),
              "chatglm_tune.loading": set(), "chatglm_tune.models.registry": set()}
-    assert cycles(graph) == [["chatglm_tune.batches", "chatglm_tune.generation", "chatglm_tune.batches"]]
+    assert cycles(graph) == [["chatglm_tune.batches", "chatglm_tune.decoding.generation", "chatglm_tune.batches"]]
     assert violations(graph) == [
         "chatglm_tune.models.glm.modeling (family:glm) imports chatglm_tune.loading (upper)",
         "chatglm_tune.models.glm.modeling (family:glm) imports chatglm_tune.models.chatglm6b.config (family:chatglm6b)",

@@ -22,7 +22,7 @@ import torch
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
 from chatglm_tune.batches import SpecialIds, collate_prompts, prompt_ids
 from chatglm_tune.extraction import extract, rows_to_resume
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.loading import load_run, resolve_run
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.quant.modules import QuantizedLinear

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.generation import generate
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import LoraOptions

@@ -30,9 +30,9 @@ uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
 from chatglm_tune import loading  # noqa: E402
-from chatglm_tune.chat import chat  # noqa: E402
+from chatglm_tune.decoding.chat import chat  # noqa: E402
 from chatglm_tune.extraction import extract  # noqa: E402
-from chatglm_tune.generation import generate  # noqa: E402
+from chatglm_tune.decoding.generation import generate  # noqa: E402
 from chatglm_tune.options import ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
 from chatglm_tune.records import SPORecord  # noqa: E402
 from chatglm_tune.serve.app import build_app  # noqa: E402
@@ -376,7 +376,7 @@ def test_a_tool_call_is_openais_tool_calls(tmp_path):
 
 def test_train_and_infer_import_nothing_of_the_server():
     check = ("import sys, train, infer; loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('starlette', 'uvicorn', 'openai') or m.startswith(('chatglm_tune.serve', 'chatglm_tune.engine'))); "
+             "('starlette', 'uvicorn', 'openai') or m.startswith(('chatglm_tune.serve', 'chatglm_tune.decoding.engine'))); "
              "print(loaded)")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -221,7 +221,7 @@ def test_every_version_loads_through_the_package_and_the_auto_classes(runs):
 
 
 def test_chat_on_chatglm3_is_the_official_chat(runs):
-    from chatglm_tune.generation import generate
+    from chatglm_tune.decoding.generation import generate
 
     model, tokenizer = loading.load_run(loading.resolve_run(runs / "base"))
     response, history = model.chat(tokenizer, "诊断过程：水泵漏油。", [("早", "早上好")], do_sample=False, max_length=96)

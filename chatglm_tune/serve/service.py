@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from chatglm_tune.batches import SpecialIds
-from chatglm_tune.chat import ROLES, prepare_turn
-from chatglm_tune.engine import (
+from chatglm_tune.decoding.chat import ROLES, prepare_turn
+from chatglm_tune.decoding.engine import (
     FINISH_ERROR, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
 )
 from chatglm_tune.extraction import make_row

@@ -34,7 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatglm_tune import checkpoint, heap
-from chatglm_tune.chat import Chat
+from chatglm_tune.decoding.chat import Chat
 from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
                                                   ChatGLMConfig)

@@ -44,7 +44,7 @@ from transformers import Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
 
 from chatglm_tune import checkpoint, heap
-from chatglm_tune.chat import Chat
+from chatglm_tune.decoding.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models.glm.attention import ATTENTION
 from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, check_prefix_config, glm_config,

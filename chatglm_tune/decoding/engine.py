@@ -39,12 +39,12 @@ from transformers.cache_utils import DynamicCache
 
 from chatglm_tune import heap
 from chatglm_tune.batches import SpecialIds, collate_prompts
-from chatglm_tune.generation import next_tokens, row_generators
+from chatglm_tune.decoding.sampling import next_tokens, row_generators
 from chatglm_tune.options import DEFAULT_SAMPLING, ServingOptions, SamplingOptions
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 
-log = logging.getLogger("chatglm_tune.engine")
+log = logging.getLogger("chatglm_tune.decoding.engine")
 
 
 class QueueFull(RuntimeError):

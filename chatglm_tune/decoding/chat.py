@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from chatglm_tune.batches import PromptFormat
-from chatglm_tune.generation import generate, generate_steps
+from chatglm_tune.decoding.generation import generate, generate_steps
 from chatglm_tune.options import EncodingOptions, SamplingOptions
 from chatglm_tune.records import SPORecord
 
