@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from chatglm_tune.batches import SpecialIds
-from chatglm_tune.decoding.engine import (
-    FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
-)
+from chatglm_tune.decoding.engine import Engine
+from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Request
+from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions
@@ -65,7 +65,7 @@ def run_until_idle(engine: Engine, arrivals: dict[int, list[Request]], limit: in
     while step < limit:
         for request in arrivals.pop(step, []):
             engine.submit(request)
-        if not arrivals and not engine.running and not engine.waiting and engine._partial is None:
+        if not arrivals and engine.idle:
             return step
         engine.step()
         step += 1

@@ -5,14 +5,14 @@ transformers' and the official generate do, so the caller can tell a finished an
 decodes to ""). Decoding: left-padded prompts (2D mask, 1 = token, 0 = left pad); positions asked of the
 model (`model.prompt_positions`, then `model.next_positions` a step: ChatGLM-6B's 2D GLM positions, the
 n-th token from `<sop>` at `[mask_pos, n]`; the other models return None and derive them from the
-mask), a transformers `DynamicCache` filled once by the
-prompt (its first `pre_seq_len` entries are the P-tuning prefix, put there by the model) and one token a
-step after. Finished rows leave the batch and the cache (`batch_select_indices`), so they cost nothing.
+mask), a `batch_cache.BatchCache` filled once by the prompt (its first `pre_seq_len` entries are the
+P-tuning prefix, put there by the model) and one token a step after, the step the serving engine takes.
+Finished rows leave the batch and the cache (`BatchCache.select`), so they cost nothing.
 `generate_steps` is the same loop one step at a time (a generator of each step's new tokens, which
 `generate` consumes; a stream runs no step it is not asked for). `generate_recompute` is the reference
 script's loop (no cache: the whole sequence and all its logits every step) kept for tests and benchmarks.
 
-The official `chat` / `stream_chat` are in `chat.py`, on `generate` and `generate_steps`.
+The official `chat` / `stream_chat` are in `decoding.chat`, on `generate` and `generate_steps`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
 
+from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
 from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
 
@@ -131,35 +131,26 @@ def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOp
                   vocab_limit) -> Iterator[tuple[list[int], list[int]]]:
     """The KV-cached decoding loop: yields (live rows, their new tokens) after each sampling step, before the
     stop check and the next forward (so a consumer that stops at a stop id runs no forward past it)."""
-    input_ids, mask, stop, generators = d.input_ids, d.mask, d.stop, d.generators
-    b = input_ids.shape[0]
     if max_new_tokens == 0:
         return
-    positions = model.prompt_positions(input_ids, mask)  # ChatGLM-6B: [b, 2, s]; the others: None (from the mask)
-    cache = DynamicCache()
-    out = model(input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-    live = list(range(b))  # batch row -> index of the prompt it decodes
-    next_pos = None if positions is None else model.next_positions(positions[..., -1:])
+    batch, scores = BatchCache.prefill(model, d.input_ids, d.mask)
+    live = list(range(d.input_ids.shape[0]))  # batch row -> index of the prompt it decodes
+    generators = d.generators
     for n in range(max_new_tokens):
-        tokens = next_tokens(out.logits[:, -1], sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
+        tokens = next_tokens(scores, sampling, generators, fallback_id=d.fallback, vocab_limit=vocab_limit)
         yield live, tokens.tolist()
         if n == max_new_tokens - 1:
             break
-        stopped = torch.isin(tokens, stop) if stop is not None else None
+        stopped = torch.isin(tokens, d.stop) if d.stop is not None else None
         if stopped is not None and bool(stopped.any()):
             keep = (~stopped).nonzero().flatten()  # [live']
             if keep.numel() == 0:
                 break
-            cache.batch_select_indices(keep)
+            batch.select(keep)
             live = [live[i] for i in keep.tolist()]
             generators = [generators[i] for i in keep.tolist()]
             tokens = tokens[keep]
-            next_pos = None if next_pos is None else next_pos[keep]
-            mask = None if mask is None or bool(mask[keep].all()) else mask[keep]
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [live, cached + 1]
-        out = model(tokens[:, None], position_ids=next_pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-        next_pos = None if next_pos is None else model.next_positions(next_pos)
+        scores = batch.step(model, tokens)
 
 
 def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from chatglm_tune.batches import SpecialIds
 from chatglm_tune.decoding.chat import ROLES, prepare_turn
-from chatglm_tune.decoding.engine import (
-    FINISH_ERROR, FINISH_STOP, Engine, EngineClosed, QueueFull, Request,
-)
+from chatglm_tune.decoding.engine import Engine
+from chatglm_tune.decoding.request import FINISH_ERROR, FINISH_STOP, Request
+from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.extraction import make_row
 from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
 from chatglm_tune.records import SPORecord
@@ -50,7 +50,7 @@ def context_length(config) -> int:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # engine.FINISH_*
+    reason: str  # request.FINISH_*
     error: str | None
 
 

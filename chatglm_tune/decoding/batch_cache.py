@@ -1,0 +1,124 @@
+"""The KV cache of a batch of rows decoding together, and the forwards that fill it: the prompt's, then one
+token a row a step. `generate` and the serving engine both decode through it.
+
+Layout: every layer's keys/values `[rows, heads, P + L, D]`: the P-tuning prefix (the model's first
+`pre_seq_len` entries, put there by the model at the prefill), then the real tokens left-padded to a
+common length L; the 2D mask `[rows, L]` covers the real tokens (1 = token, 0 = pad). Masked pads weigh
+exactly 0 in attention, and positions come from each row's own tokens (`model.prompt_positions` /
+`next_positions`: ChatGLM-6B's 2D GLM positions; the other models return None and derive them from the
+mask), so a row's tokens do not depend on its neighbours, up to the float rounding of batched products.
+
+The model gets no mask while nothing is padded (`padded`, kept up to date where rows change: never
+recomputed on a decoding step, which only appends a real token to every row). Rows leave with `select`
+(a finished row costs nothing after); `trim` cuts the pad columns every row has on its left (pads left by
+a long row that finished), `merge` joins two batches with the shorter side left-padded after the prefix:
+the engine's continuous batching. A transformers `DynamicCache` grows by concatenation: a preallocated
+(static) cache is another class with these methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+def last_scores(model, ids: torch.Tensor, cache: DynamicCache, **inputs) -> torch.Tensor:
+    """The model on `ids` [b, s] over `cache` (extended in place): the scores of each row's last position [b, V]."""
+    return model(ids, cache=cache, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+
+
+@dataclass(eq=False)
+class BatchCache:
+    """Rows decoding together: their cache, pad mask and (ChatGLM-6B) next positions; see the module docstring."""
+
+    cache: DynamicCache
+    mask: torch.Tensor  # [rows, L] long
+    next_positions: torch.Tensor | None  # ChatGLM-6B's positions of each row's next token; None for the others
+    prefix_len: int  # the P-tuning prefix's entries at the start of every layer's cache
+    padded: bool  # any 0 in `mask`: the model gets the mask only then
+
+    @classmethod
+    def prefill(cls, model, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple["BatchCache", torch.Tensor]:
+        """Left-padded prompts `ids` [b, s] (`mask` [b, s], None: no padding) into a new cache: (it, the scores
+        of each prompt's last position [b, V])."""
+        padded = mask is not None and not bool(mask.all())
+        model_mask = mask if padded else None
+        positions = model.prompt_positions(ids, model_mask)  # ChatGLM-6B: [b, 2, s]; the others: None
+        batch = cls(DynamicCache(), torch.ones_like(ids) if mask is None else mask.long(), None, prefix_length(model),
+                    padded)
+        scores = last_scores(model, ids, batch.cache, position_ids=positions, attention_mask=model_mask)
+        batch.next_positions = None if positions is None else model.next_positions(positions[..., -1:])
+        return batch, scores
+
+    @classmethod
+    def empty(cls, model, device) -> "BatchCache":
+        """One row with nothing cached yet, to fill a chunk at a time (`extend`)."""
+        return cls(DynamicCache(), torch.ones(1, 0, dtype=torch.long, device=device), None, prefix_length(model), False)
+
+    def extend(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """The next chunk of a lone, unpadded prompt whose positions follow from the cache (causal models):
+        the scores of its last position [1, V]."""
+        scores = last_scores(model, ids, self.cache, position_ids=None, attention_mask=None)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(1, ids.shape[1])], dim=1)
+        return scores
+
+    def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """One token a row in (`tokens` [rows]), the scores of the next out [rows, V]."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        scores = last_scores(model, tokens[:, None], self.cache, position_ids=self.next_positions,
+                             attention_mask=self.mask if self.padded else None)
+        if self.next_positions is not None:
+            self.next_positions = model.next_positions(self.next_positions)
+        return scores
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Only the rows at `index` (1D long, ascending) stay."""
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[index]
+        self.padded = self.padded and not bool(self.mask.all())
+
+    def trim(self) -> None:
+        """Cut the pad columns that every row has on its left."""
+        lead = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())
+        if lead == 0:
+            return
+        p = self.prefix_len
+        for layer in self.cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :p, :], layer.keys[..., p + lead:, :]], dim=-2)
+            layer.values = torch.cat([layer.values[..., :p, :], layer.values[..., p + lead:, :]], dim=-2)
+        self.mask = self.mask[:, lead:]
+        self.padded = not bool(self.mask.all())
+
+    def merge(self, other: "BatchCache") -> None:
+        """`other`'s rows after these, in this cache: the shorter side left-padded after the prefix."""
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            for name in ("keys", "values"):
+                parts = [self._pad_after_prefix(getattr(layer, name), length - mask.shape[1])
+                         for layer, mask in ((mine, self.mask), (theirs, other.mask))]
+                setattr(mine, name, torch.cat(parts, dim=0))
+        masks = [torch.cat([m.new_zeros(m.shape[0], length - m.shape[1]), m], dim=1) for m in (self.mask, other.mask)]
+        self.mask = torch.cat(masks, dim=0)
+        if self.next_positions is not None:
+            self.next_positions = torch.cat([self.next_positions, other.next_positions], dim=0)
+        self.padded = not bool(self.mask.all())
+
+    def _pad_after_prefix(self, states: torch.Tensor, n: int) -> torch.Tensor:
+        if n == 0:
+            return states
+        p = self.prefix_len
+        pad = states.new_zeros(*states.shape[:-2], n, states.shape[-1])
+        return torch.cat([states[..., :p, :], pad, states[..., p:, :]], dim=-2)
+
+
+def prefix_length(model) -> int:
+    """The P-tuning prefix's entries at the start of the model's cache (0 without a prefix)."""
+    return getattr(model.config, "pre_seq_len", None) or 0

@@ -1,0 +1,33 @@
+"""A decoding job as the engine takes it: a prompt's ids, an answer budget, sampling options, a seed and stop ids,
+and the two callbacks that hand its tokens and its end back to whoever asked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+
+
+@dataclass(eq=False)
+class Request:
+    """One decoding job. `on_token(token_id)` gets each new id (the stop id that ended it included) and
+    `on_finish(reason, error)` once at the end (`FINISH_*`; `error` a message with FINISH_ERROR), both on
+    the engine's thread: they must be quick and must not raise."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    on_token: Callable[[int], None]
+    on_finish: Callable[[str, str | None], None]
+    sampling: SamplingOptions = DEFAULT_SAMPLING
+    seed: int | None = None
+    stop_ids: Sequence[int] = ()
+    cancelled: bool = False  # set by `Engine.cancel`; the engine drops the request at its next step
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("a request needs a prompt of at least one token")
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
