@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings,
+    BAD_RECORD_MODES, DEFAULT_DRAFTS, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings,
 )
 
 DEFAULT_SETTINGS = ExtractionSettings()
@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help=f"with --do-sample: > 0, or 0 for greedy (default {DEFAULT_SAMPLING.temperature})")
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
+    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULT_SETTINGS.drafts is not None,
+                   help="greedy decoding guesses each row's next tokens from its own text (prompt lookup) and checks "
+                        "them in one forward: the same output, fewer forwards (default: on; sampling decodes plainly)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")
@@ -87,25 +90,35 @@ def settings_from(args) -> ExtractionSettings:
 
     chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
     return ExtractionSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed)
+                              sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed,
+                              drafts=DEFAULT_DRAFTS if args.speculative else None)
 
 
-def load(args, source):
+def load(args, source, settings):
     """(model, tokenizer) of `source` on the asked device, dtype and quantization."""
     from chatglm_tune import loading
 
     model, tokenizer, line = loading.load_for_inference(
         source, device=args.device, dtype=args.dtype, threads=args.threads, quantization_bit=args.quantization_bit,
         quantize_embedding=args.quantize_embedding, note=lambda text: print(f"infer.py: note: {text}", file=sys.stderr))
-    print(line, file=sys.stderr)
+    print(f"{line}; {speculation_line(settings)}", file=sys.stderr)
     return model, tokenizer
+
+
+def speculation_line(settings) -> str:
+    drafts = settings.drafts
+    if drafts is None:
+        return "speculative decoding off"
+    if not settings.sampling.greedy:
+        return "speculative decoding off (sampling decodes plainly)"
+    return f"speculative decoding on (prompt lookup, up to {drafts.max_draft} guessed tokens checked a forward)"
 
 
 def run_text(args, settings, source) -> None:
     from chatglm_tune import extraction
     from chatglm_tune.records import SPORecord
 
-    model, tokenizer = load(args, source)
+    model, tokenizer = load(args, source, settings)
     record = SPORecord(text=args.text, triples=None, source="--text")
     row = next(r for rows in extraction.extract(model, tokenizer, [record], settings) for r in rows)
     if row["text_truncated"]:
@@ -124,6 +137,7 @@ def run_file(args, settings, source) -> None:
 
     from chatglm_tune import extraction
     from chatglm_tune.checkpoint import atomic_write
+    from chatglm_tune.decoding.speculative import DecodeStats
     from chatglm_tune.records import read_records
 
     records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=columns_of(args, source))
@@ -137,12 +151,12 @@ def run_file(args, settings, source) -> None:
     start = len(rows)
     if start:
         print(f"resuming after {start} of {len(records)} records", file=sys.stderr)
-    model, tokenizer = load(args, source) if start < len(records) else (None, None)
-    began, tokens = time.perf_counter(), 0
+    model, tokenizer = load(args, source, settings) if start < len(records) else (None, None)
+    began, tokens, stats = time.perf_counter(), 0, DecodeStats()
     with open(args.output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
         if model is not None:
             try:
-                for ready in extraction.extract(model, tokenizer, records, settings, start=start):
+                for ready in extraction.extract(model, tokenizer, records, settings, start=start, stats=stats):
                     extraction.append_rows(f, ready)
                     rows.extend(ready)
                     tokens += sum(r["new_tokens"] for r in ready)
@@ -151,7 +165,8 @@ def run_file(args, settings, source) -> None:
                 bar.close()
                 raise KeyboardInterrupt(f"after {len(rows)} of {len(records)} records (in {args.output}); the same "
                                         "command with --resume continues from there") from None
-    summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began)
+    summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began,
+                                    stats=stats)
     summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
                    settings=asdict(settings))
     path = args.output.with_name(args.output.name + ".summary.json")

@@ -32,6 +32,7 @@ from pathlib import Path
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.checkpoint import atomic_write
 from chatglm_tune.decoding.generation import generate
+from chatglm_tune.decoding.speculative import DecodeStats
 from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.records import SPORecord
@@ -44,9 +45,11 @@ SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many 
 
 
 def extract(
-    model, tokenizer, records: Sequence[SPORecord], settings: ExtractionSettings, *, start: int = 0
+    model, tokenizer, records: Sequence[SPORecord], settings: ExtractionSettings, *, start: int = 0,
+    stats: DecodeStats | None = None,
 ) -> Iterator[list[dict]]:
-    """Rows for `records[start:]`, yielded after each batch: the rows that became ready, in input order."""
+    """Rows for `records[start:]`, yielded after each batch: the rows that became ready, in input order.
+    `stats` counts the forwards and accepted guesses of speculative decoding (`settings.drafts`)."""
     window = SORT_WINDOW_BATCHES * settings.batch_size
     prompt_format = tokenizer.prompt_format
     for lo in range(start, len(records), window):
@@ -58,7 +61,7 @@ def extract(
         next_out = lo
         for b in range(0, len(order), settings.batch_size):
             batch = order[b : b + settings.batch_size]
-            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings)):
+            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings, stats)):
                 done[i] = make_row(i, records[i], tokenizer, new_ids, text_truncated=encoded[i][1],
                                    free_text=settings.free_text)
             ready = []
@@ -68,12 +71,13 @@ def extract(
             yield ready
 
 
-def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int], settings: ExtractionSettings) -> list[list[int]]:
+def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int], settings: ExtractionSettings,
+                  stats: DecodeStats | None) -> list[list[int]]:
     batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
                     sampling=settings.sampling, eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), seed=seeds,
-                    vocab_limit=len(tokenizer))
+                    vocab_limit=len(tokenizer), drafts=settings.drafts, stats=stats)
 
 
 def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, text_truncated: bool = False,
@@ -160,9 +164,11 @@ def append_rows(f, rows: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: int, new_tokens: int, seconds: float) -> dict:
-    """The run summary: scores over every row, throughput of this run's rows."""
-    return {
+def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: int, new_tokens: int, seconds: float,
+              stats: DecodeStats | None = None) -> dict:
+    """The run summary: scores over every row, throughput of this run's rows (and, where it guessed,
+    speculative decoding's tokens a forward and acceptance)."""
+    summary = {
         "records": len(rows),
         "this_run": {
             "records": new_rows,
@@ -175,6 +181,11 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
         "texts_truncated": sum(bool(row.get("text_truncated")) for row in rows),
         "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows]),
     }
+    if stats is not None and stats.forwards:
+        summary["this_run"]["speculative"] = {
+            "forwards": stats.forwards, "tokens_per_forward": round(stats.tokens_per_forward, 3),
+            "drafted": stats.drafted, "accepted": stats.accepted, "acceptance": round(stats.acceptance, 3)}
+    return summary
 
 
 def format_summary(summary: dict) -> str:
@@ -192,4 +203,8 @@ def format_summary(summary: dict) -> str:
             lines.append(f"  {relation}: P {prf['precision']:.4f}  R {prf['recall']:.4f}  F1 {prf['f1']:.4f}  (gold {prf['n_gold']})")
     if run["records_per_s"] is not None:
         lines.append(f"throughput: {run['records_per_s']:.2f} records/s, {run['tokens_per_s']:.1f} tokens/s")
+    if run.get("speculative"):
+        spec = run["speculative"]
+        lines.append(f"speculative decoding: {spec['tokens_per_forward']:.2f} tokens a row a forward, "
+                     f"{spec['accepted']} of {spec['drafted']} guessed tokens taken ({spec['acceptance']:.0%})")
     return "\n".join(lines)

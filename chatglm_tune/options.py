@@ -313,6 +313,38 @@ GLM_CHAT_MAX_LENGTH = 8192
 
 
 @dataclass(frozen=True)
+class DraftOptions:
+    """Speculative greedy decoding with drafts looked up in a row's own tokens (prompt lookup); the one place
+    for its defaults.
+
+    Each step a row guesses its next tokens: the tokens that followed the latest earlier match of its last n
+    tokens (n from `ngram_max` down to `ngram_min`) in its prompt and answer so far; one forward checks them
+    all, and the row keeps the guesses the model agrees with plus the model's own next token. A row drafts
+    `first_draft` tokens, then twice as many after a step that took all its guesses (up to `max_draft`), and
+    one more than it took after a step that did not. Greedy ids are plain greedy's (sampled rows decode
+    plainly).
+    """
+
+    max_draft: int = 8
+    first_draft: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        problems = []
+        if not (isinstance(self.max_draft, int) and self.max_draft >= 1):
+            problems.append(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
+        if not (isinstance(self.first_draft, int) and 1 <= self.first_draft <= max(1, self.max_draft)):
+            problems.append(f"first_draft must be an integer in [1, max_draft], got {self.first_draft!r}")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
+            problems.append(f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        raise_problems(problems, "invalid draft options: ")
+
+
+DEFAULT_DRAFTS = DraftOptions()
+
+
+@dataclass(frozen=True)
 class ExtractionSettings:
     """Batching, length, sampling and prompt of an extraction run (infer.py's flags).
 
@@ -326,6 +358,7 @@ class ExtractionSettings:
     seed: int | None = None  # record i samples with seed + i
     encoding: EncodingOptions = field(default_factory=EncodingOptions)
     free_text: bool = False  # prompt/response data: answers are free text, not parsed as triples
+    drafts: DraftOptions | None = DEFAULT_DRAFTS  # greedy decoding checks guesses (speculative); None: plain
 
     def __post_init__(self):
         if self.batch_size < 1:

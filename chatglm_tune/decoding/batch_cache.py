@@ -38,6 +38,7 @@ class BatchCache:
     next_positions: torch.Tensor | None  # ChatGLM-6B's positions of each row's next token; None for the others
     prefix_len: int  # the P-tuning prefix's entries at the start of every layer's cache
     padded: bool  # any 0 in `mask`: the model gets the mask only then
+    verifying: int = 0  # the columns of the last `verify`, until `accept`
 
     @classmethod
     def prefill(cls, model, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple["BatchCache", torch.Tensor]:
@@ -72,6 +73,46 @@ class BatchCache:
         if self.next_positions is not None:
             self.next_positions = model.next_positions(self.next_positions)
         return scores
+
+    def verify(self, model, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Several tokens a row in one forward, to check guesses (speculative decoding): `tokens` [rows, W],
+        row r's first `lengths[r]` real (its pending token, then its guesses), the rest pads. The scores
+        after each of them [rows, W, V]; `accept` then says how many stay in the cache."""
+        rows, width = tokens.shape
+        self.verifying = width
+        real = torch.arange(width, device=tokens.device)[None, :] < torch.tensor(lengths, device=tokens.device)[:, None]
+        self.mask = torch.cat([self.mask, real.long()], dim=1)
+        self.padded = self.padded or not bool(real.all())
+        positions = None
+        if self.next_positions is not None:  # ChatGLM-6B: the block position counts on, the other stays
+            positions = self.next_positions.expand(rows, 2, width).clone()
+            positions[:, 1] += torch.arange(width, device=positions.device)
+        return model(tokens, cache=self.cache, use_cache=True, logits_to_keep=width, position_ids=positions,
+                     attention_mask=self.mask if self.padded else None).logits
+
+    def accept(self, kept: list[int]) -> None:
+        """After `verify` of W tokens a row: only the first `kept[r]` of row r's stay (its pending token and the
+        guesses the model agreed with); the rows are left-padded to a common length again."""
+        old = self.mask.shape[1] - self.verifying
+        self.verifying = 0
+        ends = [old + k for k in kept]  # each row's real columns end here
+        length = max(ends)
+        shifts = torch.tensor([length - e for e in ends], device=self.mask.device)
+        columns = torch.arange(length, device=self.mask.device)[None, :] - shifts[:, None]  # [rows, length]
+        valid = columns >= 0
+        index = columns.clamp(min=0)
+        self.mask = self.mask.gather(1, index) * valid
+        p = self.prefix_len
+        if bool((shifts == 0).all()):  # every row kept as many: cut the tail
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., :p + length, :], layer.values[..., :p + length, :]
+        else:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = (_shift_rows(t, index, p) for t in (layer.keys, layer.values))
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.clone()
+            self.next_positions[:, 1] += torch.tensor(kept, device=self.next_positions.device)[:, None]
+        self.padded = not bool(self.mask.all())
 
     @property
     def rows(self) -> int:
@@ -117,6 +158,13 @@ class BatchCache:
         p = self.prefix_len
         pad = states.new_zeros(*states.shape[:-2], n, states.shape[-1])
         return torch.cat([states[..., :p, :], pad, states[..., p:, :]], dim=-2)
+
+
+def _shift_rows(states: torch.Tensor, index: torch.Tensor, p: int) -> torch.Tensor:
+    """`states` [rows, heads, p + L, D] with each row's columns after the prefix taken at `index` [rows, L']."""
+    rows, heads, _, dim = states.shape
+    taken = states[..., p:, :].gather(2, index[:, None, :, None].expand(rows, heads, index.shape[1], dim))
+    return torch.cat([states[..., :p, :], taken], dim=2)
 
 
 def prefix_length(model) -> int:

@@ -25,7 +25,8 @@ import torch
 
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
-from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
+from chatglm_tune.decoding.speculative import DecodeStats, speculative_steps
+from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions, SamplingOptions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,6 +79,8 @@ def generate(
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
     use_cache: bool = True,
+    drafts: DraftOptions | None = None,
+    stats: DecodeStats | None = None,
 ) -> list[list[int]]:
     """New token ids of each row (each ends with `eos_token_id` when it stopped on it), KV-cached.
 
@@ -85,11 +88,19 @@ def generate(
     0 = left pad (None = no padding). The model runs in eval mode for the call. `seed`: see
     `row_generators`. `vocab_limit`: the tokenizer's vocabulary size; larger ids are never produced.
     `use_cache=False` decodes the reference script's way (`generate_recompute`), with the same result.
+    `drafts`: greedy decoding checks guesses looked up in each row's own tokens, several a forward
+    (`speculative`; the same ids; sampled rows decode plainly); `stats` (a `DecodeStats`) counts its
+    forwards, tokens and accepted guesses.
     """
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
     with _eval_mode(model):
-        decode = _decode_cached if use_cache else _decode_recompute
-        return decode(model, d, max_new_tokens, sampling, vocab_limit)
+        if not use_cache:
+            return _decode_recompute(model, d, max_new_tokens, sampling, vocab_limit)
+        results: list[list[int]] = [[] for _ in range(d.input_ids.shape[0])]
+        for rows, tokens in _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats):
+            for row, token in zip(rows, tokens):
+                results[row].append(token)
+        return results
 
 
 def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options) -> list[list[int]]:
@@ -109,6 +120,8 @@ def generate_steps(
     eos_token_id: int | Sequence[int] | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
+    drafts: DraftOptions | None = None,
+    stats: DecodeStats | None = None,
 ) -> Iterator[tuple[list[int], list[int]]]:
     """`generate` one KV-cached step at a time: yields, each step, (the prompt index of every row still
     decoding, the new token of each). The tokens are `generate`'s with the same arguments. A step runs when
@@ -116,15 +129,17 @@ def generate_steps(
     until the iteration ends or the generator is closed (inference mode holds only while a step runs)."""
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
     with _eval_mode(model):
-        yield from _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
+        yield from _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats)
 
 
-def _decode_cached(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in range(d.input_ids.shape[0])]
-    for rows, tokens in _cached_steps(model, d, max_new_tokens, sampling, vocab_limit):
-        for row, token in zip(rows, tokens):
-            results[row].append(token)
-    return results
+def _steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit,
+           drafts: DraftOptions | None, stats: DecodeStats | None) -> Iterator[tuple[list[int], list[int]]]:
+    """The KV-cached loop: speculative where drafts are asked for and decoding is greedy, else plain."""
+    if drafts is None or not sampling.greedy:
+        return _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
+    stop = [] if d.stop is None else d.stop.tolist()
+    return speculative_steps(model, d.input_ids, d.mask, stop=stop, fallback=d.fallback, max_new_tokens=max_new_tokens,
+                             vocab_limit=vocab_limit, drafts=drafts, stats=DecodeStats() if stats is None else stats)
 
 
 def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions,

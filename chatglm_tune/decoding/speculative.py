@@ -1,0 +1,124 @@
+"""Speculative greedy decoding: each row guesses its next tokens from its own (`drafting`), one forward checks
+every row's guesses, and each row keeps the guesses the model agrees with plus the model's own next token.
+
+The ids are plain greedy decoding's, token for token, up to the float rounding of a forward over several
+positions instead of one (a near-tie of the two best scores can fall either way, as between batch sizes):
+a guess is kept only where it is the argmax of the scores before it, and the token after the last kept
+guess is the argmax there, as the plain loop would pick. A step costs one forward of (1 + guesses) rows a
+row; decoding is bound by reading the weights once a step, so that is about the cost of one token.
+
+The cache (`batch_cache.BatchCache.verify` / `accept`) takes each row's pending token and its guesses, then
+keeps, per row, the pending token and the accepted guesses: rows that kept fewer are shifted right (left
+padded), so the batch stays one left-padded cache. Rows stop on a stop id or the budget as in `generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chatglm_tune.decoding.batch_cache import BatchCache
+from chatglm_tune.decoding.drafting import PromptLookup
+from chatglm_tune.decoding.sampling import next_tokens
+from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
+
+
+@dataclass
+class DecodeStats:
+    """What a speculative run did after the prefill: forwards, the rows they ran (a forward of a batch runs
+    each live row once), the tokens they gave, guesses made and kept."""
+
+    forwards: int = 0
+    row_forwards: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """A row's tokens per forward (1.0 without speculation)."""
+        return self.tokens / self.row_forwards if self.row_forwards else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: "DecodeStats") -> None:
+        self.forwards += other.forwards
+        self.row_forwards += other.row_forwards
+        self.tokens += other.tokens
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+
+def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, stop: Sequence[int], fallback: int,
+                      max_new_tokens: int, vocab_limit: int | None, drafts: DraftOptions,
+                      stats: DecodeStats) -> Iterator[tuple[list[int], list[int]]]:
+    """`generation`'s greedy loop with guesses: yields (the prompt index of each row with a token, its token),
+    one token a row a yield, as the plain loop does (a forward may give a row several)."""
+    if max_new_tokens == 0:
+        return
+    stop = set(stop)
+    batch, scores = BatchCache.prefill(model, ids, mask)
+    history = [row[m.bool()].tolist() for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
+    produced = [0] * len(history)
+    live = list(range(len(history)))  # batch row -> prompt index
+    emitted = [[t] for t in _greedy(scores, fallback, vocab_limit)]
+    lookup = PromptLookup(drafts)
+    while True:
+        yield from _columns(live, emitted)
+        going = []
+        for i, r in enumerate(live):
+            history[r] += emitted[i]
+            produced[r] += len(emitted[i])
+            if emitted[i][-1] not in stop and produced[r] < max_new_tokens:
+                going.append(i)
+        if not going:
+            return
+        if len(going) < len(live):
+            batch.select(torch.tensor(going, device=ids.device))
+            live = [live[i] for i in going]
+        guesses = [lookup.draft(r, history[r], max_new_tokens - produced[r] - 1) for r in live]
+        emitted = _step(model, batch, [history[r][-1] for r in live], guesses, stop, fallback, vocab_limit)
+        for r, guess, out in zip(live, guesses, emitted):
+            lookup.update(r, len(guess), len(out) - 1)
+            stats.drafted += len(guess)
+            stats.accepted += len(out) - 1
+            stats.tokens += len(out)
+        stats.forwards += 1
+        stats.row_forwards += len(live)
+
+
+def _step(model, batch: BatchCache, pending: list[int], guesses: list[list[int]], stop: set[int], fallback: int,
+          vocab_limit) -> list[list[int]]:
+    """One forward over each row's pending token and guesses: each row's new tokens (kept guesses + one)."""
+    device = batch.mask.device
+    width = 1 + max(len(g) for g in guesses)
+    if width == 1:
+        return [[t] for t in _greedy(batch.step(model, torch.tensor(pending, device=device)), fallback, vocab_limit)]
+    rows = [[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)]  # tail: pads, masked
+    scores = batch.verify(model, torch.tensor(rows, device=device), [1 + len(g) for g in guesses])
+    targets = _greedy(scores.reshape(-1, scores.shape[-1]), fallback, vocab_limit)
+    out = []
+    for i, guess in enumerate(guesses):
+        target = targets[i * width:(i + 1) * width]
+        kept = 0
+        while kept < len(guess) and guess[kept] == target[kept] and target[kept] not in stop:
+            kept += 1
+        out.append(guess[:kept] + [target[kept]])
+    batch.accept([len(tokens) for tokens in out])
+    return out
+
+
+def _greedy(scores: torch.Tensor, fallback: int, vocab_limit) -> list[int]:
+    return next_tokens(scores, DEFAULT_SAMPLING, [None] * scores.shape[0], fallback_id=fallback,
+                       vocab_limit=vocab_limit).tolist()
+
+
+def _columns(live: list[int], emitted: list[list[int]]) -> Iterator[tuple[list[int], list[int]]]:
+    """The tokens of one forward, one a row a yield: the rows that have a j-th token, for each j."""
+    for j in range(max(len(tokens) for tokens in emitted)):
+        has = [i for i, tokens in enumerate(emitted) if len(tokens) > j]
+        yield [live[i] for i in has], [emitted[i][j] for i in has]
