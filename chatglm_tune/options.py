@@ -381,11 +381,13 @@ class ServingOptions:
     such prefill at a time (a longer prompt goes in chunks of this many tokens, where the model allows).
     512: on a mid-size GLM-4 (92 M parameters, 2 cores, 16 streams) 64 cut throughput by a quarter and
     doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve.py).
+    drafts: greedy requests decode speculatively (`DraftOptions`: the same tokens, fewer steps).
     """
 
     max_batch: int = 32
     max_queue: int | None = 256
     prefill_tokens: int = 512
+    drafts: DraftOptions | None = DEFAULT_DRAFTS  # greedy requests check guesses (speculative); None: plain
     host: str = "127.0.0.1"
     port: int = 8000
 

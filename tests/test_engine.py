@@ -10,12 +10,15 @@ step and the others go on unchanged; the queue refuses beyond `max_queue`; a clo
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from chatglm_tune.batches import SpecialIds
+from chatglm_tune.decoding import emitter
+from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
@@ -72,8 +75,15 @@ def run_until_idle(engine: Engine, arrivals: dict[int, list[Request]], limit: in
     raise AssertionError("the engine did not finish")
 
 
-def test_each_request_gets_what_generate_gives_it_alone(tiny):
+@pytest.mark.parametrize("guesses", ["lookup", "wrong", "off"])
+def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypatch):
+    """Greedy requests guess their next tokens (speculative decoding, the default) from their own tokens, or
+    guess wrong (random ids: rows keep different numbers of tokens), or do not guess: the same tokens."""
     model, tokenizer = tiny
+    checks = spy_on_checks(monkeypatch)
+    if guesses == "wrong":
+        draw = random.Random(0)
+        monkeypatch.setattr(emitter, "lookup", lambda tokens, k, *_: [draw.randrange(len(tokenizer)) for _ in range(k)])
     prompts = prompts_of(tokenizer, 10)
     stop_ids = tokenizer.prompt_format.stop_ids(tokenizer)
     jobs = []
@@ -87,8 +97,8 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny):
             alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i,
                              eos_token_id=own_stop, vocab_limit=len(tokenizer))[0]
         jobs.append((prompt, n, sampling, own_stop, alone))
-    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
-                    options=ServingOptions(max_batch=4, prefill_tokens=48))
+    options = ServingOptions(max_batch=4, prefill_tokens=48, **({"drafts": None} if guesses == "off" else {}))
+    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
     recorders = [Recorder() for _ in jobs]
     requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop) for i, (r, (p, n, s, stop, _)) in enumerate(zip(recorders, jobs))]
     arrivals = {0: requests[:3], 2: requests[3:6], 5: requests[6:]}  # newcomers while others run; more than the batch
@@ -98,6 +108,20 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny):
         assert recorder.finish == (FINISH_STOP if alone[-1] in stop else FINISH_LENGTH), f"request {i}"
     assert any(len(p) > 48 for p in prompts)  # some prompts went in chunks (or whole, for ChatGLM-6B)
     assert steps < sum(len(job[4]) for job in jobs)  # batched
+    assert (checks.count > 0) == (guesses != "off")
+
+
+def spy_on_checks(monkeypatch):
+    """Counts the forwards that check guesses (`BatchCache.verify`)."""
+    verify = BatchCache.verify
+
+    def counted(self, *args):
+        counted.count += 1
+        return verify(self, *args)
+
+    counted.count = 0
+    monkeypatch.setattr(BatchCache, "verify", counted)
+    return counted
 
 
 def test_a_cancelled_request_leaves_and_the_others_go_on(tiny):

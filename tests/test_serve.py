@@ -30,6 +30,7 @@ uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
 from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.decoding.batch_cache import BatchCache  # noqa: E402
 from chatglm_tune.decoding.chat import chat  # noqa: E402
 from chatglm_tune.extraction import extract  # noqa: E402
 from chatglm_tune.decoding.generation import generate  # noqa: E402
@@ -145,9 +146,14 @@ def test_chat_is_the_versions_chat(served):
     assert use == reply.usage.model_dump()
 
 
-def test_completion_and_extraction_are_infer_rows(served):
+def test_completion_and_extraction_are_infer_rows(served, monkeypatch):
+    """The server decodes greedy requests speculatively (it checks guesses: counted); infer.py's rows here are
+    plain greedy decoding's: the same text."""
+    checks = []
+    verify = BatchCache.verify
+    monkeypatch.setattr(BatchCache, "verify", lambda self, *args: checks.append(1) or verify(self, *args))
     texts = TEXTS[:3]
-    settings = ExtractionSettings(encoding=served.source.encoding, max_new_tokens=10, batch_size=1)
+    settings = ExtractionSettings(encoding=served.source.encoding, max_new_tokens=10, batch_size=1, drafts=None)
     rows = [r for batch in extract(served.model, served.tokenizer, [SPORecord(t, None) for t in texts], settings)
             for r in batch]
     client = served.client()
@@ -162,6 +168,7 @@ def test_completion_and_extraction_are_infer_rows(served):
     for got, row in zip(body["results"], rows):
         assert {k: got[k] for k in ("generated", "triples", "malformed", "new_tokens", "stopped")} == \
                {k: row[k] for k in ("generated", "triples", "malformed", "new_tokens", "stopped")}
+    assert checks
 
 
 def test_concurrent_requests_answer_what_each_answers_alone(served):
@@ -208,7 +215,8 @@ def test_each_stop_id_of_the_version_ends_the_answer(served):
     for stop_id in stop_ids:
         def force(module, args, kwargs, output, stop_id=stop_id):
             ids = args[0] if args else kwargs["input_ids"]
-            if ids.shape[1] == 1:  # a decoding step, not a prompt
+            cached = kwargs["cache"].get_seq_length() - (getattr(module.config, "pre_seq_len", None) or 0)
+            if cached > ids.shape[1]:  # a decoding step (one token, or a check of guesses), not a prompt
                 output.logits[..., stop_id] = 1e4
             return output
 

@@ -26,6 +26,14 @@ def lookup(tokens: Sequence[int], k: int, ngram_max: int, ngram_min: int) -> lis
     return []
 
 
+def next_length(options: DraftOptions, length: int, drafted: int, accepted: int) -> int:
+    """A row's draft length after a step where it guessed `drafted` tokens and the model agreed with the first
+    `accepted`: twice as many after a full take (up to `max_draft`), else one more than it took."""
+    if drafted == 0:
+        return length
+    return min(2 * length, options.max_draft) if accepted == drafted else max(1, accepted + 1)
+
+
 class PromptLookup:
     """A draft length per row (keyed by the caller's row id), adapted to the row's acceptance."""
 
@@ -42,7 +50,4 @@ class PromptLookup:
 
     def update(self, row: int, drafted: int, accepted: int) -> None:
         """After a step where the row guessed `drafted` tokens and the model agreed with the first `accepted`."""
-        if drafted == 0:
-            return
-        k = self._lengths[row]
-        self._lengths[row] = min(2 * k, self.options.max_draft) if accepted == drafted else max(1, accepted + 1)
+        self._lengths[row] = next_length(self.options, self._lengths[row], drafted, accepted)

@@ -4,17 +4,23 @@ and generator, handed to its request, and the end of the rows that stop (a stop 
 Rows of equal sampling options and fallback id sample together through `sampling.next_tokens`, which treats
 each row alone, with the generator its request's seed made (seeded as `generate` seeds a batch of one), so
 a request draws what `generate` draws for its prompt alone.
+
+With `drafts`, a greedy row guesses its next tokens from its own prompt and answer (`drafting`); the engine
+checks every row's guesses in one forward (`BatchCache.verify`) and `emit_verified` hands over the guesses
+the model agrees with plus its next token, as `speculative` does for `generate`: the same tokens.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from chatglm_tune.decoding.drafting import lookup, next_length
 from chatglm_tune.decoding.request import FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
+from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
 
 
 @dataclass(eq=False)
@@ -25,37 +31,73 @@ class Row:
     generator: torch.Generator | None
     generated: int = 0
     pending: int = 0  # the last token sampled, fed at the next step
+    history: list[int] = field(default_factory=list)  # prompt and answer so far (where the row guesses)
+    draft_length: int = 0  # tokens the row guesses at its next step (0: it does not)
 
 
 class Emitter:
     """Samples and hands over tokens for a model whose config stops on `default_stop` (a request's own stop
     ids rule where it has some); ids >= `vocab_limit` (the tokenizer's size) are never produced."""
 
-    def __init__(self, default_stop: list[int], vocab_limit: int | None, device):
+    def __init__(self, default_stop: list[int], vocab_limit: int | None, device, drafts: DraftOptions | None = None):
         self.default_stop = default_stop
         self.vocab_limit = vocab_limit
         self.device = device
+        self.drafts = drafts
 
     def row(self, request: Request) -> Row:
-        return Row(request, row_generators(request.seed, 1, self.device)[0])
+        guesses = self.drafts is not None and request.sampling.greedy
+        return Row(request, row_generators(request.seed, 1, self.device)[0], history=list(request.prompt) if guesses else [],
+                   draft_length=self.drafts.first_draft if guesses else 0)
 
     def emit(self, rows: list[Row], scores: torch.Tensor) -> list[bool]:
         """Sample each row's next token from its scores [rows, V] and hand it over; which rows go on (False:
         finished, and told so)."""
-        keep = []
-        for row, token in zip(rows, self._sample(rows, scores)):
-            request = row.request
-            row.pending, row.generated = token, row.generated + 1
-            request.on_token(token)
-            if token in self._stop_ids(request):
-                request.on_finish(FINISH_STOP, None)
-            elif row.generated >= request.max_new_tokens:
-                request.on_finish(FINISH_LENGTH, None)
-            else:
-                keep.append(True)
-                continue
-            keep.append(False)
-        return keep
+        return [self._hand(row, token) for row, token in zip(rows, self._sample(rows, scores))]
+
+    def guesses(self, rows: list[Row]) -> list[list[int]]:
+        """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget."""
+        out = []
+        for row in rows:
+            room = min(row.draft_length, row.request.max_new_tokens - row.generated - 1)
+            out.append(lookup(row.history, room, self.drafts.ngram_max, self.drafts.ngram_min) if room > 0 else [])
+        return out
+
+    def emit_verified(self, rows: list[Row], scores: torch.Tensor, guesses: list[list[int]]) -> tuple[list[int], list[bool]]:
+        """After `BatchCache.verify` (scores [rows, W, V] after each row's pending token and guesses): hand each row
+        its agreed guesses and next token. (The cache columns each row keeps, which rows go on.)"""
+        firsts = self._sample(rows, scores[:, 0])
+        kept, keep = [], []
+        for i, (row, guess) in enumerate(zip(rows, guesses)):
+            tokens = [firsts[i]]
+            if guess:
+                stop = self._stop_ids(row.request)
+                targets = next_tokens(scores[i, :len(guess) + 1], DEFAULT_SAMPLING, [None] * (len(guess) + 1),
+                                      fallback_id=stop[0], vocab_limit=self.vocab_limit).tolist()
+                n = 0
+                while n < len(guess) and guess[n] == targets[n] and targets[n] not in stop:
+                    n += 1
+                tokens = guess[:n] + [targets[n]]
+                row.draft_length = next_length(self.drafts, row.draft_length, len(guess), n)
+            going = all(self._hand(row, token) for token in tokens)  # stops at the first that ends the row
+            kept.append(len(tokens))
+            keep.append(going)
+        return kept, keep
+
+    def _hand(self, row: Row, token: int) -> bool:
+        """Hand `token` to the row's request; whether the row goes on (False: finished, and told so)."""
+        request = row.request
+        row.pending, row.generated = token, row.generated + 1
+        if row.draft_length:
+            row.history.append(token)
+        request.on_token(token)
+        if token in self._stop_ids(request):
+            request.on_finish(FINISH_STOP, None)
+        elif row.generated >= request.max_new_tokens:
+            request.on_finish(FINISH_LENGTH, None)
+        else:
+            return True
+        return False
 
     def _stop_ids(self, request: Request):
         return request.stop_ids or self.default_stop

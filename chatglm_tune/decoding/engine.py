@@ -13,7 +13,9 @@ row costs.
 
 Exactness: a request's tokens are the ones `generate` gives its prompt alone, up to the float rounding of
 batched matrix products: masked pads weigh exactly 0 and positions come from each row's own tokens
-(`batch_cache`), and each request samples with its own generator (`emitter`).
+(`batch_cache`), and each request samples with its own generator (`emitter`). Greedy requests guess their
+next tokens from their own prompt and answer where `options.drafts` is set, and a step checks all guesses
+in one forward (speculative decoding: the same tokens, fewer steps; sampled requests decode plainly).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Engine:
         self.device = next(model.parameters()).device
         eos = model.config.eos_token_id
         self.scheduler = Scheduler(options)
-        self.emitter = Emitter([eos] if isinstance(eos, int) else list(eos), vocab_limit, self.device)
+        self.emitter = Emitter([eos] if isinstance(eos, int) else list(eos), vocab_limit, self.device, options.drafts)
         self._rows: list[Row] = []  # the running batch's rows, in the order of its cache's
         self._cache: BatchCache | None = None
         self._partial: _Partial | None = None
@@ -221,10 +223,19 @@ class Engine:
         self._rows = self._rows + rows
 
     def _decode(self) -> None:
-        tokens = torch.tensor([row.pending for row in self._rows], device=self.device)
-        scores = self._cache.step(self.model, tokens)
+        """One forward of the running batch: each row's pending token in, or, where greedy rows have guesses,
+        each row's pending token and guesses (`speculative`: the same tokens, several a step)."""
+        pending = [row.pending for row in self._rows]
+        guesses = self.emitter.guesses(self._rows) if self.options.drafts is not None else []
+        if any(guesses):
+            width = 1 + max(len(g) for g in guesses)
+            rows = [[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)]  # tail: masked pads
+            scores = self._cache.verify(self.model, torch.tensor(rows, device=self.device), [1 + len(g) for g in guesses])
+            kept, keep = self.emitter.emit_verified(self._rows, scores, guesses)
+            self._cache.accept(kept)
+        else:
+            keep = self.emitter.emit(self._rows, self._cache.step(self.model, torch.tensor(pending, device=self.device)))
         self.steps += 1
-        keep = self.emitter.emit(self._rows, scores)
         if not all(keep):
             self._keep(keep)
 
