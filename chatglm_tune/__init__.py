@@ -2,14 +2,19 @@
 
 `chatglm_tune.from_pretrained(dir)` / `chatglm_tune.load_tokenizer(dir)` load any version.
 
-Importing the package registers `model_type: chatglm` with transformers' Auto classes (`auto`), so
-`AutoModel.from_pretrained(dir)` works without `trust_remote_code`. The public names below are imported
-when first used: `import chatglm_tune` (and every command's `--help`) stays light.
+After `import chatglm_tune`, transformers' Auto classes load every version's directory (`model_type: chatglm`)
+without `trust_remote_code`, yet the import itself reads neither torch nor transformers, so every command's
+`--help` answers at once. The registration (`auto`) imports both; it happens at first use. The moment
+transformers' AutoConfig is imported (now, if it already is), a stand-in for `model_type: chatglm` is registered
+with it; reading such a config, which AutoModel, AutoTokenizer and peft's Auto classes all do first, imports `auto`,
+which registers every class in the stand-in's place. The public names below are imported when first used, and
+register too.
 """
 
 import importlib
-
-from chatglm_tune import auto  # noqa: F401  (registers with the Auto classes)
+import importlib.abc
+import importlib.util
+import sys
 
 _PUBLIC = {
     "ChatGLMConfig": ".models.chatglm6b.config",
@@ -21,9 +26,71 @@ _PUBLIC = {
     "load_tokenizer": ".models.registry",
 }
 __all__ = sorted(_PUBLIC)
+# AutoConfig's module: AutoModel's, AutoTokenizer's and the others' all import it first.
+_AUTO_CONFIG = "transformers.models.auto.configuration_auto"
 
 
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _registered()
     return getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+
+
+def _registered():
+    """The `auto` module, imported: every class registered with transformers' Auto classes."""
+    from chatglm_tune import auto
+
+    return auto
+
+
+def _register_stand_in() -> None:
+    """`model_type: chatglm` in AutoConfig as a stand-in that hands over to `auto` at its first use (reading a
+    config: `AutoConfig.from_pretrained`, `for_model`). A registration already made by `auto` stays."""
+    if "chatglm_tune.auto" in sys.modules:
+        return
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import AutoConfig
+
+    class ChatGLMConfigStandIn(PreTrainedConfig):
+        model_type = "chatglm"
+
+        def __new__(cls, *args, **kwargs):
+            return _registered().AnyChatGLMConfig(*args, **kwargs)
+
+        @classmethod
+        def from_dict(cls, config_dict: dict, **kwargs):
+            return _registered().AnyChatGLMConfig.from_dict(config_dict, **kwargs)
+
+    AutoConfig.register("chatglm", ChatGLMConfigStandIn, exist_ok=True)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Calls `then()` right after the module `name` is first imported, before the import that asked for it
+    returns; the module keeps its own loader."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then, self.loader = name, then, None
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # as the finders after this one find it
+        if spec is not None and spec.loader is not None:
+            self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.then()
+
+
+if _AUTO_CONFIG in sys.modules:
+    _register_stand_in()
+else:
+    sys.meta_path.insert(0, _AfterImport(_AUTO_CONFIG, _register_stand_in))

@@ -5,8 +5,9 @@ config.json as its version's own (`models.registry.detect`): ChatGLM-6B's `ChatG
 `ChatGLMFamilyConfig` for ChatGLM2/3 and GLM-4, which maps to the GlmForCausalLM-based model.
 
 The model and tokenizer modules are imported at first use, not at registration: the Auto mappings hold
-stand-ins whose `from_pretrained` imports the real class and hands over. So `import chatglm_tune` costs
-only torch and transformers' configuration code, and the command lines answer `--help` at once.
+stand-ins whose `from_pretrained` imports the real class and hands over. This module itself is imported at
+first use too (the package's `__init__`), so `import chatglm_tune` and every command's `--help` import neither
+torch nor transformers.
 
 A train.py P-tuning or LoRA run directory loads as its base with the run's prefix or adapter (as
 `chatglm_tune.from_pretrained` loads it), and so does a LoRA adapter directory whose adapter_config.json

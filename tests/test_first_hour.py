@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import chatglm_tune
 from chatglm_tune import loading, rundir
 from chatglm_tune.quant.modules import QuantizedLinear
 from commands import ROOT, cli, finish, ok, side_by_side, start
@@ -257,18 +258,58 @@ def test_quantize_on_an_adapter_directory_points_at_its_base(work, tmp_path):
 # 10. Help texts
 
 
-@pytest.mark.parametrize("script", ["train.py", "infer.py", "quantize.py"])
-def test_help_is_quick_and_loads_no_model_code(script):
+@pytest.mark.parametrize("script", ["train.py", "infer.py", "quantize.py", "serve.py", "export.py"])
+def test_help_is_quick_and_imports_neither_torch_nor_transformers(script):
     probe = ("import runpy, sys; sys.argv = [{0!r}, '--help']\n"
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "heavy = [m for m in ('chatglm_tune.models.chatglm6b.modeling', 'peft', 'accelerate', 'transformers.modeling_utils') if m in sys.modules]\n"
+             "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.auto') if m in sys.modules]\n"
              "print('HEAVY', heavy)").format(str(ROOT / script))
+    started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    seconds = time.perf_counter() - started
     assert done.returncode == 0, done.stderr
-    # What made --help take 7-11 s was importing the model code; without it, 2.3-2.5 s on a quiet machine
-    # (measured, not asserted: a shared CI machine's load would decide a time bound).
+    # What made --help take 2.5 s (7-11 s before that) was importing torch and transformers, for the Auto classes'
+    # registration and then for the model code; without them 0.1-0.2 s on a quiet machine. The modules are the
+    # check; the time bound only catches a gross regression on a loaded machine.
     assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
     assert "usage:" in done.stdout and "spec section" not in done.stdout
+    assert seconds < 30, seconds
+
+
+AUTO_PROBE = """
+import sys
+{first}
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+fixtures = {fixtures!r}
+print(type(AutoConfig.from_pretrained(fixtures + "/chatglm3-tiny")).__name__)
+print(type(AutoModelForCausalLM.from_pretrained(fixtures + "/chatglm3-tiny")).__name__)
+print(type(AutoModel.from_pretrained(fixtures + "/model-small-vocab")).__name__)
+print(type(AutoTokenizer.from_pretrained({tokenizer!r})).__name__)
+"""
+
+
+@pytest.mark.parametrize("first", ["import chatglm_tune", "import transformers; import chatglm_tune",
+                                   "import chatglm_tune; import transformers.models.auto.configuration_auto",
+                                   "from chatglm_tune import loading"])
+def test_import_chatglm_tune_is_all_the_auto_classes_need(work, first):
+    """Transformers' Auto classes load every version's directory after `import chatglm_tune`, whichever of the
+    two was imported first, and after an import of the package's own that imports transformers."""
+    root, _ = work
+    probe = AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"), tokenizer=str(root / "base"))
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = done.stdout.split()
+    assert names[:3] == ["ChatGLMFamilyConfig", "GlmForCausalLMWithPrefix", "ChatGLMForConditionalGeneration"], names
+    assert names[3] == type(chatglm_tune.load_tokenizer(root / "base")).__name__
+
+
+def test_import_chatglm_tune_imports_neither_torch_nor_transformers():
+    done = subprocess.run([sys.executable, "-c", "import sys, chatglm_tune, chatglm_tune.options\n"
+                           "print([m for m in ('torch', 'transformers') if m in sys.modules])"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
 
 
 def test_train_help_is_grouped_and_shows_every_default():
