@@ -81,6 +81,7 @@ class PromptFormat:
     chat_sampling: SamplingOptions  # the official chat()'s sampling defaults
     chat_max_length: int  # ... and its max_length (prompt and answer tokens)
     chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
+    tool_calls: bool = False  # its chat writes tool calls that chat() reads (ChatGLM3, GLM-4-9B)
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
     # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
     # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction

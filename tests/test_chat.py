@@ -201,12 +201,42 @@ def test_process_chat_response_text_and_tool_calls():
     assert process_chat_response(["get_weather\n```python\ntool_ca"], with_tools, "chatglm3")[0] == {
         "name": "get_weather", "content": "```python\ntool_ca"}
     assert process_chat_response(['get_weather\n{"ci'], with_tools, "glm4")[0] == {"name": "get_weather", "content": '{"ci'}
-    # metadata without tools in the system message
-    assert process_chat_response(["note\nbody"], asked, "glm4")[0] == {"name": "note", "content": "body"}
+    # ChatGLM3's first line is metadata, tools or not; GLM-4-9B's names a tool only where the tools declare it
+    assert process_chat_response(["note\nbody"], asked, "chatglm3")[0] == {"name": "note", "content": "body"}
+    assert process_chat_response(["note\nbody"], asked, "glm4")[0] == "note\nbody"
+    assert process_chat_response(['note\n{"city": "北京"}'], with_tools, "glm4")[0] == 'note\n{"city": "北京"}'
     # two segments (the model wrote <|assistant|> between them): two assistant messages, the last one answers
     response, history = process_chat_response(["\n我查一下。", 'get_weather\n{"city": "北京"}'], with_tools, "glm4")
     assert response == {"name": "get_weather", "parameters": {"city": "北京"}}
     assert [m["metadata"] for m in history[2:]] == ["", "get_weather"] and history[:2] == with_tools
+
+
+SPO_ANSWER = "水泵_故障_漏油\n风扇_状态_低速\n水温_状态_高"  # one triple a line
+
+
+@pytest.mark.parametrize("version", ["glm4", "glm4-0414", "glm-edge"])
+def test_a_multi_line_answer_is_all_content(version):
+    """An SPO answer is one triple a line: none of its lines is taken for a tool's name. GLM-4-0414 and GLM-Edge
+    write no first line naming a tool (their chat templates' tool calls take another form), so their answer is
+    the whole text, tools or not; GLM-4-9B's first line names a tool only where the system message declares it."""
+    asked = [{"role": "user", "content": "故障现象：发动机水温高。"}]
+    with_tools = [{"role": "system", "content": "可用工具", "tools": TOOLS}, *asked]
+    for history in (asked, with_tools):
+        response, new_history = process_chat_response([SPO_ANSWER + "\n"], history, version)
+        assert response == SPO_ANSWER
+        assert new_history == [*history, {"role": "assistant", "metadata": "", "content": SPO_ANSWER}]
+    if version != "glm4":  # nor does a first line that is a declared tool's name
+        call = 'get_weather\n{"city": "北京"}'
+        assert process_chat_response([call], with_tools, version)[0] == call
+
+
+def test_glm4_0414_chat_returns_every_line_of_its_answer(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model, tokenizer = registry.VERSIONS["glm4-0414"].tiny(TEXTS, tmp_path)
+    answer = tokenizer.encode_text(SPO_ANSWER) + tokenizer.prompt_format.stop_ids(tokenizer)[:1]
+    spy_on_generate(monkeypatch, answer=answer)
+    response, history = model.eval().chat(tokenizer, "故障现象：发动机水温高。")
+    assert response == SPO_ANSWER and history[-1]["content"] == SPO_ANSWER
 
 
 def test_chatglm3_chat_returns_a_tool_call(tiny, monkeypatch):

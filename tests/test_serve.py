@@ -353,22 +353,24 @@ def test_run_directories_serve_what_generate_gives(runs, kind):
 def test_a_tool_call_is_openais_tool_calls(tmp_path):
     """ChatGLM3 writes a tool call as `name\n```python\ntool_call(k=v)\n```` after the tools in the system
     message: the reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo
-    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the messages."""
+    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the messages. GLM-4-0414's chat has no
+    tool calls here: 400 naming the tools."""
     from chatglm_tune.serve.app import _chat_answer
     from chatglm_tune.serve.protocol import ApiError, parse_call
     from chatglm_tune.serve.service import Done
 
     tools = [{"name": "get_weather", "description": "天气", "parameters": {"type": "object"}}]
     body = {"messages": [{"role": "user", "content": "北京天气"}], "tools": tools}
-    for name in ("chatglm3", "glm4"):
+    for name in ("chatglm3", "glm4", "glm4-0414"):
         directory = tiny_model(name, tmp_path / name)
         model, tokenizer = loading.load_run(loading.resolve_run(directory))
         service = Service(model, tokenizer, served="tiny")
         call = parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling)
-        if name == "glm4":
+        if name != "chatglm3":
             with pytest.raises(ApiError) as err:
                 service.chat_turn(call)
-            assert err.value.status == 400 and err.value.param == "messages" and "tool" in err.value.message
+            param = "messages" if name == "glm4" else "tools"
+            assert err.value.status == 400 and err.value.param == param and "tool" in err.value.message
             continue
         turn = service.chat_turn(call)
         assert turn.history[0]["tools"] == tools
@@ -380,6 +382,46 @@ def test_a_tool_call_is_openais_tool_calls(tmp_path):
         plain = tokenizer.encode("晴。", add_special_tokens=False)
         message, finish = _chat_answer(call, turn, Done("", "length", len(plain), tuple(plain), False))
         assert (message, finish) == ({"role": "assistant", "content": "晴。"}, "length")
+
+
+def taught(version: str, directory: Path, text: str, triples) -> Path:
+    """A tiny random model of `version` taught one record (its prompt as infer.py and completions build it, its
+    answer one triple a line) until greedy decoding writes it: a multi-line answer, whatever the seed."""
+    from chatglm_tune.models import registry
+    from chatglm_tune.options import EncodingOptions
+    from chatglm_tune.records import Triple
+
+    torch.manual_seed(0)
+    model, tokenizer = registry.VERSIONS[version].tiny(TEXTS, directory)
+    row = tokenizer.prompt_format.training_row(tokenizer, SPORecord(text, tuple(Triple(*t) for t in triples)),
+                                               EncodingOptions())
+    ids, labels = torch.tensor([row.input_ids]), torch.tensor([row.labels])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(80):
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("version", ["glm4-0414", "glm-edge"])
+def test_a_multi_line_chat_answer_keeps_every_line(version, tmp_path):
+    """A chat answer of several lines (SPO: one triple a line) comes back whole, streamed or not: the text
+    /v1/completions gives the same prompt. GLM-4-0414's and GLM-Edge's first line never names a tool."""
+    text = TEXTS[0]
+    directory = taught(version, tmp_path / version, text, [("水泵", "故障", "漏油"), ("风扇", "状态", "低速")])
+    with serving(directory) as s:
+        prompt = s.source.encoding.prompt + text  # the chat message whose prompt is the completion's
+        completion = s.client().completions.create(model="tiny", prompt=text, max_tokens=40).choices[0].text
+        assert len(completion.strip().splitlines()) >= 2, completion  # the answer taught: more than one line
+        messages = [{"role": "user", "content": prompt}]
+        reply = s.client().chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0)
+        assert reply.choices[0].message.content == completion.strip()
+        stream = s.client().chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                                    stream=True)
+        assert streamed(stream)[0] == completion.strip()
 
 
 def test_train_and_infer_import_nothing_of_the_server():

@@ -3,8 +3,9 @@ becomes ids and comes back as text (chat, completion, extraction), for asyncio h
 
 - chat: the messages become the version's official chat prompt (`chat.prepare_turn`: ChatGLM-6B / ChatGLM2
   (query, response) rounds; ChatGLM3 / GLM-4 role messages, `system` included, OpenAI's `tool` role as
-  `observation`, `tools` in the system message as their official demos put them); the answer is what
-  `chat()` answers (the version's post-processing; a ChatGLM3 / GLM-4 tool call as OpenAI's `tool_calls`).
+  `observation`, `tools` in the system message as their official demos put them, refused for the versions
+  whose chat has no tool calls here: `PromptFormat.tool_calls`); the answer is what `chat()` answers (the
+  version's post-processing; a ChatGLM3 / GLM-4-9B tool call as OpenAI's `tool_calls`).
 - completion: the prompt string is the record text of the run's prompt format, with the run's instruction
   (`--prompt` of train.py) before it: the model's input is what `infer.py --text` gives it; the answer is
   the decoded text (`PromptFormat.decode_answer`).
@@ -208,9 +209,9 @@ class Service:
         """The `chat.Turn` of a chat call: its prompt, stop ids and post-processing; 400 on bad messages."""
         messages, tools = [dict(m) for m in call.messages], call.tools
         *history, last = messages
+        if tools and not self.format.tool_calls:
+            raise bad("tools", f"{self.format.title} has no tool calls here")
         if self.format.chat_in_pairs:
-            if tools:
-                raise bad("tools", f"{self.format.title} has no tool calls")
             pairs = self._pairs(history)
             query, role = last["content"], self._last_role(last, ("user",), len(messages) - 1)
             history = pairs

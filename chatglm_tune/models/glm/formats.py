@@ -14,7 +14,9 @@ attached to its tokenizer class (`tokenizer.prompt_format`).
 
 Chat: ChatGLM2 takes (query, response) pairs, as ChatGLM-6B; ChatGLM3 and GLM-4 take role messages (the
 official `chat()` prompt: ChatGLM3's `build_chat_input`, GLM-4's chat template) and post-process the answer
-into messages and tool calls (`process_chat_response`).
+into messages and tool calls (`process_chat_response`). ChatGLM3 and GLM-4-9B write a tool call as
+`<|assistant|>name\n arguments` (a plain answer starts with "\n"); GLM-4-0414 and GLM-Edge have no such form
+(their templates' tool calls take another), so their answer is all content, every line of it.
 
 Outside the toolkit (export.py) the same prompts are Jinja chat templates whose text, tokenized with special
 tokens parsed (llama.cpp's `parse_special`, transformers' fast tokenizers), gives these ids:
@@ -126,8 +128,17 @@ class _RoleFormat(_GLMFormat):
         return [tokenizer.get_command(f"<|{role}|>"), *self.answer_lead(tokenizer),
                 *tokenizer.encode_text(self.after_role(content))]
 
+    tool_calls = True
+
     def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
-        return process_chat_response(texts, history, self.training_time, self.tool_parameters)
+        return process_chat_response(texts, history, self.training_time, self.tool_call)
+
+    def tool_call(self, name: str, content: str, tools: list | None) -> dict | None:
+        """The official reading of an answer whose first line, `name`, is not empty: ChatGLM3's, a tool call
+        whatever the name, `{"name", "parameters"}` where tools are declared (`tools`: the system message's)
+        and the arguments parse, else `{"name", "content"}` (a call still streaming, or metadata without tools)."""
+        parameters = self.tool_parameters(content) if tools is not None else None
+        return {"name": name, **({"content": content} if parameters is None else {"parameters": parameters})}
 
     def tool_parameters(self, content: str):
         """The parameters of a tool call the model wrote, or None where `content` does not parse."""
@@ -200,6 +211,13 @@ class GLM4Format(_RoleFormat):
         except TemplateError as err:
             raise ValueError(f"{self.title}'s chat template: {err}") from None
 
+    def tool_call(self, name: str, content: str, tools: list | None) -> dict | None:
+        """GLM-4-9B's official reading (its OpenAI API demo): a tool call only where the first line names a tool
+        the system message declares, its arguments JSON (`{"name", "content"}` while they do not parse: a call
+        still streaming); any other answer is text, its first line too."""
+        declared = {(tool.get("function") or tool).get("name") for tool in tools or () if isinstance(tool, dict)}
+        return super().tool_call(name, content, tools) if name in declared else None
+
     def tool_parameters(self, content: str):
         """JSON."""
         try:
@@ -214,7 +232,9 @@ class TemplateFormat(GLM4Format):
     template is followed as it is written: GLM-4-0414's begins with `[gMASK]<sop>`, GLM-Edge's with the first
     role token. A trained answer is the text the template writes between its generation prompt and an
     assistant message's content, then the answer, then `<|user|>`. GLM-Z1 thinks inside `<think>...</think>`:
-    a chat answer keeps what follows it."""
+    a chat answer keeps what follows it. They write no first line naming a tool: an answer is all content."""
+
+    tool_calls = False
 
     def __init__(self, name: str, title: str, ollama_template: str):
         self.name, self.title, self.ollama_template = name, title, ollama_template
@@ -255,38 +275,37 @@ class TemplateFormat(GLM4Format):
         return before[len(prompt):]
 
     def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
-        """As GLM-4's, after the reasoning: what a GLM-Z1 answer writes after `</think>`."""
-        return super().chat_response([text.rpartition("</think>")[2] for text in texts], query, history)
+        """Each segment after the reasoning (what a GLM-Z1 answer writes after `</think>`), stripped, is an
+        assistant message's content, every line of it."""
+        return process_chat_response([text.rpartition("</think>")[2] for text in texts], history, None, None)
 
 
-def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str,
-                          tool_parameters: Callable[[str], object]) -> tuple[str | dict, list[dict]]:
+def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str | None,
+                          tool_call: Callable[[str, str, list | None], dict | None] | None) -> tuple[str | dict, list[dict]]:
     """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
 
     `segments`: the decoded answer split where the model wrote `<|assistant|>` (one text for a plain answer).
-    `history`: the messages so far, the query last; it is not changed. Each segment becomes
-    `{"role": "assistant", "metadata": its first line, "content": the rest}` (a segment of one line is all
-    content). The response is the last segment's:
-    - no metadata: the content stripped, with `[[训练时间]]` written as `training_time` (in the response
-      only, as officially);
-    - metadata (a tool name) and a first message that is a system message with `tools`: the tool call
-      `{"name": metadata stripped, "parameters": tool_parameters(content)}`; content that does not parse
-      (a call still being streamed) gives `{"name", "content"}`;
-    - metadata without tools: `{"name": metadata stripped, "content": content}`.
+    `history`: the messages so far, the query last; it is not changed. The response is the last segment's.
+    A segment whose first line is not empty goes to `tool_call(first line stripped, the rest, the tools of a
+    first system message or None)`: a tool call's response (`{"name", "parameters"}`, or `{"name", "content"}`),
+    and the message `{"role": "assistant", "metadata": first line, "content": the rest}`; None (and a segment
+    of one line, or one that starts with "\n", or any where `tool_call` is None) makes it text: the whole
+    segment stripped is the message's content, and the response, with `[[训练时间]]` written as `training_time`
+    (in the response only, as officially; None: left as it is).
     """
     history = list(history)
-    tools = bool(history) and history[0].get("role") == "system" and "tools" in history[0]
+    tools = history[0].get("tools") if history and history[0].get("role") == "system" and "tools" in history[0] else None
     response: str | dict = ""
     for text in segments:
         metadata, content = text.split("\n", 1) if "\n" in text else ("", text)
-        if not metadata.strip():
-            content = content.strip()
+        call = tool_call(metadata.strip(), content, tools) if tool_call is not None and metadata.strip() else None
+        if call is not None:
             history.append({"role": "assistant", "metadata": metadata, "content": content})
-            response = content.replace("[[训练时间]]", training_time)
+            response = call
             continue
-        history.append({"role": "assistant", "metadata": metadata, "content": content})
-        parameters = tool_parameters(content) if tools else None
-        response = {"name": metadata.strip(), **({"content": content} if parameters is None else {"parameters": parameters})}
+        content = text.strip()
+        history.append({"role": "assistant", "metadata": "", "content": content})
+        response = content if training_time is None else content.replace("[[训练时间]]", training_time)
     return response, history
 
 
