@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--pre-seq-len", type=int, help=f"P-tuning v2 prefix length (ptuning only; default {D.pre_seq_len})")
     g("--prefix-projection", action=argparse.BooleanOptionalAction,
       help="P-tuning v2 with the two-layer MLP reparameterisation (ptuning only; default off, as the official scripts; "
-           "with it use a lower --lr: at 2e-2 it diverged on bench/adapt.py's tiny GLM-4 base)")
+           "with it use a lower --lr: at 2e-2 it diverged on bench/training/adapt.py's tiny GLM-4 base)")
     g("--lora-r", type=int, help=f"LoRA rank (lora only; default {L.r})")
     g("--lora-alpha", type=int, help=f"LoRA alpha (lora only; default {L.alpha})")
     g("--lora-dropout", type=float, help=f"LoRA dropout (lora only; default {L.dropout})")

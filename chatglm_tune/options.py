@@ -228,11 +228,11 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # 0.830 there; lr 6e-3: 0.867; 3 layers of MLP 512: 0.944, at 1.55x the time). Depth rather than width
 # then (that set on an AVX-512 EPYC, one thread, runs side by side): 2 layers of MLP 512 for 3200 steps
 # 0.908, 3 of 256 for 2800 steps 0.932 (1.17x the time a step, about the same a run), 4 of 128 for 2300
-# steps 0.928 (1.39x a step); bench/domains.py has the no-flag runs. 2600 steps left data/domains/products
+# steps 0.928 (1.39x a step); bench/training/domains.py has the no-flag runs. 2600 steps left data/domains/products
 # at 0.893. The demo's training, same machine: one thread 236 s against 234 s for 2 layers x 3200 steps
 # (F1 0.968 against 0.959); two threads of a quiet machine 190 s against 169 s (1.12x: more, smaller ops;
 # F1 0.976 against 0.986), train + infer 206 s against 183 s; the 2-layer demo trained ~255 s on the
-# slowest CPU kind seen; bench/demo.py times the README's demo as it stands (bench/results/demo.json).
+# slowest CPU kind seen; bench/training/demo.py times the README's demo as it stands (bench/results/demo.json).
 # On a shared machine, --threads 1: OpenMP threads that outnumber the free cores slow the tiny model down
 # tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 # --model NAME: a random tiny model of that version
@@ -380,7 +380,7 @@ class ServingOptions:
     prefill_tokens: prompt tokens prefilled at most per step, so newcomers stall running streams for one
     such prefill at a time (a longer prompt goes in chunks of this many tokens, where the model allows).
     512: on a mid-size GLM-4 (92 M parameters, 2 cores, 16 streams) 64 cut throughput by a quarter and
-    doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve.py).
+    doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve/serve.py).
     drafts: greedy requests decode speculatively (`DraftOptions`: the same tokens, fewer steps).
     """
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_generate_bench_runs_and_ends_with_its_json():
     done = subprocess.run(
-        [sys.executable, "bench/generate.py", "--configs", "tiny", "--new-tokens", "1:4", "--recompute-tokens", "1:2",
+        [sys.executable, "bench/decode/generate.py", "--configs", "tiny", "--new-tokens", "1:4", "--recompute-tokens", "1:2",
          "--threads", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -26,8 +26,7 @@ def test_generate_bench_runs_and_ends_with_its_json():
 
 
 def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
-    sys.path.insert(0, str(REPO / "bench"))
-    import demo
+    from bench.training import demo
 
     train, infer = demo.readme_commands()
     assert train[:4] == ["python", "train.py", "--model", "tiny"]
@@ -37,19 +36,19 @@ def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
     assert infer[infer.index("--input") + 1] == train[train.index("--dev-file") + 1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench/gpu.py runs for real there")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench/gpu/gpu.py runs for real there")
 def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
-    done = subprocess.run([sys.executable, "bench/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "bench/gpu/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     message = done.stderr.strip()
-    assert "\n" not in message and message.startswith("bench/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
+    assert "\n" not in message and message.startswith("bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
 
 
 def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
-    pytest.importorskip("openai", reason="bench/serve.py drives the server with the openai client")
+    pytest.importorskip("openai", reason="bench/serve/serve.py drives the server with the openai client")
     out = tmp_path / "serve.json"
     done = subprocess.run(
-        [sys.executable, "bench/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
+        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
          "--no-floor", "--threads", "1", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -61,7 +60,7 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
 
 
 def _peer(*args, out: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "bench/peer.py", *args, "--out", str(out)], cwd=REPO, capture_output=True,
+    done = subprocess.run([sys.executable, "bench/peer/peer.py", *args, "--out", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
@@ -81,9 +80,7 @@ def test_peer_bench_records_the_llama_steps_of_chatglm6b_as_not_run(tmp_path):
 
 
 def test_peer_bench_again_keeps_every_run_and_reports_the_median_one():
-    sys.path.insert(0, str(REPO / "bench"))
-    import peer
-    import peer_report
+    from bench.peer import peer, peer_report
 
     runs = [{"decode_ms": ms, "prefill_ms": 10.0 * i} for i, ms in enumerate((120.0, 90.0, 100.0))]
     record = peer.median_run(peer.median_run(runs[:2])["runs"] + runs[2:])
@@ -99,9 +96,7 @@ def test_peer_bench_again_keeps_every_run_and_reports_the_median_one():
 def test_peer_bench_runs_llama_without_avx512_only_on_a_build_without_it(tmp_path):
     """--capability avx2 marks llama-* steps +avx2 (not the GGUF export, which llama.cpp does not run), and a
     llama.cpp whose ggml reports AVX-512 kernels is refused with what to build instead."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import peer
-    import peer_llama
+    from bench.peer import peer, peer_llama
 
     args = peer.argparse.Namespace(version="chatglm3", model_dir=tmp_path / "m", quick=False, out=tmp_path, threads=2,
                                    quantize_embedding=True, capability="avx2", prompt_len=peer.PROMPT_LEN)
@@ -126,8 +121,7 @@ def test_peer_bench_runs_llama_without_avx512_only_on_a_build_without_it(tmp_pat
 
 
 def test_peer_report_puts_the_avx2_runs_side_by_side():
-    sys.path.insert(0, str(REPO / "bench"))
-    import peer_report
+    from bench.peer import peer_report
 
     run = lambda ms, prefill, rss: {"decode_ms": ms, "prefill_ms": prefill, "peak_rss_gb": rss}  # noqa: E731
     steps = {"toolkit-int4@2t+avx2": run(150.0, 3000.0, 4.4), "toolkit-int4@2t+e8+avx2": run(120.0, 2900.0, 3.9),
@@ -140,7 +134,7 @@ def test_peer_report_puts_the_avx2_runs_side_by_side():
 
 
 def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
-    """bench/peer_llama.py's processes on a tiny ChatGLM3 GGUF (export.py, f16): one sequence, and three decoded in
+    """bench/peer/peer_llama.py's processes on a tiny ChatGLM3 GGUF (export.py, f16): one sequence, and three decoded in
     one llama.cpp batch, give the toolkit's greedy tokens."""
     pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
     pytest.importorskip("llama_cpp", reason='llama-cpp-python is not installed: '
@@ -161,7 +155,7 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     work = {"warmup": prompts[0][:4], "warmup_new": 2, "prompts": prompts, "new": 6}
     records = {}
     for child, rows in (("llama", prompts[:1]), ("llama-batch", prompts)):
-        done = subprocess.run([sys.executable, "bench/peer_llama.py", "--child", child, "--gguf", str(gguf / "tiny-f16.gguf"),
+        done = subprocess.run([sys.executable, "bench/peer/peer_llama.py", "--child", child, "--gguf", str(gguf / "tiny-f16.gguf"),
                                "--threads", "1", "--workload", json.dumps({**work, "prompts": rows})],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -184,14 +178,13 @@ def _tensor_layout(directory: Path) -> dict:
 
 
 def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_would(tmp_path):
-    """bench/scale.py's GLM-4-0414 checkpoints at a tiny shape: the fp16 one (transformers' form) loads as
+    """bench/scale/scale.py's GLM-4-0414 checkpoints at a tiny shape: the fp16 one (transformers' form) loads as
     `Glm4ForCausalLM`, and the INT4 one written directly (the 32B row: no fp16 checkpoint) has the keys, dtypes and
     shapes that quantize.py --bits 4 writes from the fp16 one, and loads and runs."""
     import dataclasses
 
-    sys.path.insert(0, str(REPO / "bench"))
-    from checkpoint_writer import write_checkpoint
-    from scale_versions import VERSIONS
+    from bench.common.checkpoint_writer import write_checkpoint
+    from bench.common.scale_versions import VERSIONS
 
     from chatglm_tune import from_pretrained
 

@@ -1,4 +1,4 @@
-"""The engines run what export.py writes (bench/export_engines.py measures; this asserts what it must reach):
+"""The engines run what export.py writes (bench/export/export_engines.py measures; this asserts what it must reach):
 llama.cpp on tiny ChatGLM3, GLM-4, GLM-4-0414 (llama.cpp's `glm4` architecture) and GLM-Edge runs, full and
 LoRA-merged, and chatglm.cpp on a tiny ChatGLM-6B run.
 
@@ -6,15 +6,10 @@ llama-cpp-python and chatglm-cpp are optional builds; without them these tests s
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from serving import ROOT
-
 pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
-sys.path.insert(0, str(ROOT / "bench"))
-import export_engines as engines  # noqa: E402
+from bench.export import export_engines as engines  # noqa: E402
 
 
 @pytest.fixture(scope="module")

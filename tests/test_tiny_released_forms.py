@@ -2,7 +2,7 @@
 end to end and cheaply: train.py `--tuning full` for a few steps, P-tuning v2 and LoRA on that run for 2 steps each
 (`test_versions.tiny_runs`, as for the tiny GLM-4, without a dev file: no generation while training),
 each run read back from its own directory and run by infer.py.
-Whether they learn is bench/adapt.py's question (bench/results/adapt-glm4-0414.json), not this file's.
+Whether they learn is bench/training/adapt.py's question (bench/results/adapt-glm4-0414.json), not this file's.
 """
 
 import json

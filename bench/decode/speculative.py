@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
-from common.measure import RESULTS, ROOT  # noqa: E402
+from bench.common.measure import RESULTS, ROOT  # noqa: E402
 
 TARGETS = {1: 2.0, 8: 1.5}  # batch size -> speculative / plain tok/s
 VERIFY_GUESSES = (0, 1, 2, 4, 8)

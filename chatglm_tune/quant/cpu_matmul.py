@@ -2,7 +2,7 @@
 
 There PyTorch runs a bf16 `x @ W.T` in its fallback kernels: about 11 GFLOP/s, and about 0.3 GFLOP/s
 for the input gradient `grad @ W` of a backward pass, against 40-60 GFLOP/s in fp32 on the same core
-(measured by bench/scale.py on an AMD EPYC). `linear` runs such matmuls in fp32 instead, on row tiles
+(measured by bench/scale/scale.py on an AMD EPYC). `linear` runs such matmuls in fp32 instead, on row tiles
 of the weight upcast on the fly (a full fp32 copy never exists), and returns bf16: faster by 4x
 forward and by two orders of magnitude backward, and more exact. It applies to inputs of at least
 `MIN_ROWS` rows (prefill, training); decoding (a few rows) keeps the bf16 GEMV, which is bound by

@@ -13,13 +13,13 @@ blocks ahead (rows of 2 KB, as most of ChatGLM's are, defeat the hardware prefet
 kernel 1.7-1.9x faster at 4096 columns). With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column
 chunk of the weight is unpacked once (less 8) into an fp32 buffer (8 KB, L1) that every row of x then reads.
 
-Measured (bench/int4_kernels.py, results/int4_kernels.json; an AVX-512 Xeon with PyTorch at the AVX2 level,
+Measured (bench/kernels/int4_kernels.py, bench/results/int4_kernels.json; an AVX-512 Xeon with PyTorch at the AVX2 level,
 2 threads, batch 1, weights streamed from memory): 0.66 / 1.71 / 2.17 / 2.01 ms at ChatGLM-6B's 4096x4096 /
 12288x4096 / 16384x4096 / 4096x16384 against 1.13 / 2.77 / 3.53 / 3.39 for int8pack (1.6-1.7x faster) and
 0.89 / 2.53 / 3.26 / 3.19 for int4pack; one thread: 1.24 / 3.16 / 4.35 / 3.89 against 2.25 / 5.36 / 6.32 /
 6.46 and 1.68 / 4.82 / 6.22 / 6.08 (an AMD EPYC, before the prefetch: 1.06 / 2.96 / 4.65 / 7.63 against
 int8pack's 1.67 / 4.33 / 5.24 / 9.42). Exact to fp32 rounding (relative error ~1e-6, where the bf16 kernels
-give ~2e-3). ChatGLM-6B at full size (bench/peer.py, `--capability avx2`) decodes INT4 at 1.40x INT8. At the
+give ~2e-3). ChatGLM-6B at full size (bench/peer/peer.py, `--capability avx2`) decodes INT4 at 1.40x INT8. At the
 AVX-512 level it beats PyTorch's int4pack too (0.62 / 1.66 / 2.07 / 2.09 against 0.68 / 1.94 / 2.50 / 2.47 ms;
 decode 232 against 250 ms a token), but prefill is then slower (6.6 against 4.8 s for 64 tokens: the
 dequantizing path unpacks the official layout more slowly than it reads int4pack's back), so `available()`
@@ -53,7 +53,7 @@ from torch import Tensor
 from chatglm_tune.quant import inline_build
 
 # Rows of x up to which each row unpacks the weight in registers; above, chunks are unpacked once into
-# an fp32 buffer shared by every row (crossover measured at 16384x4096 by bench/int4_kernels.py `--rows`:
+# an fp32 buffer shared by every row (crossover measured at 16384x4096 by bench/kernels/int4_kernels.py `--rows`:
 # the buffer wins from 4 rows on). QuantizedLinear routes up to its `max_kernel_rows` (32) rows here.
 DIRECT_ROWS = 2
 

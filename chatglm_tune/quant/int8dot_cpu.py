@@ -27,7 +27,7 @@ The integer products, as the instructions take them:
   15 * 127: no int16 saturation); INT8 by |x| times the weight with x's sign (`vpsignb`, |x| <= 127 and
   |w| <= 127, the official range: pairs stay below 2^15).
 Both are compiled into one library (`#pragma GCC target` regions) and picked at run time: AVX-512 VNNI where
-the CPU has it and PyTorch runs at its AVX512 level, so `ATEN_CPU_CAPABILITY=avx2` (bench/peer.py
+the CPU has it and PyTorch runs at its AVX512 level, so `ATEN_CPU_CAPABILITY=avx2` (bench/peer/peer.py
 `--capability avx2`) selects the AVX2 path as it does PyTorch's own kernels.
 
 For INT4 the activations come in the order the nibbles unpack (per 64 packed bytes, the 64 even columns of
@@ -45,7 +45,7 @@ bytes, out not a multiple of 8) are handled: in the official layout the last par
 a zeroed 64-byte buffer (zero activations there) and the last rows go one at a time; the interleaved layout is
 zero-padded to whole chunks and blocks (the padding rows' outputs are not written).
 
-Measured (bench/int8dot_kernels.py, results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
+Measured (bench/kernels/int8dot_kernels.py, bench/results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
 streamed from memory, 4 KB pages), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696,
 interleaved but the last shape official, AVX512 level, one thread: INT4 0.43 / 0.41 / 1.07 /
 2.37 / 1.65 against int4pack's 0.90 / 1.00 / 2.61 / 5.77 / 2.98 (1.8-2.4x), INT8 (int16 activations) 0.99 / 0.97 /
@@ -83,7 +83,7 @@ ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
 # long GEMMs at that level are bound by it (ChatGLM3-6B, 2 threads: a 512-token INT8 prefill 0.96x llama.cpp's q8_0 speed,
 # batch-32 extraction 0.74x, where INT4 with int8 activations extracts 2.1x as fast as INT8).
 INT8_ACTIVATION_BITS = 16
-# Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): bench/int8dot_kernels.py
+# Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): bench/kernels/int8dot_kernels.py
 # `--rows` (12288x4096, results/int8dot_kernels.json) measured it 1.4-2.8x faster than int8pack / int4pack from 4
 # to 32 rows (1 thread, AVX-512 level: INT8 24 ms at 32 rows against int8pack's 48, INT4 13 against int4pack's 37):
 # each weight chunk is unpacked once for a tile of 4 rows of x (2 on AVX2).
@@ -108,9 +108,9 @@ PACK_TILE_BYTES = 8 << 20  # what `pack` rearranges at a time (in place: its one
 # columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) ran 1.1-1.8x faster interleaved (2
 # threads: 90-113% of the copy bandwidth, against 65-73% on the official layout; AVX2 level 1.4-2.0x), INT8 with 4096
 # columns 1.0-1.4x, while rows of 6848 bytes (INT4 4096x13696) and more ran within a few percent either way
-# (bench/int8dot_kernels.py, results/int8dot_kernels.json). On 2 MB pages the long rows gain too: 4096x13696 INT4
+# (bench/kernels/int8dot_kernels.py, bench/results/int8dot_kernels.json). On 2 MB pages the long rows gain too: 4096x13696 INT4
 # 0.83 ms against 0.89 official at 2 threads, 1.27 against 1.50 at one (AVX2 level 1.59 against 1.72), INT8 1.62
-# against 1.74 and 2.52 against 2.86. The kernel bench's `-2m` candidates (results/int8dot_kernels-2m.json): at 2 threads
+# against 1.74 and 2.52 against 2.86. The kernel bench's `-2m` candidates (bench/results/int8dot_kernels-2m.json): at 2 threads
 # 88-104% of the copy bandwidth on 2 MB pages (37.2 GB/s; 31.0 on 4 KB pages), INT4 27392x4096 1.20 ms (46.7 GB/s
 # read); at one thread INT4 79-81% and INT8 65-68% of it (31.9 GB/s): there a core's arithmetic limits, not memory.
 # With 2 or more rows of x the interleaved layout reads a little slower (12288x4096: 0.75-0.96x from 2 to 512 rows),
