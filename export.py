@@ -9,14 +9,16 @@
 What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
 exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
 float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture)
-and GLM-4-0414 (`glm4`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty; files are
-written under temporary names and renamed when complete. GGUF and GGML need the `export` extra
-(`pip install -e ".[export]"`: gguf-py).
+and GLM-4-0414 (`glm4`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory
+this process may write (checked before any weight is read); the export is written in `.OUT_DIR.partial` beside
+it and renamed to OUT_DIR when complete: an error, Ctrl-C or SIGTERM removes it, OUT_DIR is left as it was and the
+same command runs again. GGUF and GGML need the `export` extra (`pip install -e ".[export]"`: gguf-py).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args) -> None:
     """ValueError naming every problem found before any weight is read."""
-    from chatglm_tune.export.source import require_new_directory
+    from chatglm_tune.export.destination import check_destination
 
     problems = []
     if args.format == "hf" and args.type is not None:
@@ -57,7 +59,7 @@ def check_args(args) -> None:
         except ImportError:
             problems.append(f"--format {args.format} needs the gguf package (gguf-py): {INSTALL_EXPORT}")
     try:
-        require_new_directory(args.out_dir)
+        check_destination(args.out_dir)
     except ValueError as err:
         problems.append(str(err))
     if problems:
@@ -65,20 +67,27 @@ def check_args(args) -> None:
 
 
 def export(args) -> tuple[list[Path], list[str]]:
-    """Write the export; (the main files written, notes for the user)."""
-    from tqdm import tqdm
-
+    """Write the export into `args.out_dir`, whole or not at all; (the main files written, notes for the user)."""
+    from chatglm_tune.export.destination import writing_into
     from chatglm_tune.export.source import open_export
 
-    source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
+    with writing_into(args.out_dir) as partial:  # made before any weight is read
+        source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
+        written = write(args, source, partial)
+    return [args.out_dir / path.relative_to(partial) for path in written], source.notes
+
+
+def write(args, source, out: Path) -> list[Path]:
+    """Write `source` into the directory `out` in `args.format`; the main files (hf: the directory)."""
+    from tqdm import tqdm
+
     kind = args.type or EXPORT_TYPE
     name = args.name or args.out_dir.name
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.format == "hf":
         from chatglm_tune.export.hf_dir import write_hf
 
-        write_hf(args.out_dir, source.model, source.tokenizer)
-        return [args.out_dir], source.notes
+        write_hf(out, source.model, source.tokenizer)
+        return [out]
     bar = tqdm(unit="tensor", desc=f"{args.format} {kind}")
     progress = lambda _: bar.update()  # noqa: E731
     try:
@@ -86,18 +95,18 @@ def export(args) -> tuple[list[Path], list[str]]:
             from chatglm_tune.export.gguf_file import write_gguf
             from chatglm_tune.export.ollama import modelfile
 
-            path = args.out_dir / f"{name}-{kind}.gguf"
+            path = out / f"{name}-{kind}.gguf"
             text = modelfile(source.version.format, path.name, source.run_prompt)  # before the file: it may refuse
             write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name, progress=progress)
-            (args.out_dir / "Modelfile").write_text(text, encoding="utf-8")
-            return [path, args.out_dir / "Modelfile"], source.notes
+            (out / "Modelfile").write_text(text, encoding="utf-8")
+            return [path, out / "Modelfile"]
         from chatglm_tune.export.ggml_file import official_layout, write_ggml
 
-        path = args.out_dir / f"{name}-{kind}.ggml"
+        path = out / f"{name}-{kind}.ggml"
         config, state = official_layout(source.model)
         write_ggml(path, source.version.ggml_model_type, config, state.__getitem__, source.tokenizer.sp_model.serialized_model_proto(),
                    kind, progress=progress)
-        return [path], source.notes
+        return [path]
     finally:
         bar.close()
 
@@ -113,8 +122,14 @@ def how_to_run(args, files: list[Path]) -> str:
     return f"run it:  chatglm.cpp's  ./build/bin/main -m {files[0]} -i   (Python: chatglm_cpp.Pipeline('{files[0]}'))"
 
 
+def interrupt(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: the export in progress is removed on the way out."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         check_args(args)
         start = time.perf_counter()
@@ -123,8 +138,7 @@ def main(argv=None) -> None:
         print(f"export.py: error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"export.py: interrupted; the file being written was removed ({args.out_dir} keeps what was complete)",
-              file=sys.stderr)
+        print(f"export.py: interrupted; what was written is removed ({args.out_dir} is as it was)", file=sys.stderr)
         sys.exit(130)
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())

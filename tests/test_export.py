@@ -8,14 +8,18 @@ llama.cpp and chatglm.cpp themselves run these files in tests/test_export_engine
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from commands import cli
 from serving import ROOT, TEXTS, tiny_model
 
 gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
@@ -390,6 +394,68 @@ def test_ggml_file_has_chatglm_cpps_layout(models, tmp_path, version):
     assert set(tensors) == expected
     for name, (shape, ttype, _) in tensors.items():
         assert shape == tuple(state[name].shape) and ttype == (8 if state[name].dim() == 2 else 0), name
+
+
+# ----------------------------------------------------------------------------------------------
+# the destination: checked before any weight is read, written whole or not at all
+
+
+def test_an_unwritable_destination_is_a_one_line_error_before_loading(models, tmp_path):
+    """A destination under a file cannot be made: one line naming it, exit 2, before the model is read (these
+    weights are not even weights: reading them first would be another error)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in models["glm4"].iterdir():
+        (broken / file.name).write_bytes(b"not weights" if file.suffix == ".safetensors" else file.read_bytes())
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "hf"
+    for form in ("hf", "gguf"):
+        done = cli("export.py", broken, out, "--format", form, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and str(out) in done.stderr, done.stderr
+        assert done.stderr.startswith("export.py: error: ") and "not a directory" in done.stderr, done.stderr
+
+
+# export.py with its atomic writes stopping inside the first file: the test waits for WRITING to appear, then
+# sends SIGTERM (the export of a tiny model is otherwise over before a signal could reach it).
+PAUSED_EXPORT = """
+import pathlib, runpy, sys, time
+from chatglm_tune import checkpoint
+
+def paused(path, write, atomic_write=checkpoint.atomic_write, writing=pathlib.Path(sys.argv[1])):
+    def write_then_wait(tmp):
+        write(tmp)
+        writing.touch()
+        time.sleep(120)
+    atomic_write(path, write_then_wait)
+
+checkpoint.atomic_write = paused
+sys.argv = ["export.py", *sys.argv[2:]]
+runpy.run_path("export.py", run_name="__main__")
+"""
+
+
+def test_an_interrupted_hf_export_leaves_nothing_and_runs_again(models, tmp_path):
+    destination = tmp_path / "exports"
+    destination.mkdir()
+    out, writing = destination / "hf", tmp_path / "WRITING"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-c", PAUSED_EXPORT, str(writing), str(models["glm4"]), str(out),
+                                "--format", "hf"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    while not writing.exists():  # the first file is being written
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "export.py never started writing"
+        time.sleep(0.05)
+    assert any(destination.rglob("*")), "a file is being written: something is there"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode != 0 and "Traceback" not in err, err
+    assert "interrupted" in err and len(err.strip().splitlines()) == 1, err
+    assert list(destination.rglob("*")) == [], list(destination.rglob("*"))  # no file, hidden or not, no directory
+    assert export(models["glm4"], out, "--format", "hf") == 0  # a rerun writes it whole
+    assert (out / "model.safetensors").is_file() and not [f for f in out.iterdir() if f.name.startswith(".")]
 
 
 # ----------------------------------------------------------------------------------------------

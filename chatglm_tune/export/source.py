@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from chatglm_tune import loading
 from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, names_every_tensor
@@ -91,9 +90,3 @@ def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None =
         config, tensors = model.config, (ModelTensors(model) if form == "gguf" else None)
     version.check_tokenizer(tokenizer, config)
     return Exportable(model, config, tensors, tokenizer, version, source, notes)
-
-
-def require_new_directory(out: Path) -> None:
-    """ExportError unless `out` is absent or an empty directory."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty directory: choose a new output directory")
