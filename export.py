@@ -66,15 +66,15 @@ def check_args(args) -> None:
         raise ValueError("; ".join(problems))
 
 
-def export(args) -> tuple[list[Path], list[str]]:
-    """Write the export into `args.out_dir`, whole or not at all; (the main files written, notes for the user)."""
+def export(args) -> tuple[list[Path], object]:
+    """Write the export into `args.out_dir`, whole or not at all; (the main files written, the `Exportable`)."""
     from chatglm_tune.export.destination import writing_into
     from chatglm_tune.export.source import open_export
 
     with writing_into(args.out_dir) as partial:  # made before any weight is read
         source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
         written = write(args, source, partial)
-    return [args.out_dir / path.relative_to(partial) for path in written], source.notes
+    return [args.out_dir / path.relative_to(partial) for path in written], source
 
 
 def write(args, source, out: Path) -> list[Path]:
@@ -111,11 +111,20 @@ def write(args, source, out: Path) -> list[Path]:
         bar.close()
 
 
-def how_to_run(args, files: list[Path]) -> str:
-    if args.format == "hf":
+def how_to_run(args, files: list[Path], version) -> str:
+    """The commands that run what was written (`version`: the exported model's `models.version.Version`)."""
+    out = args.out_dir
+    if args.format == "hf" and version.hf_native:
         return (f"run it:  python -c \"from transformers import AutoModelForCausalLM; "
-                f"AutoModelForCausalLM.from_pretrained('{args.out_dir}')\"\n"
-                f"         vllm serve {args.out_dir}")
+                f"AutoModelForCausalLM.from_pretrained('{out}')\"\n"
+                f"         vllm serve {out}")
+    if args.format == "hf":  # transformers and vLLM have no class of it: the official layout
+        return (f"run it:  python infer.py --model {out} --text TEXT    (this toolkit; python serve.py --model {out} "
+                "serves it)\n"
+                f"         python -c \"import chatglm_tune; from transformers import AutoModel; "
+                f"AutoModel.from_pretrained('{out}')\"\n"
+                f"         {version.title} has no transformers class (nor vLLM): its official remote code loads it too, its "
+                f"*.py and auto_map\n         beside the files, with AutoModel.from_pretrained('{out}', trust_remote_code=True)")
     if args.format == "gguf":
         return (f"run it:  llama-cli -m {files[0]} -cnv     (llama.cpp)\n"
                 f"         cd {args.out_dir} && ollama create {files[0].stem} -f Modelfile && ollama run {files[0].stem}")
@@ -133,7 +142,7 @@ def main(argv=None) -> None:
     try:
         check_args(args)
         start = time.perf_counter()
-        files, notes = export(args)
+        files, source = export(args)
     except (ValueError, FileNotFoundError) as err:  # CheckpointError, RunDirectoryError, ExportError are ValueErrors
         print(f"export.py: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -142,11 +151,11 @@ def main(argv=None) -> None:
         sys.exit(130)
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
-    for note in notes:
+    for note in source.notes:
         print(f"note: {note}")
     print(f"{args.model_dir}{f' + {args.lora}' if args.lora else ''} -> {', '.join(map(str, files))} "
           f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): {size / 1e6:,.1f} MB in {seconds:.1f} s")
-    print(how_to_run(args, files))
+    print(how_to_run(args, files, source.version))
 
 
 if __name__ == "__main__":

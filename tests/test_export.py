@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -351,6 +352,27 @@ def test_chatglm6b_hf_export_is_the_official_layout(models, tmp_path):
     model, _ = float_model(models["chatglm"])
     again, _ = float_model(out)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.mark.parametrize("version", ["chatglm", "glm4", "glm4-0414"])
+def test_the_hint_after_an_hf_export_loads_the_directory(models, tmp_path, capsys, version):
+    """The `python -c` commands export.py prints after `--format hf` load what it wrote; ChatGLM-6B, which
+    transformers has no class of, is pointed at this toolkit (and the official remote code), not at
+    AutoModelForCausalLM or vLLM."""
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert export(models[version], out, "--format", "hf") == 0
+    hint = capsys.readouterr().out.split("run it:", 1)[1]
+    commands = re.findall(r'python -c "([^"]+)"', hint)
+    assert commands, hint
+    for code in commands:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, (code, done.stderr[-2000:])
+    native = version != "chatglm"
+    assert ("vllm serve" in hint) == native and ("from transformers import AutoModelForCausalLM;" in hint) == native, hint
+    if not native:
+        assert f"infer.py --model {out}" in hint and f"serve.py --model {out}" in hint and "trust_remote_code" in hint
 
 
 # ----------------------------------------------------------------------------------------------

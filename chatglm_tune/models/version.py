@@ -3,7 +3,7 @@
 A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
 and says as data what the shared layers need: the Linears LoRA targets (`lora_targets`) and quantization
 swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`), what export.py
-cannot write it as (`export_refusals`). It loads its model
+cannot write it as (`export_refusals`) and whether its transformers directory is transformers' own (`hf_native`). It loads its model
 and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
 (`models/registry.py`) maps names and directories to versions; the families never import it.
 """
@@ -28,6 +28,9 @@ class Version:
     # works instead; its model type in chatglm.cpp's GGML files (None: none).
     export_refusals: Mapping[str, str] = field(default_factory=dict)
     ggml_model_type: int | None = None
+    # export.py --format hf: a class of transformers' own (plain transformers and vLLM load it), else the
+    # official layout, which this toolkit and the official remote code load.
+    hf_native: bool = True
 
     @property
     def name(self) -> str:

@@ -24,6 +24,7 @@ class ChatGLM6B(Version):
         "gguf": "ChatGLM-6B has no llama.cpp architecture (GLM's 2D positions, bidirectional attention over the "
                 "prompt): use --format ggml, which chatglm.cpp runs"})
     ggml_model_type: int | None = 1
+    hf_native: bool = False  # transformers has no ChatGLM-6B class: its directory is the official layout
 
     def load_model(self, path, *, quantize_embedding: bool = False, **kwargs):
         from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
