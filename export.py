@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from chatglm_tune.options import EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES
+from chatglm_tune.options import EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES, choose_threads
 
 INSTALL_EXPORT = 'pip install -e ".[export]"'
 
@@ -41,7 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("auto", *LOAD_DTYPES), default="auto",
                    help="dtype the model is loaded (and merged) in; auto = as stored (default %(default)s)")
     p.add_argument("--name", help="the model's name in the GGUF file and the ollama Modelfile (default: OUT_DIR's name)")
-    return p.parse_args(argv)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else torch's)")
+    args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
 
 
 def check_args(args) -> None:
@@ -66,11 +70,16 @@ def check_args(args) -> None:
         raise ValueError("; ".join(problems))
 
 
-def export(args) -> tuple[list[Path], object]:
-    """Write the export into `args.out_dir`, whole or not at all; (the main files written, the `Exportable`)."""
+def export(args, threads: int | None = None) -> tuple[list[Path], object]:
+    """Write the export into `args.out_dir`, whole or not at all, on `threads` torch threads (None: torch's);
+    (the main files written, the `Exportable`)."""
+    import torch
+
     from chatglm_tune.export.destination import writing_into
     from chatglm_tune.export.source import open_export
 
+    if threads:
+        torch.set_num_threads(threads)
     with writing_into(args.out_dir) as partial:  # made before any weight is read
         source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
         written = write(args, source, partial)
@@ -78,19 +87,27 @@ def export(args) -> tuple[list[Path], object]:
 
 
 def write(args, source, out: Path) -> list[Path]:
-    """Write `source` into the directory `out` in `args.format`; the main files (hf: the directory)."""
+    """Write `source` into the directory `out` in `args.format`, with a progress bar (hf: bytes of weights, the
+    others: tensors); the main files (hf: the directory)."""
     from tqdm import tqdm
 
     kind = args.type or EXPORT_TYPE
     name = args.name or args.out_dir.name
-    if args.format == "hf":
-        from chatglm_tune.export.hf_dir import write_hf
+    hf = args.format == "hf"
+    bars = []  # made at the first call, when the total is known
 
-        write_hf(out, source.model, source.tokenizer)
-        return [out]
-    bar = tqdm(unit="tensor", desc=f"{args.format} {kind}")
-    progress = lambda _: bar.update()  # noqa: E731
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(desc=args.format if hf else f"{args.format} {kind}", total=total,
+                             unit="B" if hf else "tensor", unit_scale=hf))
+        bars[0].update(done - bars[0].n)
+
     try:
+        if hf:
+            from chatglm_tune.export.hf_dir import write_hf
+
+            write_hf(out, source.model, source.tokenizer, progress=progress)
+            return [out]
         if args.format == "gguf":
             from chatglm_tune.export.gguf_file import write_gguf
             from chatglm_tune.export.ollama import modelfile
@@ -108,7 +125,8 @@ def write(args, source, out: Path) -> list[Path]:
                    kind, progress=progress)
         return [path]
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
 
 
 def how_to_run(args, files: list[Path], version) -> str:
@@ -138,23 +156,30 @@ def interrupt(signum, frame) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         check_args(args)
+        threads, threads_origin = choose_threads(args.threads, None, "")
         start = time.perf_counter()
-        files, source = export(args)
+        files, source = export(args, threads)
     except (ValueError, FileNotFoundError) as err:  # CheckpointError, RunDirectoryError, ExportError are ValueErrors
         print(f"export.py: error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"export.py: interrupted; what was written is removed ({args.out_dir} is as it was)", file=sys.stderr)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
+    import torch
+
+    cores = torch.get_num_threads()
     size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
     for note in source.notes:
         print(f"note: {note}")
     print(f"{args.model_dir}{f' + {args.lora}' if args.lora else ''} -> {', '.join(map(str, files))} "
-          f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): {size / 1e6:,.1f} MB in {seconds:.1f} s")
+          f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): {size / 1e6:,.1f} MB in {seconds:.1f} s, "
+          f"{cores} thread{'s' * (cores != 1)} ({threads_origin})")
     print(how_to_run(args, files, source.version))
 
 

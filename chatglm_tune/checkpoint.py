@@ -299,8 +299,10 @@ def _shape_message(model, file, key, expected, found) -> str:
     return msg
 
 
-def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
-    """Write `state` as `model.safetensors` (or shards + index), each file atomically."""
+def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int = 2 << 30,
+                    progress: Callable[[int, int], None] = lambda done, total: None) -> None:
+    """Write `state` as `model.safetensors` (or shards + index), each file atomically; `progress(bytes written,
+    bytes of all the tensors)` is called before the first file of tensors and after each."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -313,15 +315,20 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike
             size = 0
         shards[-1][key] = tensor
         size += n
+    total, done = sum(t.numel() * t.element_size() for t in state.values()), 0
+    progress(0, total)
     if len(shards) == 1:
         atomic_write(directory / "model.safetensors", lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
+        progress(total, total)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         atomic_write(directory / name, lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": weight_map}
+        done += sum(t.numel() * t.element_size() for t in shard.values())
+        progress(done, total)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write(directory / "model.safetensors.index.json", lambda p: Path(p).write_text(json.dumps(index, indent=2)))
 
 

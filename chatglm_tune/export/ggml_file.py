@@ -56,10 +56,11 @@ def _chatglm2_layout(config: dict) -> tuple[tuple, list[tuple[str, bool]]]:
 
 
 def write_ggml(out: Path, model_type: int, config: dict, tensor: Callable, tokenizer_proto: bytes, kind: str,
-               progress: Callable[[str], None] = lambda key: None) -> dict:
+               progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Write chatglm.cpp's file of `model_type` (1 ChatGLM-6B, 2 ChatGLM2, 3 ChatGLM3) to `out`: `config` is the
     official config.json dict, `tensor(key)` gives each official tensor (read one at a time), `tokenizer_proto`
-    the serialized SentencePiece model. {"tensors": n, "bytes": size}."""
+    the serialized SentencePiece model. {"tensors": n, "bytes": size}. `progress(tensors written, tensors of the
+    file)` is called before the first tensor and after each."""
     if kind not in GGML_TYPES:
         raise ValueError(f"--type for a GGML file must be one of {', '.join(GGML_TYPES)}, got {kind!r}")
     qtype = GGML_TYPES[kind]
@@ -70,14 +71,15 @@ def write_ggml(out: Path, model_type: int, config: dict, tensor: Callable, token
             f.write(b"ggml" + struct.pack("iii", model_type, 2, int(qtype)))
             f.write(struct.pack("iiiiiififiii", *record))
             f.write(struct.pack("i", len(tokenizer_proto)) + tokenizer_proto)
-            for key, matrix in keys:
+            progress(0, len(keys))
+            for done, (key, matrix) in enumerate(keys, 1):
                 t = tensor(key)
                 ttype = stored_type(qtype, tuple(t.shape)) if matrix else Q.F32
                 f.write(struct.pack("i", len(key.encode())) + key.encode())
                 f.write(struct.pack("i" * (2 + t.dim()), t.dim(), *t.shape, int(ttype)))
                 f.seek((f.tell() + 15) // 16 * 16)
                 f.write(encode(t, ttype).tobytes())
-                progress(key)
+                progress(done, len(keys))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -107,10 +107,10 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
 
 
 def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "",
-               progress: Callable[[str], None] = lambda n: None) -> dict:
+               progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Write a model of this family (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of its
     float tensors under checkpoint keys) as the GGUF file `path`; {"tensors": n, "bytes": size}.
-    `progress(name)` is called after each tensor."""
+    `progress(tensors written, tensors of the file)` is called before the first tensor and after each."""
     if kind not in TYPES:
         raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
     plan = [(key, gguf_name(key), shape) for key, shape in tensors.shapes()]
@@ -129,11 +129,12 @@ def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str =
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for (key, tensor_name, shape), (got, tensor) in zip(plan, tensors, strict=True):
+        progress(0, len(plan))
+        for done, ((key, tensor_name, shape), (got, tensor)) in enumerate(zip(plan, tensors, strict=True), 1):
             if got != key or tuple(tensor.shape) != shape:
                 raise ValueError(f"{got} {list(tensor.shape)} came where the header holds {key} {list(shape)}")
             writer.write_tensor_data(encode(tensor, tensor_type(tensor_name, shape, kind)))
-            progress(tensor_name)
+            progress(done, len(plan))
         writer.close()
         os.replace(tmp, path)
     finally:

@@ -24,6 +24,7 @@ config.json, `ice_text.model`), which the official remote code and this toolkit 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -33,20 +34,25 @@ from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 
 
-def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30) -> dict:
-    """Write the model and tokenizer of any version into the new directory `out`; {"files": [...]}."""
+def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30,
+             progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
+    """Write the model and tokenizer of any version into the new directory `out`; {"files": [...]}.
+    `progress(bytes written, bytes of the weights)` is called before the weights and as they are written."""
     out.mkdir(parents=True, exist_ok=True)
     if not hasattr(model.config, "chatglm_version"):  # ChatGLM-6B: the official layout
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        progress(0, size)
         model.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+        progress(size, size)
         tokenizer.save_pretrained(out)
     else:
-        _write_glm(out, model, tokenizer, max_shard_bytes)
+        _write_glm(out, model, tokenizer, max_shard_bytes, progress)
     return {"files": sorted(p.name for p in out.iterdir())}
 
 
-def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int) -> None:
+def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Callable[[int, int], None]) -> None:
     state = model.state_dict()  # transformers' own keys (a P-tuning prefix never reaches export)
-    checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes)
+    checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
     config = transformers_form(model.config, next(iter(state.values())).dtype, toolkit_fields=False)
     _write_json(out / "config.json", config)
     sampling = tokenizer.prompt_format.chat_sampling  # the official chat()'s
