@@ -147,3 +147,16 @@ def test_capability_avx2_counts_as_a_cpu_without_native_bf16(tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_one_fp32_query_without_a_mask_is_two_matmuls_and_a_softmax(monkeypatch):
+    """A decode step's attention: the same numbers as PyTorch's SDPA, without its slow CPU flash kernel."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    k, v = (torch.randn(3, 4, 37, 16, generator=g) for _ in range(2))
+    expect = F.scaled_dot_product_attention(q, k, v)
+    calls = []
+    monkeypatch.setattr(cpu_matmul.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1))
+    out = cpu_matmul.scaled_dot_product_attention(q, k, v)
+    assert not calls
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
