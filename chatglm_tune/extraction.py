@@ -31,6 +31,7 @@ from pathlib import Path
 
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.checkpoint import atomic_write
+from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
 from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
@@ -52,6 +53,7 @@ def extract(
     `stats` counts the forwards and accepted guesses of speculative decoding (`settings.drafts`)."""
     window = SORT_WINDOW_BATCHES * settings.batch_size
     prompt_format = tokenizer.prompt_format
+    drafter = None if settings.drafts is None else Drafter(settings.drafts)  # later batches guess from earlier answers
     for lo in range(start, len(records), window):
         indices = range(lo, min(lo + window, len(records)))
         encoded = {i: prompt_format.prompt_ids(tokenizer, records[i], settings.encoding) for i in indices}
@@ -61,7 +63,7 @@ def extract(
         next_out = lo
         for b in range(0, len(order), settings.batch_size):
             batch = order[b : b + settings.batch_size]
-            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings, stats)):
+            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings, drafter, stats)):
                 done[i] = make_row(i, records[i], tokenizer, new_ids, text_truncated=encoded[i][1],
                                    free_text=settings.free_text)
             ready = []
@@ -72,12 +74,12 @@ def extract(
 
 
 def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int], settings: ExtractionSettings,
-                  stats: DecodeStats | None) -> list[list[int]]:
+                  drafter: Drafter | None, stats: DecodeStats | None) -> list[list[int]]:
     batch = collate_prompts(prompts, SpecialIds.of(tokenizer))
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
                     sampling=settings.sampling, eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), seed=seeds,
-                    vocab_limit=len(tokenizer), drafts=settings.drafts, stats=stats)
+                    vocab_limit=len(tokenizer), drafts=drafter, stats=stats)
 
 
 def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, text_truncated: bool = False,

@@ -318,17 +318,20 @@ class DraftOptions:
     for its defaults.
 
     Each step a row guesses its next tokens: the tokens that followed the latest earlier match of its last n
-    tokens (n from `ngram_max` down to `ngram_min`) in its prompt and answer so far; one forward checks them
-    all, and the row keeps the guesses the model agrees with plus the model's own next token. A row drafts
+    tokens (n from `ngram_max` down to `ngram_min`) in its answer so far, in the answers of the run's last
+    `pool_answers` finished rows (infer.py; the server guesses from each request's own tokens only, so one
+    client's text never changes how fast another's comes), or in its prompt; one forward checks them all, and
+    the row keeps the guesses the model agrees with plus the model's own next token. A row drafts
     `first_draft` tokens, then twice as many after a step that took all its guesses (up to `max_draft`), and
     one more than it took after a step that did not. Greedy ids are plain greedy's (sampled rows decode
-    plainly).
+    plainly). ngram_max 4: 2.20 tokens a forward on the SPO dev set against 2.16 with 3 and 2.12 with 2.
     """
 
     max_draft: int = 8
     first_draft: int = 4
-    ngram_max: int = 3
+    ngram_max: int = 4
     ngram_min: int = 1
+    pool_answers: int = 256
 
     def __post_init__(self):
         problems = []
@@ -338,6 +341,8 @@ class DraftOptions:
             problems.append(f"first_draft must be an integer in [1, max_draft], got {self.first_draft!r}")
         if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
             problems.append(f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if not (isinstance(self.pool_answers, int) and self.pool_answers >= 0):
+            problems.append(f"pool_answers must be an integer >= 0, got {self.pool_answers!r}")
         raise_problems(problems, "invalid draft options: ")
 
 

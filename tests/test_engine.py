@@ -83,7 +83,7 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypat
     checks = spy_on_checks(monkeypatch)
     if guesses == "wrong":
         draw = random.Random(0)
-        monkeypatch.setattr(emitter, "lookup", lambda tokens, k, *_: [draw.randrange(len(tokenizer)) for _ in range(k)])
+        monkeypatch.setattr(emitter, "guess", lambda tokens, n, k, *_: [draw.randrange(len(tokenizer)) for _ in range(k)])
     prompts = prompts_of(tokenizer, 10)
     stop_ids = tokenizer.prompt_format.stop_ids(tokenizer)
     jobs = []

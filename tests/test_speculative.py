@@ -19,7 +19,7 @@ import torch
 
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.decoding import drafting
-from chatglm_tune.decoding.drafting import PromptLookup, lookup
+from chatglm_tune.decoding.drafting import AnswerPool, Drafter, follow, guess
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
 from chatglm_tune.loading import from_pretrained
@@ -36,23 +36,43 @@ NEW = 24
 DRAFTS = DraftOptions()
 
 
-def test_lookup_takes_the_longest_ngram_and_its_latest_occurrence():
-    assert lookup([7, 1, 2, 9, 1, 2, 3, 4, 0, 1, 2], 3, 3, 1) == [3, 4, 0]  # [1, 2] latest at 4, not 1
-    assert lookup([5, 6, 8, 1, 6, 9, 5, 6], 2, 3, 1) == [8, 1]  # bigram [5, 6] beats unigram [6]'s later match
-    assert lookup([1, 2, 3], 4, 3, 1) == []
-    assert lookup([4, 4, 4], 5, 3, 1) == [4]
-    assert lookup([1, 2, 1], 2, 3, 2) == []  # no earlier bigram, unigrams not asked for
+def test_follow_takes_the_latest_occurrence():
+    assert follow([7, 1, 2, 9, 1, 2, 3, 4, 0, 1, 2], 2, 3) == [3, 4, 0]  # [1, 2] latest at 4, not at 1
+    assert follow([1, 2, 3], 2, 4) == []
+    assert follow([4, 4, 4], 2, 5) == [4]  # an occurrence may overlap the pattern itself
 
 
-def test_draft_lengths_follow_acceptance():
-    drafter = PromptLookup(DraftOptions(max_draft=8, first_draft=2))
+def test_guess_prefers_long_ngrams_then_the_answer_the_pool_and_the_prompt():
+    options = DraftOptions(ngram_max=2, ngram_min=1)
+    prompt = [5, 6, 8, 1, 6, 9]
+    assert guess(prompt + [5, 6], len(prompt), 2, options) == [8, 1]  # bigram [5, 6] beats unigram [6]'s later match
+    assert guess(prompt + [6, 7, 3, 6], len(prompt), 2, options) == [7, 3]  # the answer's own [6] before the prompt's
+    pool = AnswerPool(size=4, ngram_max=2)
+    pool.add([6, 4, 4])
+    assert guess(prompt + [2, 6], len(prompt), 2, options, pool) == [4, 4]  # the pool before the prompt
+    assert guess(prompt + [2, 6], len(prompt), 2, options) == [9, 2]
+    assert guess(prompt + [3], len(prompt), 2, options, pool) == []
+    assert guess(prompt + [5, 6], len(prompt), 0, options, pool) == []
+
+
+def test_the_pool_keeps_the_last_answers_only():
+    pool = AnswerPool(size=2, ngram_max=2)
+    for answer in ([1, 2, 3], [4, 5], [6, 7]):
+        pool.add(answer)
+    assert pool.follow([1], 2) == [] and pool.follow([4], 2) == [5] and pool.follow([6], 2) == [7]
+
+
+def test_draft_lengths_follow_acceptance_and_finished_rows_feed_the_pool():
+    drafter = Drafter(DraftOptions(max_draft=8, first_draft=2))
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1]
-    assert drafter.draft(0, tokens, 99) == [2, 3]
+    assert drafter.draft(0, tokens, 11, 99) == [2, 3]
     drafter.update(0, 2, 2)
-    assert len(drafter.draft(0, tokens, 99)) == 4
+    assert len(drafter.draft(0, tokens, 11, 99)) == 4
     drafter.update(0, 4, 1)
-    assert len(drafter.draft(0, tokens, 99)) == 2
-    assert drafter.draft(0, tokens, 1) == [2]  # never past the budget
+    assert len(drafter.draft(0, tokens, 11, 99)) == 2
+    assert drafter.draft(0, tokens, 11, 1) == [2]  # never past the budget
+    drafter.finished(0, [20, 21, 22])
+    assert drafter.draft(1, [30, 20], 1, 4) == [21, 22]  # a later row guesses from the answer before it
 
 
 @pytest.fixture(scope="module", params=[(v, p) for v in registry.VERSIONS for p in (None, 3)],
@@ -117,7 +137,7 @@ def test_greedy_ids_equal_with_and_without_speculation(tiny):
 def test_rejected_guesses_leave_the_ids_unchanged(tiny, monkeypatch):
     model, tokenizer = tiny
     guesses = random.Random(0)
-    monkeypatch.setattr(drafting, "lookup", lambda tokens, k, *_: [guesses.randrange(len(tokenizer)) for _ in range(k)])
+    monkeypatch.setattr(drafting, "guess", lambda tokens, n, k, *_: [guesses.randrange(len(tokenizer)) for _ in range(k)])
     ids, mask = batch_of(tokenizer, TEXTS[6:12])
     stats = DecodeStats()
     plain, fast = both(model, tokenizer, ids, mask, a_stop_id_in_mid_answer(model, tokenizer, ids, mask), stats)
@@ -134,7 +154,7 @@ def test_right_guesses_take_k_plus_one_tokens_a_forward(tiny, monkeypatch):
         prompt = row_ids[row_mask.bool()].tolist()
         for n in range(len(answer) + 1):
             by_history[tuple(prompt + answer[:n])] = answer[n:]
-    monkeypatch.setattr(drafting, "lookup", lambda tokens, k, *_: by_history[tuple(tokens)][:k])
+    monkeypatch.setattr(drafting, "guess", lambda tokens, n, k, *_: by_history[tuple(tokens)][:k])
     options = DraftOptions(max_draft=7, first_draft=7)
     stats = DecodeStats()
     fast = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=None, vocab_limit=len(tokenizer), drafts=options,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chatglm_tune.decoding.drafting import lookup, next_length
+from chatglm_tune.decoding.drafting import guess, next_length
 from chatglm_tune.decoding.request import FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
@@ -56,12 +56,10 @@ class Emitter:
         return [self._hand(row, token) for row, token in zip(rows, self._sample(rows, scores))]
 
     def guesses(self, rows: list[Row]) -> list[list[int]]:
-        """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget."""
-        out = []
-        for row in rows:
-            room = min(row.draft_length, row.request.max_new_tokens - row.generated - 1)
-            out.append(lookup(row.history, room, self.drafts.ngram_max, self.drafts.ngram_min) if room > 0 else [])
-        return out
+        """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget,
+        from its own prompt and answer only: one request's text never changes how fast another's comes."""
+        return [guess(row.history, len(row.request.prompt), min(row.draft_length, row.request.max_new_tokens - row.generated - 1),
+                      self.drafts) for row in rows]
 
     def emit_verified(self, rows: list[Row], scores: torch.Tensor, guesses: list[list[int]]) -> tuple[list[int], list[bool]]:
         """After `BatchCache.verify` (scores [rows, W, V] after each row's pending token and guesses): hand each row

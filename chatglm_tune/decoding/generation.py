@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from chatglm_tune.decoding.batch_cache import BatchCache
+from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
 from chatglm_tune.decoding.speculative import DecodeStats, speculative_steps
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions, SamplingOptions
@@ -79,7 +80,7 @@ def generate(
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
     use_cache: bool = True,
-    drafts: DraftOptions | None = None,
+    drafts: DraftOptions | Drafter | None = None,
     stats: DecodeStats | None = None,
 ) -> list[list[int]]:
     """New token ids of each row (each ends with `eos_token_id` when it stopped on it), KV-cached.
@@ -89,8 +90,9 @@ def generate(
     `row_generators`. `vocab_limit`: the tokenizer's vocabulary size; larger ids are never produced.
     `use_cache=False` decodes the reference script's way (`generate_recompute`), with the same result.
     `drafts`: greedy decoding checks guesses looked up in each row's own tokens, several a forward
-    (`speculative`; the same ids; sampled rows decode plainly); `stats` (a `DecodeStats`) counts its
-    forwards, tokens and accepted guesses.
+    (`speculative`; the same ids; sampled rows decode plainly): `DraftOptions`, or a `drafting.Drafter` kept
+    over calls, whose pool of finished answers then serves the later calls' guesses too; `stats` (a
+    `DecodeStats`) counts its forwards, tokens and accepted guesses.
     """
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
     with _eval_mode(model):
@@ -120,7 +122,7 @@ def generate_steps(
     eos_token_id: int | Sequence[int] | None | _UseConfigEos = CONFIG_EOS,
     seed: int | Sequence[int] | None = None,
     vocab_limit: int | None = None,
-    drafts: DraftOptions | None = None,
+    drafts: DraftOptions | Drafter | None = None,
     stats: DecodeStats | None = None,
 ) -> Iterator[tuple[list[int], list[int]]]:
     """`generate` one KV-cached step at a time: yields, each step, (the prompt index of every row still
@@ -133,13 +135,14 @@ def generate_steps(
 
 
 def _steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit,
-           drafts: DraftOptions | None, stats: DecodeStats | None) -> Iterator[tuple[list[int], list[int]]]:
+           drafts: DraftOptions | Drafter | None, stats: DecodeStats | None) -> Iterator[tuple[list[int], list[int]]]:
     """The KV-cached loop: speculative where drafts are asked for and decoding is greedy, else plain."""
     if drafts is None or not sampling.greedy:
         return _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
     stop = [] if d.stop is None else d.stop.tolist()
+    drafter = drafts if isinstance(drafts, Drafter) else Drafter(drafts)
     return speculative_steps(model, d.input_ids, d.mask, stop=stop, fallback=d.fallback, max_new_tokens=max_new_tokens,
-                             vocab_limit=vocab_limit, drafts=drafts, stats=DecodeStats() if stats is None else stats)
+                             vocab_limit=vocab_limit, drafter=drafter, stats=DecodeStats() if stats is None else stats)
 
 
 def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions,

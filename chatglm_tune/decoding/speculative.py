@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from chatglm_tune.decoding.batch_cache import BatchCache
-from chatglm_tune.decoding.drafting import PromptLookup
+from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens
-from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
+from chatglm_tune.options import DEFAULT_SAMPLING
 
 
 @dataclass
@@ -54,36 +54,38 @@ class DecodeStats:
 
 
 def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, stop: Sequence[int], fallback: int,
-                      max_new_tokens: int, vocab_limit: int | None, drafts: DraftOptions,
+                      max_new_tokens: int, vocab_limit: int | None, drafter: Drafter,
                       stats: DecodeStats) -> Iterator[tuple[list[int], list[int]]]:
     """`generation`'s greedy loop with guesses: yields (the prompt index of each row with a token, its token),
-    one token a row a yield, as the plain loop does (a forward may give a row several)."""
+    one token a row a yield, as the plain loop does (a forward may give a row several). `drafter` guesses,
+    and learns each finished row's answer."""
     if max_new_tokens == 0:
         return
     stop = set(stop)
     batch, scores = BatchCache.prefill(model, ids, mask)
     history = [row[m.bool()].tolist() for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
-    produced = [0] * len(history)
+    prompt_lengths = [len(tokens) for tokens in history]
     live = list(range(len(history)))  # batch row -> prompt index
     emitted = [[t] for t in _greedy(scores, fallback, vocab_limit)]
-    lookup = PromptLookup(drafts)
     while True:
         yield from _columns(live, emitted)
         going = []
         for i, r in enumerate(live):
             history[r] += emitted[i]
-            produced[r] += len(emitted[i])
-            if emitted[i][-1] not in stop and produced[r] < max_new_tokens:
+            if history[r][-1] in stop or len(history[r]) - prompt_lengths[r] >= max_new_tokens:
+                drafter.finished(r, history[r][prompt_lengths[r]:])
+            else:
                 going.append(i)
         if not going:
             return
         if len(going) < len(live):
             batch.select(torch.tensor(going, device=ids.device))
             live = [live[i] for i in going]
-        guesses = [lookup.draft(r, history[r], max_new_tokens - produced[r] - 1) for r in live]
+        guesses = [drafter.draft(r, history[r], prompt_lengths[r], max_new_tokens - (len(history[r]) - prompt_lengths[r]) - 1)
+                   for r in live]
         emitted = _step(model, batch, [history[r][-1] for r in live], guesses, stop, fallback, vocab_limit)
         for r, guess, out in zip(live, guesses, emitted):
-            lookup.update(r, len(guess), len(out) - 1)
+            drafter.update(r, len(guess), len(out) - 1)
             stats.drafted += len(guess)
             stats.accepted += len(out) - 1
             stats.tokens += len(out)
