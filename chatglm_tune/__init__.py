@@ -65,21 +65,31 @@ def _register_stand_in() -> None:
     AutoConfig.register("chatglm", ChatGLMConfigStandIn, exist_ok=True)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls `then()` right after the module `name` is first imported, before the import that asked for it
-    returns; the module keeps its own loader."""
+    returns; the module keeps its own loader, and this finder leaves `sys.meta_path` once it has run."""
 
     def __init__(self, name: str, then):
-        self.name, self.then, self.loader = name, then, None
+        self.name, self.then, self.finding = name, then, False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)  # as the finders after this one find it
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)  # as the other finders find it
+        finally:
+            self.finding = False
         if spec is not None and spec.loader is not None:
-            self.loader, spec.loader = spec.loader, self
+            spec.loader = _ThenLoader(spec.loader, self)
         return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """A module's own loader, then its `_AfterImport` hook's `then()`."""
+
+    def __init__(self, loader, hook: _AfterImport):
+        self.loader, self.hook = loader, hook
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -87,7 +97,9 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        self.then()
+        if self.hook in sys.meta_path:
+            sys.meta_path.remove(self.hook)
+        self.hook.then()
 
 
 if _AUTO_CONFIG in sys.modules:

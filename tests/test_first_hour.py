@@ -290,7 +290,9 @@ print(type(AutoTokenizer.from_pretrained({tokenizer!r})).__name__)
 
 @pytest.mark.parametrize("first", ["import chatglm_tune", "import transformers; import chatglm_tune",
                                    "import chatglm_tune; import transformers.models.auto.configuration_auto",
-                                   "from chatglm_tune import loading"])
+                                   "from chatglm_tune import loading",
+                                   "import chatglm_tune, importlib.util; "
+                                   "importlib.util.find_spec('transformers.models.auto.configuration_auto')"])
 def test_import_chatglm_tune_is_all_the_auto_classes_need(work, first):
     """Transformers' Auto classes load every version's directory after `import chatglm_tune`, whichever of the
     two was imported first, and after an import of the package's own that imports transformers."""
