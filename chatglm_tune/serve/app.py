@@ -39,20 +39,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
     page = resources.files("chatglm_tune.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     def guard(handler):
-        async def guarded(request: Request):
-            try:
-                if api_key is not None and not _authorized(request, api_key):
-                    raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
-                                   code="invalid_api_key")
-                return await handler(request)
-            except ApiError as err:
-                return JSONResponse(err.body(), status_code=err.status)
-            except Exception as err:  # a bug: the client gets a 500 in OpenAI's form, the log the traceback
-                log.exception("%s %s failed", request.method, request.url.path)
-                failure = ApiError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
-                return JSONResponse(failure.body(), status_code=500)
-
-        return guarded
+        return _guarded(handler, api_key)
 
     async def index(request: Request):
         return HTMLResponse(page)
@@ -101,10 +88,37 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         return JSONResponse({"object": "extraction", "model": service.served, "results": rows,
                              "usage": protocol.usage(prompt_tokens, new_tokens)})
 
-    async def not_found(request: Request, exc: HTTPException):
-        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code="not_found")
-        return JSONResponse(err.body(), status_code=exc.status_code)
+    routes = [Route("/", index), Route("/health", health), Route("/v1/models", guard(models)),
+              Route("/v1/chat/completions", guard(chat), methods=["POST"]),
+              Route("/v1/completions", guard(completions), methods=["POST"]),
+              Route("/v1/extract", guard(extract), methods=["POST"])]
+    return Starlette(routes=routes, lifespan=_lifespan(service), exception_handlers={HTTPException: _not_found})
 
+
+def _guarded(handler, api_key: str | None):
+    """`handler` behind the API key (when one is set), its errors as OpenAI's error JSON."""
+    async def guarded(request: Request):
+        try:
+            if api_key is not None and not _authorized(request, api_key):
+                raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+            return await handler(request)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except Exception as err:  # a bug: the client gets a 500 in OpenAI's form, the log the traceback
+            log.exception("%s %s failed", request.method, request.url.path)
+            failure = ApiError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+            return JSONResponse(failure.body(), status_code=500)
+
+    return guarded
+
+
+async def _not_found(request: Request, exc: HTTPException):
+    err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code="not_found")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+def _lifespan(service: Service):
+    """The engine starts with the app and stops when it shuts down."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -113,11 +127,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         finally:
             service.close()
 
-    routes = [Route("/", index), Route("/health", health), Route("/v1/models", guard(models)),
-              Route("/v1/chat/completions", guard(chat), methods=["POST"]),
-              Route("/v1/completions", guard(completions), methods=["POST"]),
-              Route("/v1/extract", guard(extract), methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})
+    return lifespan
 
 
 def _authorized(request: Request, api_key: str) -> bool:
