@@ -157,8 +157,10 @@ def run_file(args, settings, source) -> None:
         if model is not None:
             try:
                 for ready in extraction.extract(model, tokenizer, records, settings, start=start, stats=stats):
-                    extraction.append_rows(f, ready)
-                    rows.extend(ready)
+                    try:
+                        extraction.append_rows(f, ready)
+                    finally:  # counted even where Ctrl-C lands while they are pushed to disk: they are in the file
+                        rows.extend(ready)
                     tokens += sum(r["new_tokens"] for r in ready)
                     bar.update(len(ready))
             except KeyboardInterrupt:

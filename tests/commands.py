@@ -6,10 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# A command or a wait still going after this many seconds has hung. It bounds a hang and says nothing of how fast
+# a machine is: every wait in the tests ends on an event (a process exits, a line or a file appears), and a busy
+# machine only makes that event come later.
+HANG_S = 600
 
 
 def start(script: str, *args, env: dict | None = None) -> subprocess.Popen:
@@ -21,8 +27,8 @@ def start(script: str, *args, env: dict | None = None) -> subprocess.Popen:
                             cwd=ROOT)
 
 
-def finish(process: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Wait for a `start`ed command (killed past `timeout`): its exit code and output."""
+def finish(process: subprocess.Popen, timeout: float = HANG_S) -> subprocess.CompletedProcess:
+    """Wait for a `start`ed command to exit (killed past `timeout`, a hang): its exit code and output."""
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -32,7 +38,7 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> subprocess.Comple
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-def cli(script: str, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(script: str, *args, env: dict | None = None, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     return finish(start(script, *args, env=env), timeout)
 
 
@@ -45,3 +51,15 @@ def side_by_side(*commands: tuple) -> list[subprocess.CompletedProcess]:
     """Each `(script, *args)` started at once, then each checked to exit 0."""
     started = [start(*command) for command in commands]
     return [ok(finish(process)) for process in started]
+
+
+def wait_until(ready: Callable[[], bool], what: str, *, alive: Callable[[], bool] = lambda: True) -> None:
+    """Return once `ready()` holds (polled every 50 ms). AssertionError naming `what` where `alive()` stops holding
+    first (the process that was to make it happen exited), or after HANG_S (a hang)."""
+    deadline = time.monotonic() + HANG_S
+    while not ready():
+        if not alive():
+            assert ready(), f"{what}: the process ended first"
+            return
+        assert time.monotonic() < deadline, f"{what}: not after {HANG_S} s (a hang)"
+        time.sleep(0.05)

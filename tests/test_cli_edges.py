@@ -11,13 +11,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from commands import ROOT, cli, ok, side_by_side
+from commands import HANG_S, ROOT, cli, ok, side_by_side, wait_until
 from test_first_hour import tree_bytes
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -167,17 +167,23 @@ def test_tensorboard_without_its_package_is_refused(data, tmp_path):
 # Ctrl-C
 
 
-def interrupt_when(args: list, ready, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run a command, send it SIGINT (Ctrl-C) once `ready()` holds, and return what it did."""
+def interrupt_when(args: list, ready, what: str) -> subprocess.CompletedProcess:
+    """Run a command, send it SIGINT (Ctrl-C) once `ready()` holds (`what` it waits for: a failure names it), and
+    return what it did once it exits. Its output goes to files: a pipe nobody reads could stall it."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + timeout
-    while not ready() and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.1)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True, stdout=out, stderr=err)
+        try:
+            wait_until(ready, what, alive=lambda: process.poll() is None)
+            process.send_signal(signal.SIGINT)
+            process.wait(HANG_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
 
 
 def logged_steps(run: Path) -> int:
@@ -190,7 +196,8 @@ def test_ctrl_c_in_training_saves_the_state_and_says_how_to_resume(data, tmp_pat
     run = tmp_path / "run"
     args = ["--model", preset, "--tuning", "full", "--train-file", data / "a.jsonl", *SMALL, "--log-every", 1,
             "--threads", 1, "--output-dir", run]
-    done = interrupt_when([ROOT / "train.py", *args, "--max-steps", 2000], lambda: logged_steps(run) >= 3)
+    done = interrupt_when([ROOT / "train.py", *args, "--max-steps", 2000], lambda: logged_steps(run) >= 3,
+                          "train.py logging its third step")
     assert done.returncode == 130 and "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
     match = re.search(r"train\.py: interrupted after step (\d+): its state is saved in .*--resume", done.stderr)
     assert match, done.stderr[-2000:]
@@ -203,12 +210,18 @@ def test_ctrl_c_in_infer_keeps_the_rows_and_says_how_to_resume(runs, data, tmp_p
     run, _ = runs["tiny-chatglm3"]
     out = tmp_path / "out.jsonl"
     lines = lambda: out.read_text().count("\n") if out.exists() else 0  # noqa: E731
-    args = [ROOT / "infer.py", "--model", run, "--input", data / "a.jsonl", "--output", out, "--batch-size", 1]
-    done = interrupt_when(args, lambda: lines() >= 2)
-    assert done.returncode == 130 and "Traceback" not in done.stderr
+    args = ["--model", run, "--input", data / "a.jsonl", "--output", out, "--batch-size", 1]
+    held = (  # infer.py as run from the shell, held once its second row is written until the Ctrl-C lands there (on a
+        # fast machine the 24 rows of a tiny model are otherwise written before the signal arrives)
+        "import runpy, sys, threading; import chatglm_tune.extraction as e; write = e.append_rows; written = []; "
+        "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), len(written) >= 2 and threading.Event().wait()); "
+        f"sys.argv = [{str(ROOT / 'infer.py')!r}, *{list(map(str, args))!r}]; "
+        f"runpy.run_path({str(ROOT / 'infer.py')!r}, run_name='__main__')")
+    done = interrupt_when(["-c", held], lambda: lines() >= 2, "infer.py writing its second row")
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-2000:]
     kept = lines()
     assert f"interrupted after {kept} of 24 records" in done.stderr and "--resume" in done.stderr
-    code, _, _ = infer_here(*args[1:], "--resume", capsys=capsys)
+    code, _, _ = infer_here(*args, "--resume", capsys=capsys)
     assert code == 0 and lines() == 24
 
 
@@ -330,7 +343,7 @@ def test_a_quantized_model_counts_the_parameters_of_its_float_form(name, tmp_pat
 
 
 def test_infer_help_names_every_version():
-    done = ok(cli("infer.py", "--help", timeout=60))
+    done = ok(cli("infer.py", "--help"))
     flat = " ".join(done.stdout.split())
     assert "ChatGLM-6B, ChatGLM2/3 or GLM-4" in flat
 

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.quant.modules import QuantizedLinear
 from chatglm_tune.records import SPORecord, read_records
 from chatglm_tune.rundir import RunDirectoryError
-from commands import ROOT, cli, ok, side_by_side
+from commands import ROOT, cli, ok, side_by_side, wait_until
 
 INFER = ROOT / "infer.py"
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -138,22 +137,22 @@ def test_resume_after_sigkill_gives_the_uninterrupted_file(workdir, tmp_path):
     killed = tmp_path / "killed.jsonl"
     args = ["--model", str(workdir / "model"), "--input", str(workdir / "input.jsonl"), "--output", str(killed),
             "--max-new-tokens", "10", "--batch-size", "2"]
-    slow_infer = (  # infer.py with a pause after each batch it writes, so that it can be killed mid-run
-        "import runpy, sys, time; import chatglm_tune.extraction as e; write = e.append_rows; "
-        "e.append_rows = lambda f, rows: (write(f, rows), time.sleep(0.4)); "
+    stalled = tmp_path / "stalled"
+    stalled_infer = (  # infer.py that stops for good once it has written 3 rows (and says so): killed mid-run
+        "import pathlib, runpy, sys, threading; import chatglm_tune.extraction as e; write = e.append_rows; "
+        f"written = []; stalled = pathlib.Path({str(stalled)!r}); "
+        "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), "
+        "len(written) >= 3 and (stalled.touch(), threading.Event().wait())); "
         f"sys.argv = [{str(INFER)!r}, *{args!r}]; runpy.run_path({str(INFER)!r}, run_name='__main__')"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", slow_infer], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", stalled_infer], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if killed.exists() and killed.read_text(encoding="utf-8").count("\n") >= 3:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "infer.py finished before it could be killed"
+        wait_until(stalled.exists, "infer.py writing 3 rows", alive=lambda: proc.poll() is None)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
     written = killed.read_text(encoding="utf-8").count("\n")
     assert 3 <= written < N_RECORDS
