@@ -9,10 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from commands import HANG_S, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
@@ -36,37 +37,57 @@ def tiny_model(name: str, directory: Path) -> Path:
     return directory
 
 
+# serve.py whose model takes at least SECONDS a forward (`time.sleep` in a forward hook): a slow model, whose long
+# answer cannot end within a shutdown grace on any machine.
+SLOW_SERVE = """
+import runpy, sys, time
+from chatglm_tune import loading
+
+def slow(*args, load=loading.load_for_inference, **kwargs):
+    model, tokenizer, line = load(*args, **kwargs)
+    model.register_forward_pre_hook(lambda module, inputs: time.sleep({seconds}))
+    return model, tokenizer, line
+
+loading.load_for_inference = slow
+sys.argv = [{serve!r}, *sys.argv[1:]]
+runpy.run_path({serve!r}, run_name="__main__")
+"""
+
+
 @contextlib.contextmanager
-def serve_py(directory: Path, log_path: Path, *args: str, start_timeout: float = 90):
-    """(process, base URL) of `python serve.py --model directory` on a free port, one thread, once /health answers;
-    its output goes to `log_path`. Afterwards: SIGTERM, killed if still there 15 s later."""
+def serve_py(directory: Path, log_path: Path, *args: str, seconds_a_forward: float | None = None):
+    """(process, base URL) of `python serve.py --model directory` on a free port, one thread, once /health answers
+    (however long loading takes: HANG_S bounds a hang); its output goes to `log_path`. `seconds_a_forward`: the model
+    sleeps that long before each forward (SLOW_SERVE). Afterwards: SIGTERM, waited for until it exits (killed after
+    HANG_S)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    serve = str(ROOT / "serve.py")
+    program = [serve] if seconds_a_forward is None else ["-c", SLOW_SERVE.format(seconds=seconds_a_forward, serve=serve)]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--model", str(directory), "--port", str(port),
-                                 "--threads", "1", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, *program, "--model", str(directory), "--port", str(port), "--threads", "1",
+                                 *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"serve.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    if json.loads(response.read())["status"] == "ok":
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve.py did not answer /health in {start_timeout:.0f} s:\n"
-                                     f"{log_path.read_text(errors='replace')}")
-            time.sleep(0.2)
+        try:
+            wait_until(lambda: healthy(base), "serve.py answering /health", alive=lambda: proc.poll() is None)
+        except AssertionError as err:
+            raise AssertionError(f"{err} (exit code {proc.poll()}):\n{log_path.read_text(errors='replace')}") from None
         yield proc, base
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(15)
+                proc.wait(HANG_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5)
+                proc.wait()
+
+
+def healthy(base: str) -> bool:
+    """Whether the server at `base` answers /health with status ok (False while it is not listening yet)."""
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=HANG_S) as response:
+            return json.loads(response.read())["status"] == "ok"
+    except (urllib.error.URLError, ConnectionError):
+        return False

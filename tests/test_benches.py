@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from commands import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +17,7 @@ def test_generate_bench_runs_and_ends_with_its_json():
     done = subprocess.run(
         [sys.executable, "bench/decode/generate.py", "--configs", "tiny", "--new-tokens", "1:4", "--recompute-tokens", "1:2",
          "--threads", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -38,7 +39,7 @@ def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench/gpu/gpu.py runs for real there")
 def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
-    done = subprocess.run([sys.executable, "bench/gpu/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "bench/gpu/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     message = done.stderr.strip()
     assert "\n" not in message and message.startswith("bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
@@ -50,7 +51,7 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     done = subprocess.run(
         [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
          "--no-floor", "--threads", "1", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -61,7 +62,7 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
 
 def _peer(*args, out: Path) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "bench/peer/peer.py", *args, "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
@@ -147,7 +148,7 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     directory = tiny_model("chatglm3", tmp_path / "tiny")
     gguf = tmp_path / "gguf"
     done = subprocess.run([sys.executable, "export.py", str(directory), str(gguf), "--type", "f16", "--name", "tiny"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     model = from_pretrained(directory, dtype=torch.float32)
     prompts = torch.randint(5, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()
@@ -157,7 +158,7 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     for child, rows in (("llama", prompts[:1]), ("llama-batch", prompts)):
         done = subprocess.run([sys.executable, "bench/peer/peer_llama.py", "--child", child, "--gguf", str(gguf / "tiny-f16.gguf"),
                                "--threads", "1", "--workload", json.dumps({**work, "prompts": rows})],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+                              cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
         assert done.returncode == 0, done.stderr[-2000:]
         records[child] = json.loads(done.stdout.strip().splitlines()[-1])
     assert records["llama"]["first_tokens"] == want[0] and records["llama"]["decode_ms"] > 0
@@ -200,7 +201,7 @@ def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_wou
     model = from_pretrained(tmp_path / "fp16", dtype=torch.float32)
     assert type(model).__name__ == "Glm4ForCausalLMWithPrefix"
     done = subprocess.run([sys.executable, "quantize.py", "--bits", "4", str(tmp_path / "fp16"), str(tmp_path / "q")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _tensor_layout(tmp_path / "int4") == _tensor_layout(tmp_path / "q")
     written = json.loads((tmp_path / "int4" / "config.json").read_text())

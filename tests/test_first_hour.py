@@ -11,10 +11,11 @@ for it, and help texts.
 import json
 import os
 import re
+import select
+import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 import chatglm_tune
 from chatglm_tune import loading, rundir
 from chatglm_tune.quant.modules import QuantizedLinear
-from commands import ROOT, cli, finish, ok, side_by_side, start
+from commands import HANG_S, ROOT, cli, finish, ok, side_by_side, start, wait_until
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
 SMALL = ["--max-src-len", "96", "--max-len", "160", "--batch-size", "8", "--threads", "1"]
@@ -63,7 +64,7 @@ def test_an_empty_training_file_is_an_error_naming_it(tmp_path):
     empty.write_text("")
     for flags in ((), ("--max-steps", 5)):  # it hung with --max-steps and "trained" 0 steps without
         done = cli("train.py", "--model", "tiny", "--tuning", "full", "--train-file", empty, "--output-dir", tmp_path / "r",
-                   *flags, timeout=60)
+                   *flags)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert f"{empty}: no training records" in done.stderr
         assert not (tmp_path / "r").exists()
@@ -73,7 +74,7 @@ def test_a_file_of_only_bad_records_says_so(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": ""}\n{"nope": 1}\n')
     done = cli("train.py", "--model", "tiny", "--tuning", "full", "--train-file", bad, "--output-dir", tmp_path / "r",
-               "--on-bad-record", "skip", timeout=60)
+               "--on-bad-record", "skip")
     assert done.returncode == 2 and "no training records (skipped 2 bad record(s)" in done.stderr
 
 
@@ -115,18 +116,22 @@ def test_a_run_into_an_existing_run_is_refused_unless_resumed_or_overwritten(wor
 
 
 def test_a_missing_model_directory_fails_at_once_without_a_traceback(tmp_path):
-    def timed(*args):
-        start = time.monotonic()
-        return cli("train.py", *args, timeout=120), time.monotonic() - start
-
-    _, help_seconds = timed("--help")  # the cost of starting the script on this machine, now
-    done, seconds = timed("--model", tmp_path / "chatglm-6bb", "--tuning", "lora", "--train-file", DEV,
-                          "--output-dir", tmp_path / "r")
+    """It was taken for a Hub id: 45 HTTP retries over minutes. Here the Hub is a local socket that never answers
+    (HF_ENDPOINT, not offline): train.py must say the directory is missing without ever connecting to it."""
+    with socket.socket() as hub:
+        hub.bind(("127.0.0.1", 0))
+        hub.listen()
+        hub_env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}"}
+        process = start("train.py", "--model", tmp_path / "chatglm-6bb", "--tuning", "lora", "--train-file", DEV,
+                        "--output-dir", tmp_path / "r", env=hub_env)
+        called = lambda: bool(select.select([hub], [], [], 0)[0])  # noqa: E731  (a connection waits to be accepted)
+        wait_until(lambda: called() or process.poll() is not None, "train.py exiting")
+        if called():
+            process.kill()
+        done = finish(process)
+        assert not called(), f"train.py looked {tmp_path / 'chatglm-6bb'} up on the Hub"
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == f"train.py: error: {tmp_path / 'chatglm-6bb'}: no such directory"
-    # It was taken for a Hub id: 45 HTTP retries over minutes. Now it costs what --help costs (2.5 s on
-    # a quiet machine), give or take what a loaded one adds.
-    assert seconds < 2 * help_seconds + 5, (seconds, help_seconds)
 
 
 # 4. A quantized run keeps the run's settings
@@ -259,21 +264,18 @@ def test_quantize_on_an_adapter_directory_points_at_its_base(work, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["train.py", "infer.py", "quantize.py", "serve.py", "export.py"])
-def test_help_is_quick_and_imports_neither_torch_nor_transformers(script):
+def test_help_imports_neither_torch_nor_transformers(script):
     probe = ("import runpy, sys; sys.argv = [{0!r}, '--help']\n"
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
              "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.auto') if m in sys.modules]\n"
              "print('HEAVY', heavy)").format(str(ROOT / script))
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    seconds = time.perf_counter() - started
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
     # What made --help take 2.5 s (7-11 s before that) was importing torch and transformers, for the Auto classes'
     # registration and then for the model code; without them 0.1-0.2 s on a quiet machine. The modules are the
-    # check; the time bound only catches a gross regression on a loaded machine.
+    # check, not a clock (a loaded machine makes any time bound a guess).
     assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
     assert "usage:" in done.stdout and "spec section" not in done.stdout
-    assert seconds < 30, seconds
 
 
 AUTO_PROBE = """
@@ -298,7 +300,7 @@ def test_import_chatglm_tune_is_all_the_auto_classes_need(work, first):
     two was imported first, and after an import of the package's own that imports transformers."""
     root, _ = work
     probe = AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"), tokenizer=str(root / "base"))
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
                           env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     names = done.stdout.split()
@@ -309,13 +311,13 @@ def test_import_chatglm_tune_is_all_the_auto_classes_need(work, first):
 def test_import_chatglm_tune_imports_neither_torch_nor_transformers():
     done = subprocess.run([sys.executable, "-c", "import sys, chatglm_tune, chatglm_tune.options\n"
                            "print([m for m in ('torch', 'transformers') if m in sys.modules])"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]"]
 
 
 def test_train_help_is_grouped_and_shows_every_default():
-    done = ok(cli("train.py", "--help", timeout=60))
+    done = ok(cli("train.py", "--help"))
     text = done.stdout
     for group in ("data:", "model:", "tuning:", "optimisation:", "evaluation and saving:", "hardware:"):
         assert f"\n{group}\n" in text, group

@@ -33,11 +33,12 @@ from pathlib import Path
 
 import pytest
 
+from commands import HANG_S
 from serving import serve_py, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = "needs Chromium and Playwright: apt install chromium && pip install playwright"
-WAIT_MS = 30_000  # Playwright waits (the server decodes a few tokens on one CPU thread)
+WAIT_MS = HANG_S * 1000  # Playwright waits for what the page shows: a bound on a hang, not a speed
 MESSAGE = "你好"
 
 try:
@@ -66,7 +67,7 @@ def call(base: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
@@ -97,7 +98,7 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve-page") / "glm4-tiny"
     directory.mkdir()
     tiny_model("glm4", directory)
-    with serve_py(directory, directory.parent / "server.log", start_timeout=60) as (proc, base):
+    with serve_py(directory, directory.parent / "server.log") as (proc, base):
         yield base, directory.name
     assert proc.poll() is not None, "serve.py did not exit"
 
@@ -114,6 +115,7 @@ def browser():
 
 def open_page(browser, base: str):
     page = browser.new_page(viewport={"width": 1100, "height": 800})
+    page.set_default_timeout(WAIT_MS)  # every action and navigation too, not Playwright's 30 s
     page.goto(base + "/")
     return page
 

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from commands import HANG_S
 
 jieba = pytest.importorskip("jieba")
 pytest.importorskip("rouge_chinese")
@@ -154,7 +155,7 @@ def test_jieba_prints_nothing():
         "import importlib.util as u; s = u.spec_from_file_location('tm', %r); m = u.module_from_spec(s); "
         "s.loader.exec_module(m); m.generation_scores(['一条预测'], ['一条参考'])" % str(module)
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "" and done.stdout == ""
 
