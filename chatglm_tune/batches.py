@@ -116,6 +116,15 @@ class PromptFormat:
         messages with the query last)."""
         raise NotImplementedError
 
+    def tool_call_message(self, name: str, arguments: dict) -> dict:
+        """A tool call (OpenAI's: a name, the arguments as a dict) as the assistant message of the history that
+        the version's chat writes for it (formats with `tool_calls`); ValueError where it has no such form."""
+        raise ValueError(f"{self.title} has no tool calls here")
+
+    def tool_call_lead(self, tokenizer, name: str) -> list[int]:
+        """The ids an answer calling tool `name` begins with (what the prompt ends with to ask for that call)."""
+        raise ValueError(f"{self.title} has no tool calls here")
+
     def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
         """The `EncodedExample` of a record with a gold answer."""
         if record.answer is None:

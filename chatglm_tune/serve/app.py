@@ -154,7 +154,7 @@ def _chat_answer(call, turn, done: Done) -> tuple[dict, str]:
     """(message, finish_reason): `chat()`'s response; a tool call as OpenAI's tool_calls."""
     if done.stop_string:
         return protocol.chat_message(done.text, None), done.finish
-    response = turn.result(turn.texts(list(done.ids)))[0]
+    response = turn.response(done.ids)
     if isinstance(response, dict) and "parameters" in response:
         return protocol.chat_message("", protocol.tool_call(call, response)), "tool_calls"
     content = response if isinstance(response, str) else response.get("content", "")

@@ -7,7 +7,9 @@ in a non-ChatGLM3/GLM-4 chat and `best_of`, which are refused):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`;
-- chat: `messages` (role + content; content a string or a list of text parts), `tools` (ChatGLM3 / GLM-4);
+- chat: `messages` (role + content; content a string or a list of text parts; an assistant's `tool_calls`,
+  its content then null or text), `tools` (ChatGLM3 / GLM-4), `tool_choice` ("auto", "none", "required",
+  a named function);
 - completions: `prompt` (one string, or a list of one);
 - extract: `texts` (a list of strings, or `text`); `stream` and `stop` are refused (rows come whole, ended by
   the model).
@@ -58,6 +60,8 @@ class Call:
     include_usage: bool
     messages: tuple = ()  # chat
     tools: list | None = None  # chat: ChatGLM3 / GLM-4 tools, put in the system message
+    tool_choice: str = "auto"  # chat: "auto", "none", "required", or "function" (a named one: `tool_name`)
+    tool_name: str | None = None
     prompt: str | None = None  # completions
     texts: tuple[str, ...] = ()  # extract
     created: int = field(default_factory=lambda: int(time.time()))
@@ -99,6 +103,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
             raise bad("tools", f"must be a list of tool objects, got {tools!r:.80}")
         fields["tools"] = tools or None
+        fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
     elif kind == "completion":
         fields["prompt"] = _prompt(body.get("prompt"))
     else:
@@ -163,6 +168,8 @@ def _text_content(content, where: str) -> str:
 
 
 def _messages(value) -> tuple[dict, ...]:
+    """Each message as {"role", "content"} (+ "tools" of a system message, + an assistant's "tool_calls" as
+    [{"name", "arguments": dict}]: its content may then be null, as the openai SDK sends it)."""
     if not isinstance(value, list) or not value:
         raise bad("messages", "must be a non-empty list of {role, content} messages")
     messages = []
@@ -172,9 +179,48 @@ def _messages(value) -> tuple[dict, ...]:
         role = message.get("role")
         if not isinstance(role, str):
             raise bad(f"messages[{i}].role", f"must be a string, got {role!r}")
-        content = _text_content(message.get("content"), f"messages[{i}].content")
-        messages.append({"role": role, "content": content, **({"tools": message["tools"]} if "tools" in message else {})})
+        calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else []
+        content = message.get("content")
+        content = "" if content is None and calls else _text_content(content, f"messages[{i}].content")
+        messages.append({"role": role, "content": content, **({"tools": message["tools"]} if "tools" in message else {}),
+                         **({"tool_calls": calls} if calls else {})})
     return tuple(messages)
+
+
+def _tool_calls(value, where: str) -> list[dict]:
+    """An assistant message's OpenAI `tool_calls` as [{"name", "arguments": the JSON object}]."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad(where, f"must be a list of tool calls, got {value!r:.80}")
+    calls = []
+    for j, item in enumerate(value):
+        function = item.get("function") if isinstance(item, Mapping) else None
+        if not (isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]):
+            raise bad(f"{where}[{j}]", f"must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, "
+                                       f"got {item!r:.80}")
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise bad(f"{where}[{j}].function.arguments", f"must be a JSON object in a string, got "
+                                                         f"{function.get('arguments')!r:.80}")
+        calls.append({"name": function["name"], "arguments": arguments})
+    return calls
+
+
+def _tool_choice(value) -> tuple[str, str | None]:
+    """OpenAI's `tool_choice`: (kind, the function's name where one is named)."""
+    if value is None:
+        return "auto", None
+    if value in ("auto", "none", "required"):
+        return value, None
+    function = value.get("function") if isinstance(value, Mapping) else None
+    if isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]:
+        return "function", function["name"]
+    raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+                             f"got {value!r:.80}")
 
 
 def _prompt(value) -> str:

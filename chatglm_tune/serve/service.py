@@ -3,9 +3,13 @@ becomes ids and comes back as text (chat, completion, extraction), for asyncio h
 
 - chat: the messages become the version's official chat prompt (`chat.prepare_turn`: ChatGLM-6B / ChatGLM2
   (query, response) rounds; ChatGLM3 / GLM-4 role messages, `system` included, OpenAI's `tool` role as
-  `observation`, `tools` in the system message as their official demos put them, refused for the versions
-  whose chat has no tool calls here: `PromptFormat.tool_calls`); the answer is what `chat()` answers (the
-  version's post-processing; a ChatGLM3 / GLM-4-9B tool call as OpenAI's `tool_calls`).
+  `observation`, `tools` in the system message as their official demos put them, an assistant's `tool_calls`
+  as the messages the model writes for them (`PromptFormat.tool_call_message`: `<|assistant|>name` then
+  ChatGLM3's `tool_call(k=v)` block or GLM-4-9B's JSON), all refused for the versions whose chat has no tool
+  calls here: `PromptFormat.tool_calls`); the answer is what `chat()` answers (the version's post-processing;
+  a ChatGLM3 / GLM-4-9B tool call as OpenAI's `tool_calls`). `tool_choice`: "none" offers no tools and reads
+  no call; a named function (or "required" with one tool) ends the prompt with that call's first line, so
+  the answer is its arguments; "required" among several tools cannot be asked of the model (400).
 - completion: the prompt string is the record text of the run's prompt format, with the run's instruction
   (`--prompt` of train.py) before it: the model's input is what `infer.py --text` gives it; the answer is
   the decoded text (`PromptFormat.decode_answer`).
@@ -27,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from chatglm_tune.batches import SpecialIds
-from chatglm_tune.decoding.chat import ROLES, prepare_turn
+from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_ERROR, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
@@ -157,6 +161,30 @@ class TextStream:
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """A chat request's turn: `chat.Turn` (the version's prompt and post-processing) and the prompt the engine
+    decodes, which goes on with `lead` where the request names the tool to call (that call's first line);
+    `tool_calls`: whether a call is read from the answer (not with `tool_choice` "none")."""
+
+    turn: Turn
+    prompt: list[int]
+    lead: str
+    tool_calls: bool
+
+    @property
+    def history(self) -> list:
+        return self.turn.history
+
+    def response(self, ids: Sequence[int]):
+        """`chat()`'s response of the answer ids: text, or a tool call dict (never with `tool_calls` off: then
+        a first line naming a tool stays text, as written)."""
+        texts = self.turn.texts(list(ids))
+        texts[0] = self.lead + texts[0]
+        response = self.turn.result(texts)[0]
+        return response if self.tool_calls or isinstance(response, str) else "\n".join(texts).strip()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
 
@@ -205,23 +233,23 @@ class Service:
     # ------------------------------------------------------------------------------------------
     # chat
 
-    def chat_turn(self, call: Call):
-        """The `chat.Turn` of a chat call: its prompt, stop ids and post-processing; 400 on bad messages."""
-        messages, tools = [dict(m) for m in call.messages], call.tools
+    def chat_turn(self, call: Call) -> "ChatTurn":
+        """The `ChatTurn` of a chat call: its prompt, stop ids and post-processing; 400 on bad messages."""
+        messages = [dict(m) for m in call.messages]
+        tools = call.tools if call.tool_choice != "none" else None  # "none": the tools are not offered
+        called = self._called_tool(call)
+        if (call.tools or called) and not self.format.tool_calls:
+            param = "tools" if call.tools else "tool_choice"
+            raise bad(param, f"{self.format.title} has no tool calls here")
         *history, last = messages
-        if tools and not self.format.tool_calls:
-            raise bad("tools", f"{self.format.title} has no tool calls here")
+        if not self.format.tool_calls:
+            self._no_tool_calls(history)
         if self.format.chat_in_pairs:
             pairs = self._pairs(history)
             query, role = last["content"], self._last_role(last, ("user",), len(messages) - 1)
             history = pairs
         else:
-            for i, message in enumerate(history):
-                message["role"] = "observation" if message["role"] == "tool" else message["role"]
-                if message["role"] not in ROLES:
-                    raise bad(f"messages[{i}].role", f"must be one of {ROLES + ('tool',)}, got {message['role']!r}")
-                if message["role"] == "assistant":
-                    message.setdefault("metadata", "")
+            history = self._role_messages(history)
             if tools:
                 if history and history[0]["role"] == "system":
                     history[0]["tools"] = tools
@@ -231,9 +259,54 @@ class Service:
             role = self._last_role({**last, "role": role}, ("user", "observation"), len(messages) - 1)
             query = last["content"]
         try:
-            return prepare_turn(self.tokenizer, query, history, role, self.context, call.sampling)
+            turn = prepare_turn(self.tokenizer, query, history, role, self.context, call.sampling)
         except ValueError as err:
             raise bad("messages", str(err)) from None
+        if called is None:
+            return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none")
+        return ChatTurn(turn, turn.prompt + self.format.tool_call_lead(self.tokenizer, called), f"{called}\n", True)
+
+    def _called_tool(self, call: Call) -> str | None:
+        """The tool the answer must call (`tool_choice` a named function, or "required" with one tool), else None;
+        400 naming tool_choice where the choice cannot be had."""
+        if call.tool_choice not in ("required", "function"):
+            return None
+        if not call.tools:
+            raise bad("tool_choice", f"{call.tool_choice!r} needs tools: none are given")
+        names = [(tool.get("function") or tool).get("name") for tool in call.tools]
+        if call.tool_choice == "function":
+            if call.tool_name not in names:
+                raise bad("tool_choice", f"names {call.tool_name!r}, which tools do not declare ({names})")
+            return call.tool_name
+        if len(names) != 1:
+            raise bad("tool_choice", f"\"required\" among {len(names)} tools cannot be asked of "
+                                     f"{self.format.title}: name the function")
+        return names[0]
+
+    def _no_tool_calls(self, history: list[dict]) -> None:
+        for i, message in enumerate(history):
+            if "tool_calls" in message:
+                raise bad(f"messages[{i}].tool_calls", f"{self.format.title} has no tool calls here")
+
+    def _role_messages(self, history: list[dict]) -> list[dict]:
+        """ChatGLM3 / GLM-4 history: OpenAI's `tool` role as `observation`; an assistant's tool calls as the messages
+        the version writes for them (`PromptFormat.tool_call_message`), after its text if it has any."""
+        messages = []
+        for i, message in enumerate(history):
+            message["role"] = "observation" if message["role"] == "tool" else message["role"]
+            if message["role"] not in ROLES:
+                raise bad(f"messages[{i}].role", f"must be one of {ROLES + ('tool',)}, got {message['role']!r}")
+            calls = message.pop("tool_calls", [])
+            if message["role"] == "assistant":
+                message.setdefault("metadata", "")
+            if not calls or message["content"]:
+                messages.append(message)
+            for j, call in enumerate(calls):
+                try:
+                    messages.append(self.format.tool_call_message(call["name"], call["arguments"]))
+                except ValueError as err:
+                    raise bad(f"messages[{i}].tool_calls[{j}]", str(err)) from None
+        return messages
 
     def _pairs(self, history: list[dict]) -> list[tuple[str, str]]:
         if len(history) % 2:
@@ -256,11 +329,11 @@ class Service:
                                                  f"{message['role']!r}")
         return message["role"]
 
-    def chat_render(self, turn) -> Callable[[list[int]], str]:
+    def chat_render(self, turn: "ChatTurn") -> Callable[[list[int]], str]:
         """The streamed text of a chat answer: the response so far (a tool call streams no text)."""
 
         def render(ids: list[int]) -> str:
-            response = turn.result(turn.texts(ids))[0]
+            response = turn.response(ids)
             return response if isinstance(response, str) else ""
 
         return render

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 from typing import Callable, Sequence
 
 from chatglm_tune.batches import PromptFormat
@@ -144,6 +145,23 @@ class _RoleFormat(_GLMFormat):
         """The parameters of a tool call the model wrote, or None where `content` does not parse."""
         raise NotImplementedError
 
+    def tool_call_message(self, name: str, arguments: dict) -> dict:
+        """`<|assistant|>name` then the arguments in the version's form (`tool_arguments`), as the model writes a
+        call and the official chat keeps it in the history (metadata: the name)."""
+        if not self.tool_calls:
+            return super().tool_call_message(name, arguments)
+        return {"role": "assistant", "metadata": name, "content": self.tool_arguments(arguments)}
+
+    def tool_call_lead(self, tokenizer, name: str) -> list[int]:
+        """The call's first line, `name` and "\\n", as the tokenizer encodes a message's `metadata + "\\n"`."""
+        if not self.tool_calls:
+            return super().tool_call_lead(tokenizer, name)
+        return tokenizer.encode_text(f"{name}\n")
+
+    def tool_arguments(self, arguments: dict) -> str:
+        """A call's arguments as the model writes them (what `tool_parameters` reads back)."""
+        raise NotImplementedError
+
 
 class ChatGLM3Format(_RoleFormat):
     name = "chatglm3"
@@ -164,6 +182,16 @@ class ChatGLM3Format(_RoleFormat):
         """Its tokenizer's `build_chat_input` (the official chat() prompt)."""
         *history, last = messages
         return tokenizer.build_chat_input(last["content"], history, role=last["role"])["input_ids"][0].tolist()
+
+    def tool_arguments(self, arguments: dict) -> str:
+        """`tool_call(k=v, ...)` in a Python code block, each value a Python literal; ValueError for a name that
+        cannot be a keyword argument."""
+        for key in arguments:
+            if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
+                raise ValueError(f"{self.title} writes a tool call's arguments as Python keyword arguments: {key!r} "
+                                 "cannot be one")
+        keywords = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
+        return f"```python\ntool_call({keywords})\n```"
 
     def tool_parameters(self, content: str):
         """`tool_call(k=v, ...)` in a code block, its arguments read as Python literals (the official code
@@ -217,6 +245,10 @@ class GLM4Format(_RoleFormat):
         still streaming); any other answer is text, its first line too."""
         declared = {(tool.get("function") or tool).get("name") for tool in tools or () if isinstance(tool, dict)}
         return super().tool_call(name, content, tools) if name in declared else None
+
+    def tool_arguments(self, arguments: dict) -> str:
+        """JSON."""
+        return json.dumps(arguments, ensure_ascii=False)
 
     def tool_parameters(self, content: str):
         """JSON."""

@@ -1,0 +1,143 @@
+"""serve.py as a new user meets it through the official `openai` client and curl: a tool call's round trip and
+`tool_choice`, a non-streaming client that leaves, CORS, fields that would change the answer, shutdown with
+streams running, the smaller routes and errors, and a large body.
+
+Prompts are checked against the ones the library builds for the same turn (the engine's submitted ids), never
+against a tiny random model's text; waits end on events, bounded by generous safety timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("starlette", reason='the server needs its extra: pip install -e ".[serve]"')
+pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
+openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
+
+from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
+from chatglm_tune.options import SamplingOptions  # noqa: E402
+from serving import tiny_model  # noqa: E402
+from test_serve import serving  # noqa: E402
+
+GREEDY = SamplingOptions()
+# tools kept short: the tiny ChatGLM3's context is 512 tokens, about a character each
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"city": "str"}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny model directories by version, made once."""
+    made = {}
+
+    def directory(version):
+        if version not in made:
+            made[version] = tiny_model(version, tmp_path_factory.mktemp(version))
+        return made[version]
+
+    return directory
+
+
+class Prompts:
+    """The prompt ids of each request the engine is handed."""
+
+    def __init__(self, engine, monkeypatch):
+        self.ids = []
+        submit = engine.submit
+        monkeypatch.setattr(engine, "submit", lambda request: self.ids.append(list(request.prompt)) or submit(request))
+
+
+# ----------------------------------------------------------------------------------------------
+# A tool call's round trip, tool_choice
+
+
+def round_trip(content):
+    """The openai SDK's messages after a tool call: the assistant's call sent back, then the tool's result."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "北京"}'}}
+    return [{"role": "user", "content": "北京天气"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "晴，25度"}]
+
+
+@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+def test_a_tool_calls_round_trip_is_in_the_prompt_in_the_versions_tool_form(version, models, monkeypatch):
+    """ChatGLM3 writes a call `<|assistant|>name` then a `tool_call(k=v)` code block, GLM-4-9B `<|assistant|>name`
+    then JSON; the tool's result is an `<|observation|>` turn. The tiny GLM-4 tokenizer's template takes no tools,
+    so GLM-4 sends the round trip without them."""
+    tools = [WEATHER] if version == "chatglm3" else None
+    arguments = "```python\ntool_call(city='北京')\n```" if version == "chatglm3" else '{"city": "北京"}'
+    with serving(models(version)) as s:
+        prompts = Prompts(s.service.engine, monkeypatch)
+        client = s.client()
+        for content in (None, ""):
+            reply = client.chat.completions.create(model="tiny", messages=round_trip(content), max_tokens=4,
+                                                   temperature=0, **({"tools": tools} if tools else {}))
+            assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        system = [{"role": "system", "content": "", "tools": tools}] if tools else []
+        history = [*system, {"role": "user", "content": "北京天气"},
+                   {"role": "assistant", "metadata": "get_weather", "content": arguments}]
+        expected = prepare_turn(s.tokenizer, "晴，25度", history, "observation", None, GREEDY).prompt
+        assert prompts.ids == [expected, expected]
+
+
+def test_tool_choice(models, monkeypatch):
+    """"none": the tools are not offered (the prompt of the same chat without them) and no call is read;
+    a named function (or "required" with one tool): the prompt goes on with the call's first line, and the
+    answer is read as that call; "required" among several tools, or a name not declared: 400 naming tool_choice."""
+    from chatglm_tune.serve.app import _chat_answer
+    from chatglm_tune.serve.protocol import parse_call
+    from chatglm_tune.serve.service import Done
+
+    messages = [{"role": "user", "content": "北京天气"}]
+    with serving(models("chatglm3")) as s:
+        prompts = Prompts(s.service.engine, monkeypatch)
+        client = s.client()
+        ask = dict(model="tiny", messages=messages, max_tokens=4, temperature=0)
+        client.chat.completions.create(**ask)
+        client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="none")
+        assert prompts.ids[1] == prompts.ids[0]
+        client.chat.completions.create(**ask, tools=[WEATHER])
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        client.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice=named)
+        client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="required")
+        with_tools, lead = prompts.ids[2], s.tokenizer.encode_text("get_weather\n")
+        assert prompts.ids[4] == with_tools + lead
+        assert prompts.ids[3][-len(lead):] == lead and len(prompts.ids[3]) > len(with_tools) + len(lead)
+        for choice in ("required", {"type": "function", "function": {"name": "nope"}}, "sometimes"):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice=choice)
+            assert err.value.body["param"] == "tool_choice", (choice, err.value.body)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**ask, tool_choice="required")
+        assert err.value.body["param"] == "tool_choice"
+        # the answer of a named call is read with its first line, which the prompt gave
+        call = parse_call({**ask, "tools": [WEATHER], "tool_choice": named}, kind="chat", served="tiny",
+                          defaults=s.service.chat_sampling)
+        turn = s.service.chat_turn(call)
+        ids = s.tokenizer.encode_text("```python\ntool_call(city='北京')\n```")
+        message, finish = _chat_answer(call, turn, Done("", "stop", len(ids), tuple(ids), False))
+        assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {
+            "name": "get_weather", "arguments": json.dumps({"city": "北京"}, ensure_ascii=False)}
+        # "none": a first line naming a tool is not read as a call
+        call = parse_call({**ask, "tools": [WEATHER], "tool_choice": "none"}, kind="chat", served="tiny",
+                          defaults=s.service.chat_sampling)
+        ids = s.tokenizer.encode_text("get_weather\n```python\ntool_call(city='北京')\n```")
+        message, _ = _chat_answer(call, s.service.chat_turn(call), Done("", "stop", len(ids), tuple(ids), False))
+        assert "tool_calls" not in message
+
+
+@pytest.mark.parametrize("version", ["chatglm", "glm-edge"])
+def test_versions_without_tool_calls_refuse_them(version, models):
+    with serving(models(version)) as s:
+        client = s.client()
+        for kwargs, param in ((dict(messages=round_trip(None)[:2] + [{"role": "user", "content": "好"}]),
+                               "messages[1].tool_calls"),
+                              (dict(messages=[{"role": "user", "content": "好"}], tools=[WEATHER]), "tools"),
+                              (dict(messages=[{"role": "user", "content": "好"}], tool_choice="required"), "tool_choice")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", max_tokens=2, **kwargs)
+            assert err.value.body["param"] == param, (kwargs, err.value.body)
+        reply = client.chat.completions.create(model="tiny", max_tokens=2, tool_choice="none",
+                                               messages=[{"role": "user", "content": "好"}])
+        assert reply.choices[0].finish_reason in ("stop", "length")
