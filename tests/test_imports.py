@@ -1,4 +1,4 @@
-"""The package's rooms, checked on its source (AST, nothing imported): imports flow one way.
+"""The package's rooms, checked on its source (AST, nothing imported): imports flow one way; and sizes.
 
     command lines (train.py, infer.py, quantize.py, serve.py, export.py)
       -> training, extraction, metrics, lora, loading, rundir, auto, serve/, export/ (the upper layers)
@@ -10,7 +10,8 @@ A family never imports another family, the registry or an upper layer; a shared 
 `models/`; no module imports one that imports it back (a function-level import counts: it is the same
 knot, tied later). Every module must be placed in one of these rooms, so a new one is a decision.
 Also: no comparison with a version name ("glm4", ...) outside the folder of that version's family,
-and no comment or docstring that points outside the repository.
+no comment or docstring that points outside the repository, no function of the package over 80 lines
+(methods, async and nested functions included) and no .py file under bench/ over 400 lines.
 """
 
 from __future__ import annotations
@@ -186,3 +187,67 @@ def test_no_comment_or_docstring_points_outside_the_repository():
     found = [f"{path.relative_to(ROOT)}:{line}: {m.group(0)!r}" for path in sorted(files) if "__pycache__" not in path.parts
              for line, text in _comments_and_docstrings(path) for m in _OUTSIDE.finditer(text)]
     assert found == []
+
+
+# Size: a function reads in one sitting, a bench script stays a script
+
+MAX_FUNCTION_LINES = 80  # def line to last line, docstring and nested functions included
+MAX_BENCH_FILE_LINES = 400
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'file:line: name is N lines' for every function of `path` (sync or async, methods and nested functions,
+    named by where they sit: `Class.method`, `outer.inner`) longer than `limit` lines."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                lines = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and lines > limit:
+                    found.append(f"{shown(path)}:{child.lineno}: {name} is {lines} lines (at most {limit})")
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    return found
+
+
+def shown(path: Path) -> Path:
+    """`path` from the repository root where it is in the repository."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def long_files(paths, limit: int = MAX_BENCH_FILE_LINES) -> list[str]:
+    """'file:1: N lines' for each of `paths` longer than `limit` lines."""
+    found = []
+    for path in sorted(paths):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > limit:
+            found.append(f"{shown(path)}:1: the whole file is {lines} lines (at most {limit})")
+    return found
+
+
+def test_the_size_checks_name_file_line_and_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    code = (f"def short():\n    pass\n\n\nclass Server:\n    async def handle(self):\n{body.replace('    ', '        ')}\n\n"
+            f"def outer():\n    def inner():\n{body.replace('    ', '        ')}    return inner\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text(code, encoding="utf-8")
+    assert long_functions(probe) == [f"{probe}:6: Server.handle is 81 lines (at most 80)",
+                                     f"{probe}:89: outer is 83 lines (at most 80)",
+                                     f"{probe}:90: outer.inner is 81 lines (at most 80)"]
+    assert long_functions(probe, limit=83) == []
+    assert long_files([probe], limit=100) == [f"{probe}:1: the whole file is 171 lines (at most 100)"]
+    assert long_files([probe], limit=171) == []
+
+
+def test_no_function_of_the_package_is_over_80_lines():
+    files = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+    assert [line for path in files for line in long_functions(path)] == []
+
+
+def test_no_bench_file_is_over_400_lines():
+    assert long_files(p for p in (ROOT / "bench").rglob("*.py") if "__pycache__" not in p.parts) == []
