@@ -9,6 +9,8 @@ against a tiny random model's text; waits end on events, bounded by generous saf
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
@@ -18,7 +20,8 @@ openai = pytest.importorskip("openai", reason="the tests call the server with th
 
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
 from chatglm_tune.options import SamplingOptions  # noqa: E402
-from serving import tiny_model  # noqa: E402
+from commands import HANG_S, wait_until  # noqa: E402
+from serving import TEXTS, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
 
 GREEDY = SamplingOptions()
@@ -141,3 +144,43 @@ def test_versions_without_tool_calls_refuse_them(version, models):
         reply = client.chat.completions.create(model="tiny", max_tokens=2, tool_choice="none",
                                                messages=[{"role": "user", "content": "好"}])
         assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+# ----------------------------------------------------------------------------------------------
+# A non-streaming client that leaves
+
+
+def endless(model, token: int, seconds: float):
+    """A forward hook: every position prefers `token` (no stop id ever comes), each forward takes at least
+    `seconds` (a throttle, so an answer of the whole context takes seconds to decode)."""
+    def hook(module, args, kwargs, output):
+        time.sleep(seconds)
+        output.logits[..., token] = 1e4
+        return output
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled_at_once(models, monkeypatch):
+    """Tokens keep coming, yet the request leaves the engine soon after its client closes the connection: far
+    fewer tokens than its budget (the context) are decoded."""
+    with serving(models("glm4")) as s:
+        requests = []
+        submit = s.service.engine.submit
+        monkeypatch.setattr(s.service.engine, "submit", lambda request: requests.append(request) or submit(request))
+        token = s.tokenizer.encode_text("好")[0]
+        handle = endless(s.model, token, 0.02)
+        try:
+            body = json.dumps({"model": "tiny", "prompt": TEXTS[0], "temperature": 1.0}).encode()
+            port = int(s.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=HANG_S) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                wait_until(lambda: s.service.engine.running == 1, "the request running")
+            request = requests[0]
+            wait_until(lambda: s.service.engine.running == 0, "the request leaving the engine")
+        finally:
+            handle.remove()
+        assert request.cancelled
+        decoded = s.service.engine.steps
+        assert decoded < request.max_new_tokens / 4, (decoded, request.max_new_tokens)

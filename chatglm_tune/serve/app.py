@@ -10,7 +10,8 @@
 Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
 server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route, 429 a full
 queue, 503 while shutting down. A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
-disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`).
+disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`, tokens
+coming or not).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptio
 from chatglm_tune.records import SPORecord
 from chatglm_tune.serve.protocol import ApiError, Call, bad, require_fitting
 
-DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+_GONE = object()  # put in a ticket's queue when its client has gone
 
 
 def context_length(config) -> int:
@@ -106,25 +107,31 @@ class Ticket:
             raise ApiError(503, "the server is shutting down", code="shutting_down") from None
 
     async def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
+        """The request's token ids, then its `Finished`. `disconnected`: polled every DISCONNECT_POLL_S by a task
+        of its own, whether tokens come or not; once it says so, the iteration ends (and the request is
+        cancelled in the engine)."""
+        watcher = None if disconnected is None else asyncio.create_task(self._watch(disconnected))
         try:
             while True:
-                if disconnected is None:
-                    item = await self.queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                    except TimeoutError:
-                        if await disconnected():
-                            return
-                        continue
+                item = await self.queue.get()
+                if item is _GONE:
+                    return
                 if isinstance(item, Finished):
                     self.done = True
                 yield item
                 if self.done:
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if not self.done:
                 self.engine.cancel(self.request)
+
+    async def _watch(self, disconnected: Callable[[], Awaitable[bool]]) -> None:
+        while not await disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.engine.cancel(self.request)  # at the engine's next step, even before the handler hears of it
+        self.queue.put_nowait(_GONE)
 
 
 class TextStream:
