@@ -5,7 +5,11 @@ The ids are plain greedy decoding's, token for token, up to the float rounding o
 positions instead of one (a near-tie of the two best scores can fall either way, as between batch sizes):
 a guess is kept only where it is the argmax of the scores before it, and the token after the last kept
 guess is the argmax there, as the plain loop would pick. A step costs one forward of (1 + guesses) rows a
-row; decoding is bound by reading the weights once a step, so that is about the cost of one token.
+row; decoding is bound by reading the weights once a step, so that is about the cost of one token. With the
+integer-dot INT8 / INT4 kernels every row of a layer rounds alike whatever the rows beside it (their
+activations are rounded to integers row by row), but a float difference elsewhere (the attention over several
+queries) can move an activation across a rounding step: a quantized model's rows then differ as they do
+between batch sizes.
 
 The cache (`batch_cache.BatchCache.verify` / `accept`) takes each row's pending token and its guesses, then
 keeps, per row, the pending token and the accepted guesses: rows that kept fewer are shifted right (left
@@ -44,13 +48,6 @@ class DecodeStats:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
-
-    def add(self, other: "DecodeStats") -> None:
-        self.forwards += other.forwards
-        self.row_forwards += other.row_forwards
-        self.tokens += other.tokens
-        self.drafted += other.drafted
-        self.accepted += other.accepted
 
 
 def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, stop: Sequence[int], fallback: int,
