@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULTS.drafts is not None,
                    help="greedy requests guess their next tokens from their own text and check them in one step: the "
                         "same answers in fewer steps (default: on; sampled requests decode plainly)")
+    p.add_argument("--cors-origin", action="append", default=list(DEFAULTS.cors_origins), metavar="ORIGIN",
+                   help="let browser pages of ORIGIN (e.g. http://localhost:3000, or *) call the server: CORS headers; "
+                        "repeatable (default: none, no CORS headers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes (default: open)")
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                    help="seconds running requests get to finish on Ctrl-C / SIGTERM (default %(default)s)")
@@ -60,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.options = ServingOptions(max_batch=args.max_batch, max_queue=args.max_queue,
                                       prefill_tokens=args.prefill_tokens, host=args.host, port=args.port,
-                                      drafts=DEFAULT_DRAFTS if args.speculative else None)
+                                      drafts=DEFAULT_DRAFTS if args.speculative else None,
+                                      cors_origins=tuple(args.cors_origin))
     except ValueError as err:
         p.error(str(err))
     return args

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -19,7 +21,7 @@ pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
-from chatglm_tune.options import SamplingOptions  # noqa: E402
+from chatglm_tune.options import SamplingOptions, ServingOptions  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
 from serving import TEXTS, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
@@ -184,3 +186,45 @@ def test_a_non_streaming_client_that_leaves_is_cancelled_at_once(models, monkeyp
         assert request.cancelled
         decoded = s.service.engine.steps
         assert decoded < request.max_new_tokens / 4, (decoded, request.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# CORS
+
+
+def preflight(url: str, origin: str) -> tuple[int, dict]:
+    request = urllib.request.Request(url + "/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    try:
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}
+
+
+def test_cors_origins_are_allowed_only_when_named(models):
+    """`--cors-origin` (repeatable) lets a browser page of that origin call the server: a preflight gets the
+    allowing headers, a request the origin back; another origin, or a server without the flag, gets none."""
+    import serve
+
+    assert serve.parse_args(["--model", "m"]).options.cors_origins == ()
+    args = serve.parse_args(["--model", "m", "--cors-origin", "http://ui.example", "--cors-origin", "http://b.example"])
+    assert args.options.cors_origins == ("http://ui.example", "http://b.example")
+    ui = "http://ui.example"
+    with serving(models("glm4"), options=ServingOptions(cors_origins=(ui,)), api_key="k") as s:
+        status, headers = preflight(s.url, ui)
+        assert status == 200 and headers["access-control-allow-origin"] == ui
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        status, headers = preflight(s.url, "http://elsewhere.example")
+        assert "access-control-allow-origin" not in headers
+        request = urllib.request.Request(s.url + "/v1/models", headers={"Origin": ui, "Authorization": "Bearer k"})
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
+            assert response.headers["access-control-allow-origin"] == ui
+    with serving(models("glm4")) as s:
+        status, headers = preflight(s.url, ui)
+        assert status == 405 and "access-control-allow-origin" not in headers
+        request = urllib.request.Request(s.url + "/v1/models", headers={"Origin": ui})
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
+            assert "access-control-allow-origin" not in response.headers

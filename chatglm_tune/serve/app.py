@@ -9,7 +9,8 @@
 
 Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
 server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route, 429 a full
-queue, 503 while shutting down. A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
+queue, 503 while shutting down. With `ServingOptions.cors_origins` (serve.py `--cors-origin`), pages of those
+origins may call it (CORS headers, preflights answered). A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
 disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`, tokens
 coming or not).
 """
@@ -24,6 +25,8 @@ from importlib import resources
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -93,7 +96,18 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
               Route("/v1/chat/completions", guard(chat), methods=["POST"]),
               Route("/v1/completions", guard(completions), methods=["POST"]),
               Route("/v1/extract", guard(extract), methods=["POST"])]
-    return Starlette(routes=routes, lifespan=_lifespan(service), exception_handlers={HTTPException: _not_found})
+    return Starlette(routes=routes, lifespan=_lifespan(service), exception_handlers={HTTPException: _not_found},
+                     middleware=_middleware(service.options))
+
+
+def _middleware(options) -> list[Middleware]:
+    """CORS for the origins `options.cors_origins` names (none: no CORS headers): a browser page of one may call
+    every route, with the API key in its Authorization header; a preflight OPTIONS is answered before the key is
+    checked, as browsers send it without one."""
+    if not options.cors_origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"], max_age=600)]
 
 
 def _guarded(handler, api_key: str | None):

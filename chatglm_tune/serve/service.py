@@ -211,7 +211,7 @@ class Service:
     def __init__(self, model, tokenizer, *, served: str, encoding: EncodingOptions = EncodingOptions(),
                  free_text: bool = False, options: ServingOptions = ServingOptions()):
         self.model, self.tokenizer, self.served = model, tokenizer, served
-        self.encoding, self.free_text = encoding, free_text
+        self.encoding, self.free_text, self.options = encoding, free_text, options
         self.format = tokenizer.prompt_format
         self.context = context_length(model.config)
         self.engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
