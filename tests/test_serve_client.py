@@ -228,3 +228,35 @@ def test_cors_origins_are_allowed_only_when_named(models):
         request = urllib.request.Request(s.url + "/v1/models", headers={"Origin": ui})
         with urllib.request.urlopen(request, timeout=HANG_S) as response:
             assert "access-control-allow-origin" not in response.headers
+
+
+# ----------------------------------------------------------------------------------------------
+# Fields that would change the answer
+
+
+def test_fields_that_change_the_answer_are_refused_naming_them(models):
+    """What the server does not do is a 400 naming the field, never a 200 that ignores it; their default
+    values (zero penalties, text format, no bias, no echo) are accepted."""
+    ok = [{"role": "user", "content": "你好"}]
+    with serving(models("glm4")) as s:
+        client = s.client()
+        chat_cases = [(dict(response_format={"type": "json_object"}), "response_format"),
+                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                       "response_format"),
+                      (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1), "frequency_penalty"),
+                      (dict(logit_bias={"5": 10}), "logit_bias"), (dict(top_logprobs=2), "top_logprobs")]
+        for kwargs, param in chat_cases:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", messages=ok, max_tokens=2, **kwargs)
+            assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
+        completion_cases = [(dict(echo=True), "echo"), (dict(suffix="。"), "suffix"), (dict(logit_bias={"5": -100}), "logit_bias"),
+                            (dict(presence_penalty=1.0), "presence_penalty")]
+        for kwargs, param in completion_cases:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model="tiny", prompt="你好", max_tokens=2, **kwargs)
+            assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
+        reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2, response_format={"type": "text"},
+                                               presence_penalty=0, frequency_penalty=0.0, logit_bias={})
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        done = client.completions.create(model="tiny", prompt="你好", max_tokens=2, echo=False, suffix=None)
+        assert done.choices[0].finish_reason in ("stop", "length")

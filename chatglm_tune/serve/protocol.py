@@ -2,8 +2,10 @@
 error JSON, and the response and stream-chunk objects.
 
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
-Fields read (the rest are ignored, as OpenAI ignores unknown ones, except `n` != 1, `logprobs`, `tools`
-in a non-ChatGLM3/GLM-4 chat and `best_of`, which are refused):
+Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
+answer, at any value but their default: `n` and `best_of` != 1, `logprobs`, `top_logprobs`, `presence_penalty`,
+`frequency_penalty`, `logit_bias`, `response_format` other than text, completions' `echo` and `suffix`
+(and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`;
@@ -80,8 +82,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
     for name, allowed in (("n", 1), ("best_of", 1)):
         if body.get(name, allowed) not in (allowed, None):
             raise bad(name, f"only {allowed} is supported, got {body.get(name)!r}")
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs", "log probabilities are not returned by this server")
+    _refuse_unsupported(body, kind)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
@@ -114,6 +115,29 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
             raise bad("stop", "an extraction answer ends where the model ends it (the rows say so): leave stop out")
     return Call(max_tokens=max_tokens, sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
                 include_usage=bool(options.get("include_usage")), **fields)
+
+
+def _refuse_unsupported(body: Mapping, kind: str) -> None:
+    """400 naming a field that would change the answer and that this server does not do (its default value
+    passes): log probabilities, penalties, a logit bias, a response format other than text, echo and suffix."""
+    if body.get("logprobs") not in (None, False, 0):
+        raise bad("logprobs", "log probabilities are not returned by this server")
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad("top_logprobs", "log probabilities are not returned by this server (and top_logprobs needs logprobs)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0):
+            raise bad(name, f"penalties are not applied by this server: leave {name} out or 0, got {body.get(name)!r}")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias", "a logit bias is not applied by this server: leave it out")
+    response_format = body.get("response_format")
+    if response_format is not None and not (isinstance(response_format, Mapping) and response_format.get("type") == "text"):
+        raise bad("response_format", f"only {{\"type\": \"text\"}}: the answer is not constrained to JSON here, got "
+                                     f"{response_format!r:.80}")
+    if kind == "completion":
+        if body.get("echo") not in (None, False):
+            raise bad("echo", "the prompt is not echoed by this server: leave echo out or false")
+        if body.get("suffix") not in (None, ""):
+            raise bad("suffix", "insertion (a text after the completion) is not supported: leave suffix out")
 
 
 def _is_int(value) -> bool:
