@@ -8,7 +8,8 @@ continuous batching (requests join and leave the running batch at every decoding
 
 Routes: GET /, /health, /v1/models; POST /v1/chat/completions, /v1/completions (both stream with
 "stream": true), /v1/extract ({"texts": [...]} -> triples). Needs `pip install -e ".[serve]"`.
-Ctrl-C / SIGTERM: no new requests; running ones get --shutdown-grace seconds to finish, then are cancelled.
+Ctrl-C / SIGTERM: new requests get 503; running ones get --shutdown-grace seconds to finish, then end with an
+error (a stream: an error event, then [DONE]); a second signal ends the grace at once.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "repeatable (default: none, no CORS headers)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes (default: open)")
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
-                   help="seconds running requests get to finish on Ctrl-C / SIGTERM (default %(default)s)")
+                   help="seconds running requests get to finish on Ctrl-C / SIGTERM, new ones getting 503 meanwhile; "
+                        "then those still running end with an error (a stream: an error event, then [DONE]); a "
+                        "second signal ends the grace at once (default %(default)s)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
@@ -95,6 +98,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from chatglm_tune.serve.app import build_app
+    from chatglm_tune.serve.server import DrainingServer
     from chatglm_tune.serve.service import Service
 
     served = args.served_model_name or Path(args.model).resolve().name
@@ -102,10 +106,9 @@ def main(argv=None) -> None:
     service = Service(model, tokenizer, served=served, encoding=source.encoding, free_text=columns.active,
                       options=args.options)
     app = build_app(service, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_grace)
-    server = uvicorn.Server(config)
-    server.run()  # Ctrl-C / SIGTERM: stops accepting, waits --shutdown-grace for open requests, then cancels them
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    server = DrainingServer(config, service, args.shutdown_grace)
+    server.run()  # Ctrl-C / SIGTERM: new requests get 503, running ones --shutdown-grace s, then an error and the end
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ against a tiny random model's text; waits end on events, bounded by generous saf
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 import urllib.error
@@ -23,7 +24,7 @@ openai = pytest.importorskip("openai", reason="the tests call the server with th
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
 from chatglm_tune.options import SamplingOptions, ServingOptions  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
-from serving import TEXTS, tiny_model  # noqa: E402
+from serving import TEXTS, serve_py, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
 
 GREEDY = SamplingOptions()
@@ -260,3 +261,66 @@ def test_fields_that_change_the_answer_are_refused_naming_them(models):
         assert reply.choices[0].finish_reason in ("stop", "length")
         done = client.completions.create(model="tiny", prompt="你好", max_tokens=2, echo=False, suffix=None)
         assert done.choices[0].finish_reason in ("stop", "length")
+
+
+# ----------------------------------------------------------------------------------------------
+# Shutdown with streams running
+
+
+def open_stream(url: str, body: dict):
+    """A raw streaming POST: the response, to read its server-sent events line by line."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=HANG_S)
+
+
+def events_of(response, first: list[str]) -> list[str]:
+    """The data of every server-sent event until the connection closes (`first`: those read already)."""
+    events = list(first)
+    for line in response:
+        if line.startswith(b"data: "):
+            events.append(line[len(b"data: "):].decode().strip())
+    return events
+
+
+def next_event(response) -> str:
+    for line in response:
+        if line.startswith(b"data: "):
+            return line[len(b"data: "):].decode().strip()
+    raise AssertionError("the stream ended before its first event")
+
+
+def shutting_down(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/health", timeout=HANG_S)
+        return False
+    except urllib.error.HTTPError as err:
+        return err.code == 503 and json.loads(err.read())["status"] == "shutting_down"
+
+
+def test_sigterm_refuses_newcomers_with_503_and_ends_open_streams_cleanly(models, tmp_path):
+    """SIGTERM: during the grace serve.py still answers, a new request with 503 in OpenAI's error JSON (not a
+    refused connection); a second SIGTERM ends the grace at once: a running stream ends with an error event
+    then `data: [DONE]` (not cut mid-answer), and serve.py exits without a traceback."""
+    log = tmp_path / "server.log"
+    directory = models("glm4")
+    with serve_py(directory, log, "--shutdown-grace", str(HANG_S), seconds_a_forward=0.5) as (server, url):
+        stream = open_stream(url, {"model": directory.name, "prompt": TEXTS[0], "max_tokens": 400})
+        first = next_event(stream)
+        server.send_signal(signal.SIGTERM)
+        wait_until(lambda: shutting_down(url), "/health saying the server is shutting down",
+                   alive=lambda: server.poll() is None)
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "你好"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=HANG_S)
+        assert err.value.code == 503
+        assert json.loads(err.value.read())["error"]["code"] == "shutting_down"
+        server.send_signal(signal.SIGTERM)
+        events = events_of(stream, [first])
+        server.wait(HANG_S)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+    assert all("error" not in json.loads(e) for e in events[:-2])
+    output = log.read_text(errors="replace")
+    assert "Traceback" not in output, output[-3000:]

@@ -43,14 +43,16 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
     page = resources.files("chatglm_tune.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     def guard(handler):
-        return _guarded(handler, api_key)
+        return _guarded(handler, api_key, service)
 
     async def index(request: Request):
         return HTMLResponse(page)
 
     async def health(request: Request):
         engine = service.engine
-        return JSONResponse({"status": "ok", "running": engine.running, "waiting": engine.waiting, "steps": engine.steps})
+        status = "shutting_down" if service.stopping else "ok"
+        return JSONResponse({"status": status, "running": engine.running, "waiting": engine.waiting,
+                             "steps": engine.steps}, status_code=503 if service.stopping else 200)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
@@ -110,10 +112,12 @@ def _middleware(options) -> list[Middleware]:
                        allow_headers=["Authorization", "Content-Type"], max_age=600)]
 
 
-def _guarded(handler, api_key: str | None):
-    """`handler` behind the API key (when one is set), its errors as OpenAI's error JSON."""
+def _guarded(handler, api_key: str | None, service: Service):
+    """`handler` behind the API key (when one is set), its errors as OpenAI's error JSON; 503 while shutting down."""
     async def guarded(request: Request):
         try:
+            if service.stopping:
+                raise ApiError(503, "the server is shutting down; retry on another", code="shutting_down")
             if api_key is not None and not _authorized(request, api_key):
                 raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'", code="invalid_api_key")
             return await handler(request)

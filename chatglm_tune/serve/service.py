@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from chatglm_tune.batches import SpecialIds
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
-from chatglm_tune.decoding.request import FINISH_ERROR, FINISH_STOP, Request
+from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.extraction import make_row
 from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
@@ -216,6 +216,7 @@ class Service:
         self.context = context_length(model.config)
         self.engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
         self._mailbox: Mailbox | None = None
+        self.stopping = False  # shutting down: new requests get 503 (`server.DrainingServer`)
 
     def start(self) -> "Service":
         self.engine.start()
@@ -387,8 +388,7 @@ class Service:
         ids: list[int] = []
         async for item in ticket.events(disconnected):
             if isinstance(item, Finished):
-                if item.reason == FINISH_ERROR:
-                    raise ApiError(500, f"decoding failed: {item.error}", code="engine_error")
+                _raise_failed(item)
                 delta, hit = stream.update(ids, final=True)
                 if delta:
                     yield Delta(delta)
@@ -408,9 +408,18 @@ async def _collect_ids(ticket: Ticket, disconnected) -> list[int]:
     ids: list[int] = []
     async for item in ticket.events(disconnected):
         if isinstance(item, Finished):
-            if item.reason == FINISH_ERROR:
-                raise ApiError(500, f"decoding failed: {item.error}", code="engine_error")
+            _raise_failed(item)
             return ids
         ids.append(item)
     raise ApiError(499, "the client went away")
 
+
+
+def _raise_failed(finished: Finished) -> None:
+    """A request that did not finish by itself: 500 where decoding failed; 503 where the engine closed under it
+    (the server shutting down: a client's own leaving never reads its ticket's end)."""
+    if finished.reason == FINISH_ERROR:
+        raise ApiError(500, f"decoding failed: {finished.error}", code="engine_error")
+    if finished.reason == FINISH_CANCELLED:
+        raise ApiError(503, "the server is shutting down: the answer was cut where its grace ran out",
+                       code="shutting_down")
