@@ -378,7 +378,7 @@ def test_run_directories_serve_what_generate_gives(runs, kind):
 def test_a_tool_call_is_openais_tool_calls(tmp_path):
     """ChatGLM3 writes a tool call as `name\n```python\ntool_call(k=v)\n```` after the tools in the system
     message: the reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo
-    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the messages. GLM-4-0414's chat has no
+    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the tools. GLM-4-0414's chat has no
     tool calls here: 400 naming the tools."""
     from chatglm_tune.serve.app import _chat_answer
     from chatglm_tune.serve.protocol import ApiError, parse_call
@@ -394,8 +394,7 @@ def test_a_tool_call_is_openais_tool_calls(tmp_path):
         if name != "chatglm3":
             with pytest.raises(ApiError) as err:
                 service.chat_turn(call)
-            param = "messages" if name == "glm4" else "tools"
-            assert err.value.status == 400 and err.value.param == param and "tool" in err.value.message
+            assert err.value.status == 400 and err.value.param == "tools" and "tool" in err.value.message
             continue
         turn = service.chat_turn(call)
         assert turn.history[0]["tools"] == tools

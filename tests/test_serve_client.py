@@ -22,7 +22,8 @@ pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
-from chatglm_tune.options import SamplingOptions, ServingOptions  # noqa: E402
+from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions  # noqa: E402
+from chatglm_tune.records import SPORecord  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
 from serving import TEXTS, serve_py, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
@@ -324,3 +325,74 @@ def test_sigterm_refuses_newcomers_with_503_and_ends_open_streams_cleanly(models
     assert all("error" not in json.loads(e) for e in events[:-2])
     output = log.read_text(errors="replace")
     assert "Traceback" not in output, output[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Smaller things: a model's route, 405, the prompt's real length, system and developer messages, tools on GLM-4
+
+
+def status_of(url: str, method: str, body: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=HANG_S) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_model_by_id_and_a_wrong_method(models):
+    with serving(models("glm4")) as s:
+        client = s.client()
+        assert client.models.retrieve("tiny").model_dump() == client.models.list().data[0].model_dump()
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve("other")
+        assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+        status, body = status_of(s.url + "/v1/chat/completions", "GET")
+        assert status == 405 and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["code"] == "method_not_allowed"
+
+
+def test_an_over_long_prompt_is_reported_at_its_real_length(models):
+    with serving(models("glm4")) as s:
+        prompt = "发动机异响。" * 200
+        with pytest.raises(openai.BadRequestError) as err:
+            s.client().completions.create(model="tiny", prompt=prompt, max_tokens=4)
+        real = len(s.service.format.prompt_ids(s.tokenizer, SPORecord(prompt, None), EncodingOptions(
+            prompt=s.source.encoding.prompt, max_src_len=10 ** 6, max_len=10 ** 6 + 2))[0])
+        assert real > s.service.context
+        assert err.value.body["param"] == "prompt" and f"the prompt is {real} tokens" in err.value.body["message"]
+
+
+def test_a_system_message_in_a_chat_of_rounds_goes_before_the_first_user_message(models, monkeypatch):
+    """ChatGLM-6B (ChatGLM2 alike) has no system role: a leading system (or developer) message's text is put
+    before the first user message, so the prompt is that of the chat with the user message so written."""
+    with serving(models("chatglm")) as s:
+        assert s.tokenizer.prompt_format.chat_in_pairs
+        prompts = Prompts(s.service.engine, monkeypatch)
+        client = s.client()
+        ask = dict(model="tiny", max_tokens=2, temperature=0)
+        client.chat.completions.create(**ask, messages=[{"role": "system", "content": "你是助手。"},
+                                                        {"role": "user", "content": "你好"}])
+        client.chat.completions.create(**ask, messages=[{"role": "developer", "content": "你是助手。"},
+                                                        {"role": "user", "content": "你好"}])
+        client.chat.completions.create(**ask, messages=[{"role": "user", "content": "你是助手。\n你好"}])
+        assert prompts.ids[0] == prompts.ids[1] == prompts.ids[2]
+        history = [{"role": "system", "content": "你是助手。"}, {"role": "user", "content": "甲"},
+                   {"role": "assistant", "content": "乙"}, {"role": "user", "content": "丙"}]
+        client.chat.completions.create(**ask, messages=history)
+        client.chat.completions.create(**ask, messages=[{"role": "user", "content": "你是助手。\n甲"}, *history[2:]])
+        assert prompts.ids[3] == prompts.ids[4]
+
+
+def test_developer_is_system_and_glm4_tools_are_named(models, monkeypatch):
+    with serving(models("glm4")) as s:
+        prompts = Prompts(s.service.engine, monkeypatch)
+        client = s.client()
+        for role in ("developer", "system"):
+            client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+                {"role": role, "content": "你是助手。"}, {"role": "user", "content": "你好"}])
+        assert prompts.ids[0] == prompts.ids[1]
+        with pytest.raises(openai.BadRequestError) as err:  # the tiny GLM-4 tokenizer's template takes no tools
+            client.chat.completions.create(model="tiny", max_tokens=2, tools=[WEATHER],
+                                           messages=[{"role": "user", "content": "你好"}])
+        assert err.value.body["param"] == "tools" and "tool" in err.value.body["message"]

@@ -2,13 +2,13 @@
 
     GET  /                      the chat page (chat with streaming, an extraction box)
     GET  /health                {"status": "ok", "running", "waiting", "steps"}
-    GET  /v1/models             the one served model
+    GET  /v1/models             the one served model (and /v1/models/{id}: it, or 404)
     POST /v1/chat/completions   the version's chat; "stream": true for server-sent events
     POST /v1/completions        the run's prompt format around "prompt"; streams too
     POST /v1/extract            {"texts": [...]} -> {"results": [{"triples": [[s, p, o]], ...}]}
 
 Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
-server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route, 429 a full
+server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route or model, 405 a route's wrong method, 429 a full
 queue, 503 while shutting down. With `ServingOptions.cors_origins` (serve.py `--cors-origin`), pages of those
 origins may call it (CORS headers, preflights answered). A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
 disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`, tokens
@@ -54,10 +54,17 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         return JSONResponse({"status": status, "running": engine.running, "waiting": engine.waiting,
                              "steps": engine.steps}, status_code=503 if service.stopping else 200)
 
+    served_model = {"id": service.served, "object": "model", "created": 0, "owned_by": "chatglm_tune",
+                    "version": service.format.title, "context_length": service.context}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.served, "object": "model", "created": 0, "owned_by": "chatglm_tune",
-             "version": service.format.title, "context_length": service.context}]})
+        return JSONResponse({"object": "list", "data": [served_model]})
+
+    async def model(request: Request):
+        if request.path_params["model"] != service.served:
+            raise ApiError(404, f"model {request.path_params['model']!r} is not served here; this server serves "
+                                f"{service.served!r}", param="model", code="model_not_found")
+        return JSONResponse(served_model)
 
     async def chat(request: Request):
         call = parse_call(await _json(request), kind="chat", served=service.served, defaults=service.chat_sampling)
@@ -95,6 +102,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
                              "usage": protocol.usage(prompt_tokens, new_tokens)})
 
     routes = [Route("/", index), Route("/health", health), Route("/v1/models", guard(models)),
+              Route("/v1/models/{model:path}", guard(model)),
               Route("/v1/chat/completions", guard(chat), methods=["POST"]),
               Route("/v1/completions", guard(completions), methods=["POST"]),
               Route("/v1/extract", guard(extract), methods=["POST"])]
@@ -132,7 +140,8 @@ def _guarded(handler, api_key: str | None, service: Service):
 
 
 async def _not_found(request: Request, exc: HTTPException):
-    err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code="not_found")
+    code = "method_not_allowed" if exc.status_code == 405 else "not_found"
+    err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
     return JSONResponse(err.body(), status_code=exc.status_code)
 
 

@@ -9,7 +9,8 @@ answer, at any value but their default: `n` and `best_of` != 1, `logprobs`, `top
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`;
-- chat: `messages` (role + content; content a string or a list of text parts; an assistant's `tool_calls`,
+- chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
+  an assistant's `tool_calls`,
   its content then null or text), `tools` (ChatGLM3 / GLM-4), `tool_choice` ("auto", "none", "required",
   a named function);
 - completions: `prompt` (one string, or a list of one);
@@ -35,7 +36,8 @@ class ApiError(Exception):
     """An HTTP error in OpenAI's form: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -203,6 +205,7 @@ def _messages(value) -> tuple[dict, ...]:
         role = message.get("role")
         if not isinstance(role, str):
             raise bad(f"messages[{i}].role", f"must be a string, got {role!r}")
+        role = "system" if role == "developer" else role  # OpenAI's newer name for the system message
         calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else []
         content = message.get("content")
         content = "" if content is None and calls else _text_content(content, f"messages[{i}].content")

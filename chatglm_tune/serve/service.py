@@ -253,6 +253,7 @@ class Service:
         if not self.format.tool_calls:
             self._no_tool_calls(history)
         if self.format.chat_in_pairs:
+            history, last = self._fold_system(history, last)
             pairs = self._pairs(history)
             query, role = last["content"], self._last_role(last, ("user",), len(messages) - 1)
             history = pairs
@@ -269,10 +270,37 @@ class Service:
         try:
             turn = prepare_turn(self.tokenizer, query, history, role, self.context, call.sampling)
         except ValueError as err:
-            raise bad("messages", str(err)) from None
+            raise bad(self._refused_part(query, history, role, tools), str(err)) from None
         if called is None:
             return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none")
         return ChatTurn(turn, turn.prompt + self.format.tool_call_lead(self.tokenizer, called), f"{called}\n", True)
+
+    def _refused_part(self, query: str, history: list, role: str, tools) -> str:
+        """The parameter to name where the prompt cannot be built: "tools" where the chat builds without them
+        (a GLM-4 tokenizer whose template takes no tools), else "messages"."""
+        if tools and history and "tools" in history[0]:
+            plain = [{k: v for k, v in history[0].items() if k != "tools"}, *history[1:]]
+            try:
+                prepare_turn(self.tokenizer, query, plain, role, self.context, None)
+                return "tools"
+            except ValueError:
+                pass
+        return "messages"
+
+    @staticmethod
+    def _fold_system(history: list[dict], last: dict) -> tuple[list[dict], dict]:
+        """ChatGLM-6B / ChatGLM2 have no system role: the leading system messages' text goes before the first
+        user message's ("system\nuser"), as their users write an instruction."""
+        systems = 0
+        while systems < len(history) and history[systems]["role"] == "system":
+            systems += 1
+        if not systems:
+            return history, last
+        text = "\n".join(m["content"] for m in history[:systems])
+        rest = [*history[systems:], last]
+        if rest[0]["role"] == "user":
+            rest[0] = {**rest[0], "content": f"{text}\n{rest[0]['content']}"}
+        return rest[:-1], rest[-1]
 
     def _called_tool(self, call: Call) -> str | None:
         """The tool the answer must call (`tool_choice` a named function, or "required" with one tool), else None;
@@ -351,7 +379,9 @@ class Service:
 
     def completion_prompt(self, call: Call) -> list[int]:
         """The run's prompt format around `call.prompt`, uncut (whether it fits is the caller's check)."""
-        encoding = EncodingOptions(prompt=self.encoding.prompt, max_src_len=self.context, max_len=self.context + 2)
+        # room for the whole text, so an over-long prompt is refused at its real length, not at a cut one
+        room = self.context + 4 * len(self.encoding.prompt + call.prompt) + 64
+        encoding = EncodingOptions(prompt=self.encoding.prompt, max_src_len=room, max_len=room + 2)
         return self.format.prompt_ids(self.tokenizer, SPORecord(call.prompt, None, source="prompt"), encoding)[0]
 
     def completion_render(self) -> Callable[[list[int]], str]:
