@@ -121,7 +121,7 @@ def test_training_rows_label_the_answer_as_the_official_fine_tuning(tiny3):
 
 
 def cli(script, *args) -> subprocess.CompletedProcess:
-    return commands.ok(commands.cli(script, *args, timeout=600))
+    return commands.ok(commands.cli(script, *args))
 
 
 def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli, dev: bool = True) -> Path:
