@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULTS.drafts is not None,
                    help="greedy requests guess their next tokens from their own text and check them in one step: the "
                         "same answers in fewer steps (default: on; sampled requests decode plainly)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULTS.max_body_mb,
+                   help="request bodies over this many MB get HTTP 413 (default %(default)s)")
     p.add_argument("--cors-origin", action="append", default=list(DEFAULTS.cors_origins), metavar="ORIGIN",
                    help="let browser pages of ORIGIN (e.g. http://localhost:3000, or *) call the server: CORS headers; "
                         "repeatable (default: none, no CORS headers)")
@@ -67,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.options = ServingOptions(max_batch=args.max_batch, max_queue=args.max_queue,
                                       prefill_tokens=args.prefill_tokens, host=args.host, port=args.port,
                                       drafts=DEFAULT_DRAFTS if args.speculative else None,
-                                      cors_origins=tuple(args.cors_origin))
+                                      max_body_mb=args.max_body_mb, cors_origins=tuple(args.cors_origin))
     except ValueError as err:
         p.error(str(err))
     return args

@@ -387,6 +387,8 @@ class ServingOptions:
     512: on a mid-size GLM-4 (92 M parameters, 2 cores, 16 streams) 64 cut throughput by a quarter and
     doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve/serve.py).
     drafts: greedy requests decode speculatively (`DraftOptions`: the same tokens, fewer steps).
+    max_body_mb: a request body over this many MB (2**20 bytes) gets 413 unread: a chat of GLM-4's 128k-token
+    context is well under 1 MB of text, and a body is held and parsed whole.
     cors_origins: the browser origins (`https://ui.example`, or "*") whose pages may call the server (CORS
     headers); none: no CORS headers, as before.
     """
@@ -397,6 +399,7 @@ class ServingOptions:
     drafts: DraftOptions | None = DEFAULT_DRAFTS  # greedy requests check guesses (speculative); None: plain
     host: str = "127.0.0.1"
     port: int = 8000
+    max_body_mb: float = 8.0
     cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -407,6 +410,8 @@ class ServingOptions:
             problems.append(f"max_queue must be None or an integer >= 0, got {self.max_queue!r}")
         if not (isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1):
             problems.append(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
+        if not (isinstance(self.max_body_mb, (int, float)) and self.max_body_mb > 0):
+            problems.append(f"max_body_mb must be a number > 0, got {self.max_body_mb!r}")
         if not (isinstance(self.cors_origins, tuple) and all(isinstance(o, str) and o for o in self.cors_origins)):
             problems.append(f"cors_origins must be a tuple of origins, got {self.cors_origins!r}")
         raise_problems(problems, "invalid serving options: ")

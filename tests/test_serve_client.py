@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -396,3 +397,52 @@ def test_developer_is_system_and_glm4_tools_are_named(models, monkeypatch):
             client.chat.completions.create(model="tiny", max_tokens=2, tools=[WEATHER],
                                            messages=[{"role": "user", "content": "你好"}])
         assert err.value.body["param"] == "tools" and "tool" in err.value.body["message"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A large body
+
+
+def test_a_body_over_the_limit_is_413(models):
+    import serve
+
+    assert serve.parse_args(["--model", "m", "--max-body-mb", "2"]).options.max_body_mb == 2
+    assert serve.parse_args(["--model", "m"]).options.max_body_mb == ServingOptions().max_body_mb
+    with serving(models("glm4"), options=ServingOptions(max_body_mb=1)) as s:
+        big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "好" * 400_000}]}).encode()
+        assert len(big) > 2 ** 20
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/extract"):
+            status, body = status_of(s.url + path, "POST", big)
+            assert status == 413 and body["error"]["type"] == "invalid_request_error", (path, body)
+            assert body["error"]["code"] == "body_too_large"
+        assert s.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_prompt_being_built_does_not_stall_the_server(route, models, monkeypatch):
+    """The prompt is built (tokenized) off the event loop: while one is held in the middle of it, /health
+    answers, and the request goes on once it is let go."""
+    with serving(models("glm4")) as s:
+        started, release = threading.Event(), threading.Event()
+        name = "completion_prompt" if route == "completions" else "chat_turn"
+        build = getattr(s.service, name)
+
+        def held(call):
+            started.set()
+            assert release.wait(HANG_S)
+            return build(call)
+
+        monkeypatch.setattr(s.service, name, held)
+        body = {"prompt": "你好"} if route == "completions" else {"messages": [{"role": "user", "content": "你好"}]}
+        answers = []
+        poster = threading.Thread(target=lambda: answers.append(status_of(
+            f"{s.url}/v1/{route.replace('chat', 'chat/completions')}", "POST", json.dumps({**body, "max_tokens": 2}).encode())))
+        poster.start()
+        try:
+            assert started.wait(HANG_S)
+            with urllib.request.urlopen(s.url + "/health", timeout=60) as response:  # a safety bound: it answers at once
+                assert json.loads(response.read())["status"] == "ok"
+        finally:
+            release.set()
+            poster.join(HANG_S)
+        assert answers[0][0] == 200, answers

@@ -8,15 +8,18 @@
     POST /v1/extract            {"texts": [...]} -> {"results": [{"triples": [[s, p, o]], ...}]}
 
 Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
-server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route or model, 405 a route's wrong method, 429 a full
-queue, 503 while shutting down. With `ServingOptions.cors_origins` (serve.py `--cors-origin`), pages of those
-origins may call it (CORS headers, preflights answered). A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
+server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route or model, 405 a
+route's wrong method, 413 a body over `ServingOptions.max_body_mb`, 429 a full queue, 503 while shutting down.
+Bodies are parsed and prompts built (tokenized) on worker threads, so a large one stalls neither /health nor the
+streams. With `ServingOptions.cors_origins` (serve.py `--cors-origin`), pages of those origins may call it (CORS
+headers, preflights answered). A stream is `data: {chunk}` lines ending `data: [DONE]`; a client that
 disconnects cancels its request (streaming: at once; otherwise within `service.DISCONNECT_POLL_S`, tokens
 coming or not).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -54,21 +57,22 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         return JSONResponse({"status": status, "running": engine.running, "waiting": engine.waiting,
                              "steps": engine.steps}, status_code=503 if service.stopping else 200)
 
-    served_model = {"id": service.served, "object": "model", "created": 0, "owned_by": "chatglm_tune",
-                    "version": service.format.title, "context_length": service.context}
-
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [served_model]})
+        return JSONResponse({"object": "list", "data": [_model_object(service)]})
 
     async def model(request: Request):
-        if request.path_params["model"] != service.served:
-            raise ApiError(404, f"model {request.path_params['model']!r} is not served here; this server serves "
-                                f"{service.served!r}", param="model", code="model_not_found")
-        return JSONResponse(served_model)
+        return JSONResponse(_model_object(service, request.path_params["model"]))
+
+    limit = int(service.options.max_body_mb * 2 ** 20)
 
     async def chat(request: Request):
-        call = parse_call(await _json(request), kind="chat", served=service.served, defaults=service.chat_sampling)
-        turn = service.chat_turn(call)
+        raw = await _body(request, limit)
+
+        def prepare():  # parsing and tokenizing a large body takes a while: off the event loop
+            call = parse_call(_json(raw), kind="chat", served=service.served, defaults=service.chat_sampling)
+            return call, service.chat_turn(call)
+
+        call, turn = await asyncio.to_thread(prepare)
         budget = protocol.require_fitting(len(turn.prompt), call.max_tokens, service.context, param="messages")
         events = service.generate(turn.prompt, budget, call, service.chat_render(turn),
                                   disconnected=None if call.stream else request.is_disconnected)
@@ -83,9 +87,13 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         return await _answer(events, body)
 
     async def completions(request: Request):
-        call = parse_call(await _json(request), kind="completion", served=service.served,
-                          defaults=service.completion_sampling)
-        prompt = service.completion_prompt(call)
+        raw = await _body(request, limit)
+
+        def prepare():
+            call = parse_call(_json(raw), kind="completion", served=service.served, defaults=service.completion_sampling)
+            return call, service.completion_prompt(call)
+
+        call, prompt = await asyncio.to_thread(prepare)
         budget = protocol.require_fitting(len(prompt), call.max_tokens, service.context, param="prompt")
         events = service.generate(prompt, budget, call, service.completion_render(),
                                   disconnected=None if call.stream else request.is_disconnected)
@@ -95,8 +103,9 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
                                                                       protocol.usage(len(prompt), done.tokens)))
 
     async def extract(request: Request):
-        call = parse_call(await _json(request), kind="extract", served=service.served,
-                          defaults=service.completion_sampling)
+        raw = await _body(request, limit)
+        call = await asyncio.to_thread(lambda: parse_call(_json(raw), kind="extract", served=service.served,
+                                                          defaults=service.completion_sampling))
         rows, prompt_tokens, new_tokens = await service.extract(call, request.is_disconnected)
         return JSONResponse({"object": "extraction", "model": service.served, "results": rows,
                              "usage": protocol.usage(prompt_tokens, new_tokens)})
@@ -118,6 +127,15 @@ def _middleware(options) -> list[Middleware]:
         return []
     return [Middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"], max_age=600)]
+
+
+def _model_object(service: Service, asked: str | None = None) -> dict:
+    """The served model's object; 404 where `asked` names another."""
+    if asked is not None and asked != service.served:
+        raise ApiError(404, f"model {asked!r} is not served here; this server serves {service.served!r}",
+                       param="model", code="model_not_found")
+    return {"id": service.served, "object": "model", "created": 0, "owned_by": "chatglm_tune",
+            "version": service.format.title, "context_length": service.context}
 
 
 def _guarded(handler, api_key: str | None, service: Service):
@@ -163,9 +181,25 @@ def _authorized(request: Request, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
-async def _json(request: Request):
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body; 413 once it is over `limit` bytes (by its Content-Length, unread, or as it comes)."""
+    declared = request.headers.get("content-length", "")
+    too_large = ApiError(413, f"the request body is over the server's limit of {limit / 2 ** 20:g} MB (serve.py "
+                              "--max-body-mb)", code="body_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(body: bytes):
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
 

@@ -390,7 +390,8 @@ class Service:
     async def extract(self, call: Call, disconnected=None) -> tuple[list[dict], int, int]:
         """(rows, prompt tokens, generated tokens) of `call.texts`, decoded together in the engine."""
         records = [SPORecord(text, None, source=f"texts[{i}]") for i, text in enumerate(call.texts)]
-        prompts = [self.format.prompt_ids(self.tokenizer, record, self.encoding) for record in records]
+        prompts = await asyncio.to_thread(lambda: [self.format.prompt_ids(self.tokenizer, record, self.encoding)
+                                                   for record in records])  # tokenizing: off the event loop
         budget = call.max_tokens or self.encoding.answer_budget
         for i, (prompt, _) in enumerate(prompts):
             require_fitting(len(prompt), budget, self.context, param=f"texts[{i}]")
