@@ -46,8 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULT_SETTINGS.drafts is not None,
-                   help="greedy decoding guesses each row's next tokens from its own text (prompt lookup) and checks "
-                        "them in one forward: the same output, fewer forwards (default: on; sampling decodes plainly)")
+                   help="greedy decoding guesses each row's next tokens from its own text and earlier answers and checks "
+                        "them in one forward: the same output in fewer forwards, faster where a forward of a few tokens "
+                        "costs about one token's (default: off; sampling decodes plainly)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")

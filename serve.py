@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "streams (default %(default)s)")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULTS.drafts is not None,
                    help="greedy requests guess their next tokens from their own text and check them in one step: the "
-                        "same answers in fewer steps (default: on; sampled requests decode plainly)")
+                        "same answers in fewer steps, faster where a forward of a few tokens costs about one token's (default: off; "
+                        "sampled requests decode plainly)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS.max_body_mb,
                    help="request bodies over this many MB get HTTP 413 (default %(default)s)")
     p.add_argument("--cors-origin", action="append", default=list(DEFAULTS.cors_origins), metavar="ORIGIN",

@@ -24,7 +24,7 @@ from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_LENGTH, FINIS
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
-from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions
+from chatglm_tune.options import DraftOptions, EncodingOptions, SamplingOptions, ServingOptions
 from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def run_until_idle(engine: Engine, arrivals: dict[int, list[Request]], limit: in
 
 @pytest.mark.parametrize("guesses", ["lookup", "wrong", "off"])
 def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypatch):
-    """Greedy requests guess their next tokens (speculative decoding, the default) from their own tokens, or
+    """Greedy requests guess their next tokens (speculative decoding) from their own tokens, or
     guess wrong (random ids: rows keep different numbers of tokens), or do not guess: the same tokens."""
     model, tokenizer = tiny
     checks = spy_on_checks(monkeypatch)
@@ -97,7 +97,7 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypat
             alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i,
                              eos_token_id=own_stop, vocab_limit=len(tokenizer))[0]
         jobs.append((prompt, n, sampling, own_stop, alone))
-    options = ServingOptions(max_batch=4, prefill_tokens=48, **({"drafts": None} if guesses == "off" else {}))
+    options = ServingOptions(max_batch=4, prefill_tokens=48, drafts=None if guesses == "off" else DraftOptions())
     engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
     recorders = [Recorder() for _ in jobs]
     requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop) for i, (r, (p, n, s, stop, _)) in enumerate(zip(recorders, jobs))]

@@ -109,12 +109,12 @@ def test_rows_do_not_depend_on_batch_size(workdir, tmp_path):
     assert one == many
 
 
-def test_speculative_decoding_is_on_by_default_and_changes_no_row(workdir, tmp_path, capsys):
-    plain = run_infer(workdir, tmp_path / "plain.jsonl", "--batch-size", 4, "--no-speculative")
-    assert "speculative decoding off" in capsys.readouterr().err
+def test_speculative_decoding_changes_no_row(workdir, tmp_path, capsys):
+    plain = run_infer(workdir, tmp_path / "plain.jsonl", "--batch-size", 4)
+    assert "speculative decoding off" in capsys.readouterr().err  # the default
     summary = json.loads((tmp_path / "plain.jsonl.summary.json").read_text(encoding="utf-8"))
     assert "speculative" not in summary["this_run"] and summary["settings"]["drafts"] is None
-    fast = run_infer(workdir, tmp_path / "fast.jsonl", "--batch-size", 4)
+    fast = run_infer(workdir, tmp_path / "fast.jsonl", "--batch-size", 4, "--speculative")
     captured = capsys.readouterr()
     assert "speculative decoding on" in captured.err and "speculative decoding:" in captured.out
     assert fast == plain

@@ -35,7 +35,7 @@ from chatglm_tune.decoding.chat import chat  # noqa: E402
 from chatglm_tune.decoding.engine import Engine  # noqa: E402
 from chatglm_tune.extraction import extract  # noqa: E402
 from chatglm_tune.decoding.generation import generate  # noqa: E402
-from chatglm_tune.options import ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
+from chatglm_tune.options import DraftOptions, ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
 from chatglm_tune.records import SPORecord  # noqa: E402
 from chatglm_tune.serve.app import build_app  # noqa: E402
 from chatglm_tune.serve.service import Service  # noqa: E402
@@ -95,7 +95,7 @@ def serving(directory: Path, *, api_key=None, options=ServingOptions(), **load):
 @pytest.fixture(scope="module", params=VERSIONS)
 def served(request, tmp_path_factory):
     directory = tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    with serving(directory) as s:
+    with serving(directory, options=ServingOptions(drafts=DraftOptions())) as s:  # speculative, as --speculative
         s.name = request.param
         yield s
 
@@ -146,8 +146,8 @@ def test_chat_is_the_versions_chat(served):
 
 
 def test_completion_and_extraction_are_infer_rows(served, monkeypatch):
-    """The server decodes greedy requests speculatively (it checks guesses: counted); infer.py's rows here are
-    plain greedy decoding's: the same text."""
+    """The server here decodes greedy requests speculatively (serve.py --speculative: it checks guesses,
+    counted); infer.py's rows here are plain greedy decoding's: the same text."""
     checks = []
     verify = BatchCache.verify
     monkeypatch.setattr(BatchCache, "verify", lambda self, *args: checks.append(1) or verify(self, *args))
