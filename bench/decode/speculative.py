@@ -113,12 +113,12 @@ def verify_cost(model, tokenizer, record, source, reps: int) -> list[dict]:
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
             cache, scores = BatchCache.prefill(model, ids, None)
-            tokens = torch.tensor([[int(scores.argmax())] * (k + 1)])
+            token = int(scores.argmax())
             began = time.perf_counter()
             if k == 0:
-                cache.step(model, tokens[:, 0])
+                cache.step(model, torch.tensor([token]))
             else:
-                cache.verify(model, tokens, [k + 1])
+                cache.verify(model, [token], [[token] * k])
             times.append(time.perf_counter() - began)
         out.append({"guesses": k, "ms": round(1000 * statistics.median(times[1:]), 2)})
     for row in out:

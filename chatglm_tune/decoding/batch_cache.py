@@ -74,18 +74,21 @@ class BatchCache:
             self.next_positions = model.next_positions(self.next_positions)
         return scores
 
-    def verify(self, model, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Several tokens a row in one forward, to check guesses (speculative decoding): `tokens` [rows, W],
-        row r's first `lengths[r]` real (its pending token, then its guesses), the rest pads. The scores
-        after each of them [rows, W, V]; `accept` then says how many stay in the cache."""
-        rows, width = tokens.shape
+    def verify(self, model, pending: list[int], guesses: list[list[int]]) -> torch.Tensor:
+        """Each row's pending token and its guesses in one forward, to check the guesses (speculative decoding):
+        the rows are right-padded to the longest (pads masked). The scores after each position [rows, W, V];
+        `accept` then says how many of each row's stay in the cache."""
+        width = 1 + max(len(g) for g in guesses)
+        device = self.mask.device
+        tokens = torch.tensor([[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)], device=device)
         self.verifying = width
-        real = torch.arange(width, device=tokens.device)[None, :] < torch.tensor(lengths, device=tokens.device)[:, None]
+        lengths = torch.tensor([1 + len(g) for g in guesses], device=device)
+        real = torch.arange(width, device=device)[None, :] < lengths[:, None]
         self.mask = torch.cat([self.mask, real.long()], dim=1)
         self.padded = self.padded or not bool(real.all())
         positions = None
         if self.next_positions is not None:  # ChatGLM-6B: the block position counts on, the other stays
-            positions = self.next_positions.expand(rows, 2, width).clone()
+            positions = self.next_positions.expand(len(pending), 2, width).clone()
             positions[:, 1] += torch.arange(width, device=positions.device)
         return model(tokens, cache=self.cache, use_cache=True, logits_to_keep=width, position_ids=positions,
                      attention_mask=self.mask if self.padded else None).logits
@@ -113,10 +116,6 @@ class BatchCache:
             self.next_positions = self.next_positions.clone()
             self.next_positions[:, 1] += torch.tensor(kept, device=self.next_positions.device)[:, None]
         self.padded = not bool(self.mask.all())
-
-    @property
-    def rows(self) -> int:
-        return self.mask.shape[0]
 
     def select(self, index: torch.Tensor) -> None:
         """Only the rows at `index` (1D long, ascending) stay."""

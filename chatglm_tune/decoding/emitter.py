@@ -20,6 +20,7 @@ import torch
 from chatglm_tune.decoding.drafting import guess, next_length
 from chatglm_tune.decoding.request import FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
+from chatglm_tune.decoding.speculative import agreed
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
 
 
@@ -72,11 +73,8 @@ class Emitter:
                 stop = self._stop_ids(row.request)
                 targets = next_tokens(scores[i, :len(guess) + 1], DEFAULT_SAMPLING, [None] * (len(guess) + 1),
                                       fallback_id=stop[0], vocab_limit=self.vocab_limit).tolist()
-                n = 0
-                while n < len(guess) and guess[n] == targets[n] and targets[n] not in stop:
-                    n += 1
-                tokens = guess[:n] + [targets[n]]
-                row.draft_length = next_length(self.drafts, row.draft_length, len(guess), n)
+                tokens = agreed(guess, targets, stop)
+                row.draft_length = next_length(self.drafts, row.draft_length, len(guess), len(tokens) - 1)
             going = all(self._hand(row, token) for token in tokens)  # stops at the first that ends the row
             kept.append(len(tokens))
             keep.append(going)

@@ -228,9 +228,7 @@ class Engine:
         pending = [row.pending for row in self._rows]
         guesses = self.emitter.guesses(self._rows) if self.options.drafts is not None else []
         if any(guesses):
-            width = 1 + max(len(g) for g in guesses)
-            rows = [[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)]  # tail: masked pads
-            scores = self._cache.verify(self.model, torch.tensor(rows, device=self.device), [1 + len(g) for g in guesses])
+            scores = self._cache.verify(self.model, pending, guesses)
             kept, keep = self.emitter.emit_verified(self._rows, scores, guesses)
             self._cache.accept(kept)
         else:

@@ -93,22 +93,23 @@ def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, st
 def _step(model, batch: BatchCache, pending: list[int], guesses: list[list[int]], stop: set[int], fallback: int,
           vocab_limit) -> list[list[int]]:
     """One forward over each row's pending token and guesses: each row's new tokens (kept guesses + one)."""
-    device = batch.mask.device
-    width = 1 + max(len(g) for g in guesses)
-    if width == 1:
-        return [[t] for t in _greedy(batch.step(model, torch.tensor(pending, device=device)), fallback, vocab_limit)]
-    rows = [[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)]  # tail: pads, masked
-    scores = batch.verify(model, torch.tensor(rows, device=device), [1 + len(g) for g in guesses])
+    if not any(guesses):
+        return [[t] for t in _greedy(batch.step(model, torch.tensor(pending, device=batch.mask.device)), fallback, vocab_limit)]
+    scores = batch.verify(model, pending, guesses)
+    width = scores.shape[1]
     targets = _greedy(scores.reshape(-1, scores.shape[-1]), fallback, vocab_limit)
-    out = []
-    for i, guess in enumerate(guesses):
-        target = targets[i * width:(i + 1) * width]
-        kept = 0
-        while kept < len(guess) and guess[kept] == target[kept] and target[kept] not in stop:
-            kept += 1
-        out.append(guess[:kept] + [target[kept]])
+    out = [agreed(guess, targets[i * width:(i + 1) * width], stop) for i, guess in enumerate(guesses)]
     batch.accept([len(tokens) for tokens in out])
     return out
+
+
+def agreed(guess: Sequence[int], targets: Sequence[int], stop) -> list[int]:
+    """A row's new tokens after a check: its guesses up to the first the model's argmax `targets` (at the
+    row's pending token and at each guess) disagrees with, or that is a stop id, then the model's own."""
+    n = 0
+    while n < len(guess) and guess[n] == targets[n] and targets[n] not in stop:
+        n += 1
+    return list(guess[:n]) + [targets[n]]
 
 
 def _greedy(scores: torch.Tensor, fallback: int, vocab_limit) -> list[int]:
