@@ -106,15 +106,17 @@ def write(args, source, out: Path) -> list[Path]:
         if hf:
             from chatglm_tune.export.hf_dir import write_hf
 
-            write_hf(out, source.model, source.tokenizer, progress=progress)
+            write_hf(out, source.model, source.tokenizer, chat_template=source.chat_template, sampling=source.sampling,
+                     progress=progress)
             return [out]
         if args.format == "gguf":
             from chatglm_tune.export.gguf_file import write_gguf
             from chatglm_tune.export.ollama import modelfile
 
             path = out / f"{name}-{kind}.gguf"
-            text = modelfile(source.version.format, path.name, source.run_prompt)  # before the file: it may refuse
-            write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name, progress=progress)
+            text = modelfile(source.version.format, path.name, source.run_prompt, source.sampling)  # first: it may refuse
+            write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name,
+                       chat_template=source.chat_template, sampling=source.sampling, progress=progress)
             (out / "Modelfile").write_text(text, encoding="utf-8")
             return [path, out / "Modelfile"]
         from chatglm_tune.export.ggml_file import official_layout, write_ggml

@@ -30,6 +30,7 @@ from chatglm_tune import loading  # noqa: E402
 from chatglm_tune.export.ollama import modelfile  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.models.registry import VERSIONS  # noqa: E402
+from chatglm_tune.records import SPORecord  # noqa: E402
 from chatglm_tune.export.gguf_file import TYPES  # noqa: E402
 from chatglm_tune.models.glm.weights import gguf_name, to_official  # noqa: E402
 
@@ -170,6 +171,11 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
     modelfile_text = (out / "Modelfile").read_text(encoding="utf-8")
     assert modelfile_text.startswith(f"FROM ./m-{kind}.gguf\n")
     assert all(f'PARAMETER stop "{stop}"' in modelfile_text for stop in tokenizer.prompt_format.stop_texts)
+    # a model directory samples as the official chat() in llama.cpp (its defaults from the file) and in ollama
+    sampling = tokenizer.prompt_format.chat_sampling
+    assert (meta["general.sampling.temp"], meta["general.sampling.top_p"], meta["general.sampling.top_k"]) == (
+        pytest.approx(sampling.temperature), pytest.approx(sampling.top_p), sampling.top_k)
+    assert f"PARAMETER temperature {sampling.temperature:g}\nPARAMETER top_p {sampling.top_p:g}\n" in modelfile_text
 
 
 @pytest.mark.parametrize("version,kind", [("glm4", "f16"), ("glm4", "q4_0"), ("glm4-0414", "q8_0"), ("glm-edge", "f16")])
@@ -252,11 +258,53 @@ def test_the_modelfile_carries_the_runs_instruction_and_the_stops(runs, tmp_path
     assert run_args["encoding"]["prompt"] in text
     for stop in ("<|endoftext|>", "<|user|>", "<|observation|>"):
         assert f'PARAMETER stop "{stop}"' in text
+    assert "PARAMETER temperature 0\n" in text  # greedy, as infer.py extracts
     plain = modelfile(VERSIONS["chatglm3"].format, "x.gguf")
     assert plain.startswith("FROM ./x.gguf\n") and "[gMASK]sop" in plain and "INSTRUCTION" not in plain
     assert "{{ if and $last" not in plain  # no empty condition left where no instruction goes
     with pytest.raises(ValueError, match="ollama TEMPLATE"):
         modelfile(VERSIONS["glm4"].format, "x.gguf", 'say """ this')
+
+
+@pytest.mark.parametrize("version", ["glm4", "chatglm3", "glm4-0414"])
+def test_every_file_of_a_run_export_asks_with_its_instruction_and_answers_greedily(runs, tmp_path, version):
+    """One run, one prompt, one answer in every engine: the GGUF (llama.cpp's chat template and sampling defaults),
+    the hf directory (transformers / vLLM) and the Modelfile (ollama) all put the run's instruction before the last
+    user message and sample greedily, as infer.py does."""
+    run = runs / f"{version}-lora"
+    assert export(run, tmp_path / "gguf", "--type", "f16", "--name", "m") == 0
+    assert export(run, tmp_path / "hf", "--format", "hf") == 0
+    meta, _ = read_gguf(tmp_path / "gguf" / "m-f16.gguf")
+    hf_template = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+    assert meta["tokenizer.chat_template"] == hf_template
+    assert (meta["general.sampling.temp"], meta["general.sampling.top_k"]) == (0.0, 1)
+    assert "PARAMETER temperature 0\n" in (tmp_path / "gguf" / "Modelfile").read_text(encoding="utf-8")
+    instruction = loading.resolve_run(run).encoding.prompt
+    assert instruction and "\n" in instruction  # the default prompt: a newline inside, escaped in the template
+    rendered = render(hf_template, [{"role": "user", "content": "first"}, {"role": "assistant", "content": "A"},
+                                    {"role": "user", "content": "second"}])
+    assert rendered.count(instruction) == 1 and instruction + "second" in rendered and instruction + "first" not in rendered
+    assert instruction not in render(hf_template, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+
+
+def render(template: str, messages: list[dict], **extra) -> str:
+    """`template` rendered as transformers renders a chat template (a sandboxed Jinja2 environment)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)
+
+
+def test_an_instruction_is_data_in_the_template_whatever_it_holds():
+    from chatglm_tune.export.answering import with_instruction
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tricky = 'say "{{ x }}" %} \\ back\nslash\t{% if %}'
+    got = render(with_instruction(template, tricky), [{"role": "user", "content": "text"}])
+    assert got == "<user>" + tricky + "text"
+    assert with_instruction(template, "") == template
+    parts = [{"type": "text", "text": "t"}]  # content parts are left as they are, not glued to a string
+    assert render(with_instruction("{{ messages[-1]['content'] | length }}", "I: "), [{"role": "user", "content": parts}]) == "1"
 
 
 @pytest.mark.parametrize("version", RELEASED_FORMS)
@@ -316,7 +364,11 @@ def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, sou
     assert max((torch.tensor(g) - e).abs().max().item() for g, e in zip(got["logits"], expected)) < 1e-4
     assert got["encoded"] == [tokenizer.encode_text(t) for t in texts]
     assert got["with_start"] == tokenizer.get_prefix_tokens() + tokenizer.encode_text(texts[0])
-    assert got["chat"] == tokenizer.prompt_format.chat_ids(tokenizer, messages)
+    if source.endswith("lora"):  # a run's template asks as infer.py does: its instruction before the text
+        encoding = loading.resolve_run(directory).encoding
+        assert got["chat"] == tokenizer.prompt_format.prompt_ids(tokenizer, SPORecord(texts[5], None), encoding)[0]
+    else:
+        assert got["chat"] == tokenizer.prompt_format.chat_ids(tokenizer, messages)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == ("glm4" if version == "glm4-0414" else "glm") and config["architectures"] == [architecture]
     assert "chatglm_version" not in config  # transformers' fields only
@@ -324,8 +376,11 @@ def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, sou
         assert registry.of_directory(out).name == version
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == list(tokenizer.stop_token_ids)
-    sampling = tokenizer.prompt_format.chat_sampling
-    assert (generation["top_p"], generation["temperature"]) == (sampling.top_p, sampling.temperature)
+    if source.endswith("lora"):  # greedy, as infer.py extracts (vLLM reads the temperature)
+        assert (generation["do_sample"], generation["temperature"]) == (False, 0.0)
+    else:
+        sampling = tokenizer.prompt_format.chat_sampling
+        assert (generation["top_p"], generation["temperature"]) == (sampling.top_p, sampling.temperature)
 
 
 def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():

@@ -1,15 +1,21 @@
 """The engines run what export.py writes (bench/export/export_engines.py measures; this asserts what it must reach):
 llama.cpp on tiny ChatGLM3, GLM-4, GLM-4-0414 (llama.cpp's `glm4` architecture) and GLM-Edge runs, full and
-LoRA-merged, and chatglm.cpp on a tiny ChatGLM-6B run.
+LoRA-merged, and chatglm.cpp on a tiny ChatGLM-6B run; llama.cpp's own llama-server asks a run's GGUF as infer.py
+does and answers greedily unless told otherwise.
 
-llama-cpp-python and chatglm-cpp are optional builds; without them these tests skip, saying how to install them."""
+llama-cpp-python, chatglm-cpp and llama-server are optional builds; without them these tests skip, saying how to
+install them."""
 
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import pytest
 
 pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
 from bench.export import export_engines as engines  # noqa: E402
+from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +46,39 @@ def test_chatglm_cpp_runs_the_chatglm6b_ggml_file_as_the_toolkit(runs):
     r = engines.check_chatglm_cpp(found["chatglm-full"][0], root, n_prompts=20)
     assert r["f16_greedy_equal"] == r["prompts"] == 20, r
     assert r["toolkit_distinct_tokens"] > 3, r
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.parametrize("name", ["chatglm3-lora", "glm4-lora", "glm4-0414-lora"])
+def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, tmp_path, name):
+    """The GGUF's chat template puts the run's instruction before the user's text (the ids infer.py feeds), and its
+    sampling defaults are greedy: requests with no temperature give one answer, whatever their seed."""
+    from chatglm_tune import loading
+
+    root, found = runs
+    run = found[name][0]
+    gguf = engines.export_file(run, root / f"{name}-gguf-f16", "gguf", "f16")
+    source = loading.resolve_run(run)
+    tokenizer = loading.load_tokenizer(source)
+    expected = engines.prompts(tokenizer, source, 3)  # infer.py's prompts of the last 3 dev records
+    server = llama_server(find_llama_server(), gguf, 1, 1, 512, tmp_path, prompt_of=lambda text: text)
+    server.start(timeout=120)
+    try:
+        texts = [json.loads(line)["text"] for line in
+                 (engines.REPO / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[-3:]]  # the same
+        for text, ids in zip(texts, expected):
+            prompt = post(server.base, "/apply-template", {"messages": [{"role": "user", "content": text}]})["prompt"]
+            assert post(server.base, "/tokenize", {"content": prompt, "parse_special": True})["tokens"] == ids
+        chat = {"messages": [{"role": "user", "content": texts[0]}], "max_tokens": 12}
+        answers = {post(server.base, "/v1/chat/completions", {**chat, "seed": seed})["choices"][0]["message"]["content"]
+                   for seed in (1, 2, 3)}
+        greedy = post(server.base, "/v1/chat/completions", {**chat, "temperature": 0})["choices"][0]["message"]["content"]
+        assert answers == {greedy}
+    finally:
+        server.stop()

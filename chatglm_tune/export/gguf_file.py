@@ -35,9 +35,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from chatglm_tune.export.answering import engine_fields
 from chatglm_tune.export.gguf_vocab import add_vocab
 from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.weights import gguf_name
+from chatglm_tune.options import SamplingOptions
 
 ARCHES = {"GlmForCausalLM": "chatglm", "Glm4ForCausalLM": "glm4"}  # transformers class -> llama.cpp architecture
 # whether the architecture's attention output is hidden x hidden (`chatglm`), not heads x kv_channels (`glm4`)
@@ -106,11 +108,23 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
     writer.add_file_type(FILE_TYPES[kind])
 
 
-def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "",
+def add_sampling(writer, sampling: SamplingOptions) -> None:
+    """`general.sampling.temp`, `.top_p`, `.top_k`: llama.cpp's defaults for what a request does not set."""
+    fields = engine_fields(sampling)
+    writer.add_sampling_temp(fields["temperature"])
+    writer.add_sampling_top_p(fields["top_p"])
+    if "top_k" in fields:
+        writer.add_sampling_top_k(fields["top_k"])
+
+
+def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "", chat_template: str | None = None,
+               sampling: SamplingOptions | None = None,
                progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Write a model of this family (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of its
-    float tensors under checkpoint keys) as the GGUF file `path`; {"tensors": n, "bytes": size}.
-    `progress(tensors written, tensors of the file)` is called before the first tensor and after each."""
+    float tensors under checkpoint keys) as the GGUF file `path`; {"tensors": n, "bytes": size}. `chat_template`:
+    the Jinja template it carries (None: the version's); `sampling`: the defaults llama.cpp takes from it
+    (`general.sampling.*`; None: none written). `progress(tensors written, tensors of the file)` is called before the
+    first tensor and after each."""
     if kind not in TYPES:
         raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
     plan = [(key, gguf_name(key), shape) for key, shape in tensors.shapes()]
@@ -120,7 +134,9 @@ def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str =
         writer.add_name(name or path.stem)
         hyperparameters(writer, config, kind)
         add_vocab(writer, tokenizer, rows=config.vocab_size)
-        writer.add_chat_template(tokenizer.prompt_format.chat_template(tokenizer))
+        writer.add_chat_template(chat_template or tokenizer.prompt_format.chat_template(tokenizer))
+        if sampling is not None:
+            add_sampling(writer, sampling)
         for _, tensor_name, shape in plan:
             qtype = tensor_type(tensor_name, shape, kind)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

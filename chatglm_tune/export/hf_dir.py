@@ -4,11 +4,12 @@ ChatGLM2/3, GLM-4 and GLM-Edge become transformers' own `GlmForCausalLM` (`model
 `glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released):
 - config.json in transformers' fields (`config.transformers_form`, without the toolkit's own), plus `rope_theta`
   and `partial_rotary_factor` at the top level, where transformers 4 reads them;
-- generation_config.json: the version's stop ids as `eos_token_id`, the official chat()'s sampling;
+- generation_config.json: the version's stop ids as `eos_token_id`, the export's sampling (greedy for a train.py
+  run, the official chat()'s for a model directory: export/answering.py);
 - safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused);
 - the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, the version's prefix, `[gMASK]` and
   the start token, put first by its post-processor; GLM-Edge has none and its post-processor adds nothing) and
-  the version's Jinja chat template in tokenizer_config.json.
+  the version's Jinja chat template in tokenizer_config.json (with a run's instruction: export/answering.py).
 Loading needs no remote code and no `import chatglm_tune`.
 
 The tokenizer.json of ChatGLM2/3 is their SentencePiece model in `tokenizers` terms: each text piece between
@@ -30,14 +31,19 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from chatglm_tune import checkpoint
+from chatglm_tune.export.answering import engine_fields
 from chatglm_tune.models.glm.config import transformers_form
+from chatglm_tune.options import SamplingOptions
 from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 
 
-def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30,
+def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30, chat_template: str | None = None,
+             sampling: SamplingOptions | None = None,
              progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
     """Write the model and tokenizer of any version into the new directory `out`; {"files": [...]}.
-    `progress(bytes written, bytes of the weights)` is called before the weights and as they are written."""
+    `chat_template`: the Jinja template of tokenizer_config.json (None: the version's); `sampling`: the defaults of
+    generation_config.json (None: the official chat()'s). `progress(bytes written, bytes of the weights)` is called
+    before the weights and as they are written."""
     out.mkdir(parents=True, exist_ok=True)
     if not hasattr(model.config, "chatglm_version"):  # ChatGLM-6B: the official layout
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -46,19 +52,23 @@ def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30,
         progress(size, size)
         tokenizer.save_pretrained(out)
     else:
-        _write_glm(out, model, tokenizer, max_shard_bytes, progress)
+        _write_glm(out, model, tokenizer, max_shard_bytes, progress,
+                   chat_template or tokenizer.prompt_format.chat_template(tokenizer),
+                   sampling or tokenizer.prompt_format.chat_sampling)
     return {"files": sorted(p.name for p in out.iterdir())}
 
 
-def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Callable[[int, int], None]) -> None:
+def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Callable[[int, int], None],
+               chat_template: str, sampling: SamplingOptions) -> None:
     state = model.state_dict()  # transformers' own keys (a P-tuning prefix never reaches export)
     checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
     config = transformers_form(model.config, next(iter(state.values())).dtype, toolkit_fields=False)
     _write_json(out / "config.json", config)
-    sampling = tokenizer.prompt_format.chat_sampling  # the official chat()'s
+    # greedy is do_sample false with temperature 0: vLLM reads the temperature alone (transformers notes that it
+    # ignores a temperature when not sampling)
     _write_json(out / "generation_config.json", {
         "eos_token_id": list(tokenizer.stop_token_ids), "pad_token_id": tokenizer.pad_token_id,
-        "do_sample": sampling.do_sample, "top_p": sampling.top_p, "temperature": sampling.temperature, "top_k": sampling.top_k})
+        "do_sample": not sampling.greedy, **engine_fields(sampling)})
     backend = _sentencepiece_backend(tokenizer) if hasattr(tokenizer, "sp_model") else _glm4_backend(tokenizer)
     names = {i: t for t, i in tokenizer.special_ids.items()}
     prefix = [names[i] for i in tokenizer.get_prefix_tokens()]  # "[gMASK] sop" / "[gMASK] <sop>"; GLM-Edge: none
@@ -75,7 +85,7 @@ def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Call
         "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
         "additional_special_tokens": [t for t, _ in specials if t not in (tokenizer.eos_token, tokenizer.pad_token)],
         "model_max_length": model.config.max_position_embeddings,
-        "chat_template": tokenizer.prompt_format.chat_template(tokenizer)})
+        "chat_template": chat_template})
 
 
 def _glm4_backend(tokenizer) -> Tokenizer:

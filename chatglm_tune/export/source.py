@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 
 from chatglm_tune import loading
+from chatglm_tune.export import answering
 from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, names_every_tensor
 from chatglm_tune.loading import ModelSource
 from chatglm_tune.models import registry
@@ -41,10 +42,24 @@ class Exportable:
     notes: list[str]  # what the user should know about this export (printed by export.py)
 
     @property
+    def is_run(self) -> bool:
+        """Whether this is a train.py run (or a LoRA run merged), not a plain model directory."""
+        return read_run_args(self.source.lora_dir or self.source.base) is not None
+
+    @property
     def run_prompt(self) -> str:
         """The instruction a train.py run put before each record's text ("" for a plain model directory)."""
-        tuned = self.source.lora_dir or self.source.base
-        return self.source.encoding.prompt if read_run_args(tuned) else ""
+        return self.source.encoding.prompt if self.is_run else ""
+
+    @property
+    def chat_template(self) -> str:
+        """The Jinja chat template every file of the export carries: the version's, with the run's instruction."""
+        return answering.chat_template(self.version.format, self.tokenizer, self.run_prompt)
+
+    @property
+    def sampling(self):
+        """The sampling defaults every file of the export carries: greedy for a run, the official chat()'s else."""
+        return answering.sampling(self.version.format, self.is_run)
 
 
 def check_exportable(source: ModelSource) -> None:
