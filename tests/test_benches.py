@@ -55,9 +55,34 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(summary["tokens_per_s"]) == {"batch32@1", "batch32@2", "batch1@1", "batch1@2"}
+    ours = {key for key in summary["tokens_per_s"] if key.startswith("batch")}  # + llama-server's where one is found
+    assert ours == {"batch32@1", "batch32@2", "batch1@1", "batch1@2"}
     assert all(rate > 0 for rate in summary["tokens_per_s"].values())
     assert summary["soak_passed"], json.loads(out.read_text())["soak"]["checks"]
+
+
+def test_serve_bench_puts_llama_server_on_the_same_work(tmp_path):
+    """llama-server gets the same prompts (the ids serve.py builds, the same chat messages) and answers as long."""
+    from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server
+
+    pytest.importorskip("openai", reason="bench/serve/serve.py drives the servers with the openai client")
+    pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip(f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+    out = tmp_path / "serve.json"
+    done = subprocess.run(
+        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "0",
+         "--no-floor", "--no-baseline", "--threads", "1", "--llama-server", str(binary), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(r["server"], r["streams"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("batch32", 1), ("batch32", 2), ("llama-server", 1), ("llama-server", 2)}
+    for streams in (1, 2):
+        ours, theirs = rows[("batch32", streams)], rows[("llama-server", streams)]
+        assert theirs["failed"] == 0 and theirs["tokens_per_s"] > 0
+        assert (theirs["prompt_tokens"], theirs["tokens"]) == (ours["prompt_tokens"], ours["tokens"])
 
 
 def _peer(*args, out: Path) -> subprocess.CompletedProcess:

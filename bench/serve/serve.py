@@ -5,7 +5,7 @@ by side in one run; then a soak test of the batching server (bad inputs, abandon
     python bench/serve/serve.py                    # random mid GLM-4 (1024 hidden, 8 layers), 1/4/16/32 streams (~8 min)
     python bench/serve/serve.py --quick            # a small model, 1/4/16 streams, 120-request soak (~1-2 min)
     python bench/serve/serve.py --model DIR --streams 1,16 --requests-per-stream 8 --soak 0
-    python bench/serve/serve.py --gguf model.gguf  # + llama.cpp's server (`python -m llama_cpp.server`) on the same load
+    python bench/serve/serve.py --llama-server PATH  # + llama.cpp's llama-server on the same load (a q4_0 GGUF of it)
     python bench/serve/serve.py --full-size        # ChatGLM3-6B at full size, INT4 (bench/peer/peer.py writes it; long)
 
 The random model (built when --model is not given) has its output head zeroed for tokens that render no text
@@ -64,16 +64,23 @@ chunk; completion tokens = max_tokens, or fewer with finish_reason "stop"), ever
 answers at the end with nothing running or waiting, no traceback in the server's log, and the server's
 VmRSS after all requests within 10% of its VmRSS after the first 100.
 
-llama.cpp (optional): with --gguf PATH and `llama_cpp` importable, `python -m llama_cpp.server --model PATH
---n_threads T` gets the same load (counted by chunks when it sends no usage); otherwise the run says it was
-skipped and why. Results: bench/results/serve.json (--quick: /tmp/serve-quick.json; --full-size:
+llama.cpp's own server (optional: a `llama-server` binary, --llama-server / $LLAMA_SERVER / PATH; built from the
+llama.cpp sources inside llama-cpp-python's source package, LLAMA_SERVER_BUILD below) gets the same load after
+serve.py's: the served checkpoint exported by export.py (--type q4_0 unless --gguf; serve.py then runs with
+--server-arg --quantization-bit 4 --quantize-embedding for the same class of weights), `llama-server --threads T
+--threads-batch T --parallel S --ctx-size S x C` with S the most streams and C the load's longest prompt +
+max_tokens + 16 (its whole KV cache is allocated at start; serve.py's grows with the rows), its defaults
+otherwise (continuous batching, flash attention). Its completions are sent the ids serve.py builds for the same
+text (`serve_children.py prompts`: the run's prompt format around the text; the usage chunks' prompt tokens
+match), its chats the same messages (the GGUF's chat template renders the official prompt), with `ignore_eos`
+so that its answers run to max_tokens. Targets at 16 streams: serve.py's tok/s >= llama-server's (aim 1.5x),
+TTFT p95 no worse, peak RSS lower. Without a binary the run says it was skipped and why. Results: bench/results/serve.json (--quick: /tmp/serve-quick.json; --full-size:
 bench/results/serve-full.json) and a .md beside it; the last stdout line is one line of JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -87,15 +94,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench.<room>.<module> (this process imports no torch)
 
 from bench.common.measure import RESULTS, run_python  # noqa: E402
+from bench.peer.peer_llama import export_args, gguf_path  # noqa: E402
 from bench.serve.serve_children import RECIPE  # noqa: E402  (stdlib only at import)
 from bench.serve.serve_load import dev_texts, run_config, warm_up, workload  # noqa: E402
 from bench.serve.serve_report import HEADER, limits, markdown, reachable_speedup, table_row, targets  # noqa: E402
-from bench.serve.serve_servers import (MB, ROOT, Server, busy_cpu_seconds, llama_server, self_cpu_seconds,  # noqa: E402
-                                       toolkit_server)
+from bench.serve.serve_servers import (LLAMA_SERVER_BUILD, MB, ROOT, Server, busy_cpu_seconds,  # noqa: E402
+                                       find_llama_server, llama_server, self_cpu_seconds, toolkit_server)
 from bench.serve.serve_soak import soak  # noqa: E402
 
 OTHERS_LIMIT_PCT = 20.0  # CPU (% of one core) other processes may take during a measurement before it is flagged
-LLAMA_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
 FULL_DIR = Path("/tmp/chatglm3-peer")  # where `bench/peer/peer.py --version chatglm3 --step write` puts ChatGLM3-6B
 
 
@@ -159,7 +166,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="server threads (--threads and OMP_NUM_THREADS; default %(default)s)")
     p.add_argument("--max-batch", type=int, default=32, help="the batching server's --max-batch (default %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the --max-batch 1 server")
-    p.add_argument("--gguf", type=Path, help="a GGUF of the same model: adds llama.cpp's server (needs llama-cpp-python)")
+    p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on "
+                                                     "PATH); without one its side is skipped")
+    p.add_argument("--gguf", type=Path, help="llama-server's GGUF of the served model (default: export.py --type q4_0 of it, "
+                                             "written once beside the checkpoint)")
     p.add_argument("--soak", type=int, help="soak requests after the table, 0 = none (default 1000; --quick 120; "
                                             "--full-size 0)")
     p.add_argument("--soak-clients", type=int, default=16, help="concurrent soak clients (default %(default)s)")
@@ -235,25 +245,38 @@ def run_toolkit_servers(args, model_dir: Path, texts: list[str], log_dir: Path, 
     return soak_result
 
 
-def run_llama_server(args, texts: list[str], log_dir: Path, rows: list[dict], servers_info: dict, skipped: dict) -> None:
-    """llama.cpp's server on --gguf under the same load, or why it was skipped (into `skipped`)."""
-    llama_ready = importlib.util.find_spec("llama_cpp") is not None
-    if args.gguf and llama_ready:
-        server = llama_server(args.gguf, args.threads, log_dir)
-        load_s = server.start(args.start_timeout)
-        try:
-            run_streams(server, args, texts, rows)
-            servers_info["llama.cpp"] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB)}
-        finally:
-            servers_info.setdefault("llama.cpp", {})["stop"] = server.stop()
+def gguf_for(args, model_dir: Path) -> Path:
+    """--gguf, else the served checkpoint exported at q4_0 (export.py; once, kept beside the checkpoint)."""
+    if args.gguf:
+        return args.gguf
+    path = gguf_path(model_dir, "q4_0")
+    if not path.exists():
+        print(f"exporting {model_dir} to {path} for llama-server (export.py --type q4_0)", flush=True)
+        subprocess.run([sys.executable, *map(str, export_args(model_dir, "q4_0"))], cwd=ROOT, check=True)
+    return path
+
+
+def run_llama_server(args, model_dir: Path, texts: list[str], log_dir: Path, rows: list[dict], servers_info: dict,
+                     skipped: dict) -> None:
+    """llama.cpp's own server on the model's GGUF under the same load, or why it was skipped (into `skipped`)."""
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        skipped["llama-server"] = f"no llama-server binary (--llama-server PATH or $LLAMA_SERVER; build: {LLAMA_SERVER_BUILD})"
+        print(f"llama-server skipped: {skipped['llama-server']}", flush=True)
         return
-    why = []
-    if not llama_ready:
-        why.append(f"llama-cpp-python is not installed ({LLAMA_INSTALL})")
-    if not args.gguf:
-        why.append("no GGUF given (--gguf PATH; the toolkit has no GGUF export yet)")
-    skipped["llama.cpp"] = "; ".join(why)
-    print(f"llama.cpp server skipped: {skipped['llama.cpp']}", flush=True)
+    gguf = gguf_for(args, model_dir)
+    prompts = child_json("prompts", "--model-dir", model_dir)
+    slot_context = prompts["longest"] + max(args.max_tokens) + 16
+    server = llama_server(binary, gguf, args.threads, max(args.streams), slot_context, log_dir,
+                          prompt_of=prompts["completion_ids"].__getitem__)
+    load_s = server.start(args.start_timeout)
+    try:
+        run_streams(server, args, texts, rows)
+        servers_info["llama-server"] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB),
+                                        "binary": str(binary), "gguf": str(gguf), "gguf_mb": round(gguf.stat().st_size / MB),
+                                        "slots": max(args.streams), "slot_context": slot_context, "command": server.cmd}
+    finally:
+        servers_info.setdefault("llama-server", {})["stop"] = server.stop()
 
 
 def checked_targets(rows: list[dict], floor: dict | None, batch_name: str) -> dict:
@@ -299,7 +322,7 @@ def main(argv=None) -> None:
     rows, servers_info, skipped = [], {}, {}
     print(HEADER, flush=True)
     soak_result = run_toolkit_servers(args, model_dir, texts, log_dir, rows, servers_info)
-    run_llama_server(args, texts, log_dir, rows, servers_info, skipped)
+    run_llama_server(args, model_dir, texts, log_dir, rows, servers_info, skipped)
     got = checked_targets(rows, floor, f"batch{args.max_batch}")
     limit_lines = limits(rows, floor, ceil, info.get("weight_bytes", 0), info.get("params", 0))
     print_findings(got, limit_lines, soak_result)

@@ -4,6 +4,7 @@ competes with the servers it measures for as little CPU and memory as possible).
     python bench/serve/serve_children.py build --version glm4 --size mid --model-dir DIR
     python bench/serve/serve_children.py floor --model-dir DIR [--threads 2] [--batches 1,4,16,32]
     python bench/serve/serve_children.py ceilings [--threads 2]
+    python bench/serve/serve_children.py prompts --model-dir DIR
 
 - `build`: a random model directory (`registry.VERSIONS[v].tiny(corpus, dir, **SIZES[size])`, its tokenizer
   trained on data/spo_dev.jsonl, then `save_pretrained`); prints its parameter count and weight bytes. The
@@ -19,6 +20,9 @@ competes with the servers it measures for as little CPU and memory as possible).
   bytes/s), the read rate of float32 GEMVs over 24 different 1024 x 2816 weights in turn (277 MB: read from
   memory, not cache, as a decode step at batch 1 reads a model's weights), and float32 GEMM GFLOP/s at
   M = 1, 16, 32, 512 rows against the same weights (a decode step at batch M; 512: the arithmetic peak).
+- `prompts`: for another server (llama-server), the ids serve.py's /v1/completions builds for each SPO text of
+  data/spo_dev.jsonl (`PromptFormat.prompt_ids` with the directory's instruction, as infer.py), and the longest
+  prompt of the load (completion or chat ids), which sizes that server's context.
 """
 
 from __future__ import annotations
@@ -148,16 +152,33 @@ def ceilings(args) -> dict:
     return out
 
 
+def prompts(args) -> dict:
+    from bench.serve.serve_load import chat_content, dev_texts
+    from chatglm_tune import loading
+    from chatglm_tune.options import EncodingOptions
+    from chatglm_tune.records import SPORecord
+
+    source = loading.resolve_run(args.model_dir)
+    tokenizer = loading.load_tokenizer(source)
+    form = tokenizer.prompt_format
+    room = 1 << 16  # uncut, as serve.py's completions
+    encoding = EncodingOptions(prompt=source.encoding.prompt, max_src_len=room, max_len=room + 2)
+    texts = dev_texts()
+    ids = {text: form.prompt_ids(tokenizer, SPORecord(text, None), encoding)[0] for text in texts}
+    chats = [form.chat_ids(tokenizer, [{"role": "user", "content": chat_content(text)}]) for text in texts]
+    return {"completion_ids": ids, "longest": max(map(len, [*ids.values(), *chats]))}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("build", "floor", "ceilings"))
+    p.add_argument("what", choices=("build", "floor", "ceilings", "prompts"))
     p.add_argument("--version", default="glm4", choices=("glm4", "chatglm3", "chatglm2"))
     p.add_argument("--size", default="mid", choices=tuple(SIZES))
     p.add_argument("--model-dir")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,4,16,32")
     args = p.parse_args(argv)
-    print(json.dumps({"build": build, "floor": floor, "ceilings": ceilings}[args.what](args)), flush=True)
+    print(json.dumps({"build": build, "floor": floor, "ceilings": ceilings, "prompts": prompts}[args.what](args)), flush=True)
 
 
 if __name__ == "__main__":

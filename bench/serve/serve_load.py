@@ -74,9 +74,10 @@ def openai_client(server: Server):
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0, timeout=1800)
 
 
-def stream_one(client, model: str, spec: Spec) -> Outcome:
-    """One streamed request through the openai client, timed chunk by chunk."""
-    kw = dict(model=model, max_tokens=spec.max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+def stream_one(client, server: Server, spec: Spec) -> Outcome:
+    """One streamed request to `server` through the openai client, timed chunk by chunk."""
+    kw = dict(model=server.model_id, max_tokens=spec.max_tokens, temperature=0, stream=True,
+              stream_options={"include_usage": True}, **({"extra_body": server.extra_body} if server.extra_body else {}))
     start = time.perf_counter()
     out = Outcome(ok=False)
     last = None
@@ -84,7 +85,7 @@ def stream_one(client, model: str, spec: Spec) -> Outcome:
         if spec.kind == "chat":
             stream = client.chat.completions.create(messages=[{"role": "user", "content": chat_content(spec.text)}], **kw)
         else:
-            stream = client.completions.create(prompt=spec.text, **kw)
+            stream = client.completions.create(prompt=server.prompt_of(spec.text), **kw)
         with stream:
             for chunk in stream:
                 now = time.perf_counter()
@@ -136,7 +137,7 @@ def run_config(server: Server, streams: int, specs: list[list[Spec]]) -> dict:
 
     def one_stream(s: int):
         for i, spec in enumerate(specs[s]):
-            o = stream_one(clients[s], server.model_id, spec)
+            o = stream_one(clients[s], server, spec)
             o.first_of_stream = i == 0
             with lock:
                 outcomes.append(o)
@@ -182,7 +183,7 @@ def run_config(server: Server, streams: int, specs: list[list[Spec]]) -> dict:
 def warm_up(server: Server, texts: list[str]) -> None:
     client = openai_client(server)
     for kind in ("completion", "chat"):
-        o = stream_one(client, server.model_id, Spec(kind, texts[0], 4))
+        o = stream_one(client, server, Spec(kind, texts[0], 4))
         if not o.ok:
             raise RuntimeError(f"{server.name}: the warm-up {kind} request failed: {o.error}\n{server.log_tail()}")
     client.close()

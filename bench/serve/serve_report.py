@@ -11,6 +11,7 @@ from bench.serve.serve_soak import SOAK_RSS_AFTER
 TARGET_SPEEDUP = 6.0  # tok/s at 16 streams, batching / one at a time
 TARGET_TTFT_RATIO = 3.0  # TTFT p95 at 16 streams / at 1 stream, batching server
 TARGET_STREAMS = 16
+TARGET_LLAMA_AIM = 1.5  # tok/s at 16 streams, serve.py / llama-server: the aim (the target: >= 1x)
 OVERHEAD_SHARE = 0.5  # a configuration whose larger floor is under this share of its wall time is overhead-bound
 
 
@@ -134,7 +135,33 @@ def targets(rows: list[dict], batch_name: str, one_name: str, floor: dict | None
                      f"(= {burst_ms / b1['ttft_p95_ms']:.1f}x the 1-stream p95) before the last one's first token")
         entry["text"] = text
         out["ttft_p95_16_vs_1"] = entry
+    out.update(against_llama_server(find(batch_name, TARGET_STREAMS), find("llama-server", TARGET_STREAMS)))
     return out
+
+
+def against_llama_server(ours: dict | None, theirs: dict | None) -> dict:
+    """At TARGET_STREAMS streams: output tok/s >= llama-server's (aim TARGET_LLAMA_AIM x), TTFT p95 no worse, peak
+    RSS lower."""
+    if not (ours and theirs and theirs["tokens_per_s"] and ours["ttft_p95_ms"] and theirs["ttft_p95_ms"]):
+        return {}
+    speed = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    ttft = ours["ttft_p95_ms"] / theirs["ttft_p95_ms"]
+    rss = ours["peak_rss_mb"] / theirs["peak_rss_mb"]
+    at = f"at {TARGET_STREAMS} streams"
+    return {
+        "tok_s_vs_llama_server": {
+            "value": round(speed, 2), "target": 1.0, "pass": speed >= 1.0,
+            "text": f"tok/s {at}: {ours['tokens_per_s']:.2f} (serve.py) vs {theirs['tokens_per_s']:.2f} (llama-server) = "
+                    f"{speed:.2f}x (target >= 1x, aim {TARGET_LLAMA_AIM:g}x)"},
+        "ttft_p95_vs_llama_server": {
+            "value": round(ttft, 2), "target": 1.0, "pass": ttft <= 1.0,
+            "text": f"TTFT p95 {at}: {ours['ttft_p95_ms']:.0f} ms (serve.py) vs {theirs['ttft_p95_ms']:.0f} ms (llama-server) "
+                    f"= {ttft:.2f}x (target <= 1x)"},
+        "peak_rss_vs_llama_server": {
+            "value": round(rss, 2), "target": 1.0, "pass": rss < 1.0,
+            "text": f"peak RSS {at}: {ours['peak_rss_mb']} MB (serve.py) vs {theirs['peak_rss_mb']} MB (llama-server) = "
+                    f"{rss:.2f}x (target < 1x)"},
+    }
 
 
 def markdown(summary: dict) -> str:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +61,13 @@ def proc_cpu_seconds(pid: int) -> float:
 class Server:
     """One server subprocess: started, probed (health, RSS, CPU), stopped."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, health_path: str = "/health"):
-        self.name, self.cmd, self.env, self.log, self.health_path = name, cmd, env, log, health_path
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, *, engine_stats: bool = True,
+                 prompt_of: Callable[[str], str | list[int]] = lambda text: text, extra_body: dict | None = None):
+        """`engine_stats`: GET /health reports the engine's steps and queue (serve.py's; llama-server's does not).
+        `prompt_of`: what a completion request sends for an SPO text (serve.py puts the run's prompt around the
+        text itself; llama-server is sent those ids). `extra_body`: fields every generating request adds."""
+        self.name, self.cmd, self.env, self.log, self.engine_stats = name, cmd, env, log, engine_stats
+        self.prompt_of, self.extra_body = prompt_of, extra_body or {}
         self.port = int(cmd[cmd.index("--port") + 1])
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -76,9 +83,9 @@ class Server:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) while starting:\n{self.log_tail()}")
             if time.perf_counter() - start > timeout:
                 self.stop()
-                raise RuntimeError(f"{self.name} did not answer {self.health_path} within {timeout:.0f} s:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
             try:
-                self.get(self.health_path, timeout=2)
+                self.get("/health", timeout=2)
                 break
             except OSError:
                 time.sleep(0.2)
@@ -92,7 +99,7 @@ class Server:
             return json.loads(r.read())
 
     def health(self) -> dict | None:
-        if self.health_path != "/health":
+        if not self.engine_stats:
             return None
         try:
             return self.get("/health")
@@ -105,7 +112,7 @@ class Server:
         while time.perf_counter() < deadline:
             h = self.health()
             if h is None:
-                return self.health_path != "/health"
+                return not self.engine_stats
             if h.get("running") == 0 and h.get("waiting") == 0:
                 return True
             time.sleep(0.1)
@@ -148,11 +155,29 @@ def toolkit_server(name: str, model_dir: Path, threads: int, max_batch: int, ext
     return Server(name, cmd, {"OMP_NUM_THREADS": str(threads)}, log_dir / f"{name}.log")
 
 
-def llama_server(gguf: Path, threads: int, log_dir: Path) -> Server:
+# llama-server from the llama.cpp sources that llama-cpp-python's source package carries (no download past PyPI's)
+LLAMA_SERVER_BUILD = ("pip download llama-cpp-python --no-binary :all: --no-deps; tar xzf llama_cpp_python-*.tar.gz; "
+                      "cmake -S llama_cpp_python-*/vendor/llama.cpp -B llama-build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
+                      "-DCMAKE_BUILD_TYPE=Release; cmake --build llama-build --target llama-server -j; "
+                      "then --llama-server llama-build/bin/llama-server or LLAMA_SERVER=llama-build/bin/llama-server")
+
+
+def find_llama_server(explicit: Path | None = None) -> Path | None:
+    """`explicit`, else $LLAMA_SERVER, else `llama-server` on PATH; None where there is none."""
+    found = explicit or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    return Path(found) if found and Path(found).is_file() else None
+
+
+def llama_server(binary: Path, gguf: Path, threads: int, slots: int, slot_context: int, log_dir: Path,
+                 prompt_of: Callable[[str], list[int]]) -> Server:
+    """llama.cpp's own C++ server on `gguf`: `slots` parallel sequences (continuous batching, its default) of
+    `slot_context` tokens each, `threads` threads for decoding and for prompts, its other settings its defaults
+    (flash attention auto: on for a CPU; the chat template and sampling defaults the GGUF carries)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_threads", str(threads), "--n_ctx", "2048"]
-    return Server("llama.cpp", cmd, {"OMP_NUM_THREADS": str(threads)}, log_dir / "llama_cpp.log", health_path="/v1/models")
+    cmd = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
+           "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--no-webui"]
+    return Server("llama-server", cmd, {}, log_dir / "llama-server.log", engine_stats=False, prompt_of=prompt_of,
+                  extra_body={"ignore_eos": True})  # answers run to max_tokens, as the random model's do in serve.py
 
 
 class RssSampler:
