@@ -11,7 +11,7 @@ import importlib.util
 import sys
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
+    BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
     TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "--prompt-column, none)")
     g("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
     g("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
+    g("--loss-on", choices=LOSS_ON, help="conversation records (ChatGLM3 / GLM-4 and later): train on every assistant "
+      f"turn, as the official fine-tuning does, or on the last one only (default: the base run's, else {E.loss_on})")
     g = p.add_argument_group("model").add_argument
     g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model directory, or "
       f"{' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version and a tokenizer trained on the train file in that "
@@ -128,7 +130,7 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
     lora = part(problems, LoraOptions, **_resolve(args, ("lora_r", "lora_alpha", "lora_dropout"), {}, L, strip="lora_"),
                 target=tuple(args.lora_target) if args.lora_target else None)
     encoding = part(problems, EncodingOptions,
-                    **_resolve(args, ("prompt", "max_src_len", "max_len"), {**base_run.get("encoding", {}), **demo}, E))
+                    **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on"), {**base_run.get("encoding", {}), **demo}, E))
     options = part(problems, TrainOptions,
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio"), demo, D),
         **_resolve(args, ("pre_seq_len", "prefix_projection"), {}, D),

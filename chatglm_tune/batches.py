@@ -61,13 +61,15 @@ class SpecialIds:
 
 @dataclass(frozen=True, slots=True)
 class EncodedExample:
-    """One training row: `input_ids` and `labels` of equal length (<= max_len), and truncation flags."""
+    """One training row: `input_ids` and `labels` of equal length (<= max_len), and truncation flags (a
+    conversation's row is cut whole at max_len: `row_truncated`)."""
 
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
     source_truncated: bool
     answer_truncated: bool
     source: str = ""
+    row_truncated: bool = False
 
 
 class PromptFormat:
@@ -126,13 +128,21 @@ class PromptFormat:
         raise ValueError(f"{self.title} has no tool calls here")
 
     def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
-        """The `EncodedExample` of a record with a gold answer."""
+        """The `EncodedExample` of a record with a gold answer (a conversation: its history as context)."""
+        self.check_pairs(record)
         if record.answer is None:
             raise ValueError(f"{record.source or 'record'}: has no gold answer, cannot build a training example")
         prompt, prompt_cut = self.prompt_ids(tokenizer, record, options)
         answer, answer_cut = self.answer_ids(tokenizer, record.answer, options)
         return training_example(prompt, answer, self.labelled_prompt_tokens, prompt_truncated=prompt_cut,
                                 answer_truncated=answer_cut, origin=record.source)
+
+    def check_pairs(self, record: SPORecord) -> None:
+        """ValueError for a conversation that (query, response) pairs cannot hold (a system prompt, tools, calls,
+        observations, loss flags) where this version reads pairs only."""
+        if record.dialogue is not None and record.history is None and self.chat_in_pairs:
+            raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns (its chat "
+                             "is (query, response) pairs): such conversations train ChatGLM3-6B, GLM-4 and later")
 
     def decode_answer(self, tokenizer, new_ids: list[int]) -> str:
         """The text of generated ids, without the stop id that ended them."""
@@ -180,11 +190,12 @@ class EncodedDataset(torch.utils.data.Dataset):
         return self.examples[i]
 
     def truncation_counts(self) -> dict[str, int]:
-        """`{"examples", "source_truncated", "answer_truncated"}` counts."""
+        """`{"examples", "source_truncated", "answer_truncated", "row_truncated"}` counts."""
         return {
             "examples": len(self.examples),
             "source_truncated": sum(e.source_truncated for e in self.examples),
             "answer_truncated": sum(e.answer_truncated for e in self.examples),
+            "row_truncated": sum(e.row_truncated for e in self.examples),
         }
 
 

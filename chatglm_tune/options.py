@@ -51,19 +51,27 @@ EXPORT_TYPES = ("f16", "bf16", "q8_0", "q4_0")
 EXPORT_TYPE = "f16"
 
 
+LOSS_ON = ("all", "last")  # a conversation's assistant turns that carry a loss
+
+
 @dataclass(frozen=True)
 class EncodingOptions:
     """The prompt and the length budget of a training row and of an inference prompt.
 
     `max_src_len`: tokens of the context, `prompt + text` plus `[gMASK]`. `max_len`: the whole row,
-    so `<sop> answer <eop>` gets `max_len - max_src_len` tokens.
+    so `<sop> answer <eop>` gets `max_len - max_src_len` tokens (a conversation record's row, as its official
+    code builds it, is cut at `max_len`). `loss_on`: "all" trains a conversation on every assistant turn, as the
+    official ChatGLM3 / GLM-4 fine-tuning does; "last" on the last one only, the earlier turns context.
     """
 
     prompt: str = "按给定的格式抽取文本信息。\n文本："
     max_src_len: int = 256
     max_len: int = 288
+    loss_on: str = "all"
 
     def __post_init__(self):
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
         if self.max_src_len < 2:
             raise ValueError(f"max_src_len must be >= 2 (at least one source token and [gMASK]), got {self.max_src_len}")
         if self.max_len - self.max_src_len < 2:

@@ -13,15 +13,18 @@ first line is tolerated); a line, or an array item, holding bytes that are not U
                                                          alone when the other is missing or blank);
                                                          output optional, in the answer format
     {"conversations": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
+    {"tools": [...], "conversations": [... system, user, assistant, tool turns, "loss" flags ...]}  (ChatGLM3's)
+    {"messages": [... system (+ tools), user, assistant (+ metadata: a call), observation ...]}     (GLM-4's)
 
-The field that selects a shape is `conversations`, else `spo_list`, else one of `instruction`, `input`,
-`output`, else `text` or `answer`; a field of another shape beside it, a `system`, `history` or `tools`
-field, or an object with none of these fields is a bad record naming the accepted shapes: nothing is
-dropped unread. The first four shapes give triples, scored as triples. A conversation gives
-prompt/response data, scored as free text: its turns alternate user, assistant from a user turn; the last
-user turn is the query, the assistant turn after it (none: no gold answer) the response, the pairs before
-them the history, context with no loss on it. A `system` turn is refused (`system_turn`): a record holds
-no system prompt. The gold answers of one file are all triples or all free text (`mixed_answers`).
+The field that selects a shape is `conversations`, else `messages`, else `spo_list`, else one of
+`instruction`, `input`, `output`, else `text` or `answer`; a field of another shape beside it, a `system` or
+`history` field, or an object with none of these fields is a bad record naming the accepted shapes: nothing
+is dropped unread. The text shapes give triples, scored as triples. A conversation gives prompt/response
+data, scored as free text, and keeps all its turns (`SPORecord.dialogue`, read by `dialogues.py`: system
+prompts, tools, tool calls, observations, a loss flag a turn). Plain user / assistant turns, alternating from
+a user turn, are also read as before: the last user turn the query, the assistant turn after it (none: no
+gold answer) the response, the pairs before them the history. The gold answers of one file are all triples
+or all free text (`mixed_answers`).
 Records of the last two shapes hold their own instruction (`SPORecord.instructed`): when every training
 record does, train.py puts no `EncodingOptions.prompt` before them unless `--prompt` gives one.
 
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal
 
+from chatglm_tune.dialogues import Dialogue, DialogueError, from_conversations, from_messages
 from chatglm_tune.options import DataColumns
 
 
@@ -83,6 +87,7 @@ class SPORecord:
     response: str | None = None
     history: tuple[tuple[str, str], ...] | None = None  # earlier (query, response) turns of prompt/response data
     instructed: bool = False  # the text holds its own instruction (instruction/input/output data, conversations)
+    dialogue: Dialogue | None = None  # a conversation record's turns (system, tools, calls, observations, losses)
 
     @property
     def answer(self) -> str | None:
@@ -366,14 +371,40 @@ def _instruction_input_output(raw: dict, location: Location) -> SPORecord:
 
 def _conversation(raw: dict, location: Location) -> SPORecord:
     """The last user turn is the query, the assistant turn after it (if any) the free-text response, the
-    user/assistant pairs before it the history."""
+    user/assistant pairs before it the history; the whole conversation is the record's `dialogue` too. One with
+    tools, a system or tool turn or a loss flag is a dialogue only (`dialogues.from_conversations`)."""
+    if not _plain_turns(raw):
+        return _dialogue_record(raw, location, from_conversations)
     turns = _chat_turns(raw["conversations"], location)
     response = turns.pop()[1] if turns[-1][0] == "assistant" else None
     query = turns.pop()[1]
     if not query.strip():
         raise RecordError(location, "empty_text", "the last user turn is empty", field=f"conversations[{len(turns)}].content")
     history = tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns), 2))
-    return SPORecord(text=query, triples=None, source=str(location), response=response, history=history, instructed=True)
+    return SPORecord(text=query, triples=None, source=str(location), response=response, history=history, instructed=True,
+                     dialogue=from_conversations(raw))
+
+
+def _plain_turns(raw: dict) -> bool:
+    """Whether a conversations record holds user / assistant turns of a role and a content only, and no tools."""
+    turns = raw["conversations"]
+    return "tools" not in raw and isinstance(turns, list) and all(
+        isinstance(t, dict) and t.keys() <= {"role", "content"} and t.get("role") in ("user", "assistant") for t in turns)
+
+
+def _dialogue_record(raw: dict, location: Location, parse: Callable[[dict], Dialogue]) -> SPORecord:
+    """A record of a conversation read by `parse` (`dialogues`); its errors named with the file and line."""
+    try:
+        dialogue = parse(raw)
+    except DialogueError as err:
+        raise RecordError(location, err.reason, str(err), field=err.field) from None
+    answer = dialogue.answer
+    return SPORecord(text=dialogue.query, triples=None, source=str(location), instructed=True, dialogue=dialogue,
+                     response=None if answer is None else answer.content)
+
+
+def _messages(raw: dict, location: Location) -> SPORecord:
+    return _dialogue_record(raw, location, from_messages)
 
 
 def _chat_turns(value: object, location: Location) -> list[tuple[str, str]]:
@@ -419,7 +450,8 @@ class _Shape:
 
 
 _SHAPES = (
-    _Shape("conversations", frozenset({"conversations"}), frozenset({"conversations"}), _conversation),
+    _Shape("conversations", frozenset({"conversations"}), frozenset({"conversations", "tools"}), _conversation),
+    _Shape("messages", frozenset({"messages"}), frozenset({"messages"}), _messages),
     _Shape("text + spo_list", frozenset({"spo_list"}), frozenset({"text", "spo_list"}), _text_spo_list),
     _Shape("instruction + input + output", frozenset({"instruction", "input", "output"}),
            frozenset({"instruction", "input", "output"}), _instruction_input_output),
@@ -429,7 +461,6 @@ _SHAPE_FIELDS = frozenset().union(*(shape.reads for shape in _SHAPES))
 _UNREAD = {  # fields of data shapes users bring that no shape here reads: refused rather than dropped
     "system": "a record holds no system prompt (put it in --prompt, the instruction or the first user turn)",
     "history": "earlier turns are read from a conversations record, or with --prompt-column and --history-column",
-    "tools": "tool definitions and tool turns are not supported",
 }
 
 

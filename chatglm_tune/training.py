@@ -75,9 +75,11 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
                **config_overrides):
-    """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers,
-    and a random tiny model of the preset's version (with `config_overrides`) for it."""
+    """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers (a
+    conversation's every turn: system prompts, calls, observations), and a random tiny model of the preset's
+    version (with `config_overrides`) for it."""
     corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
+    corpus += [turn.metadata + turn.content for r in train_records if r.dialogue for turn in r.dialogue.turns]
     return registry.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), **config_overrides)
 
 
@@ -269,7 +271,8 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
         f"data: {len(dataset)} training records ({skipped.get('train', 0)} skipped), {len(dev_records)} dev records "
         f"({skipped.get('dev', 0)} skipped)",
         f"truncated: {cut['source_truncated']} texts longer than max_src_len={options.encoding.max_src_len}, "
-        f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}",
+        f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}"
+        + (f", {cut['row_truncated']} conversations cut at max_len={options.encoding.max_len}" if cut["row_truncated"] else ""),
         f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable",
         f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
         f"rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",

@@ -212,9 +212,12 @@ def test_ctrl_c_in_infer_keeps_the_rows_and_says_how_to_resume(runs, data, tmp_p
     lines = lambda: out.read_text().count("\n") if out.exists() else 0  # noqa: E731
     args = ["--model", run, "--input", data / "a.jsonl", "--output", out, "--batch-size", 1]
     held = (  # infer.py as run from the shell, held once its second row is written until the Ctrl-C lands there (on a
-        # fast machine the 24 rows of a tiny model are otherwise written before the signal arrives)
-        "import runpy, sys, threading; import chatglm_tune.extraction as e; write = e.append_rows; written = []; "
-        "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), len(written) >= 2 and threading.Event().wait()); "
+        # fast machine the 24 rows of a tiny model are otherwise written before the signal arrives). Held in short
+        # sleeps, not one blocking wait: Linux may hand the SIGINT to another thread (OpenMP's, tqdm's), and only
+        # a main thread that wakes runs Python's handler
+        "import runpy, sys, time; import chatglm_tune.extraction as e; write = e.append_rows; written = []; "
+        "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), "
+        "len(written) >= 2 and any(time.sleep(0.05) for _ in iter(int, 1))); "
         f"sys.argv = [{str(ROOT / 'infer.py')!r}, *{list(map(str, args))!r}]; "
         f"runpy.run_path({str(ROOT / 'infer.py')!r}, run_name='__main__')")
     done = interrupt_when(["-c", held], lambda: lines() >= 2, "infer.py writing its second row")

@@ -233,7 +233,7 @@ def test_dataset_counts_truncations(tok):
     records = [SPORecord("油", ()), SPORecord(TEXT * 4, ()), SPORecord("油", TRIPLES * 3)]
     ds = EncodedDataset.from_records(records, tok, options)
     assert len(ds) == 3 and ds[0].input_ids[-1] == tok.eos_token_id
-    assert ds.truncation_counts() == {"examples": 3, "source_truncated": 1, "answer_truncated": 1}
+    assert ds.truncation_counts() == {"examples": 3, "source_truncated": 1, "answer_truncated": 1, "row_truncated": 0}
 
 
 # ----------------------------------------------------------------------------------------------

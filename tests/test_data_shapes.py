@@ -159,19 +159,22 @@ BAD_CHATS = [
     ({"conversations": [user("q"), assistant("a"), {"role": "user", "content": 3}, assistant("b")]}, "not_string",
      "field 'conversations[2].content': expected a string, got int"),
     ({"conversations": [user("q"), {"content": "a"}]}, "missing_field", "field 'conversations[1].role': missing"),
-    ({"conversations": [{"role": "system", "content": "你是助手"}, user("q"), assistant("a")]}, "system_turn",
-     "field 'conversations[0].role': a system turn cannot be kept"),
-    ({"conversations": [user("q"), {"role": "tool", "content": "{}"}]}, "bad_role",
-     "field 'conversations[1].role': expected 'assistant' (turns alternate user, assistant, from a user turn), got 'tool'"),
+    ({"conversations": [user("q"), {"role": "system", "content": "你是助手"}, assistant("a")]}, "system_turn",
+     "field 'conversations[1].role': a system turn comes first, once (before any user turn)"),
+    ({"conversations": [user("q"), {"role": "bot", "content": "{}"}]}, "bad_role",
+     "field 'conversations[1].role': expected system, user, assistant or tool, got 'bot'"),
     ({"conversations": [assistant("a")]}, "bad_role", "field 'conversations[0].role': expected 'user'"),
     ({"conversations": [user("q"), assistant("a"), assistant("b")]}, "bad_role", "field 'conversations[2].role'"),
-    ({"conversations": [user("q"), {"role": "assistant", "content": "a", "loss": False}]}, "unread_field",
-     "field 'conversations[1].loss': not read"),
+    ({"conversations": [user("q"), {"role": "assistant", "content": "a", "loss": "no"}]}, "bad_loss",
+     "field 'conversations[1].loss': expected true or false, got 'no'"),
+    ({"conversations": [user("q"), {"role": "assistant", "content": "a", "score": 1}]}, "unread_field",
+     "field 'conversations[1].score': not read"),
     ({"conversations": [user(" "), assistant("a")]}, "empty_text", "field 'conversations[0].content': the last user turn is empty"),
     ({"conversations": []}, "empty_text", "field 'conversations': no turns"),
     ({"conversations": "q"}, "not_list", "field 'conversations': expected a list of turns, got str"),
     ({"conversations": [["q", "a"]]}, "not_object", "field 'conversations[0]': expected a turn object, got list"),
-    ({"conversations": [user("q"), assistant("a")], "tools": []}, "unread_field", "field 'tools': not read"),
+    ({"conversations": [user("q"), assistant("a")], "tools": "get_weather"}, "not_list",
+     "field 'tools': expected a list of tool definitions, got str"),
     ({"conversations": [user("q"), assistant("a")], "system": "你是助手"}, "unread_field", "field 'system': not read"),
 ]
 
@@ -219,7 +222,7 @@ def write(path: Path, text: str) -> Path:
 
 BAD_SHAPES = [
     ({"content": "类型#裙", "summary": "一条裙子。"}, "unknown_shape",
-     "matches none of the accepted shapes (fields: 'content', 'summary'): conversations; text + spo_list; "
+     "matches none of the accepted shapes (fields: 'content', 'summary'): conversations; messages; text + spo_list; "
      "instruction + input + output; text + answer; other prompt/response fields need --prompt-column and --response-column"),
     ({}, "unknown_shape", "matches none of the accepted shapes (fields: none)"),
     ({"instruction": "抽取三元组。", "input": TEXT, "output": ANSWER, "history": [["q", "a"]]}, "unread_field",

@@ -3,7 +3,8 @@
     command lines (train.py, infer.py, quantize.py, serve.py, export.py)
       -> training, extraction, metrics, lora, loading, rundir, auto, serve/, export/ (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
-      -> shared layers: batches, records, decoding/ (generation, the engine, chat), prefix, checkpoint, tokenizing, quant/, heap
+      -> shared layers: batches, records, dialogues, decoding/ (generation, the engine, chat), prefix, checkpoint,
+         tokenizing, quant/, heap
       -> options
 
 A family never imports another family, the registry or an upper layer; a shared layer never imports
@@ -27,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "checkpoint", "prefix", "records", "batches", "decoding", "tokenizing", "quant"}
+SHARED = {"options", "heap", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
 UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}

@@ -52,6 +52,7 @@ class ChatGLM6BFormat(PromptFormat):
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """`encode(prompt + text)` cut to `max_src_len - 1`, then `[gMASK] <sop>` (history: the official rounds)."""
+        self.check_pairs(record)
         ids = tokenizer.encode(options.prompt + chat_prompt(record.text, record.history), add_special_tokens=False)
         kept = ids[: options.max_source_tokens]
         return kept + [tokenizer.gmask_token_id, tokenizer.bos_token_id], len(kept) < len(ids)

@@ -32,11 +32,13 @@ too. The ollama templates (Go) render the same prompts; ChatGLM2's holds one rou
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import keyword
 from typing import Callable, Sequence
 
-from chatglm_tune.batches import PromptFormat
+from chatglm_tune.batches import IGNORE_INDEX, EncodedExample, PromptFormat
+from chatglm_tune.dialogues import Dialogue, Turn, tool_call_code
 from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions
 from chatglm_tune.records import SPORecord
 
@@ -91,6 +93,7 @@ class ChatGLM2Format(_GLMFormat):
         """ChatGLM2's official prompt, `prefix + build_prompt(query, history)`, encoded as one text (as its
         `ptuning/main.py` does: SentencePiece joins across the template and the query); a query too long
         loses its end, whole characters at a time, until the prompt fits `max_src_len` tokens."""
+        self.check_pairs(record)
         history, max_len = list(record.history or ()), options.max_src_len
 
         def encode(text: str) -> list[int]:
@@ -114,7 +117,10 @@ class _RoleFormat(_GLMFormat):
     sop: str  # the start token after [gMASK]
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
-        """The chat prompt around `prompt + text`, the text cut to fit `max_src_len`."""
+        """The chat prompt around `prompt + text`, the text cut to fit `max_src_len`; a conversation with a system
+        prompt, tools or calls: its turns before the gold answer (`dialogue_prompt`)."""
+        if record.history is None and record.dialogue is not None:
+            return self.dialogue_prompt(tokenizer, record.dialogue, options.prompt), False
         command = tokenizer.get_command
         head = [command("[gMASK]"), command(self.sop)]
         for query, response in record.history or ():
@@ -128,6 +134,59 @@ class _RoleFormat(_GLMFormat):
     def message(self, tokenizer, role: str, content: str) -> list[int]:
         return [tokenizer.get_command(f"<|{role}|>"), *self.answer_lead(tokenizer),
                 *tokenizer.encode_text(self.after_role(content))]
+
+    # ----- conversations: every turn, a loss on each answer (the official multi-turn fine-tuning) -----
+
+    def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
+        """A conversation record's row as `dialogue_row` builds it, unless it is plain user / assistant turns
+        trained on the last answer only (`loss_on` "last"): then the query and its history, as before."""
+        dialogue = record.dialogue
+        if dialogue is None or (options.loss_on == "last" and record.history is not None):
+            return super().training_row(tokenizer, record, options)
+        if dialogue.answer is None:
+            raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training example")
+        return self.dialogue_row(tokenizer, dialogue if options.loss_on == "all" else dialogue.loss_on_last(), options,
+                                 record.source)
+
+    def dialogue_row(self, tokenizer, dialogue: Dialogue, options: EncodingOptions, origin: str = "") -> EncodedExample:
+        """The official multi-turn row: the prefix, each turn's block (`turn_ids`), then the end id; a token is a
+        label where the token before it belongs to a turn with a loss (so each answer's own tokens and the role
+        or end token after it are trained, never the `<|assistant|>` before it); cut at `max_len`."""
+        ids, carried = list(tokenizer.get_prefix_tokens()), [False] * len(tokenizer.get_prefix_tokens())
+        for turn in self.instructed(dialogue.turns, options.prompt, dialogue.answer_at):
+            block = self.turn_ids(tokenizer, turn)
+            ids += block
+            carried += [turn.loss] * len(block)
+        ids.append(self.end_id(tokenizer))
+        labels = [IGNORE_INDEX] + [token if loss else IGNORE_INDEX for token, loss in zip(ids[1:], carried)]
+        if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
+            raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len {options.max_len} cuts "
+                             f"it before any trained token: raise --max-len to {len(ids)} or more")
+        cut = len(ids) > options.max_len
+        return EncodedExample(tuple(ids[:options.max_len]), tuple(labels[:options.max_len]), False, False, origin, cut)
+
+    def dialogue_prompt(self, tokenizer, dialogue: Dialogue, instruction: str = "") -> list[int]:
+        """What the model answers a conversation from: the prefix, its turns before the gold answer, `<|assistant|>`."""
+        turns = self.instructed(dialogue.context, instruction, None)
+        return [*tokenizer.get_prefix_tokens(), *(i for turn in turns for i in self.turn_ids(tokenizer, turn)),
+                tokenizer.get_command("<|assistant|>")]
+
+    @staticmethod
+    def instructed(turns, instruction: str, answer_at: int | None) -> list[Turn]:
+        """`turns` with `instruction` (a run's `--prompt`) before the last user turn before `answer_at`."""
+        turns = list(turns)
+        end = len(turns) if answer_at is None else answer_at
+        last_user = next((i for i in range(end - 1, -1, -1) if turns[i].role == "user"), None)
+        if instruction and last_user is not None:
+            turns[last_user] = dataclasses.replace(turns[last_user], content=instruction + turns[last_user].content)
+        return turns
+
+    def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
+        """One turn's block: `<|role|>`, then `metadata + "\\n"` and the content encoded apart (ChatGLM3's
+        `build_single_message`); GLM-4 and later override it."""
+        if turn.tools:
+            raise ValueError(f"{self.title} takes tools as its fine-tuning data's top-level tools list")
+        return tokenizer.build_single_message(turn.role, turn.metadata, turn.content)
 
     tool_calls = True
 
@@ -190,8 +249,7 @@ class ChatGLM3Format(_RoleFormat):
             if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
                 raise ValueError(f"{self.title} writes a tool call's arguments as Python keyword arguments: {key!r} "
                                  "cannot be one")
-        keywords = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
-        return f"```python\ntool_call({keywords})\n```"
+        return tool_call_code(arguments)
 
     def tool_parameters(self, content: str):
         """`tool_call(k=v, ...)` in a code block, its arguments read as Python literals (the official code
@@ -229,13 +287,21 @@ class GLM4Format(_RoleFormat):
     def end_id(self, tokenizer) -> int:
         return tokenizer.get_command("<|user|>")
 
-    def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+    def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
+        """The message rendered alone by the chat template, without the prefix it begins with (the official
+        fine-tuning script's `apply_chat_template([message])[2:]`)."""
+        message = {"role": turn.role, "content": turn.content, **({"metadata": turn.metadata} if turn.metadata else {}),
+                   **({"tools": list(turn.tools)} if turn.tools else {})}
+        ids, prefix = self.chat_ids(tokenizer, [message], generation_prompt=False), tokenizer.get_prefix_tokens()
+        return ids[len(prefix):] if ids[:len(prefix)] == prefix else ids
+
+    def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """Its chat template (`encode_chat`: message text stays data); a ValueError where the template refuses
         the messages (the tiny tokenizer's takes no tools)."""
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.encode_chat(messages)
+            return tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt)
         except TemplateError as err:
             raise ValueError(f"{self.title}'s chat template: {err}") from None
 
@@ -286,6 +352,14 @@ class TemplateFormat(GLM4Format):
             kept = kept[: len(kept) - max(1, len(ids) - options.max_src_len)]
             ids = encode(kept)
         return ids, kept != record.text
+
+    def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
+        """GLM-4's per-message rendering for user, assistant and system messages; their templates write tools and
+        calls in another form (`tool_calls`, a `tool` role), which conversation records here do not hold yet."""
+        if turn.metadata or turn.tools or turn.role == "observation":
+            raise ValueError(f"{self.title}'s chat template writes tools and tool calls in its own form (tool_calls, a "
+                             "tool role); conversation records with tools train ChatGLM3-6B and GLM-4-9B")
+        return super().turn_ids(tokenizer, turn)
 
     def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
         ids = tokenizer.encode_text(self.answer_lead_text(tokenizer) + answer)

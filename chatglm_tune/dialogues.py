@@ -1,0 +1,274 @@
+"""Conversations with a system prompt, tools, tool calls and observations, and a loss on each answer: the two
+official fine-tuning data formats, read as the official code reads them.
+
+ChatGLM3-6B (its fine-tuning demo's multi-turn data):
+
+    {"tools": [{"name": ..., "description": ..., "parameters": {...}}, ...],          optional
+     "conversations": [{"role": "system", "content": ...},                           optional, at most one, first
+                       {"role": "user", "content": ...},
+                       {"role": "assistant", "content": ..., "loss": false},       loss optional (default true)
+                       {"role": "tool", "name": ..., "parameters": {...}, "observation": ...}, ...]}
+                                                               (observation optional on the last turn)
+
+  `tools` becomes the first system turn, `TOOL_PROMPT` + the list as JSON (4-space indent, non-ASCII kept). A
+  `tool` turn is two: the assistant calling the tool (metadata: its name; content: `tool_call(k=v, ...)` in a
+  Python code block, each value a Python literal) with the turn's loss, then an observation turn holding the
+  result (a string as it is, anything else as JSON) with none.
+
+GLM-4-9B (its fine-tuning script's data):
+
+    {"messages": [{"role": "system", "content": ..., "tools": [{"type": "function", "function": {...}}, ...]},
+                  {"role": "user", "content": ...},
+                  {"role": "assistant", "metadata": "get_weather", "content": "{\\"city\\": \\"北京\\"}"},  a call
+                  {"role": "observation", "content": ...},
+                  {"role": "assistant", "content": ..., "loss": false}, ...]}
+
+  Each message is rendered alone by the model's chat template (tools by the system message's). As the official
+  script does, a tool parameter whose value is null is left out.
+
+In both, system, user and observation turns carry no loss and every other turn carries one unless it says
+`"loss": false`; a `"loss": true` on a turn that never carries one is refused rather than ignored. A call names
+a declared tool; a GLM-4 call's content is its arguments as a JSON object; an observation follows a call.
+Turns become `Turn`s, the record a `Dialogue`; a record that breaks these rules raises `DialogueError` naming
+the field, which `records.py` turns into a `RecordError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+from dataclasses import dataclass, replace
+
+TOOL_PROMPT = "Answer the following questions as best as you can. You have access to the following tools:\n"
+SILENT_ROLES = frozenset({"system", "user", "observation"})  # turns that never carry a loss
+
+
+class DialogueError(ValueError):
+    """A conversation record that breaks the format; `field` names where (`conversations[2].name`)."""
+
+    def __init__(self, reason: str, message: str, field: str):
+        super().__init__(message)
+        self.reason, self.field = reason, field
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One block of the conversation as the model sees it."""
+
+    role: str  # system, user, assistant, observation
+    content: str
+    metadata: str = ""  # an assistant turn that calls a tool: the tool's name
+    loss: bool = False
+    tools: tuple | None = None  # a GLM-4 system turn's tool list, rendered by the chat template
+
+
+@dataclass(frozen=True)
+class Dialogue:
+    """A whole conversation; `form`: "conversations" (ChatGLM3's data) or "messages" (GLM-4's)."""
+
+    turns: tuple[Turn, ...]
+    form: str
+
+    @property
+    def answer_at(self) -> int | None:
+        """The index of the last assistant turn when the conversation ends with it (the gold answer), else None."""
+        last = len(self.turns) - 1
+        return last if self.turns and self.turns[last].role == "assistant" else None
+
+    @property
+    def context(self) -> tuple[Turn, ...]:
+        """The turns before the gold answer (all of them where there is none): what a model answers."""
+        return self.turns if self.answer_at is None else self.turns[: self.answer_at]
+
+    @property
+    def answer(self) -> Turn | None:
+        return None if self.answer_at is None else self.turns[self.answer_at]
+
+    @property
+    def query(self) -> str:
+        """The last user turn's text ("" where there is none)."""
+        return next((t.content for t in reversed(self.context) if t.role == "user"), "")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether it declares tools or calls one (the versions without a tool form refuse it)."""
+        return any(t.tools or t.metadata or t.role in ("system", "observation") for t in self.turns)
+
+    def loss_on_last(self) -> "Dialogue":
+        """The same turns with a loss on the gold answer only (earlier answers are context)."""
+        return replace(self, turns=tuple(replace(t, loss=i == self.answer_at) for i, t in enumerate(self.turns)))
+
+
+def tool_call_code(parameters: dict) -> str:
+    """ChatGLM3's call as its data holds it: `tool_call(k=v, ...)` in a Python code block, values as literals."""
+    return "```python\ntool_call(" + ", ".join(f"{k}={v!r}" for k, v in parameters.items()) + ")\n```"
+
+
+# ----------------------------------------------------------------------------------------------
+# ChatGLM3's conversations
+
+
+def from_conversations(raw: dict) -> Dialogue:
+    """A ChatGLM3 record: `conversations` (and optional `tools`)."""
+    tools = raw.get("tools")
+    names = _declared(tools, "tools", lambda tool: tool.get("name")) if tools is not None else None
+    value = _turn_list(raw["conversations"], "conversations")
+    turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False))] if tools is not None else []
+    for i, item in enumerate(value):
+        where = f"conversations[{i}]"
+        turn = _object(item, where)
+        role = _string(turn, "role", where)
+        if role == "tool":
+            turns += _tool_turns(turn, where, names, last=i == len(value) - 1)
+            continue
+        _only(turn, {"role", "content", "loss"}, where)
+        if role == "system" and i > 0:
+            raise DialogueError("system_turn", "a system turn comes first, once (before any user turn)", f"{where}.role")
+        if role not in ("system", "user", "assistant"):
+            raise DialogueError("bad_role", f"expected system, user, assistant or tool, got {role!r}", f"{where}.role")
+        turns.append(Turn(role, _string(turn, "content", where), loss=_loss(turn, role, where)))
+    return _checked(Dialogue(tuple(turns), "conversations"))
+
+
+def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[Turn]:
+    """A ChatGLM3 `tool` turn: the assistant's call, then the observation; the last turn may hold no observation:
+    the call is then the gold answer (what a dev record asks the model to call)."""
+    _only(turn, {"role", "name", "parameters", "observation", "loss"}, where)
+    name = _string(turn, "name", where)
+    if names is None or name not in names:
+        declared = "no tools are declared (a top-level tools list)" if names is None else f"declared: {sorted(names)}"
+        raise DialogueError("undeclared_tool", f"calls {name!r}, which is not a declared tool ({declared})", f"{where}.name")
+    parameters = turn.get("parameters")
+    if not isinstance(parameters, dict):
+        raise DialogueError("bad_arguments", "expected the call's arguments as a JSON object", f"{where}.parameters")
+    for key in parameters:
+        if not key.isidentifier() or keyword.iskeyword(key):
+            raise DialogueError("bad_arguments", f"{key!r} cannot be a Python keyword argument (ChatGLM3 writes a call "
+                                "as tool_call(k=v, ...))", f"{where}.parameters")
+    call = Turn("assistant", tool_call_code(parameters), metadata=name, loss=_loss(turn, "assistant", where))
+    if "observation" not in turn:
+        if last:
+            return [call]
+        raise DialogueError("missing_field", "a tool turn before the last holds the tool's result", f"{where}.observation")
+    result = turn["observation"]
+    result = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    return [call, Turn("observation", result)]
+
+
+# ----------------------------------------------------------------------------------------------
+# GLM-4's messages
+
+
+def from_messages(raw: dict) -> Dialogue:
+    """A GLM-4 record: `messages`."""
+    value = _turn_list(raw["messages"], "messages")
+    turns, names = [], set()
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        message = _object(item, where)
+        role = _string(message, "role", where)
+        if role not in ("system", "user", "assistant", "observation"):
+            raise DialogueError("bad_role", f"expected system, user, assistant or observation, got {role!r}", f"{where}.role")
+        _only(message, {"role", "content", "loss"} | ({"tools"} if role == "system" else set())
+              | ({"metadata"} if role == "assistant" else set()), where)
+        tools = None
+        if "tools" in message:
+            tools = tuple(_without_null_parameters(message["tools"], f"{where}.tools"))
+            names |= _declared(list(tools), f"{where}.tools", lambda tool: (tool.get("function") or {}).get("name"))
+        content = _string(message, "content", where)
+        metadata = _string(message, "metadata", where) if "metadata" in message else ""
+        if metadata:
+            _check_call(metadata, content, names, where)
+        if role == "observation" and not (turns and turns[-1].metadata):
+            raise DialogueError("observation_without_call", "an observation follows an assistant message that calls a "
+                                "tool (its metadata names the tool)", f"{where}.role")
+        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools))
+    return _checked(Dialogue(tuple(turns), "messages"))
+
+
+def _check_call(name: str, content: str, names: set, where: str) -> None:
+    if name not in names:
+        raise DialogueError("undeclared_tool", f"calls {name!r}, which no system message declares "
+                            f"(declared: {sorted(names)})", f"{where}.metadata")
+    try:
+        arguments = json.loads(content)
+    except json.JSONDecodeError as err:
+        raise DialogueError("bad_arguments", f"a call's content is its arguments as JSON: {err}", f"{where}.content") from None
+    if not isinstance(arguments, dict):
+        raise DialogueError("bad_arguments", "a call's arguments are a JSON object", f"{where}.content")
+
+
+def _without_null_parameters(tools: object, where: str) -> list:
+    """The tools with every parameter property whose value is null left out (as the official script does)."""
+    if not isinstance(tools, list):
+        raise DialogueError("not_list", "expected a list of tools", where)
+    out = []
+    for tool in tools:
+        properties = (((tool.get("function") or {}).get("parameters") or {}).get("properties")
+                      if isinstance(tool, dict) else None)
+        if isinstance(properties, dict):
+            function = tool["function"]
+            parameters = {**function["parameters"], "properties": {k: v for k, v in properties.items() if v is not None}}
+            tool = {**tool, "function": {**function, "parameters": parameters}}
+        out.append(tool)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# what both read
+
+
+def _turn_list(value: object, where: str) -> list:
+    if not isinstance(value, list):
+        raise DialogueError("not_list", f"expected a list of turns, got {type(value).__name__}", where)
+    if not value:
+        raise DialogueError("empty_text", "no turns", where)
+    return value
+
+
+def _declared(tools: object, where: str, name_of) -> set:
+    if not isinstance(tools, list):
+        raise DialogueError("not_list", f"expected a list of tool definitions, got {type(tools).__name__}", where)
+    names = set()
+    for i, tool in enumerate(tools):
+        name = name_of(tool) if isinstance(tool, dict) else None
+        if not isinstance(name, str) or not name:
+            raise DialogueError("bad_tool", "a tool definition names its tool", f"{where}[{i}]")
+        names.add(name)
+    return names
+
+
+def _loss(turn: dict, role: str, where: str) -> bool:
+    loss = turn.get("loss", role not in SILENT_ROLES)
+    if not isinstance(loss, bool):
+        raise DialogueError("bad_loss", f"expected true or false, got {loss!r}", f"{where}.loss")
+    if loss and role in SILENT_ROLES:
+        raise DialogueError("bad_loss", f"a {role} turn is never trained on (only the model's own turns are)", f"{where}.loss")
+    return loss
+
+
+def _checked(dialogue: Dialogue) -> Dialogue:
+    if not any(t.role == "user" for t in dialogue.turns):
+        raise DialogueError("empty_text", "a conversation holds a user turn", dialogue.form)
+    return dialogue
+
+
+def _object(item: object, where: str) -> dict:
+    if not isinstance(item, dict):
+        raise DialogueError("not_object", f"expected a turn object, got {type(item).__name__}", where)
+    return item
+
+
+def _string(turn: dict, key: str, where: str) -> str:
+    value = turn.get(key)
+    if not isinstance(value, str):
+        if key not in turn:
+            raise DialogueError("missing_field", "missing: expected a string", f"{where}.{key}")
+        raise DialogueError("not_string", f"expected a string, got {type(value).__name__}", f"{where}.{key}")
+    return value
+
+
+def _only(turn: dict, fields: set, where: str) -> None:
+    stray = sorted(turn.keys() - fields)
+    if stray:
+        raise DialogueError("unread_field", f"not read: this turn holds {', '.join(sorted(fields))}", f"{where}.{stray[0]}")
