@@ -329,38 +329,60 @@ def test_the_modelfile_of_a_released_form_version_is_its_chat_template(version):
 LOAD_ELSEWHERE = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-directory, ids, texts, messages = json.loads(sys.stdin.read())
-model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-tokenizer = AutoTokenizer.from_pretrained(directory)
-with torch.no_grad():
-    logits = [model(torch.tensor([i])).logits[0].tolist() for i in ids]
-print(json.dumps({"class": type(model).__name__, "logits": logits,
-                  "encoded": [tokenizer.encode(t, add_special_tokens=False) for t in texts],
-                  "with_start": tokenizer.encode(texts[0]),
-                  "chat": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                              return_dict=False)),
-                  "imported": sorted(m for m in sys.modules if m.startswith("chatglm"))}))
-"""
-
-
-@pytest.mark.parametrize("source", ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora", *RELEASED_FORMS])
-def test_an_hf_directory_loads_in_plain_transformers(models, runs, tmp_path, source):
-    directory = runs / source if source.endswith("lora") else models[source]
-    out = tmp_path / "hf"
-    assert export(directory, out, "--format", "hf") == 0
-    model, tokenizer = float_model(directory)
-    texts = TEXTS[:40]
-    ids = [tokenizer.get_prefix_tokens() + tokenizer.encode_text(t)[:30] for t in texts[:3]]
-    messages = [{"role": "user", "content": texts[5]}]
+results = {}
+for source, (directory, ids, texts, messages) in json.loads(sys.stdin.read()).items():
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
     with torch.no_grad():
-        expected = [model(torch.tensor([i])).logits[0] for i in ids]
-    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE], input=json.dumps([str(out), ids, texts, messages]),
-                          capture_output=True, text=True, cwd=out, timeout=300)
+        logits = [model(torch.tensor([i])).logits[0].tolist() for i in ids]
+    results[source] = {"class": type(model).__name__, "logits": logits,
+                       "encoded": [tokenizer.encode(t, add_special_tokens=False) for t in texts],
+                       "with_start": tokenizer.encode(texts[0]),
+                       "chat": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                   return_dict=False))}
+print(json.dumps({"results": results, "imported": sorted(m for m in sys.modules if m.startswith("chatglm"))}))
+"""
+HF_SOURCES = ["glm4", "chatglm3", "chatglm2", "glm4-lora", "chatglm3-lora", *RELEASED_FORMS]
+HF_TEXTS = TEXTS[:40]
+
+
+def hf_inputs(tokenizer) -> tuple[list[list[int]], list[dict]]:
+    """(ids whose logits are compared, the chat messages rendered) for an hf directory of `tokenizer`'s version."""
+    ids = [tokenizer.get_prefix_tokens() + tokenizer.encode_text(t)[:30] for t in HF_TEXTS[:3]]
+    return ids, [{"role": "user", "content": HF_TEXTS[5]}]
+
+
+@pytest.fixture(scope="module")
+def loaded_elsewhere(models, runs, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """{source: (its --format hf directory, what plain transformers made of it)}: every directory loaded in one
+    process that never imports chatglm_tune (one transformers import for all)."""
+    jobs, outs = {}, {}
+    for source in HF_SOURCES:
+        directory = runs / source if source.endswith("lora") else models[source]
+        outs[source] = tmp_path_factory.mktemp("hf") / "hf"
+        assert export(directory, outs[source], "--format", "hf") == 0
+        ids, messages = hf_inputs(float_model(directory)[1])
+        jobs[source] = [str(outs[source]), ids, HF_TEXTS, messages]
+    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE], input=json.dumps(jobs), capture_output=True, text=True,
+                          cwd=tmp_path_factory.mktemp("elsewhere"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["imported"] == []
+    return {source: (outs[source], got["results"][source]) for source in HF_SOURCES}
+
+
+@pytest.mark.parametrize("source", HF_SOURCES)
+def test_an_hf_directory_loads_in_plain_transformers(runs, models, loaded_elsewhere, source):
+    directory = runs / source if source.endswith("lora") else models[source]
+    out, got = loaded_elsewhere[source]
+    model, tokenizer = float_model(directory)
+    texts = HF_TEXTS
+    ids, messages = hf_inputs(tokenizer)
+    with torch.no_grad():
+        expected = [model(torch.tensor([i])).logits[0] for i in ids]
     version = model.config.chatglm_version
     architecture = "Glm4ForCausalLM" if version == "glm4-0414" else "GlmForCausalLM"
-    assert got["class"] == architecture and got["imported"] == []
+    assert got["class"] == architecture
     assert max((torch.tensor(g) - e).abs().max().item() for g, e in zip(got["logits"], expected)) < 1e-4
     assert got["encoded"] == [tokenizer.encode_text(t) for t in texts]
     assert got["with_start"] == tokenizer.get_prefix_tokens() + tokenizer.encode_text(texts[0])
