@@ -89,18 +89,17 @@ class Dialogue:
         """The last user turn's text ("" where there is none)."""
         return next((t.content for t in reversed(self.context) if t.role == "user"), "")
 
-    @property
-    def calls_tools(self) -> bool:
-        """Whether it declares tools or calls one (the versions without a tool form refuse it)."""
-        return any(t.tools or t.metadata or t.role in ("system", "observation") for t in self.turns)
-
     def loss_on_last(self) -> "Dialogue":
         """The same turns with a loss on the gold answer only (earlier answers are context)."""
         return replace(self, turns=tuple(replace(t, loss=i == self.answer_at) for i, t in enumerate(self.turns)))
 
 
 def tool_call_code(parameters: dict) -> str:
-    """ChatGLM3's call as its data holds it: `tool_call(k=v, ...)` in a Python code block, values as literals."""
+    """ChatGLM3's call as its model writes it: `tool_call(k=v, ...)` in a Python code block, values as literals;
+    ValueError for a name that cannot be a keyword argument."""
+    for key in parameters:
+        if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
+            raise ValueError(f"ChatGLM3-6B writes a tool call's arguments as Python keyword arguments: {key!r} cannot be one")
     return "```python\ntool_call(" + ", ".join(f"{k}={v!r}" for k, v in parameters.items()) + ")\n```"
 
 
@@ -141,11 +140,11 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
     parameters = turn.get("parameters")
     if not isinstance(parameters, dict):
         raise DialogueError("bad_arguments", "expected the call's arguments as a JSON object", f"{where}.parameters")
-    for key in parameters:
-        if not key.isidentifier() or keyword.iskeyword(key):
-            raise DialogueError("bad_arguments", f"{key!r} cannot be a Python keyword argument (ChatGLM3 writes a call "
-                                "as tool_call(k=v, ...))", f"{where}.parameters")
-    call = Turn("assistant", tool_call_code(parameters), metadata=name, loss=_loss(turn, "assistant", where))
+    try:
+        code = tool_call_code(parameters)
+    except ValueError as err:
+        raise DialogueError("bad_arguments", str(err), f"{where}.parameters") from None
+    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where))
     if "observation" not in turn:
         if last:
             return [call]

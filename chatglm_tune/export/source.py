@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 from chatglm_tune import loading
 from chatglm_tune.export import answering
@@ -41,9 +42,9 @@ class Exportable:
     source: ModelSource
     notes: list[str]  # what the user should know about this export (printed by export.py)
 
-    @property
+    @cached_property
     def is_run(self) -> bool:
-        """Whether this is a train.py run (or a LoRA run merged), not a plain model directory."""
+        """Whether this is a train.py run (or a LoRA run merged), not a plain model directory (read once)."""
         return read_run_args(self.source.lora_dir or self.source.base) is not None
 
     @property

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import keyword
 from typing import Callable, Sequence
 
 from chatglm_tune.batches import IGNORE_INDEX, EncodedExample, PromptFormat
@@ -244,11 +243,7 @@ class ChatGLM3Format(_RoleFormat):
 
     def tool_arguments(self, arguments: dict) -> str:
         """`tool_call(k=v, ...)` in a Python code block, each value a Python literal; ValueError for a name that
-        cannot be a keyword argument."""
-        for key in arguments:
-            if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
-                raise ValueError(f"{self.title} writes a tool call's arguments as Python keyword arguments: {key!r} "
-                                 "cannot be one")
+        cannot be a keyword argument (`dialogues.tool_call_code`, what its fine-tuning data holds too)."""
         return tool_call_code(arguments)
 
     def tool_parameters(self, content: str):
