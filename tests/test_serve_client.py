@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
+from chatglm_tune.dialogues import TOOL_PROMPT  # noqa: E402
 from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions  # noqa: E402
 from chatglm_tune.records import SPORecord  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
@@ -71,19 +72,20 @@ def round_trip(content):
 @pytest.mark.parametrize("version", ["chatglm3", "glm4"])
 def test_a_tool_calls_round_trip_is_in_the_prompt_in_the_versions_tool_form(version, models, monkeypatch):
     """ChatGLM3 writes a call `<|assistant|>name` then a `tool_call(k=v)` code block, GLM-4-9B `<|assistant|>name`
-    then JSON; the tool's result is an `<|observation|>` turn. The tiny GLM-4 tokenizer's template takes no tools,
-    so GLM-4 sends the round trip without them."""
-    tools = [WEATHER] if version == "chatglm3" else None
+    then JSON; the tool's result is an `<|observation|>` turn. The tools are offered as each version's demos and
+    fine-tuning data offer them: ChatGLM3 a first system turn of its tool prompt and the functions, GLM-4 the
+    system message's tools as sent."""
     arguments = "```python\ntool_call(city='北京')\n```" if version == "chatglm3" else '{"city": "北京"}'
+    offered = ({"role": "system", "content": TOOL_PROMPT.rstrip("\n"), "tools": [WEATHER["function"]]}
+               if version == "chatglm3" else {"role": "system", "content": "", "tools": [WEATHER]})
     with serving(models(version)) as s:
         prompts = Prompts(s.service.engine, monkeypatch)
         client = s.client()
         for content in (None, ""):
             reply = client.chat.completions.create(model="tiny", messages=round_trip(content), max_tokens=4,
-                                                   temperature=0, **({"tools": tools} if tools else {}))
+                                                   temperature=0, tools=[WEATHER])
             assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
-        system = [{"role": "system", "content": "", "tools": tools}] if tools else []
-        history = [*system, {"role": "user", "content": "北京天气"},
+        history = [offered, {"role": "user", "content": "北京天气"},
                    {"role": "assistant", "metadata": "get_weather", "content": arguments}]
         expected = prepare_turn(s.tokenizer, "晴，25度", history, "observation", None, GREEDY).prompt
         assert prompts.ids == [expected, expected]
@@ -385,7 +387,7 @@ def test_a_system_message_in_a_chat_of_rounds_goes_before_the_first_user_message
         assert prompts.ids[3] == prompts.ids[4]
 
 
-def test_developer_is_system_and_glm4_tools_are_named(models, monkeypatch):
+def test_developer_is_system_and_a_tool_glm4_cannot_write_is_named(models, monkeypatch):
     with serving(models("glm4")) as s:
         prompts = Prompts(s.service.engine, monkeypatch)
         client = s.client()
@@ -393,8 +395,8 @@ def test_developer_is_system_and_glm4_tools_are_named(models, monkeypatch):
             client.chat.completions.create(model="tiny", max_tokens=2, messages=[
                 {"role": role, "content": "你是助手。"}, {"role": "user", "content": "你好"}])
         assert prompts.ids[0] == prompts.ids[1]
-        with pytest.raises(openai.BadRequestError) as err:  # the tiny GLM-4 tokenizer's template takes no tools
-            client.chat.completions.create(model="tiny", max_tokens=2, tools=[WEATHER],
+        with pytest.raises(openai.BadRequestError) as err:  # the tiny GLM-4 tokenizer's template: function tools only
+            client.chat.completions.create(model="tiny", max_tokens=2, tools=[{"type": "python"}],
                                            messages=[{"role": "user", "content": "你好"}])
         assert err.value.body["param"] == "tools" and "tool" in err.value.body["message"]
 
@@ -409,8 +411,8 @@ def test_a_body_over_the_limit_is_413(models):
     assert serve.parse_args(["--model", "m", "--max-body-mb", "2"]).options.max_body_mb == 2
     assert serve.parse_args(["--model", "m"]).options.max_body_mb == ServingOptions().max_body_mb
     with serving(models("glm4"), options=ServingOptions(max_body_mb=1)) as s:
-        big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "好" * 400_000}]}).encode()
-        assert len(big) > 2 ** 20
+        big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "好" * 7_000_000}]}).encode()  # 20 MB
+        assert len(big) > 20 * 2 ** 20  # a client still sending when refused reads the 413, not a reset connection
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/extract"):
             status, body = status_of(s.url + path, "POST", big)
             assert status == 413 and body["error"]["type"] == "invalid_request_error", (path, body)

@@ -40,6 +40,8 @@ from chatglm_tune.serve.service import Delta, Done, Service
 
 log = logging.getLogger("chatglm_tune.serve")
 
+DRAIN_BYTES = 64 * 2 ** 20  # how much of a refused body is read (and dropped) before its 413
+
 
 def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
     """The app serving `service`; the engine starts with the app and stops when it shuts down."""
@@ -182,19 +184,28 @@ def _authorized(request: Request, api_key: str) -> bool:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request's body; 413 once it is over `limit` bytes (by its Content-Length, unread, or as it comes)."""
+    """The request's body; 413 once it is over `limit` bytes (by its Content-Length, or as it comes). The rest of a
+    body refused is read and dropped, up to `DRAIN_BYTES`, so that a client still sending it reads the 413 rather
+    than a connection reset."""
     declared = request.headers.get("content-length", "")
-    too_large = ApiError(413, f"the request body is over the server's limit of {limit / 2 ** 20:g} MB (serve.py "
-                              "--max-body-mb)", code="body_too_large")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, stream = [], 0, request.stream()
+    async for chunk in stream:
         size += len(chunk)
-        if size > limit:
-            raise too_large
+        if size > limit or (declared.isdigit() and int(declared) > limit):
+            await _drain(stream, DRAIN_BYTES - size)
+            raise ApiError(413, f"the request body is over the server's limit of {limit / 2 ** 20:g} MB (serve.py "
+                                "--max-body-mb)", code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _drain(stream, budget: int) -> None:
+    """Read and drop the chunks of `stream` until it ends or `budget` bytes have passed."""
+    while budget > 0:
+        chunk = await anext(stream, None)
+        if chunk is None:
+            return
+        budget -= len(chunk)
 
 
 def _json(body: bytes):
