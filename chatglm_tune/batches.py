@@ -31,6 +31,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from chatglm_tune.dialogues import ToolCall
 from chatglm_tune.options import EncodingOptions, SamplingOptions
 from chatglm_tune.records import SPORecord
 
@@ -122,6 +123,10 @@ class PromptFormat:
         """A tool call (OpenAI's: a name, the arguments as a dict) as the assistant message of the history that
         the version's chat writes for it (formats with `tool_calls`); ValueError where it has no such form."""
         raise ValueError(f"{self.title} has no tool calls here")
+
+    def read_call(self, answer: str) -> ToolCall | None:
+        """The tool call a decoded answer writes, None for a text answer (always, where the chat has no tool calls)."""
+        return None
 
     def tool_call_lead(self, tokenizer, name: str) -> list[int]:
         """The ids an answer calling tool `name` begins with (what the prompt ends with to ask for that call)."""

@@ -20,6 +20,7 @@ GLM-4-9B (its fine-tuning script's data):
     {"messages": [{"role": "system", "content": ..., "tools": [{"type": "function", "function": {...}}, ...]},
                   {"role": "user", "content": ...},
                   {"role": "assistant", "metadata": "get_weather", "content": "{\\"city\\": \\"北京\\"}"},  a call
+                  (or content "{\\"name\\": \\"get_weather\\", \\"arguments\\": {...}}", as its README writes one)
                   {"role": "observation", "content": ...},
                   {"role": "assistant", "content": ..., "loss": false}, ...]}
 
@@ -28,7 +29,8 @@ GLM-4-9B (its fine-tuning script's data):
 
 In both, system, user and observation turns carry no loss and every other turn carries one unless it says
 `"loss": false`; a `"loss": true` on a turn that never carries one is refused rather than ignored. A call names
-a declared tool; a GLM-4 call's content is its arguments as a JSON object; an observation follows a call.
+a declared tool; a GLM-4 call's content is its arguments as a JSON object; an observation follows a call. A
+call's turn holds it as a `ToolCall` (name, arguments), what a tool-call exact match compares.
 Turns become `Turn`s, the record a `Dialogue`; a record that breaks these rules raises `DialogueError` naming
 the field, which `records.py` turns into a `RecordError` naming the file and line.
 """
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import json
 import keyword
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 TOOL_PROMPT = "Answer the following questions as best as you can. You have access to the following tools:\n"
 SILENT_ROLES = frozenset({"system", "user", "observation"})  # turns that never carry a loss
@@ -52,14 +54,26 @@ class DialogueError(ValueError):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool: its name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict = field(hash=False)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
 class Turn:
     """One block of the conversation as the model sees it."""
 
     role: str  # system, user, assistant, observation
     content: str
-    metadata: str = ""  # an assistant turn that calls a tool: the tool's name
+    metadata: str = ""  # an assistant turn that calls a tool in the model's own form: the tool's name
     loss: bool = False
     tools: tuple | None = None  # a GLM-4 system turn's tool list, rendered by the chat template
+    call: ToolCall | None = None  # an assistant turn that calls a tool: which, with what
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,7 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
         code = tool_call_code(parameters)
     except ValueError as err:
         raise DialogueError("bad_arguments", str(err), f"{where}.parameters") from None
-    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where))
+    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where), call=ToolCall(name, parameters))
     if "observation" not in turn:
         if last:
             return [call]
@@ -176,25 +190,49 @@ def from_messages(raw: dict) -> Dialogue:
             names |= _declared(list(tools), f"{where}.tools", lambda tool: (tool.get("function") or {}).get("name"))
         content = _string(message, "content", where)
         metadata = _string(message, "metadata", where) if "metadata" in message else ""
-        if metadata:
-            _check_call(metadata, content, names, where)
-        if role == "observation" and not (turns and turns[-1].metadata):
+        call = _call(metadata, content, names, where) if role == "assistant" else None
+        if role == "observation" and not (turns and turns[-1].call):
             raise DialogueError("observation_without_call", "an observation follows an assistant message that calls a "
-                                "tool (its metadata names the tool)", f"{where}.role")
-        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools))
+                                "tool (its metadata names the tool, or its content is {\"name\", \"arguments\"})",
+                                f"{where}.role")
+        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools, call))
     return _checked(Dialogue(tuple(turns), "messages"))
 
 
-def _check_call(name: str, content: str, names: set, where: str) -> None:
-    if name not in names:
-        raise DialogueError("undeclared_tool", f"calls {name!r}, which no system message declares "
-                            f"(declared: {sorted(names)})", f"{where}.metadata")
+def json_call(text: str) -> ToolCall | None:
+    """A call written as JSON `{"name": ..., "arguments": {...}}` (GLM-4's fine-tuning README's form), else None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict) and value.keys() == {"name", "arguments"} and isinstance(value["name"], str) \
+            and isinstance(value["arguments"], dict):
+        return ToolCall(value["name"], value["arguments"])
+    return None
+
+
+def _call(metadata: str, content: str, names: set, where: str) -> ToolCall | None:
+    """The call of a GLM-4 assistant message: metadata naming the tool with the arguments as JSON content (the
+    model's own form), or content `{"name", "arguments"}`; None for an answer in text."""
+    if not metadata:
+        call = json_call(content)
+        if call is not None and call.name not in names:
+            raise _undeclared(call.name, names, f"{where}.content")
+        return call
+    if metadata not in names:
+        raise _undeclared(metadata, names, f"{where}.metadata")
     try:
         arguments = json.loads(content)
     except json.JSONDecodeError as err:
         raise DialogueError("bad_arguments", f"a call's content is its arguments as JSON: {err}", f"{where}.content") from None
     if not isinstance(arguments, dict):
         raise DialogueError("bad_arguments", "a call's arguments are a JSON object", f"{where}.content")
+    return ToolCall(metadata, arguments)
+
+
+def _undeclared(name: str, names: set, where: str) -> DialogueError:
+    declared = f"declared: {sorted(names)}"
+    return DialogueError("undeclared_tool", f"calls {name!r}, which no system message declares ({declared})", where)
 
 
 def _without_null_parameters(tools: object, where: str) -> list:

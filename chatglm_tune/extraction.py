@@ -17,7 +17,9 @@ Loading the model a `--model` directory describes is `loading.load_run`'s job.
 A row: `index` (0-based, among the records read), `source` (file:line), `text`, `text_truncated` (the
 prompt was cut to max_src_len tokens), `answer` (the gold answer text, or null), `generated` (decoded,
 stripped), `triples` ([[s, p, o], ...]; null for free-text answers, which are not triples), `malformed`
-(generated lines that are not triples; null for free text), `new_tokens` (generated ids, `<eop>` included), `stopped`
+(generated lines that are not triples; null for free text), `tool_call` (a conversation's answer that calls a
+tool: {"name", "arguments"}; else null), `call_match` (whether it is the gold call: null where the gold answer
+calls no tool), `new_tokens` (generated ids, `<eop>` included), `stopped`
 ("eos" or "length"), and `precision`/`recall`/`f1` of the record (null without gold). Rows hold no
 timings, so a resumed greedy run writes the same file as an uninterrupted one.
 """
@@ -30,10 +32,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.callmetrics import gold_call
 from chatglm_tune.checkpoint import atomic_write
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
+from chatglm_tune.dialogues import ToolCall
 from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.records import SPORecord
@@ -90,6 +94,7 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
     generated = prompt_format.decode_answer(tokenizer, new_ids)
     parsed = None if free_text else parse_triples(generated)
     score = None if record.triples is None or parsed is None else score_record(parsed.triples, record.triples)
+    call, gold = prompt_format.read_call(generated) if record.dialogue else None, gold_call(record)
     return {
         "index": index,
         "source": record.source,
@@ -99,6 +104,8 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
         "generated": generated,
         "triples": None if parsed is None else [[t.subject, t.predicate, t.object] for t in parsed.triples],
         "malformed": None if parsed is None else list(parsed.malformed),
+        "tool_call": None if call is None else call.to_json(),
+        "call_match": None if gold is None else call == gold,
         "new_tokens": len(new_ids),
         "stopped": "eos" if new_ids and new_ids[-1] in prompt_format.stop_ids(tokenizer) else "length",
         "precision": None if score is None else score.precision,
@@ -181,7 +188,8 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
         },
         "stopped_at_length": sum(row["stopped"] == "length" for row in rows),
         "texts_truncated": sum(bool(row.get("text_truncated")) for row in rows),
-        "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows]),
+        "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows],
+                                [ToolCall(**row["tool_call"]) if row.get("tool_call") else None for row in rows]),
     }
     if stats is not None and stats.forwards:
         summary["this_run"]["speculative"] = {

@@ -154,16 +154,19 @@ class SPOScorer:
         return SPOScores(self.records, self.scored_records, self.malformed_lines, micro, sample_f1, per_relation)
 
 
-def score_answers(generated: Sequence[str], records: Sequence) -> dict:
+def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence | None = None) -> dict:
     """The scores of a run, `generated[i]` against the gold answer of `records[i]` (SPORecords).
 
     SPO records: the triple scores (`SPOScores.to_dict`). Records with a free-text `response`
     (prompt/response data): the official generation metrics (`textmetrics`), over the records that have
-    one. `score` is the number a best checkpoint is chosen by: micro F1, or ROUGE-L / 100 (None without gold).
+    one, and where gold answers call tools, `tool_calls`: the calls read from the answers (`calls[i]`, a
+    `dialogues.ToolCall` or None) scored by `callmetrics.score_calls`. `score` is the number a best checkpoint
+    is chosen by: micro F1, or ROUGE-L / 100 (None without gold).
     """
     if len(generated) != len(records):
         raise ValueError(f"{len(generated)} generations for {len(records)} records")
     if any(r.response is not None for r in records):
+        from chatglm_tune.callmetrics import score_calls
         from chatglm_tune.textmetrics import GenerationScorer
 
         scorer = GenerationScorer()
@@ -171,7 +174,9 @@ def score_answers(generated: Sequence[str], records: Sequence) -> dict:
         for prediction, reference in pairs:
             scorer.add(prediction, reference)
         result = scorer.result()
-        return {**result, "records": len(records), "scored_records": len(pairs), "score": result["rouge-l"] / 100}
+        tool_calls = score_calls(calls if calls is not None else [None] * len(records), records)
+        return {**result, "records": len(records), "scored_records": len(pairs), "score": result["rouge-l"] / 100,
+                **({"tool_calls": tool_calls} if tool_calls is not None else {})}
     scorer = SPOScorer()
     for text, record in zip(generated, records):
         scorer.add(text, record.triples)
@@ -188,9 +193,11 @@ def format_score(score: float, free_text: bool) -> str:
 def describe_scores(scores: dict) -> str:
     """One line of a run's scores: triple P/R/F1, or the generation metrics (`rouge-l`, `bleu-4`...)."""
     if "rouge-l" in scores:
+        from chatglm_tune.callmetrics import format_calls
         from chatglm_tune.textmetrics import format as format_generation
 
-        return format_generation(scores)
+        calls = scores.get("tool_calls")
+        return format_generation(scores) + ("" if calls is None else f"; {format_calls(calls)}")
     if scores["micro"] is None:
         return "no gold answers: nothing scored"
     m = scores["micro"]

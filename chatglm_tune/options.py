@@ -278,6 +278,7 @@ def tiny_demo(preset: str) -> dict:
 # merges past the characters (the vocabulary grows to hold each one), so a word in the text and in an
 # answer are the same tokens: the demo's dev F1 0.881 at 3200 steps, against 0.735 with 2000 ranks (AVX2 EPYC);
 # 0.907 on an AVX-512 Xeon (one thread, 240 s of training).
+TINY_CONTEXT = 512  # tokens of a tiny model's context at least (a run's max_len when longer)
 TINY_GLM4_VOCAB = 256
 
 

@@ -393,14 +393,16 @@ def _plain_turns(raw: dict) -> bool:
 
 
 def _dialogue_record(raw: dict, location: Location, parse: Callable[[dict], Dialogue]) -> SPORecord:
-    """A record of a conversation read by `parse` (`dialogues`); its errors named with the file and line."""
+    """A record of a conversation read by `parse` (`dialogues`); its errors named with the file and line. Its
+    response is the gold answer as the model writes it (a call: the tool's name, a newline, the arguments)."""
     try:
         dialogue = parse(raw)
     except DialogueError as err:
         raise RecordError(location, err.reason, str(err), field=err.field) from None
     answer = dialogue.answer
+    written = None if answer is None else f"{answer.metadata}\n{answer.content}" if answer.metadata else answer.content
     return SPORecord(text=dialogue.query, triples=None, source=str(location), instructed=True, dialogue=dialogue,
-                     response=None if answer is None else answer.content)
+                     response=written)
 
 
 def _messages(raw: dict, location: Location) -> SPORecord:

@@ -30,7 +30,7 @@ from chatglm_tune.decoding.generation import generate
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry
-from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_PRESETS, TrainOptions
+from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -76,11 +76,14 @@ class TrainingInterrupted(KeyboardInterrupt):
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
                **config_overrides):
     """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers (a
-    conversation's every turn: system prompts, calls, observations), and a random tiny model of the preset's
+    conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the preset's
     version (with `config_overrides`) for it."""
     corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
-    corpus += [turn.metadata + turn.content for r in train_records if r.dialogue for turn in r.dialogue.turns]
-    return registry.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), **config_overrides)
+    turns = [turn for r in train_records if r.dialogue for turn in r.dialogue.turns]
+    corpus += [turn.metadata + turn.content for turn in turns]
+    corpus += [json.dumps(list(turn.tools), ensure_ascii=False, indent=4) for turn in turns if turn.tools]
+    context = max(TINY_CONTEXT, options.encoding.max_len)  # what the run trains on, its model serves
+    return registry.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), context=context, **config_overrides)
 
 
 def optimizer_and_schedule(params, options: TrainOptions, total_steps: int):
@@ -296,7 +299,8 @@ def parameter_counts(model) -> tuple[int, int]:
 
 
 def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Accelerator | None = None) -> dict:
-    """Dev loss and triple P/R/F1 of greedy generations (records split over the processes)."""
+    """Dev loss and the scores of greedy generations (`score_answers`: triple P/R/F1, or text metrics and tool
+    calls; records split over the processes)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     special, prompt_format = SpecialIds.of(tokenizer), tokenizer.prompt_format
     mine = records[rank::world]
@@ -321,7 +325,8 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
         indexed = gather_object(indexed)
         loss_sum = accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), reduction="sum").item()  # NCCL: GPU tensors
     texts = [text for _, text in sorted(indexed)]
-    return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records)}
+    calls = [prompt_format.read_call(text) for text in texts]
+    return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records, calls)}
 
 
 def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar):

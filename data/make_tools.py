@@ -2,6 +2,7 @@
 format (`tools` + `conversations`, read by chatglm_tune/dialogues.py).
 
     python data/make_tools.py                         # writes data/tools_train.jsonl, data/tools_dev.jsonl
+    python data/make_tools.py --form messages         # GLM-4's form: data/tools_glm4_train.jsonl, ..._dev.jsonl
     python data/make_tools.py --train-size 200 --out-dir /tmp/x
 
 Three tools, every record declaring all three:
@@ -29,7 +30,7 @@ from pathlib import Path
 DEFAULT_SEED = 20261128
 DEFAULT_TRAIN_SIZE = 2000
 DEFAULT_DEV_SIZE = 100
-DEFAULT_PREFIX = "tools"
+FORMS = {"conversations": "tools", "messages": "tools_glm4"}  # the data formats, each with its files' default prefix
 DATA_DIR = Path(__file__).resolve().parent
 
 # Short definitions: every record carries all three in its system prompt (the official JSON, 4-space indent),
@@ -86,6 +87,22 @@ def record(rng: random.Random, *, dev: bool) -> dict:
                                               {"role": "assistant", "content": answer}]}
 
 
+def as_messages(record: dict) -> dict:
+    """The same conversation in GLM-4's fine-tuning format: the tools (each `{"type": "function", "function": ...}`)
+    in a first system message, a call as an assistant message whose metadata names the tool and whose content is
+    the arguments as JSON, the tool's result as an observation."""
+    messages = [{"role": "system", "content": "", "tools": [{"type": "function", "function": t} for t in record["tools"]]}]
+    for turn in record["conversations"]:
+        if turn["role"] != "tool":
+            messages.append(turn)
+            continue
+        messages.append({"role": "assistant", "metadata": turn["name"],
+                         "content": json.dumps(turn["parameters"], ensure_ascii=False)})
+        if "observation" in turn:
+            messages.append({"role": "observation", "content": json.dumps(turn["observation"], ensure_ascii=False)})
+    return {"messages": messages}
+
+
 def write(path: Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -98,13 +115,18 @@ def main(argv=None) -> None:
     parser.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE, help="records in the train file")
     parser.add_argument("--dev-size", type=int, default=DEFAULT_DEV_SIZE, help="records in the dev file")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (dev uses seed + 1)")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl")
+    parser.add_argument("--form", choices=FORMS, default="conversations",
+                        help="conversations: ChatGLM3's tools + conversations; messages: GLM-4's messages")
+    parser.add_argument("--prefix", help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl "
+                                         f"(default: {FORMS['conversations']}, or {FORMS['messages']} for messages)")
     args = parser.parse_args(argv)
+    prefix = args.prefix or FORMS[args.form]
+    shape = as_messages if args.form == "messages" else dict
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for part, size, seed in (("train", args.train_size, args.seed), ("dev", args.dev_size, args.seed + 1)):
         rng = random.Random(seed)
-        path = args.out_dir / f"{args.prefix}_{part}.jsonl"
-        write(path, [record(rng, dev=part == "dev") for _ in range(size)])
+        path = args.out_dir / f"{prefix}_{part}.jsonl"
+        write(path, [shape(record(rng, dev=part == "dev")) for _ in range(size)])
         print(f"wrote {size} records to {path}")
 
 

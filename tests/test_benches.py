@@ -234,3 +234,18 @@ def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_wou
     model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantization_bit=4)
     logits = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
     assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def test_tools_bench_sends_each_dev_conversation_as_openai_does():
+    """The tool bench's requests: the dev conversation before its gold call, the tools in OpenAI's form, and the
+    gold call the records read."""
+    from bench.training.tools import DATA, openai_request
+    from chatglm_tune.records import read_records
+
+    for version, (_, dev) in DATA.items():
+        path = REPO / dev
+        messages, tools, gold = openai_request(json.loads(path.read_text(encoding="utf-8").splitlines()[0]))
+        record = read_records(path)[0][0]
+        assert messages == [{"role": "user", "content": record.text}], version
+        assert all(tool["type"] == "function" and "name" in tool["function"] for tool in tools) and len(tools) == 3
+        assert gold == record.dialogue.answer.call.to_json()

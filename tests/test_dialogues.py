@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from chatglm_tune.batches import IGNORE_INDEX, encode_record
-from chatglm_tune.dialogues import TOOL_PROMPT
+from chatglm_tune.dialogues import TOOL_PROMPT, ToolCall
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions
 from chatglm_tune.records import RecordError, read_records
@@ -148,6 +148,22 @@ def test_glm4_tools_and_calls_render_as_the_official_template_on_the_real_tokeni
     assert call_end in trained and trained[-1] == len(row.input_ids) - 1
 
 
+def test_a_call_is_held_as_its_tool_and_arguments_in_every_form(tmp_path):
+    """ChatGLM3's tool turn, GLM-4's metadata call and the `{"name", "arguments"}` content of GLM-4's fine-tuning
+    README are calls (an observation may follow each); a text answer is none."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    readme = {"messages": [{"role": "system", "content": "", "tools": tools}, {"role": "user", "content": "q"},
+                           {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "北京"}}'},
+                           {"role": "observation", "content": "晴"}, {"role": "assistant", "content": "晴天。"}]}
+    metadata = {"messages": [*readme["messages"][:2],
+                             {"role": "assistant", "metadata": "get_weather", "content": '{"city": "北京"}'}]}
+    for raw in (readme, metadata, CHATGLM3_RECORD):
+        calls = [t.call for t in record_of(tmp_path, raw).dialogue.turns if t.call is not None]
+        assert calls == [ToolCall("get_weather", {"city": "北京"})], raw
+    assert record_of(tmp_path, readme).dialogue.answer.call is None
+    assert record_of(tmp_path, metadata).dialogue.answer.call == ToolCall("get_weather", {"city": "北京"})
+
+
 BAD = [
     ({"messages": [{"role": "user", "content": "q"}, {"role": "observation", "content": "{}"}]},
      "observation_without_call", "messages[1].role"),
@@ -157,6 +173,9 @@ BAD = [
     ({"messages": [{"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]},
                    {"role": "user", "content": "q"}, {"role": "assistant", "metadata": "f", "content": "city=北京"}]},
      "bad_arguments", "messages[2].content"),
+    ({"messages": [{"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                   {"role": "user", "content": "q"}, {"role": "assistant", "content": '{"name": "g", "arguments": {}}'}]},
+     "undeclared_tool", "messages[2].content"),
     ({"tools": TOOLS3, "conversations": [{"role": "user", "content": "q"},
                                          {"role": "tool", "name": "get_weather", "parameters": {"class": 1}}]},
      "bad_arguments", "conversations[1].parameters"),
@@ -209,3 +228,21 @@ def test_a_conversation_cut_at_max_len_is_counted_and_one_cut_before_any_answer_
     assert not full.row_truncated
     with pytest.raises(ValueError, match=f"the conversation is {len(full.input_ids)} tokens and max_len {first_label} cuts"):
         encode_record(record, tok, EncodingOptions(prompt="", max_src_len=first_label - 2, max_len=first_label))
+
+
+def test_the_shipped_tool_sets_are_the_scripts_output_in_both_forms(tmp_path):
+    """data/make_tools.py writes data/tools_* (ChatGLM3's conversations) and data/tools_glm4_* (GLM-4's messages):
+    the same conversations, every record valid, each dev record ending with its gold call."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "data" / "make_tools.py"
+    make = runpy.run_path(str(script))["main"]
+    for form, prefix in (("conversations", "tools"), ("messages", "tools_glm4")):
+        make(["--out-dir", str(tmp_path), "--form", form, "--train-size", "2000", "--dev-size", "100"])
+        for part in ("train", "dev"):
+            shipped = script.parent / f"{prefix}_{part}.jsonl"
+            assert (tmp_path / shipped.name).read_bytes() == shipped.read_bytes(), shipped
+        dev, _ = read_records(script.parent / f"{prefix}_dev.jsonl")
+        assert len(dev) == 100 and all(r.dialogue.answer.call is not None for r in dev)
+    chatglm3, glm4 = (read_records(script.parent / f"{p}_train.jsonl")[0][:50] for p in ("tools", "tools_glm4"))
+    assert [[t.call for t in r.dialogue.turns] for r in chatglm3] == [[t.call for t in r.dialogue.turns] for r in glm4]

@@ -27,6 +27,7 @@ gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pi
 
 import export as export_cli  # noqa: E402
 from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.export import answering  # noqa: E402
 from chatglm_tune.export.ollama import modelfile  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.models.registry import VERSIONS  # noqa: E402
@@ -149,7 +150,7 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
         assert tokens[:sp.get_piece_size()] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
         assert meta["tokenizer.ggml.scores"][5] == pytest.approx(sp.get_score(5))
     template = meta["tokenizer.chat_template"]
-    assert template == tokenizer.prompt_format.chat_template(tokenizer)
+    assert template == answering.chat_template(tokenizer.prompt_format, tokenizer, "")
     assert ("[gMASK]" in template) == (version != "glm-edge")  # GLM-Edge's prompts start with the first role token
     # every tensor: llama.cpp's name, the checkpoint's shape, the type asked for, the values within its error
     state = checkpoint_state(model)
@@ -293,6 +294,104 @@ def render(template: str, messages: list[dict], **extra) -> str:
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return environment.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "天气",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def tool_call(arguments: dict) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+ARGUMENTS = {"city": "北京", "days": 3, "exact": True, "unit": None, "note": 'it\'s "a" \\ b\n\tc\r'}
+TOOL_BODIES = [  # OpenAI request bodies: tools and a question; round trips (a call, its result)
+    {"messages": [{"role": "user", "content": "北京天气"}], "tools": [WEATHER]},
+    {"messages": [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "北京天气"}], "tools": [WEATHER]},
+    {"messages": [{"role": "user", "content": "北京天气"}, {"role": "assistant", "content": None,
+                                                        "tool_calls": [tool_call(ARGUMENTS)]},
+                  {"role": "tool", "content": "晴"}], "tools": [WEATHER]},
+    {"messages": [{"role": "user", "content": "天气"}, {"role": "assistant", "content": "我查一下",
+                                                      "tool_calls": [tool_call({"city": "北京"}), tool_call({"city": "上海"})]},
+                  {"role": "tool", "content": "晴"}, {"role": "tool", "content": "雨"}]},
+]
+
+
+def serve_prompt(directory: Path, body: dict) -> list[int]:
+    """serve.py's prompt ids for the OpenAI request `body` on the model in `directory`."""
+    from chatglm_tune.serve.protocol import parse_call
+    from chatglm_tune.serve.service import Service
+
+    model, tokenizer = loading.load_run(loading.resolve_run(directory))
+    service = Service(model, tokenizer, served="tiny")
+    try:
+        return service.chat_turn(parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling)).prompt
+    finally:
+        service.close()
+
+
+def parsed(messages: list[dict]) -> list[dict]:
+    """`messages` with each tool call's arguments parsed into an object (what llama-server and vLLM pass)."""
+    messages = json.loads(json.dumps(messages))
+    for call in (call for message in messages for call in message.get("tool_calls") or ()):
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return messages
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(models, tmp_path_factory) -> dict:
+    """{version: plain transformers' tokenizer of its --format hf directory} for ChatGLM3 and GLM-4."""
+    from transformers import AutoTokenizer
+
+    found = {}
+    for version in ("chatglm3", "glm4"):
+        out = tmp_path_factory.mktemp("hf-tools") / version
+        assert export(models[version], out, "--format", "hf") == 0
+        found[version] = AutoTokenizer.from_pretrained(out)
+    return found
+
+
+@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+def test_the_hf_template_writes_openai_tool_conversations_as_serve_does(models, hf_tokenizers, version):
+    """Tools (top-level), an assistant's tool_calls (arguments an object) and tool results, through transformers'
+    apply_chat_template, give serve.py's prompt ids for the same request body."""
+    tokenizer = hf_tokenizers[version]
+    for body in TOOL_BODIES:
+        got = tokenizer.apply_chat_template(parsed(body["messages"]), tools=body.get("tools"), add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert list(got) == serve_prompt(models[version], body), body
+
+
+@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+def test_glm_form_tool_messages_render_as_the_official_chat(models, hf_tokenizers, version):
+    """Messages already in the GLM form (a system message's tools, an assistant's metadata, the observation role)
+    give the version's official chat() prompt, as before."""
+    _, tokenizer = loading.load_run(loading.resolve_run(models[version]))
+    prompt_format = tokenizer.prompt_format
+    messages = [{"role": "system", "content": "", "tools": [WEATHER]}, {"role": "user", "content": "北京天气"},
+                prompt_format.tool_call_message("get_weather", {"city": "北京"}), {"role": "observation", "content": "晴"}]
+    got = hf_tokenizers[version].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(got) == prompt_format.chat_ids(tokenizer, messages)
+
+
+@pytest.mark.parametrize("version,arguments,refused", [
+    ("glm4", {"t": 2.0}, "float"), ("glm4", {"t": [{"x": 0.5}]}, "float"), ("chatglm3", {"t": 2.5}, "Python literals"),
+    ("chatglm3", {"t": [1]}, "Python literals"), ("chatglm3", {"t": "a\u3000b"}, "escaped"),
+    ("chatglm3", {"t": "a\x01"}, "control character"), ("chatglm3", {"class": 1}, "keyword arguments"),
+    ("chatglm3", {"a-b": 1}, "keyword arguments"), ("chatglm3", {"城市": 1}, "keyword arguments"),
+    ("chatglm3", {"1a": 1}, "keyword arguments")])
+def test_what_the_template_cannot_write_exactly_raises(hf_tokenizers, version, arguments, refused):
+    """Floats (engines write them unlike json.dumps / repr); for ChatGLM3's Python literals, nested values, strings
+    with characters repr escapes, and names that are not ASCII identifiers; arguments as a JSON string."""
+    from jinja2 import TemplateError
+
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [tool_call(arguments)]},
+                {"role": "tool", "content": "r"}]
+    tokenizer = hf_tokenizers[version]
+    with pytest.raises(TemplateError, match=refused):
+        tokenizer.apply_chat_template(parsed(messages), add_generation_prompt=True, tokenize=False)
+    with pytest.raises(TemplateError, match="JSON string"):
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def test_an_instruction_is_data_in_the_template_whatever_it_holds():

@@ -82,3 +82,25 @@ def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, 
         assert answers == {greedy}
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+def test_llama_server_writes_openai_tool_conversations_as_serve_does(tmp_path, version):
+    """Tool conversations in OpenAI's form (tools, an assistant's tool_calls with arguments as a JSON string, tool
+    results), rendered by llama-server with the GGUF's template and tokenized with special tokens parsed, give
+    serve.py's prompt ids for the same request body (llama-server parses the arguments into an object first)."""
+    from serving import tiny_model
+    from test_export import TOOL_BODIES, serve_prompt
+
+    directory = tiny_model(version, tmp_path / version)
+    gguf = engines.export_file(directory, tmp_path / "gguf", "gguf", "f16")
+    server = llama_server(find_llama_server(), gguf, 1, 1, 512, tmp_path, prompt_of=lambda text: text)
+    server.start(timeout=120)
+    try:
+        for body in TOOL_BODIES:
+            prompt = post(server.base, "/apply-template", body)["prompt"]
+            ids = post(server.base, "/tokenize", {"content": prompt, "parse_special": True})["tokens"]
+            assert ids == serve_prompt(directory, body), (body, prompt)
+    finally:
+        server.stop()

@@ -1,7 +1,7 @@
 """The package's rooms, checked on its source (AST, nothing imported): imports flow one way; and sizes.
 
     command lines (train.py, infer.py, quantize.py, serve.py, export.py)
-      -> training, extraction, metrics, lora, loading, rundir, auto, serve/, export/ (the upper layers)
+      -> training, extraction, metrics (callmetrics, textmetrics), lora, loading, rundir, auto, serve/, export/ (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
       -> shared layers: batches, records, dialogues, decoding/ (generation, the engine, chat), prefix, checkpoint,
          tokenizing, quant/, heap
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
 SHARED = {"options", "heap", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "metrics", "textmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
+UPPER = {"training", "extraction", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
 

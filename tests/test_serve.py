@@ -34,6 +34,7 @@ from chatglm_tune.decoding.batch_cache import BatchCache  # noqa: E402
 from chatglm_tune.decoding.chat import chat  # noqa: E402
 from chatglm_tune.decoding.engine import Engine  # noqa: E402
 from chatglm_tune.extraction import extract  # noqa: E402
+from chatglm_tune.dialogues import TOOL_PROMPT  # noqa: E402
 from chatglm_tune.decoding.generation import generate  # noqa: E402
 from chatglm_tune.options import DraftOptions, ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
 from chatglm_tune.records import SPORecord  # noqa: E402
@@ -376,28 +377,41 @@ def test_run_directories_serve_what_generate_gives(runs, kind):
 
 
 def test_a_tool_call_is_openais_tool_calls(tmp_path):
-    """ChatGLM3 writes a tool call as `name\n```python\ntool_call(k=v)\n```` after the tools in the system
-    message: the reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo
-    maps it. The tiny GLM-4 tokenizer's template takes no tools: 400 naming the tools. GLM-4-0414's chat has no
-    tool calls here: 400 naming the tools."""
+    """ChatGLM3 writes a tool call as `name\n```python\ntool_call(k=v)\n```` after the tools in a system turn of
+    its own (its tool prompt, then the functions: an OpenAI `{"type": "function", "function": f}` as `f`): the
+    reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo maps it. GLM-4
+    keeps the tools as sent in the system message; a tool its template cannot write (the tiny tokenizer's takes
+    function tools only): 400 naming the tools. GLM-4-0414's chat has no tool calls here: 400 naming the tools."""
     from chatglm_tune.serve.app import _chat_answer
     from chatglm_tune.serve.protocol import ApiError, parse_call
     from chatglm_tune.serve.service import Done
 
     tools = [{"name": "get_weather", "description": "天气", "parameters": {"type": "object"}}]
-    body = {"messages": [{"role": "user", "content": "北京天气"}], "tools": tools}
+    wrapped = [{"type": "function", "function": tools[0]}]
+
+    def turn_of(service, offered):
+        body = {"messages": [{"role": "user", "content": "北京天气"}], "tools": offered}
+        call = parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling)
+        try:
+            return call, service.chat_turn(call)
+        except ApiError as err:
+            assert err.status == 400 and err.param == "tools" and "tool" in err.message
+            return call, None
+
     for name in ("chatglm3", "glm4", "glm4-0414"):
         directory = tiny_model(name, tmp_path / name)
         model, tokenizer = loading.load_run(loading.resolve_run(directory))
         service = Service(model, tokenizer, served="tiny")
-        call = parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling)
-        if name != "chatglm3":
-            with pytest.raises(ApiError) as err:
-                service.chat_turn(call)
-            assert err.value.status == 400 and err.value.param == "tools" and "tool" in err.value.message
+        if name == "glm4-0414":
+            assert turn_of(service, wrapped)[1] is None
             continue
-        turn = service.chat_turn(call)
-        assert turn.history[0]["tools"] == tools
+        if name == "glm4":
+            assert turn_of(service, wrapped)[1].history[0] == {"role": "system", "content": "", "tools": wrapped}
+            assert turn_of(service, [{"type": "python"}])[1] is None
+            continue
+        for offered in (tools, wrapped):
+            call, turn = turn_of(service, offered)
+            assert turn.history[0] == {"role": "system", "content": TOOL_PROMPT.rstrip("\n"), "tools": tools}
         text = "get_weather\n```python\ntool_call(city='北京')\n```"
         answer = tokenizer.encode(text, add_special_tokens=False) + tokenizer.prompt_format.stop_ids(tokenizer)[:1]
         message, finish = _chat_answer(call, turn, Done("", "stop", len(answer), tuple(answer), False))

@@ -59,17 +59,21 @@ def test_the_tiny_tokenizer_is_a_glm4_directory(tiny4_dir, tiny4):
     assert tiny4.vocab_size == n and len(tiny4) == n + len(OFFICIAL_OFFSETS) and 256 < n <= 2000
     assert {t: tiny4.get_command(t) for t in OFFICIAL_OFFSETS} == {t: n + k for t, k in OFFICIAL_OFFSETS.items()}
     assert (tiny4.eos_token_id, tiny4.pad_token_id, tiny4.stop_token_ids) == (n, n, [n, n + 7, n + 9])
-    with pytest.raises(Exception, match="no tool prompt"):  # its chat template is the official one without tools
+    with pytest.raises(Exception, match="function tools only"):  # its chat template: the official one's function tools
         tiny4.apply_chat_template([{"role": "system", "content": "", "tools": [{"type": "python"}]}], tokenize=False)
     real = ASSETS / "glm4" / "tokenizer_config.json"
-    if real.exists():  # the offsets, and the chat template on plain messages, are the real GLM-4's
+    if real.exists():  # the offsets, and the chat template (function tools, calls, observations) are the real GLM-4's
         official = json.loads(real.read_text(encoding="utf-8"))
         assert {t["content"]: int(i) - 151329 for i, t in official["added_tokens_decoder"].items()} == OFFICIAL_OFFSETS
-        messages = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "水泵_部件故障_漏油"},
-                    {"role": "user", "content": "再来"}]
-        ours = tiny4.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ours == tiny4.apply_chat_template(messages, chat_template=official["chat_template"], tokenize=False,
-                                                 add_generation_prompt=True)
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"city": "城市"}}}]
+        messages = [{"role": "system", "content": "", "tools": tools}, {"role": "user", "content": "你好"},
+                    {"role": "assistant", "content": "水泵_部件故障_漏油"}, {"role": "user", "content": "北京天气"},
+                    {"role": "assistant", "metadata": "get_weather", "content": '{"city": "北京"}'},
+                    {"role": "observation", "content": "晴"}]
+        for shown in (messages, messages[1:3]):
+            ours = tiny4.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+            assert ours == tiny4.apply_chat_template(shown, chat_template=official["chat_template"], tokenize=False,
+                                                     add_generation_prompt=True)
 
 
 def test_the_tiny_tokenizer_encodes_as_tiktoken_and_round_trips(tiny4_dir, tiny4):

@@ -69,6 +69,19 @@ def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_p
     assert (plain_model.config.num_layers, model.config.num_layers) == (3, 4)
 
 
+def test_a_tiny_models_context_covers_the_rows_it_trains_on(records, tmp_path):
+    """A run of rows longer than the tiny preset's 512 tokens gets a model whose config says so (serve.py and the
+    chat keep prompts within it); shorter runs keep 512."""
+    from chatglm_tune.options import EncodingOptions
+    from chatglm_tune.serve.service import context_length
+
+    long = TrainOptions(tuning="full", encoding=EncodingOptions(max_src_len=700, max_len=800))
+    for preset in ("tiny-chatglm3", "tiny-glm4-0414"):
+        assert context_length(build_tiny(records[:8], tmp_path / preset, long, preset=preset)[0].config) == 800, preset
+    short = build_tiny(records[:8], tmp_path / "short", TrainOptions(tuning="full"), preset="tiny-chatglm3")[0]
+    assert context_length(short.config) == 512
+
+
 def _losses(log):
     return [e["loss"] for e in log if "loss" in e]
 

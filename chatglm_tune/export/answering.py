@@ -7,10 +7,27 @@ and vLLM apply; the ollama Modelfile's TEMPLATE) puts the instruction before the
 message is the user's, and every sampling default the export writes (GGUF `general.sampling.*`, which llama.cpp
 takes as its defaults; generation_config.json; the Modelfile's PARAMETERs) is greedy. A plain model directory
 keeps its version's template as released and the official chat()'s sampling.
+
+ChatGLM3-6B's and GLM-4-9B's templates also take tool conversations in OpenAI's form, as llama.cpp's
+`llama-server --jinja` and transformers' `apply_chat_template(messages, tools=...)` pass them, and write the
+prompt serve.py writes for the same request (`tool_messages`): `tools` offered as serve.py offers them
+(`offer_tools`), an assistant's `tool_calls` as the messages the model writes for them (`metadata` the name,
+the arguments in the version's form), a `tool` message as `observation`, `developer` as `system`. Arguments
+must be an object (llama-server parses a JSON string into one for these templates, as vLLM does; a template
+cannot parse JSON): a string raises. What the template cannot write exactly raises (`raise_exception`) rather
+than writing something else: a float anywhere in the arguments (llama.cpp writes 2.0 as 2, 1.5e-07 as 0.0);
+for ChatGLM3, whose arguments are Python literals (`tool_call(k=v)`), a name that is not an ASCII identifier,
+a list or object value, and a string holding a control, format or separator character that `repr` escapes
+(other than tab, newline and carriage return, which it escapes as repr does). Not caught: private-use and
+unassigned characters, which `repr` escapes and the template writes as they are.
 """
 
 from __future__ import annotations
 
+import keyword
+import unicodedata
+
+from chatglm_tune.dialogues import TOOL_PROMPT
 from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -36,9 +53,99 @@ def with_instruction(template: str, instruction: str) -> str:
     )
 
 
+def jinja_list(texts) -> str:
+    """`texts` as a Jinja list literal of strings."""
+    return "[" + ", ".join(jinja_string(text) for text in texts) + "]"
+
+
+# Characters Python's repr escapes, past the ASCII controls (which `tojson` escapes): DEL, C1 controls, format,
+# space (but " ") and line / paragraph separator characters.
+_ESCAPED_BY_REPR = [chr(c) for c in range(0x7F, 0x110000) if unicodedata.category(chr(c)) in ("Cc", "Cf", "Zs", "Zl", "Zp")]
+_NOT_IN_NAMES = [c for c in map(chr, range(0x20, 0x7F)) if not (c.isalnum() or c == "_")]
+_REFUSE = ("{%- macro _refuse_any(chars, text, why) -%}{%- for char in chars -%}{%- if char in text -%}"
+           "{{- raise_exception(why) -}}{%- endif -%}{%- endfor -%}{%- endmacro -%}")
+_NO_FLOATS = (  # a float anywhere in `value` raises: engines write floats unlike json.dumps and repr
+    "{%- macro _no_floats(value) -%}{%- if value is float -%}"
+    "{{- raise_exception('a tool call argument is a float (' ~ value ~ '), which this template cannot write exactly') -}}"
+    "{%- elif value is mapping -%}{%- for item in value.values() -%}{{- _no_floats(item) -}}{%- endfor -%}"
+    "{%- elif value is iterable and value is not string -%}{%- for item in value -%}{{- _no_floats(item) -}}{%- endfor -%}"
+    "{%- endif -%}{%- endmacro -%}"
+)
+_GLM4_ARGUMENTS = "{%- macro _arguments(value) -%}{{- _no_floats(value) -}}{{- value | tojson -}}{%- endmacro -%}"
+_PYTHON_STRING = r"""{%- macro _repr_string(value) -%}
+{{- _refuse_any(ESCAPED, value, 'a tool call argument holds a character that Python writes escaped: this template cannot write it') -}}
+{%- set bare = value.replace('\\', '').replace('"', '').replace('\n', '').replace('\r', '').replace('\t', '') -%}
+{%- if bare | tojson != '"' ~ bare ~ '"' -%}
+{{- raise_exception('a tool call argument holds a control character: this template cannot write it') -}}
+{%- endif -%}
+{%- set quote = '"' if "'" in value and '"' not in value else "'" -%}
+{%- set text = value.replace('\\', '\\\\') -%}
+{%- if quote == "'" -%}{%- set text = text.replace("'", "\\'") -%}{%- endif -%}
+{{- quote ~ text.replace('\n', '\\n').replace('\r', '\\r').replace('\t', '\\t') ~ quote -}}
+{%- endmacro -%}"""
+_PYTHON_ARGUMENTS = r"""{%- macro _repr(value) -%}
+{%- if value is none -%}None{%- elif value is boolean -%}{{- 'True' if value else 'False' -}}
+{%- elif value is integer -%}{{- value | string -}}{%- elif value is string -%}{{- _repr_string(value) -}}
+{%- else -%}{{- raise_exception('ChatGLM3-6B writes tool call arguments as Python literals: this template cannot write ' ~ (value | tojson)) -}}
+{%- endif -%}{%- endmacro -%}
+{%- macro _arguments(value) -%}```python
+tool_call({%- for name, item in value.items() -%}
+{%- set why = 'ChatGLM3-6B writes tool call arguments as Python keyword arguments: this template cannot write ' ~ (name | tojson) -%}
+{%- if not (name is string and name and name | tojson(ensure_ascii=True) == '"' ~ name ~ '"' and name[:1] not in '0123456789' and name not in KEYWORDS) -%}
+{{- raise_exception(why) -}}{%- endif -%}{{- _refuse_any(NOT_IN_NAMES, name, why) -}}
+{{- (', ' if not loop.first else '') ~ name ~ '=' ~ _repr(item) -}}
+{%- endfor -%})
+```{%- endmacro -%}"""
+_CHATGLM3_ARGUMENTS = (_PYTHON_STRING.replace("\n{", "{").replace("ESCAPED", jinja_list(_ESCAPED_BY_REPR))
+                       + _PYTHON_ARGUMENTS.replace("-%}\n{", "-%}{").replace("KEYWORDS", jinja_list(keyword.kwlist))
+                       .replace("NOT_IN_NAMES", jinja_list(_NOT_IN_NAMES)))
+# The messages in the GLM form (what serve.py's `Service._role_messages` and `offer_tools` make of OpenAI's).
+_GLM_MESSAGES = r"""{%- set glm = namespace(messages=[]) -%}
+{%- for message in messages -%}
+{%- set role = {'tool': 'observation', 'developer': 'system'}.get(message['role'], message['role']) -%}
+{%- if message['tool_calls'] is defined and message['tool_calls'] -%}
+{%- if message['content'] -%}{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}{%- endif -%}
+{%- for call in message['tool_calls'] -%}
+{%- if call['function']['arguments'] is string -%}
+{{- raise_exception('tool call arguments as a JSON string: this template takes them parsed, as an object') -}}
+{%- endif -%}
+{%- set glm.messages = glm.messages + [{'role': 'assistant', 'metadata': call['function']['name'], 'content': _arguments(call['function']['arguments'])}] -%}
+{%- endfor -%}
+{%- elif role != message['role'] -%}{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}
+{%- else -%}{%- set glm.messages = glm.messages + [message] -%}{%- endif -%}
+{%- endfor -%}
+{%- if tools is defined and tools -%}OFFER{%- endif -%}
+{%- set messages = glm.messages -%}""".replace("\n", "")
+# ChatGLM3: a system message of its own, first: its tool prompt and the functions (OpenAI's tools unwrapped).
+_CHATGLM3_OFFER = r"""{%- set functions = namespace(list=[]) -%}
+{%- for tool in tools -%}
+{%- set functions.list = functions.list + [tool['function'] if tool['type'] == 'function' and tool['function'] is defined else tool] -%}
+{%- endfor -%}
+{%- set glm.messages = [{'role': 'system', 'content': PROMPT, 'tools': functions.list}] + glm.messages -%}"""
+# GLM-4: the tools as sent, in the first system message, or in a new one first.
+_GLM4_OFFER = r"""{%- if glm.messages and glm.messages[0]['role'] == 'system' -%}
+{%- set glm.messages = [{'role': 'system', 'content': glm.messages[0]['content'], 'tools': tools}] + glm.messages[1:] -%}
+{%- else -%}{%- set glm.messages = [{'role': 'system', 'content': '', 'tools': tools}] + glm.messages -%}{%- endif -%}"""
+_TOOL_FORMS = {  # version: (how tools are offered, how a call's arguments are written)
+    "chatglm3": (_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT", jinja_string(TOOL_PROMPT.removesuffix("\n"))),
+                 _CHATGLM3_ARGUMENTS),
+    "glm4": (_GLM4_OFFER.replace("\n", ""), _NO_FLOATS + _GLM4_ARGUMENTS),
+}
+
+
+def tool_messages(prompt_format) -> str:
+    """The Jinja preamble that rewrites OpenAI-form tool conversations (`tools`, `tool_calls`, the `tool` role) into
+    the GLM form the version's template writes, as serve.py does; "" for a version without tool calls here."""
+    if prompt_format.name not in _TOOL_FORMS:
+        return ""
+    offer, arguments = _TOOL_FORMS[prompt_format.name]
+    return _REFUSE + arguments + _GLM_MESSAGES.replace("OFFER", offer)
+
+
 def chat_template(prompt_format, tokenizer, instruction: str) -> str:
-    """The Jinja chat template an export writes for a model of `prompt_format` asked with `instruction`."""
-    return with_instruction(prompt_format.chat_template(tokenizer), instruction)
+    """The Jinja chat template an export writes for a model of `prompt_format` asked with `instruction`: tool
+    conversations in OpenAI's form rewritten first (`tool_messages`)."""
+    return with_instruction(tool_messages(prompt_format) + prompt_format.chat_template(tokenizer), instruction)
 
 
 def sampling(prompt_format, is_run: bool) -> SamplingOptions:

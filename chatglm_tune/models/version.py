@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatglm_tune.batches import PromptFormat
+from chatglm_tune.options import TINY_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Version:
         """The tokenizer of a directory; `kwargs` override tokenizer_config.json."""
         raise NotImplementedError
 
-    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
-        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): the from-scratch demo."""
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): the from-scratch demo, its
+        config's context `context` tokens at least (a run's max_len: what it is trained on, served within)."""
         raise NotImplementedError

@@ -3,7 +3,8 @@ becomes ids and comes back as text (chat, completion, extraction), for asyncio h
 
 - chat: the messages become the version's official chat prompt (`chat.prepare_turn`: ChatGLM-6B / ChatGLM2
   (query, response) rounds; ChatGLM3 / GLM-4 role messages, `system` included, OpenAI's `tool` role as
-  `observation`, `tools` in the system message as their official demos put them, an assistant's `tool_calls`
+  `observation`, `tools` offered as each version's demos and fine-tuning data offer them (`offer_tools`:
+  ChatGLM3 a first system turn of its own, GLM-4 the system message's), an assistant's `tool_calls`
   as the messages the model writes for them (`PromptFormat.tool_call_message`: `<|assistant|>name` then
   ChatGLM3's `tool_call(k=v)` block or GLM-4-9B's JSON), all refused for the versions whose chat has no tool
   calls here: `PromptFormat.tool_calls`); the answer is what `chat()` answers (the version's post-processing;
@@ -260,10 +261,7 @@ class Service:
         else:
             history = self._role_messages(history)
             if tools:
-                if history and history[0]["role"] == "system":
-                    history[0]["tools"] = tools
-                else:
-                    history.insert(0, {"role": "system", "content": "", "tools": tools})
+                history = self.format.offer_tools(history, tools)
             role = "observation" if last["role"] == "tool" else last["role"]
             role = self._last_role({**last, "role": role}, ("user", "observation"), len(messages) - 1)
             query = last["content"]
@@ -277,7 +275,7 @@ class Service:
 
     def _refused_part(self, query: str, history: list, role: str, tools) -> str:
         """The parameter to name where the prompt cannot be built: "tools" where the chat builds without them
-        (a GLM-4 tokenizer whose template takes no tools), else "messages"."""
+        (a GLM-4 chat template that takes no tools, or not these), else "messages"."""
         if tools and history and "tools" in history[0]:
             plain = [{k: v for k, v in history[0].items() if k != "tools"}, *history[1:]]
             try:

@@ -10,7 +10,7 @@ from chatglm_tune.batches import PromptFormat, SpecialIds
 from chatglm_tune.models.chatglm6b.config import CONFIG_FIELDS, LORA_TARGETS, QUANTIZABLE_LINEARS, ChatGLMConfig
 from chatglm_tune.models.chatglm6b.format import FORMAT
 from chatglm_tune.models.version import Version
-from chatglm_tune.options import raise_problems
+from chatglm_tune.options import TINY_CONTEXT, raise_problems
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ChatGLM6B(Version):
         raise_problems(problems, "the tokenizer does not belong to this model: ")
         super().check_tokenizer(tokenizer, config)
 
-    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
         from chatglm_tune.models.chatglm6b.tokenizer import ChatGLMTokenizer, train_tokenizer
 
@@ -54,6 +54,7 @@ class ChatGLM6B(Version):
         else:
             tokenizer = train_tokenizer(corpus, directory, max_piece_length=1)  # character-level: see train_tokenizer
         config = ChatGLMConfig.from_name("tiny", **config_overrides, **tokenizer.config_overrides())
+        config.max_sequence_length = max(config.max_sequence_length, context)
         return ChatGLMForConditionalGeneration(config), tokenizer
 
 

@@ -37,7 +37,7 @@ import json
 from typing import Callable, Sequence
 
 from chatglm_tune.batches import IGNORE_INDEX, EncodedExample, PromptFormat
-from chatglm_tune.dialogues import Dialogue, Turn, tool_call_code
+from chatglm_tune.dialogues import TOOL_PROMPT, Dialogue, ToolCall, Turn, json_call, tool_call_code
 from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions
 from chatglm_tune.records import SPORecord
 
@@ -203,6 +203,22 @@ class _RoleFormat(_GLMFormat):
         """The parameters of a tool call the model wrote, or None where `content` does not parse."""
         raise NotImplementedError
 
+    def read_call(self, answer: str) -> ToolCall | None:
+        """The call a decoded answer writes: its first line the tool's name, the rest the arguments in the version's
+        form (`tool_parameters`), or the whole answer JSON `{"name", "arguments"}`; None for a text answer."""
+        if not self.tool_calls:
+            return None
+        name, _, rest = answer.partition("\n")
+        arguments = self.tool_parameters(rest) if name.strip() and rest.strip() else None
+        return ToolCall(name.strip(), arguments) if isinstance(arguments, dict) else json_call(answer)
+
+    def offer_tools(self, history: list[dict], tools: list) -> list[dict]:
+        """`history` with OpenAI's request `tools` offered as the version's fine-tuning data and demos offer them
+        (GLM-4: the system message's `tools`, each `{"type": "function", "function": ...}`; ChatGLM3 overrides)."""
+        if history and history[0]["role"] == "system":
+            return [{**history[0], "tools": tools}, *history[1:]]
+        return [{"role": "system", "content": "", "tools": tools}, *history]
+
     def tool_call_message(self, name: str, arguments: dict) -> dict:
         """`<|assistant|>name` then the arguments in the version's form (`tool_arguments`), as the model writes a
         call and the official chat keeps it in the history (metadata: the name)."""
@@ -225,9 +241,12 @@ class ChatGLM3Format(_RoleFormat):
     name = "chatglm3"
     title = "ChatGLM3-6B"
     sop = "sop"
-    jinja_template = (
-        "{% for message in messages %}{% if loop.first %}[gMASK]sop{% endif %}<|{{ message['role'] }}|>\n"
-        "{% if message['content'] %} {{ message['content'] }}{% endif %}{% endfor %}"
+    jinja_template = (  # `build_chat_input`: metadata, "\n", then the content (a system message's tools as JSON after it)
+        "{% for message in messages %}{% if loop.first %}[gMASK]sop{% endif %}<|{{ message['role'] }}|>"
+        "{{ message['metadata'] if message['metadata'] is defined and message['metadata'] else '' }}\n"
+        "{% set content = message['content'] %}{% if message['role'] == 'system' and message['tools'] is defined %}"
+        "{% set content = content ~ '\\n' ~ message['tools'] | tojson(indent=4) %}{% endif %}"
+        "{% if content %} {{ content }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     ollama_template = "[gMASK]sop" + _GO_LOOP + "<|{{ $m.Role }}|>\n " + _GO_CONTENT + "{{ end }}<|assistant|>"
@@ -235,6 +254,14 @@ class ChatGLM3Format(_RoleFormat):
 
     def answer_lead(self, tokenizer) -> list[int]:
         return tokenizer.encode_text("\n")  # after a role token, "\n" and the text are encoded apart
+
+    def offer_tools(self, history: list[dict], tools: list) -> list[dict]:
+        """A system message of its own, first, as its tool demo and fine-tuning data write it: `TOOL_PROMPT` and the
+        functions (an OpenAI `{"type": "function", "function": f}` as `f`) as indented JSON; the chat's own system
+        message stays after it."""
+        functions = [tool["function"] if tool.get("type") == "function" and "function" in tool else tool
+                     for tool in tools]
+        return [{"role": "system", "content": TOOL_PROMPT.removesuffix("\n"), "tools": functions}, *history]
 
     def chat_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         """Its tokenizer's `build_chat_input` (the official chat() prompt)."""

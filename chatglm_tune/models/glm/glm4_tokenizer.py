@@ -58,11 +58,18 @@ EOS_TOKEN = "<|endoftext|>"
 # The official special tokens, in their order after the ranks (tokenizer_config.json's added_tokens_decoder).
 OFFICIAL_SPECIALS = (EOS_TOKEN, "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", *(f"<|{role}|>" for role in ROLES),
                      "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
-# The official chat template for messages without tools (the tiny tokenizer has no tool prompt).
-TOOLLESS_CHAT_TEMPLATE = (
-    "[gMASK]<sop>{% for item in messages %}{% if item['tools'] is defined %}"
-    "{{ raise_exception('this GLM-4 tokenizer has no tool prompt: its chat template takes plain messages') }}"
-    "{% endif %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}"
+# The official chat template with its function tools (the fixed prompts of its python, simple_browser and cogview
+# tools are left out: a tiny tokenizer is not trained for them, and such a tool is refused rather than dropped).
+OFFICIAL_SYSTEM_PROMPT = ("你是一个名为 ChatGLM 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
+                          "你的任务是针对用户的问题和要求提供适当的答复和支持。")
+TOOL_PROMPT_TEXT = OFFICIAL_SYSTEM_PROMPT + "\n\n# 可用工具\n\n## \n\n在调用上述函数时，请使用 Json 格式表示调用的参数。"  # what it writes
+FUNCTION_TOOLS_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for item in messages %}{% if item['tools'] is defined %}<|system|>\n" + OFFICIAL_SYSTEM_PROMPT
+    + "\n\n# 可用工具{% set tools = item['tools'] %}{% for tool in tools %}{% if tool['type'] == 'function' %}\n\n"
+    "## {{ tool['function']['name'] }}\n\n{{ tool['function'] | tojson(indent=4) }}\n"
+    "在调用上述函数时，请使用 Json 格式表示调用的参数。{% else %}"
+    "{{ raise_exception('this GLM-4 tokenizer takes function tools only, not ' ~ tool['type']) }}{% endif %}"
+    "{% endfor %}{% endif %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # Special tokens the toolkit relies on; their ids are read from the tokenizer files.
@@ -460,10 +467,10 @@ def _is_text(token: bytes) -> bool:
 def glm4_tokenizer_config(n_ranks: int) -> dict:
     """tokenizer_config.json of a GLM-4 tokenizer of `n_ranks` ranks, as the official one: the special tokens
     numbered on from the ranks in the official order, eos and pad `<|endoftext|>`, left padding (the chat
-    template: the official one without tools; no `auto_map`, no remote code is shipped)."""
+    template: the official one with function tools; no `auto_map`, no remote code is shipped)."""
     added = {str(n_ranks + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
                                 "single_word": False, "special": True} for i, token in enumerate(OFFICIAL_SPECIALS)}
     return {"added_tokens_decoder": added, "additional_special_tokens": list(OFFICIAL_SPECIALS),
-            "chat_template": TOOLLESS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "do_lower_case": False,
+            "chat_template": FUNCTION_TOOLS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "do_lower_case": False,
             "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left", "remove_space": False,
             "tokenizer_class": "ChatGLM4Tokenizer"}

@@ -16,6 +16,7 @@ from chatglm_tune.models.glm.config import (LORA_TARGETS, QUANTIZABLE_LINEARS, T
                                             mismatch_hint)
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.version import Version
+from chatglm_tune.options import TINY_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class GLMVersion(Version):
         """The tiny config's `eos_token_id`."""
         return tokenizer.eos_token_id
 
-    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
         architecture and the version's own tokenizer files, small (`train_tokenizer`), the official special
         tokens after them."""
@@ -69,7 +70,7 @@ class GLMVersion(Version):
         # demo at dev F1 0.865 (lr 4e-3, 3200 steps); 8 reached 0.955.
         raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "kv_channels": 16,
                "multi_query_group_num": 8, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
-               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": 512, "eos_token_id": self.config_eos(tokenizer),
+               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": context, "eos_token_id": self.config_eos(tokenizer),
                "pad_token_id": tokenizer.pad_token_id, "rmsnorm": True, "post_layer_norm": True, **config_overrides}
         return GlmForCausalLMWithPrefix(glm_config(raw, version=self.name)), tokenizer
 
@@ -83,10 +84,10 @@ class GLM4Version(GLMVersion):
         return load_glm4_tokenizer(_directory(directory), self.name, **kwargs)
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
-        """A byte-level BPE rank file of `corpus` (`train_glm4_bpe`)."""
-        from chatglm_tune.models.glm.glm4_tokenizer import train_glm4_bpe
+        """A byte-level BPE rank file of `corpus` and the chat template's tool prompt (`train_glm4_bpe`)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import TOOL_PROMPT_TEXT, train_glm4_bpe
 
-        train_glm4_bpe(corpus, directory)
+        train_glm4_bpe([*corpus, TOOL_PROMPT_TEXT], directory)
 
     def config_eos(self, tokenizer):
         """GLM-4's config says it as the official one does: its eos ids are its stop ids."""
@@ -106,7 +107,7 @@ class ReleasedFormVersion(GLM4Version):
 
         train_released_bpe(corpus, directory, self.name)
 
-    def tiny(self, corpus: list[str], directory: Path, **config_overrides):
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): 2 layers of this
         architecture in transformers' config fields, the tokenizer as the version is released."""
         from chatglm_tune.models.glm.modeling import model_class
@@ -118,7 +119,7 @@ class ReleasedFormVersion(GLM4Version):
         raw = {"model_type": TRANSFORMERS_FORMS[self.name], "num_hidden_layers": 2, "hidden_size": 128,
                "num_attention_heads": 8, "head_dim": 16, "num_key_value_heads": 8, "intermediate_size": 384,
                "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "attention_bias": True,
-               "max_position_embeddings": 512, "eos_token_id": tokenizer.stop_token_ids,
+               "max_position_embeddings": context, "eos_token_id": tokenizer.stop_token_ids,
                "pad_token_id": tokenizer.pad_token_id, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
                "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name}
         unknown = sorted(set(config_overrides) - set(raw))

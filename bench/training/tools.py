@@ -1,0 +1,182 @@
+"""Tool calling learnt end to end by a tiny model: trained on the synthetic tool set, scored by infer.py, asked
+through serve.py with the official openai client, and its GGUF export's chat template rendered by llama.cpp.
+
+For each version (ChatGLM3-6B on `data/tools_{train,dev}.jsonl`, ChatGLM3's tools + conversations; GLM-4-9B on
+`data/tools_glm4_{train,dev}.jsonl`, GLM-4's messages), from scratch in a work directory:
+1. `train.py --model tiny-<version> --tuning full` on the train file, the dev file evaluated every `--eval-every`
+   steps (metrics.jsonl: the first step whose dev tool-call exact match reached the target); the versions train at
+   once, a thread each;
+2. `infer.py` over the dev file: the tool-call exact match (right tool, equal arguments) of the saved model;
+3. `serve.py` on the run, each dev conversation sent by the `openai` client as OpenAI sends it (the tools as
+   `{"type": "function", "function": ...}`, `temperature=0`): the share of replies whose `tool_calls` hold the gold
+   call, and the share whose call is the one infer.py read for that record (the same prompt, the same answer);
+4. where llama.cpp's `llama-server` is built (`--llama-server PATH` or $LLAMA_SERVER; the recipe in
+   bench/serve/serve_servers.py), the run exported as an f16 GGUF by export.py, and for each dev conversation
+   (OpenAI form) `/apply-template` then `/tokenize` with special tokens parsed: the share whose ids equal the
+   toolkit's prompt ids for that record (what infer.py and serve.py feed the model).
+Target: exact match >= 0.9 (infer.py and served) for both versions. The last line is JSON.
+
+    python bench/training/tools.py [--versions chatglm3 glm4] [--max-steps 1200] [--results bench/results/tools.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repository: chatglm_tune, bench.<room>.<module>
+
+from bench.common.measure import run_python  # noqa: E402
+from bench.serve.serve_servers import Server, find_llama_server, free_port, toolkit_server  # noqa: E402
+
+TARGET = 0.9
+DATA = {"chatglm3": ("data/tools_train.jsonl", "data/tools_dev.jsonl"),
+        "glm4": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}
+# a conversation of the set is under 700 tokens of the tiny tokenizers (each character about one)
+TRAIN_FLAGS = ["--tuning", "full", "--max-src-len", "700", "--max-len", "800"]
+
+
+def openai_request(raw: dict) -> tuple[list[dict], list[dict], dict]:
+    """(messages, tools, gold call {"name", "arguments"}) of a dev record whose last turn is the gold call, in the
+    form an OpenAI client sends: ChatGLM3's `tools` wrapped as functions, GLM-4's system tools as they are."""
+    if "conversations" in raw:
+        *context, last = raw["conversations"]
+        tools = [{"type": "function", "function": tool} for tool in raw["tools"]]
+        return _plain(context), tools, {"name": last["name"], "arguments": last["parameters"]}
+    system, *context, last = raw["messages"]
+    return _plain(context), system["tools"], {"name": last["metadata"], "arguments": json.loads(last["content"])}
+
+
+def _plain(turns: list[dict]) -> list[dict]:
+    if any(turn["role"] not in ("system", "user", "assistant") for turn in turns):
+        raise SystemExit("bench/training/tools.py: a dev conversation holds calls before its gold one; the bench "
+                         "sends user, system and assistant text turns only")
+    return [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+
+
+def first_step_reaching(metrics: Path, target: float) -> int | None:
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        entry = json.loads(line)
+        calls = entry.get("eval", {}).get("tool_calls")
+        if calls and calls["exact_match"] >= target:
+            return entry["step"]
+    return None
+
+
+def served_calls(run: Path, requests: list, work: Path) -> list[dict | None]:
+    """The call of serve.py's reply to each request (None for a text reply), by the openai client."""
+    import openai
+
+    server = toolkit_server("serve", run, threads=2, max_batch=8, extra=[], log_dir=work)
+    server.start(timeout=300)
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+        calls = []
+        for messages, tools, _ in requests:
+            reply = client.chat.completions.create(model=server.model_id, messages=messages, tools=tools,
+                                                   temperature=0, max_tokens=64).choices[0].message
+            function = reply.tool_calls[0].function if reply.tool_calls else None
+            calls.append(None if function is None else {"name": function.name, "arguments": json.loads(function.arguments)})
+        return calls
+    finally:
+        server.stop()
+
+
+def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work: Path) -> float:
+    """The share of dev conversations whose ids, rendered by llama-server's `/apply-template` from the f16 GGUF
+    export's chat template and tokenized by its `/tokenize`, equal the toolkit's prompt ids for the record."""
+    from chatglm_tune import loading
+    from chatglm_tune.options import EncodingOptions
+    from chatglm_tune.records import read_records
+
+    out = work / "gguf"
+    run_python("export.py", run, out, "--format", "gguf", "--type", "f16", "--name", "tools")
+    gguf = next(out.glob("*.gguf"))
+    port = free_port()
+    server = Server("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                     "--jinja", "--threads", "2", "--no-webui"], {}, work / "llama-server.log",
+                    engine_stats=False)
+    server.start(timeout=120)
+    try:
+        tokenizer = loading.load_run(loading.resolve_run(run))[1]
+        records, _ = read_records(dev)
+        same = 0
+        for record, (messages, tools, _) in zip(records, requests):
+            text = _post(server, "/apply-template", {"messages": messages, "tools": tools})["prompt"]
+            ids = _post(server, "/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
+            same += ids == tokenizer.prompt_format.prompt_ids(tokenizer, record, EncodingOptions(prompt=""))[0]
+        return same / len(records)
+    finally:
+        server.stop()
+
+
+def _post(server: Server, path: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def train_all(versions: list[str], args, work: Path) -> dict[str, float]:
+    """Train every version at once, one thread each (two 1-thread processes outrun two 2-thread ones taking
+    turns on 2 cores): the wall seconds of each run."""
+    with ThreadPoolExecutor(len(versions)) as pool:
+        runs = {v: pool.submit(run_python, "train.py", "--model", f"tiny-{v}", "--train-file", REPO / DATA[v][0],
+                               "--dev-file", REPO / DATA[v][1], *TRAIN_FLAGS, "--max-steps", args.max_steps,
+                               "--eval-every", args.eval_every, "--threads", 1, "--output-dir", work / v)
+                for v in versions}
+        return {v: run.result().seconds for v, run in runs.items()}
+
+
+def measure(version: str, train_s: float, args, work: Path) -> dict:
+    dev, run = REPO / DATA[version][1], work / version
+    rows_path = work / f"{version}-dev.jsonl"
+    run_python("infer.py", "--model", run, "--input", dev, "--output", rows_path)
+    summary = json.loads(rows_path.with_name(rows_path.name + ".summary.json").read_text(encoding="utf-8"))
+    rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines()]
+    requests = [openai_request(json.loads(line)) for line in dev.read_text(encoding="utf-8").splitlines()]
+    served = served_calls(run, requests, work)
+    result = {"train_s": round(train_s, 1), "steps": args.max_steps,
+              "first_step_at_target": first_step_reaching(run / "metrics.jsonl", TARGET),
+              "infer_exact_match": summary["scores"]["tool_calls"]["exact_match"],
+              "served_exact_match": sum(s == gold for s, (_, _, gold) in zip(served, requests)) / len(requests),
+              "served_same_as_infer": sum(s == r["tool_call"] for s, r in zip(served, rows)) / len(rows)}
+    binary = find_llama_server(args.llama_server)
+    result["llama_prompt_ids_equal"] = None if binary is None else llama_prompts_equal(binary, run, requests, dev, work)
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--versions", nargs="+", choices=sorted(DATA), default=sorted(DATA))
+    p.add_argument("--max-steps", type=int, default=1200, help="training steps of each tiny model")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between dev evaluations")
+    p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, PATH)")
+    p.add_argument("--work-dir", type=Path, help="where the runs go (default: a new temporary directory)")
+    p.add_argument("--results", type=Path, help="also write the closing JSON here (e.g. bench/results/tools.json)")
+    args = p.parse_args(argv)
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="chatglm_tune_tools_"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    trained = train_all(args.versions, args, work)
+    results = {version: measure(version, trained[version], args, work) for version in args.versions}
+    print(f"\n{'version':9s} {'train s':>8s} {'at 0.9':>7s} {'infer EM':>9s} {'served EM':>10s} {'=infer':>7s} {'llama ids':>10s}")
+    for version, r in results.items():
+        llama = "n/a" if r["llama_prompt_ids_equal"] is None else f"{r['llama_prompt_ids_equal']:.2f}"
+        print(f"{version:9s} {r['train_s']:8.1f} {str(r['first_step_at_target']):>7s} {r['infer_exact_match']:9.2f} "
+              f"{r['served_exact_match']:10.2f} {r['served_same_as_infer']:7.2f} {llama:>10s}")
+    met = all(min(r["infer_exact_match"], r["served_exact_match"]) >= TARGET for r in results.values())
+    print(f"target: tool-call exact match >= {TARGET} by infer.py and served: {'met' if met else 'missed'}")
+    line = json.dumps({"tools": {**results, "target": TARGET, "met": met}}, ensure_ascii=False)
+    if args.results:
+        args.results.write_text(line + "\n", encoding="utf-8")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
