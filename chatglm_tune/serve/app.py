@@ -188,10 +188,11 @@ async def _body(request: Request, limit: int) -> bytes:
     body refused is read and dropped, up to `DRAIN_BYTES`, so that a client still sending it reads the 413 rather
     than a connection reset."""
     declared = request.headers.get("content-length", "")
+    declared_over = declared.isdigit() and int(declared) > limit
     chunks, size, stream = [], 0, request.stream()
     async for chunk in stream:
         size += len(chunk)
-        if size > limit or (declared.isdigit() and int(declared) > limit):
+        if size > limit or declared_over:
             await _drain(stream, DRAIN_BYTES - size)
             raise ApiError(413, f"the request body is over the server's limit of {limit / 2 ** 20:g} MB (serve.py "
                                 "--max-body-mb)", code="body_too_large")
