@@ -42,7 +42,7 @@ CHATGLM3_RECORD = {
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     out = {}
-    for name in ("chatglm3", "glm4", "chatglm2", "glm4-0414"):
+    for name in ("chatglm3", "glm4", "chatglm2", "glm4-0414", "glm-edge"):
         _, out[name] = registry.VERSIONS[name].tiny(TEXTS + ["北京天气怎么样？上海呢？我去查。你是天气助手。"],
                                                     tmp_path_factory.mktemp(name))
     return out
@@ -204,8 +204,10 @@ def test_versions_without_a_tool_form_refuse_tool_conversations(tokenizers, tmp_
     record = record_of(tmp_path, CHATGLM3_RECORD)
     with pytest.raises(ValueError, match="ChatGLM2-6B has no system, tool or observation turns"):
         encode_record(record, tokenizers["chatglm2"], WIDE)
-    with pytest.raises(ValueError, match="its own form"):
+    with pytest.raises(ValueError, match="GLM-4-0414: its chat template writes tools and calls in a form of its own"):
         encode_record(record, tokenizers["glm4-0414"], WIDE)
+    with pytest.raises(ValueError, match="GLM-Edge: its chat template has no tool form"):
+        encode_record(record, tokenizers["glm-edge"], WIDE)
 
 
 def test_the_prompt_of_a_conversation_is_its_turns_before_the_answer(tokenizers, tmp_path):

@@ -356,8 +356,9 @@ class TemplateFormat(GLM4Format):
 
     tool_calls = False
 
-    def __init__(self, name: str, title: str, ollama_template: str):
+    def __init__(self, name: str, title: str, ollama_template: str, tool_refusal: str):
         self.name, self.title, self.ollama_template = name, title, ollama_template
+        self.tool_refusal = tool_refusal  # why a conversation with tools, calls or observations is refused
         self._leads: dict[str, str] = {}  # answer_lead_text by chat template
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
@@ -376,11 +377,11 @@ class TemplateFormat(GLM4Format):
         return ids, kept != record.text
 
     def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
-        """GLM-4's per-message rendering for user, assistant and system messages; their templates write tools and
-        calls in another form (`tool_calls`, a `tool` role), which conversation records here do not hold yet."""
+        """GLM-4's per-message rendering for user, assistant and system messages; tools, calls and observations are
+        refused (`tool_refusal`)."""
         if turn.metadata or turn.tools or turn.role == "observation":
-            raise ValueError(f"{self.title}'s chat template writes tools and tool calls in its own form (tool_calls, a "
-                             "tool role); conversation records with tools train ChatGLM3-6B and GLM-4-9B")
+            raise ValueError(f"{self.title}: {self.tool_refusal}; conversation records with tools train ChatGLM3-6B and "
+                             "GLM-4-9B")
         return super().turn_ids(tokenizer, turn)
 
     def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
@@ -440,6 +441,9 @@ def process_chat_response(segments: Sequence[str], history: Sequence[dict], trai
 CHATGLM2, CHATGLM3, GLM4 = ChatGLM2Format(), ChatGLM3Format(), GLM4Format()
 # ollama's templates of the released chat templates: GLM-4-0414's ends its generation prompt with "\n".
 GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT
-                           + "{{ end }}<|assistant|>\n")
-GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>")
+                           + "{{ end }}<|assistant|>\n",
+                           "its chat template writes tools and calls in a form of its own (a tools list before the "
+                           "messages, a call as an assistant turn's metadata), which conversation records do not train yet")
+GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
+                          "its chat template has no tool form (it writes system, user and assistant messages only)")
 FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE)}  # the versions of this family, by name
