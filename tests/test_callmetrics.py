@@ -23,12 +23,13 @@ def test_each_version_reads_the_calls_it_writes():
     assert CHATGLM3.read_call("get_weather\n```python\ntool_call(city='北京')\n```") == WEATHER
     assert CHATGLM3.read_call(CHATGLM3.tool_arguments({"amount": 100, "to": "美元"}).join(["f\n", ""])) == \
         ToolCall("f", {"amount": 100, "to": "美元"})
-    assert GLM4.read_call('get_weather\n{"city": "北京"}') == WEATHER
-    for version in (CHATGLM3, GLM4):  # the JSON form of GLM-4's fine-tuning README
+    for version in (GLM4, GLM4_0414):  # GLM-4-0414: its template's call, the name as metadata, JSON arguments
+        assert version.read_call('get_weather\n{"city": "北京"}') == WEATHER
+    for version in (CHATGLM3, GLM4, GLM4_0414):  # the JSON form of GLM-4's fine-tuning README
         assert version.read_call('{"name": "get_weather", "arguments": {"city": "北京"}}') == WEATHER
     for text in ("北京今天晴。", "北京\n今天晴。", "get_weather\n", "get_weather\ntool_call(city=北京)", '\n{"city": "北京"}'):
-        assert CHATGLM3.read_call(text) is None and GLM4.read_call(text) is None, text
-    for version in (CHATGLM2, GLM4_0414, GLM_EDGE):  # no tool calls in their chat here
+        assert all(version.read_call(text) is None for version in (CHATGLM3, GLM4, GLM4_0414)), text
+    for version in (CHATGLM2, GLM_EDGE):  # no tool calls in their chat
         assert version.read_call('get_weather\n{"city": "北京"}') is None
 
 

@@ -216,18 +216,18 @@ SPO_ANSWER = "水泵_故障_漏油\n风扇_状态_低速\n水温_状态_高"  # 
 
 @pytest.mark.parametrize("version", ["glm4", "glm4-0414", "glm-edge"])
 def test_a_multi_line_answer_is_all_content(version):
-    """An SPO answer is one triple a line: none of its lines is taken for a tool's name. GLM-4-0414 and GLM-Edge
-    write no first line naming a tool (their chat templates' tool calls take another form), so their answer is
-    the whole text, tools or not; GLM-4-9B's first line names a tool only where the system message declares it."""
+    """An SPO answer is one triple a line: none of its lines is taken for a tool's name. GLM-4-9B's and GLM-4-0414's
+    first line names a tool only where the system message declares it; GLM-Edge writes no call (its chat template
+    has no tool form), so its answer is the whole text, tools or not."""
     asked = [{"role": "user", "content": "故障现象：发动机水温高。"}]
     with_tools = [{"role": "system", "content": "可用工具", "tools": TOOLS}, *asked]
     for history in (asked, with_tools):
         response, new_history = process_chat_response([SPO_ANSWER + "\n"], history, version)
         assert response == SPO_ANSWER
         assert new_history == [*history, {"role": "assistant", "metadata": "", "content": SPO_ANSWER}]
-    if version != "glm4":  # nor does a first line that is a declared tool's name
-        call = 'get_weather\n{"city": "北京"}'
-        assert process_chat_response([call], with_tools, version)[0] == call
+    call = 'get_weather\n{"city": "北京"}'
+    expected = call if version == "glm-edge" else {"name": "get_weather", "parameters": {"city": "北京"}}
+    assert process_chat_response([call], with_tools, version)[0] == expected
 
 
 def test_glm4_0414_chat_returns_every_line_of_its_answer(tmp_path, monkeypatch):

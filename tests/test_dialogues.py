@@ -186,6 +186,52 @@ BAD = [
 ]
 
 
+GLM4_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "查询城市天气",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+GLM4_MESSAGES = [
+    {"role": "system", "content": "你是天气助手。", "tools": GLM4_TOOLS},
+    {"role": "user", "content": "北京天气怎么样？"},
+    {"role": "assistant", "metadata": "get_weather", "content": '{"city": "北京"}'},
+    {"role": "observation", "content": '{"temperature": 20}'},
+    {"role": "assistant", "content": "北京20度。", "loss": False},
+    {"role": "user", "content": "上海呢？"},
+    {"role": "assistant", "content": "我去查。"},
+]
+
+
+def test_a_glm4_0414_conversation_with_tools_is_its_chat_templates_form(tokenizers, tmp_path):
+    """GLM-4-0414's template, written out: the tools (its `tools` argument) as a system block first, "# 可用工具" and
+    each function as indented JSON under its name; then each message as `<|role|>` "\n" content, a call as
+    `<|assistant|>` name "\n" arguments; rows as GLM-4's script builds them (each message alone, a loss on the
+    assistant's, `<|user|>` last); the prompt of the last answer ends at `<|assistant|>`."""
+    tok = tokenizers["glm4-0414"]
+    command, text = tok.get_command, tok.encode_text
+    record = record_of(tmp_path, {"messages": GLM4_MESSAGES})
+    row = encode_record(record, tok, WIDE)
+    tools = ("\n# 可用工具\n\n## get_weather\n\n" + json.dumps(GLM4_TOOLS[0]["function"], indent=4, ensure_ascii=False)
+             + "\n在调用上述函数时，请使用 Json 格式表示调用的参数。")
+    blocks = [
+        ([command("<|system|>")] + text(tools), False),
+        ([command("<|system|>")] + text("\n你是天气助手。"), False),
+        ([command("<|user|>")] + text("\n北京天气怎么样？"), False),
+        ([command("<|assistant|>")] + text('get_weather\n{"city": "北京"}'), True),
+        ([command("<|observation|>")] + text('\n{"temperature": 20}'), False),
+        ([command("<|assistant|>")] + text("\n北京20度。"), False),
+        ([command("<|user|>")] + text("\n上海呢？"), False),
+        ([command("<|assistant|>")] + text("\n我去查。"), True),
+    ]
+    ids, labels = by_rule(tok.get_prefix_tokens(), blocks, command("<|user|>"))
+    assert (list(row.input_ids), list(row.labels)) == (ids, labels)
+    prompt = tok.prompt_format.prompt_ids(tok, record, WIDE)[0]
+    assert prompt == ids[: len(ids) - len(blocks[-1][0]) - 1] + [command("<|assistant|>")]
+    # the chat prompt of the same conversation (tools offered as GLM-4 offers them) is that prompt too
+    chat = [{k: v for k, v in m.items() if k != "loss"} for m in GLM4_MESSAGES[:-1]]
+    assert tok.prompt_format.chat_ids(tok, chat) == prompt
+    plain = tok.prompt_format.chat_ids(tok, [{"role": "user", "content": "上海呢？"}])
+    assert plain[-2:] == [command("<|assistant|>")] + text("\n")  # no tools: the template's own generation prompt
+    assert tok.prompt_format.tool_call_lead(tok, "get_weather") == text("get_weather\n")
+
+
 def test_bad_conversations_are_named_by_file_line_and_field(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps(raw, ensure_ascii=False) for raw, _, _ in BAD) + "\n", encoding="utf-8")
@@ -202,12 +248,12 @@ def test_bad_conversations_are_named_by_file_line_and_field(tmp_path):
 
 def test_versions_without_a_tool_form_refuse_tool_conversations(tokenizers, tmp_path):
     record = record_of(tmp_path, CHATGLM3_RECORD)
+    glm4_form = record_of(tmp_path, {"messages": GLM4_MESSAGES})
     with pytest.raises(ValueError, match="ChatGLM2-6B has no system, tool or observation turns"):
         encode_record(record, tokenizers["chatglm2"], WIDE)
-    with pytest.raises(ValueError, match="GLM-4-0414: its chat template writes tools and calls in a form of its own"):
-        encode_record(record, tokenizers["glm4-0414"], WIDE)
-    with pytest.raises(ValueError, match="GLM-Edge: its chat template has no tool form"):
-        encode_record(record, tokenizers["glm-edge"], WIDE)
+    for each in (record, glm4_form):
+        with pytest.raises(ValueError, match="GLM-Edge: its chat template has no tool form"):
+            encode_record(each, tokenizers["glm-edge"], WIDE)
 
 
 def test_the_prompt_of_a_conversation_is_its_turns_before_the_answer(tokenizers, tmp_path):

@@ -340,18 +340,18 @@ def parsed(messages: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hf_tokenizers(models, tmp_path_factory) -> dict:
-    """{version: plain transformers' tokenizer of its --format hf directory} for ChatGLM3 and GLM-4."""
+    """{version: plain transformers' tokenizer of its --format hf directory} for ChatGLM3, GLM-4 and GLM-4-0414."""
     from transformers import AutoTokenizer
 
     found = {}
-    for version in ("chatglm3", "glm4"):
+    for version in ("chatglm3", "glm4", "glm4-0414"):
         out = tmp_path_factory.mktemp("hf-tools") / version
         assert export(models[version], out, "--format", "hf") == 0
         found[version] = AutoTokenizer.from_pretrained(out)
     return found
 
 
-@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+@pytest.mark.parametrize("version", ["chatglm3", "glm4", "glm4-0414"])
 def test_the_hf_template_writes_openai_tool_conversations_as_serve_does(models, hf_tokenizers, version):
     """Tools (top-level), an assistant's tool_calls (arguments an object) and tool results, through transformers'
     apply_chat_template, give serve.py's prompt ids for the same request body."""
@@ -362,7 +362,7 @@ def test_the_hf_template_writes_openai_tool_conversations_as_serve_does(models, 
         assert list(got) == serve_prompt(models[version], body), body
 
 
-@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+@pytest.mark.parametrize("version", ["chatglm3", "glm4", "glm4-0414"])
 def test_glm_form_tool_messages_render_as_the_official_chat(models, hf_tokenizers, version):
     """Messages already in the GLM form (a system message's tools, an assistant's metadata, the observation role)
     give the version's official chat() prompt, as before."""

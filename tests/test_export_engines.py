@@ -85,7 +85,7 @@ def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, 
 
 
 @pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
-@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+@pytest.mark.parametrize("version", ["chatglm3", "glm4", "glm4-0414"])
 def test_llama_server_writes_openai_tool_conversations_as_serve_does(tmp_path, version):
     """Tool conversations in OpenAI's form (tools, an assistant's tool_calls with arguments as a JSON string, tool
     results), rendered by llama-server with the GGUF's template and tokenized with special tokens parsed, give

@@ -381,7 +381,8 @@ def test_a_tool_call_is_openais_tool_calls(tmp_path):
     its own (its tool prompt, then the functions: an OpenAI `{"type": "function", "function": f}` as `f`): the
     reply carries it as OpenAI's `tool_calls` (finish_reason "tool_calls"), as the official demo maps it. GLM-4
     keeps the tools as sent in the system message; a tool its template cannot write (the tiny tokenizer's takes
-    function tools only): 400 naming the tools. GLM-4-0414's chat has no tool calls here: 400 naming the tools."""
+    function tools only): 400 naming the tools. GLM-4-0414's template takes the tools as its own `tools` and the
+    prompt ends at `<|assistant|>`, where the model writes the tool's name, then its JSON arguments."""
     from chatglm_tune.serve.app import _chat_answer
     from chatglm_tune.serve.protocol import ApiError, parse_call
     from chatglm_tune.serve.service import Done
@@ -403,7 +404,14 @@ def test_a_tool_call_is_openais_tool_calls(tmp_path):
         model, tokenizer = loading.load_run(loading.resolve_run(directory))
         service = Service(model, tokenizer, served="tiny")
         if name == "glm4-0414":
-            assert turn_of(service, wrapped)[1] is None
+            call, turn = turn_of(service, wrapped)
+            command = tokenizer.get_command
+            assert turn.prompt == tokenizer.encode_chat([{"role": "user", "content": "北京天气"}], tools=wrapped,
+                                                        add_generation_prompt=False) + [command("<|assistant|>")]
+            answer = tokenizer.encode_text('get_weather\n{"city": "北京"}') + [command("<|observation|>")]
+            message, finish = _chat_answer(call, turn, Done("", "stop", len(answer), tuple(answer), False))
+            assert finish == "tool_calls"
+            assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "北京"}'}
             continue
         if name == "glm4":
             assert turn_of(service, wrapped)[1].history[0] == {"role": "system", "content": "", "tools": wrapped}
@@ -462,7 +470,7 @@ def smallest_lead(model, ids: torch.Tensor, labels: torch.Tensor) -> float:
 @pytest.mark.parametrize("version", ["glm4-0414", "glm-edge"])
 def test_a_multi_line_chat_answer_keeps_every_line(version, tmp_path):
     """A chat answer of several lines (SPO: one triple a line) comes back whole, streamed or not: the text
-    /v1/completions gives the same prompt. GLM-4-0414's and GLM-Edge's first line never names a tool."""
+    /v1/completions gives the same prompt. Without tools, GLM-4-0414's and GLM-Edge's first line never names a tool."""
     text = TEXTS[0]
     directory = taught(version, tmp_path / version, text, [("水泵", "故障", "漏油"), ("风扇", "状态", "低速")])
     with serving(directory) as s:

@@ -69,12 +69,12 @@ def round_trip(content):
             {"role": "tool", "tool_call_id": "call_1", "content": "晴，25度"}]
 
 
-@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+@pytest.mark.parametrize("version", ["chatglm3", "glm4", "glm4-0414"])
 def test_a_tool_calls_round_trip_is_in_the_prompt_in_the_versions_tool_form(version, models, monkeypatch):
-    """ChatGLM3 writes a call `<|assistant|>name` then a `tool_call(k=v)` code block, GLM-4-9B `<|assistant|>name`
-    then JSON; the tool's result is an `<|observation|>` turn. The tools are offered as each version's demos and
-    fine-tuning data offer them: ChatGLM3 a first system turn of its tool prompt and the functions, GLM-4 the
-    system message's tools as sent."""
+    """ChatGLM3 writes a call `<|assistant|>name` then a `tool_call(k=v)` code block, GLM-4-9B and GLM-4-0414
+    `<|assistant|>name` then JSON; the tool's result is an `<|observation|>` turn. The tools are offered as each
+    version's demos and fine-tuning data offer them: ChatGLM3 a first system turn of its tool prompt and the
+    functions, GLM-4 the system message's tools as sent (GLM-4-0414's template takes them as its `tools`)."""
     arguments = "```python\ntool_call(city='北京')\n```" if version == "chatglm3" else '{"city": "北京"}'
     offered = ({"role": "system", "content": TOOL_PROMPT.rstrip("\n"), "tools": [WEATHER["function"]]}
                if version == "chatglm3" else {"role": "system", "content": "", "tools": [WEATHER]})

@@ -8,7 +8,7 @@ message is the user's, and every sampling default the export writes (GGUF `gener
 takes as its defaults; generation_config.json; the Modelfile's PARAMETERs) is greedy. A plain model directory
 keeps its version's template as released and the official chat()'s sampling.
 
-ChatGLM3-6B's and GLM-4-9B's templates also take tool conversations in OpenAI's form, as llama.cpp's
+ChatGLM3-6B's, GLM-4-9B's and GLM-4-0414's templates also take tool conversations in OpenAI's form, as llama.cpp's
 `llama-server --jinja` and transformers' `apply_chat_template(messages, tools=...)` pass them, and write the
 prompt serve.py writes for the same request (`tool_messages`): `tools` offered as serve.py offers them
 (`offer_tools`), an assistant's `tool_calls` as the messages the model writes for them (`metadata` the name,
@@ -130,22 +130,43 @@ _TOOL_FORMS = {  # version: (how tools are offered, how a call's arguments are w
     "chatglm3": (_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT", jinja_string(TOOL_PROMPT.removesuffix("\n"))),
                  _CHATGLM3_ARGUMENTS),
     "glm4": (_GLM4_OFFER.replace("\n", ""), _NO_FLOATS + _GLM4_ARGUMENTS),
+    "glm4-0414": ("", _NO_FLOATS + _GLM4_ARGUMENTS),  # its template writes the `tools` it is given itself
 }
+# GLM-4-0414: a first system message's tools (GLM-4's form, as serve.py offers them) are the template's `tools`.
+_LIFT_TOOLS = ("{%- if messages and messages[0]['tools'] is defined and messages[0]['tools'] and not (tools is defined "
+               "and tools) -%}{%- set tools = messages[0]['tools'] -%}{%- if messages[0]['content'] -%}"
+               "{%- set messages = [{'role': 'system', 'content': messages[0]['content']}] + messages[1:] -%}"
+               "{%- else -%}{%- set messages = messages[1:] -%}{%- endif -%}{%- endif -%}")
+# GLM-4-0414 with tools offered: the prompt ends at `<|assistant|>` (the model writes a call's name or a text answer's
+# "\n" there), not at the template's generation prompt; the template then writes no generation prompt of its own.
+_TOOL_PROMPT_END = "<|assistant|>"
+_CUT_GENERATION_PROMPT = ("{%- set tool_prompt = false -%}{%- if add_generation_prompt and tools is defined and tools -%}"
+                          "{%- set tool_prompt = true -%}{%- set add_generation_prompt = false -%}{%- endif -%}")
 
 
 def tool_messages(prompt_format) -> str:
     """The Jinja preamble that rewrites OpenAI-form tool conversations (`tools`, `tool_calls`, the `tool` role) into
-    the GLM form the version's template writes, as serve.py does; "" for a version without tool calls here."""
+    the GLM form the version's template writes, as serve.py does; "" for a version without tool calls here.
+    GLM-4-0414's also takes a first system message's tools as the template's own and holds back the template's
+    generation prompt where tools are offered (`tool_prompt_end`)."""
     if prompt_format.name not in _TOOL_FORMS:
         return ""
     offer, arguments = _TOOL_FORMS[prompt_format.name]
+    if prompt_format.name == "glm4-0414":
+        return _REFUSE + arguments + _LIFT_TOOLS + _GLM_MESSAGES.replace("OFFER", offer) + _CUT_GENERATION_PROMPT
     return _REFUSE + arguments + _GLM_MESSAGES.replace("OFFER", offer)
+
+
+def tool_prompt_end(prompt_format) -> str:
+    """What follows the template to end a GLM-4-0414 prompt with tools offered at `<|assistant|>`; "" otherwise."""
+    return "{%- if tool_prompt %}" + _TOOL_PROMPT_END + "{% endif -%}" if prompt_format.name == "glm4-0414" else ""
 
 
 def chat_template(prompt_format, tokenizer, instruction: str) -> str:
     """The Jinja chat template an export writes for a model of `prompt_format` asked with `instruction`: tool
     conversations in OpenAI's form rewritten first (`tool_messages`)."""
-    return with_instruction(tool_messages(prompt_format) + prompt_format.chat_template(tokenizer), instruction)
+    return with_instruction(tool_messages(prompt_format) + prompt_format.chat_template(tokenizer)
+                            + tool_prompt_end(prompt_format), instruction)
 
 
 def sampling(prompt_format, is_run: bool) -> SamplingOptions:

@@ -15,8 +15,9 @@ attached to its tokenizer class (`tokenizer.prompt_format`).
 Chat: ChatGLM2 takes (query, response) pairs, as ChatGLM-6B; ChatGLM3 and GLM-4 take role messages (the
 official `chat()` prompt: ChatGLM3's `build_chat_input`, GLM-4's chat template) and post-process the answer
 into messages and tool calls (`process_chat_response`). ChatGLM3 and GLM-4-9B write a tool call as
-`<|assistant|>name\n arguments` (a plain answer starts with "\n"); GLM-4-0414 and GLM-Edge have no such form
-(their templates' tool calls take another), so their answer is all content, every line of it.
+`<|assistant|>name\n arguments` (a plain answer starts with "\n"), and so does GLM-4-0414 where tools are offered
+(its template's form of a call: `metadata` the name); without tools a GLM-4-0414 answer is all content, every line
+of it, as a GLM-Edge answer always is (its template has no tool form).
 
 Outside the toolkit (export.py) the same prompts are Jinja chat templates whose text, tokenized with special
 tokens parsed (llama.cpp's `parse_special`, transformers' fast tokenizers), gives these ids:
@@ -352,18 +353,27 @@ class TemplateFormat(GLM4Format):
     template is followed as it is written: GLM-4-0414's begins with `[gMASK]<sop>`, GLM-Edge's with the first
     role token. A trained answer is the text the template writes between its generation prompt and an
     assistant message's content, then the answer, then `<|user|>`. GLM-Z1 thinks inside `<think>...</think>`:
-    a chat answer keeps what follows it. They write no first line naming a tool: an answer is all content."""
+    a chat answer keeps what follows it.
 
-    tool_calls = False
+    GLM-4-0414's template takes tools as its own `tools` argument (a system block before the messages) and writes
+    a call as an assistant message whose metadata names the tool, a result as an observation: GLM-4's fine-tuning
+    records (a system message's tools, calls, observations) render through it, each message alone as GLM-4's
+    script renders them, the tools as the template's. Where tools are offered, the model answers after
+    `<|assistant|>` (the template's generation prompt without what follows it), as it is trained on those rows:
+    a call's first line names the tool, a text answer starts with "\n". Without tools an answer is all content,
+    every line of it. GLM-Edge (`tool_refusal`) has no tool form: such records are refused."""
 
-    def __init__(self, name: str, title: str, ollama_template: str, tool_refusal: str):
+    def __init__(self, name: str, title: str, ollama_template: str, tool_refusal: str | None = None):
         self.name, self.title, self.ollama_template = name, title, ollama_template
         self.tool_refusal = tool_refusal  # why a conversation with tools, calls or observations is refused
+        self.tool_calls = tool_refusal is None
         self._leads: dict[str, str] = {}  # answer_lead_text by chat template
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """The template around the history and `prompt + text`; a text too long loses its end, whole characters
-        at a time, until the prompt fits `max_src_len` tokens."""
+        at a time, until the prompt fits `max_src_len` tokens; a conversation record: `dialogue_prompt`."""
+        if record.history is None and record.dialogue is not None:
+            return self.dialogue_prompt(tokenizer, record.dialogue, options.prompt), False
         history = [{"role": role, "content": content} for query, response in record.history or ()
                    for role, content in (("user", query), ("assistant", response))]
 
@@ -377,12 +387,40 @@ class TemplateFormat(GLM4Format):
         return ids, kept != record.text
 
     def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
-        """GLM-4's per-message rendering for user, assistant and system messages; tools, calls and observations are
-        refused (`tool_refusal`)."""
-        if turn.metadata or turn.tools or turn.role == "observation":
-            raise ValueError(f"{self.title}: {self.tool_refusal}; conversation records with tools train ChatGLM3-6B and "
-                             "GLM-4-9B")
-        return super().turn_ids(tokenizer, turn)
+        """GLM-4's per-message rendering; a system turn's tools as the template's `tools` (its block, then the
+        system message where it has text). Without a tool form, tools, calls and observations are refused."""
+        if self.tool_refusal and (turn.metadata or turn.tools or turn.role == "observation"):
+            raise ValueError(f"{self.title}: {self.tool_refusal}; conversation records with tools train ChatGLM3-6B, "
+                             "GLM-4-9B and GLM-4-0414")
+        if not turn.tools:
+            return super().turn_ids(tokenizer, turn)
+        system = [{"role": "system", "content": turn.content}] if turn.content else []
+        after = [{"role": "user", "content": ""}]  # a template renders no empty conversation: a message, cut off below
+        ids = self.chat_ids(tokenizer, system + after, generation_prompt=False, tools=list(turn.tools))
+        prefix = tokenizer.get_prefix_tokens()
+        tail = self.chat_ids(tokenizer, after, generation_prompt=False)[len(prefix):]
+        if ids[len(ids) - len(tail):] != tail:
+            raise ValueError(f"{self.title}'s chat template writes a message after its tools otherwise than alone")
+        ids = ids[:len(ids) - len(tail)]
+        return ids[len(prefix):] if ids[:len(prefix)] == prefix else ids
+
+    def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        """The template's render; a first system message's `tools` (GLM-4's form, `offer_tools`) are passed as the
+        template's `tools` (the message itself kept where it has text). With tools the prompt ends at
+        `<|assistant|>`, where the model writes a call's name or a text answer's "\n"."""
+        if messages and messages[0].get("role") == "system" and "tools" in messages[0]:
+            first, *rest = messages
+            tools = first["tools"]
+            messages = [{k: v for k, v in first.items() if k != "tools"}, *rest] if first.get("content") else rest
+        if not tools or not self.tool_calls:
+            return super().chat_ids(tokenizer, messages, generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=False, tools=tools)
+        except TemplateError as err:
+            raise ValueError(f"{self.title}'s chat template: {err}") from None
+        return ids + [tokenizer.get_command("<|assistant|>")] if generation_prompt else ids
 
     def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
         ids = tokenizer.encode_text(self.answer_lead_text(tokenizer) + answer)
@@ -404,9 +442,19 @@ class TemplateFormat(GLM4Format):
         return before[len(prompt):]
 
     def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
-        """Each segment after the reasoning (what a GLM-Z1 answer writes after `</think>`), stripped, is an
+        """Each segment after the reasoning (what a GLM-Z1 answer writes after `</think>`): with a tool form, GLM-4's
+        reading (a call only where the first line names a tool the system message declares); else, stripped, an
         assistant message's content, every line of it."""
-        return process_chat_response([text.rpartition("</think>")[2] for text in texts], history, None, None)
+        segments = [text.rpartition("</think>")[2] for text in texts]
+        return process_chat_response(segments, history, None, self.tool_call if self.tool_calls else None)
+
+    def tool_call_lead(self, tokenizer, name: str) -> list[int]:
+        """The call's first line as the template writes it between `<|assistant|>` and the arguments."""
+        if not self.tool_calls:
+            return super().tool_call_lead(tokenizer, name)
+        mark = "\ue0f0"  # a private-use character, never in a template
+        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": mark}], tokenize=False)
+        return tokenizer.encode_text(text[: text.index(mark)].rpartition("<|assistant|>")[2])
 
 
 def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str | None,
@@ -441,9 +489,7 @@ def process_chat_response(segments: Sequence[str], history: Sequence[dict], trai
 CHATGLM2, CHATGLM3, GLM4 = ChatGLM2Format(), ChatGLM3Format(), GLM4Format()
 # ollama's templates of the released chat templates: GLM-4-0414's ends its generation prompt with "\n".
 GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT
-                           + "{{ end }}<|assistant|>\n",
-                           "its chat template writes tools and calls in a form of its own (a tools list before the "
-                           "messages, a call as an assistant turn's metadata), which conversation records do not train yet")
+                           + "{{ end }}<|assistant|>\n")
 GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
                           "its chat template has no tool form (it writes system, user and assistant messages only)")
 FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE)}  # the versions of this family, by name

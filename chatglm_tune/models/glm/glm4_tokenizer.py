@@ -380,11 +380,19 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
     return load_glm4_tokenizer(output_dir)
 
 
-# The chat templates of the released GLM-4-0414 and GLM-Edge directories without their tool prompts (a tiny
-# tokenizer has none): GLM-4-0414's starts with `[gMASK]<sop>` and ends its generation prompt with "\n"; GLM-Edge's
-# starts with the first role token and always ends with `<|assistant|>`.
+# The chat templates of the released GLM-4-0414 and GLM-Edge directories, in small: GLM-4-0414's starts with
+# `[gMASK]<sop>`, writes the `tools` it is given as a system block before the messages (the release's "# 可用工具"
+# with each function as indented JSON), a call as an assistant message whose `metadata` names the tool
+# (`<|assistant|>name` "\n" arguments), a result as an `observation`, and ends its generation prompt with "\n";
+# GLM-Edge's starts with the first role token, has no tool form and always ends with `<|assistant|>`.
 RELEASED_CHAT_TEMPLATES = {
-    "glm4-0414": ("[gMASK]<sop>{%- for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{%- endfor %}"
+    "glm4-0414": ("[gMASK]<sop>{%- if tools -%}<|system|>\n# 可用工具{%- for tool in tools -%}"
+                  "{%- set function = tool['function'] if tool['function'] is defined else tool -%}"
+                  "{{ '\\n\\n## ' ~ function['name'] ~ '\\n\\n' ~ (function | tojson(indent=4)) }}"
+                  "{{ '\\n在调用上述函数时，请使用 Json 格式表示调用的参数。' }}{%- endfor -%}{%- endif -%}"
+                  "{%- for m in messages %}{%- if m['role'] == 'assistant' and m['metadata'] is defined and m['metadata'] %}"
+                  "<|assistant|>{{ m['metadata'] }}\n{{ m['content'] }}"
+                  "{%- else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{%- endif %}{%- endfor %}"
                   "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"),
     "glm-edge": ("{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"
                  "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}{% elif item['role'] == 'assistant' %}"
