@@ -213,7 +213,7 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
     """Load, train, and say where the model is."""
     import torch
 
-    from chatglm_tune import heap
+    from chatglm_tune import heap, rundir
     from chatglm_tune.metrics import format_score
     from chatglm_tune.training import TrainingError, prepare_model, train
 
@@ -227,6 +227,8 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
         summary = train(model, tokenizer, train_records, dev_records, args.output_dir, options,
                         record=record, resume=args.resume, bad_records=bad_records)
     except (ValueError, FileNotFoundError, TrainingError) as e:
+        if not args.resume:
+            rundir.discard_unrecorded(args.output_dir)
         return fail(e)
     score = "n/a" if summary["best_f1"] is None else format_score(summary["best_f1"], any(r.response is not None for r in dev_records))
     print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {score}, model in {args.output_dir}")

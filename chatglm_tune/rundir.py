@@ -131,7 +131,20 @@ def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, ove
     if read_run_args(output_dir) is None:
         raise RunDirectoryError(f"--overwrite: {output_dir} is not a train.py run directory (no {RUN_ARGS}); "
                                 "remove it yourself if it should go")
-    for entry in output_dir.iterdir():
+    _empty(output_dir)
+
+
+def discard_unrecorded(output_dir: Path) -> None:
+    """After a run that failed before it recorded itself (no run_args.json): the files it wrote (a tiny model's
+    tokenizer) go, so that the same command, fixed, runs again. `prepare_output_dir` let the run into an empty
+    directory only, so they are all its own."""
+    output_dir = Path(output_dir)
+    if output_dir.is_dir() and read_run_args(output_dir) is None:
+        _empty(output_dir)
+
+
+def _empty(directory: Path) -> None:
+    for entry in directory.iterdir():
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 

@@ -78,6 +78,21 @@ def test_a_file_of_only_bad_records_says_so(tmp_path):
     assert done.returncode == 2 and "no training records (skipped 2 bad record(s)" in done.stderr
 
 
+def test_a_run_that_fails_before_it_starts_leaves_its_directory_empty(tmp_path):
+    """A tiny model's tokenizer is written before the rows are built: a row that cannot be built fails the run, and
+    what it wrote goes, so the same command, fixed, runs again (it was refused as "not a train.py run directory")."""
+    data = tmp_path / "chat.jsonl"
+    long = {"messages": [{"role": "user", "content": "你好" * 40}, {"role": "assistant", "content": "好"}]}
+    data.write_text(json.dumps(long, ensure_ascii=False) + "\n", encoding="utf-8")
+    out = tmp_path / "r"
+    args = ["train.py", "--model", "tiny-glm4", "--tuning", "full", "--train-file", data, "--output-dir", out,
+            "--max-steps", 1, "--max-src-len", 16]
+    done = cli(*args, "--max-len", 20)
+    assert done.returncode == 2 and "cuts it before any trained token" in done.stderr and "Traceback" not in done.stderr
+    assert not any(out.iterdir())
+    ok(cli(*args, "--max-len", 200))
+
+
 # 2. Runs into existing directories
 
 
