@@ -278,6 +278,15 @@ def test_a_conversation_cut_at_max_len_is_counted_and_one_cut_before_any_answer_
         encode_record(record, tok, EncodingOptions(prompt="", max_src_len=first_label - 2, max_len=first_label))
 
 
+def test_a_conversation_with_nothing_to_train_says_so(tokenizers, tmp_path):
+    """GLM-4's template writes nothing for an empty assistant message (an SPO text without triples): the row has no
+    trained token, whatever max_len; it was reported as cut by max_len."""
+    record = record_of(tmp_path, {"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": ""}]})
+    with pytest.raises(ValueError, match="no token of the conversation is trained: its assistant turns with a loss are "
+                                         "empty, and GLM-4's chat template writes nothing"):
+        encode_record(record, tokenizers["glm4"], WIDE)
+
+
 def test_the_shipped_tool_sets_are_the_scripts_output_in_both_forms(tmp_path):
     """data/make_tools.py writes data/tools_* (ChatGLM3's conversations) and data/tools_glm4_* (GLM-4's messages):
     the same conversations, every record valid, each dev record ending with its gold call."""

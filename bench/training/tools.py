@@ -2,7 +2,8 @@
 through serve.py with the official openai client, and its GGUF export's chat template rendered by llama.cpp.
 
 For each version (ChatGLM3-6B on `data/tools_{train,dev}.jsonl`, ChatGLM3's tools + conversations; GLM-4-9B on
-`data/tools_glm4_{train,dev}.jsonl`, GLM-4's messages), from scratch in a work directory:
+`data/tools_glm4_{train,dev}.jsonl`, GLM-4's messages; `--versions glm4-0414` too: GLM-4's messages in its own chat
+template's form), from scratch in a work directory:
 1. `train.py --model tiny-<version> --tuning full` on the train file, the dev file evaluated every `--eval-every`
    steps (metrics.jsonl: the first step whose dev tool-call exact match reached the target); the versions train at
    once, a thread each;
@@ -36,7 +37,9 @@ from bench.serve.serve_servers import Server, find_llama_server, free_port, tool
 
 TARGET = 0.9
 DATA = {"chatglm3": ("data/tools_train.jsonl", "data/tools_dev.jsonl"),
-        "glm4": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}
+        "glm4": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl"),
+        "glm4-0414": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}  # GLM-4's records, its template's form
+DEFAULT_VERSIONS = ["chatglm3", "glm4"]
 # a conversation of the set is under 700 tokens of the tiny tokenizers (each character about one)
 TRAIN_FLAGS = ["--tuning", "full", "--max-src-len", "700", "--max-len", "800"]
 
@@ -154,7 +157,7 @@ def measure(version: str, train_s: float, args, work: Path) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--versions", nargs="+", choices=sorted(DATA), default=sorted(DATA))
+    p.add_argument("--versions", nargs="+", choices=sorted(DATA), default=DEFAULT_VERSIONS)
     p.add_argument("--max-steps", type=int, default=1200, help="training steps of each tiny model")
     p.add_argument("--eval-every", type=int, default=200, help="steps between dev evaluations")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, PATH)")

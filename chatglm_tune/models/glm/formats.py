@@ -159,6 +159,9 @@ class _RoleFormat(_GLMFormat):
             carried += [turn.loss] * len(block)
         ids.append(self.end_id(tokenizer))
         labels = [IGNORE_INDEX] + [token if loss else IGNORE_INDEX for token, loss in zip(ids[1:], carried)]
+        if all(label == IGNORE_INDEX for label in labels):
+            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained: its assistant turns with a "
+                             f"loss are empty, and {self.title}'s chat template writes nothing for an empty message")
         if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
             raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len {options.max_len} cuts "
                              f"it before any trained token: raise --max-len to {len(ids)} or more")
