@@ -97,7 +97,7 @@ def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work
     from chatglm_tune.options import EncodingOptions
     from chatglm_tune.records import read_records
 
-    out = work / "gguf"
+    out = work / f"gguf-{run.name}"  # one export a version
     run_python("export.py", run, out, "--format", "gguf", "--type", "f16", "--name", "tools")
     gguf = next(out.glob("*.gguf"))
     port = free_port()
