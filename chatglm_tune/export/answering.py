@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import keyword
 import unicodedata
+from dataclasses import dataclass
 
 from chatglm_tune.dialogues import TOOL_PROMPT
 from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
@@ -126,22 +127,36 @@ _CHATGLM3_OFFER = r"""{%- set functions = namespace(list=[]) -%}
 _GLM4_OFFER = r"""{%- if glm.messages and glm.messages[0]['role'] == 'system' -%}
 {%- set glm.messages = [{'role': 'system', 'content': glm.messages[0]['content'], 'tools': tools}] + glm.messages[1:] -%}
 {%- else -%}{%- set glm.messages = [{'role': 'system', 'content': '', 'tools': tools}] + glm.messages -%}{%- endif -%}"""
-_TOOL_FORMS = {  # version: (how tools are offered, how a call's arguments are written)
-    "chatglm3": (_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT", jinja_string(TOOL_PROMPT.removesuffix("\n"))),
-                 _CHATGLM3_ARGUMENTS),
-    "glm4": (_GLM4_OFFER.replace("\n", ""), _NO_FLOATS + _GLM4_ARGUMENTS),
-    "glm4-0414": ("", _NO_FLOATS + _GLM4_ARGUMENTS),  # its template writes the `tools` it is given itself
-}
 # GLM-4-0414: a first system message's tools (GLM-4's form, as serve.py offers them) are the template's `tools`.
 _LIFT_TOOLS = ("{%- if messages and messages[0]['tools'] is defined and messages[0]['tools'] and not (tools is defined "
                "and tools) -%}{%- set tools = messages[0]['tools'] -%}{%- if messages[0]['content'] -%}"
                "{%- set messages = [{'role': 'system', 'content': messages[0]['content']}] + messages[1:] -%}"
                "{%- else -%}{%- set messages = messages[1:] -%}{%- endif -%}{%- endif -%}")
 # GLM-4-0414 with tools offered: the prompt ends at `<|assistant|>` (the model writes a call's name or a text answer's
-# "\n" there), not at the template's generation prompt; the template then writes no generation prompt of its own.
-_TOOL_PROMPT_END = "<|assistant|>"
-_CUT_GENERATION_PROMPT = ("{%- set tool_prompt = false -%}{%- if add_generation_prompt and tools is defined and tools -%}"
-                          "{%- set tool_prompt = true -%}{%- set add_generation_prompt = false -%}{%- endif -%}")
+# "\n" there), not at the template's generation prompt, which the template then does not write.
+_HOLD_GENERATION_PROMPT = ("{%- set tool_prompt = false -%}{%- if add_generation_prompt and tools is defined and tools -%}"
+                           "{%- set tool_prompt = true -%}{%- set add_generation_prompt = false -%}{%- endif -%}")
+_TOOL_PROMPT_END = "{%- if tool_prompt %}<|assistant|>{% endif -%}"
+
+
+@dataclass(frozen=True)
+class ToolForm:
+    """How a version's exported template takes OpenAI-form tool conversations."""
+
+    offer: str  # how tools are offered (Jinja run with `glm.messages` built)
+    arguments: str  # the `_arguments` macro: how a call's arguments are written
+    before: str = ""  # Jinja run first, on the messages as sent
+    after: str = ""  # Jinja run after the rewrite, before the template
+    end: str = ""  # Jinja after the template
+
+
+_TOOL_FORMS = {
+    "chatglm3": ToolForm(_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT", jinja_string(TOOL_PROMPT.removesuffix("\n"))),
+                         _CHATGLM3_ARGUMENTS),
+    "glm4": ToolForm(_GLM4_OFFER.replace("\n", ""), _NO_FLOATS + _GLM4_ARGUMENTS),
+    # its template writes the `tools` it is given itself
+    "glm4-0414": ToolForm("", _NO_FLOATS + _GLM4_ARGUMENTS, _LIFT_TOOLS, _HOLD_GENERATION_PROMPT, _TOOL_PROMPT_END),
+}
 
 
 def tool_messages(prompt_format) -> str:
@@ -149,17 +164,16 @@ def tool_messages(prompt_format) -> str:
     the GLM form the version's template writes, as serve.py does; "" for a version without tool calls here.
     GLM-4-0414's also takes a first system message's tools as the template's own and holds back the template's
     generation prompt where tools are offered (`tool_prompt_end`)."""
-    if prompt_format.name not in _TOOL_FORMS:
+    form = _TOOL_FORMS.get(prompt_format.name)
+    if form is None:
         return ""
-    offer, arguments = _TOOL_FORMS[prompt_format.name]
-    if prompt_format.name == "glm4-0414":
-        return _REFUSE + arguments + _LIFT_TOOLS + _GLM_MESSAGES.replace("OFFER", offer) + _CUT_GENERATION_PROMPT
-    return _REFUSE + arguments + _GLM_MESSAGES.replace("OFFER", offer)
+    return _REFUSE + form.arguments + form.before + _GLM_MESSAGES.replace("OFFER", form.offer) + form.after
 
 
 def tool_prompt_end(prompt_format) -> str:
-    """What follows the template to end a GLM-4-0414 prompt with tools offered at `<|assistant|>`; "" otherwise."""
-    return "{%- if tool_prompt %}" + _TOOL_PROMPT_END + "{% endif -%}" if prompt_format.name == "glm4-0414" else ""
+    """What follows the template (GLM-4-0414: a prompt with tools offered ends at `<|assistant|>`); "" otherwise."""
+    form = _TOOL_FORMS.get(prompt_format.name)
+    return "" if form is None else form.end
 
 
 def chat_template(prompt_format, tokenizer, instruction: str) -> str:
