@@ -43,6 +43,7 @@ from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, Encodin
 from chatglm_tune.records import SPORecord
 
 
+_MARK = "\ue0f0"  # a private-use character, never in a template: where a message's content goes in a render
 # ollama's Go template: `$last` marks the message the model answers; INSTRUCTION is a run's instruction.
 _GO_LOOP = "{{- range $i, $m := .Messages }}{{- $last := eq (len (slice $.Messages $i)) 1 }}"
 _GO_CONTENT = "{{ if and $last (eq $m.Role \"user\") }}INSTRUCTION{{ end }}{{ $m.Content }}"
@@ -318,7 +319,12 @@ class GLM4Format(_RoleFormat):
         fine-tuning script's `apply_chat_template([message])[2:]`)."""
         message = {"role": turn.role, "content": turn.content, **({"metadata": turn.metadata} if turn.metadata else {}),
                    **({"tools": list(turn.tools)} if turn.tools else {})}
-        ids, prefix = self.chat_ids(tokenizer, [message], generation_prompt=False), tokenizer.get_prefix_tokens()
+        return self.without_prefix(tokenizer, self.chat_ids(tokenizer, [message], generation_prompt=False))
+
+    @staticmethod
+    def without_prefix(tokenizer, ids: list[int]) -> list[int]:
+        """`ids` without the `[gMASK] <sop>` a render begins with (a template that writes none: as they are)."""
+        prefix = tokenizer.get_prefix_tokens()
         return ids[len(prefix):] if ids[:len(prefix)] == prefix else ids
 
     def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
@@ -399,23 +405,24 @@ class TemplateFormat(GLM4Format):
             return super().turn_ids(tokenizer, turn)
         system = [{"role": "system", "content": turn.content}] if turn.content else []
         after = [{"role": "user", "content": ""}]  # a template renders no empty conversation: a message, cut off below
-        ids = self.chat_ids(tokenizer, system + after, generation_prompt=False, tools=list(turn.tools))
-        prefix = tokenizer.get_prefix_tokens()
-        tail = self.chat_ids(tokenizer, after, generation_prompt=False)[len(prefix):]
+        ids = self.without_prefix(tokenizer, self.chat_ids(tokenizer, system + after, generation_prompt=False,
+                                                          tools=list(turn.tools)))
+        tail = self.without_prefix(tokenizer, self.chat_ids(tokenizer, after, generation_prompt=False))
         if ids[len(ids) - len(tail):] != tail:
             raise ValueError(f"{self.title}'s chat template writes a message after its tools otherwise than alone")
-        ids = ids[:len(ids) - len(tail)]
-        return ids[len(prefix):] if ids[:len(prefix)] == prefix else ids
+        return ids[:len(ids) - len(tail)]
 
     def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """The template's render; a first system message's `tools` (GLM-4's form, `offer_tools`) are passed as the
         template's `tools` (the message itself kept where it has text). With tools the prompt ends at
         `<|assistant|>`, where the model writes a call's name or a text answer's "\n"."""
+        if not self.tool_calls:
+            return super().chat_ids(tokenizer, messages, generation_prompt)
         if messages and messages[0].get("role") == "system" and "tools" in messages[0]:
             first, *rest = messages
             tools = first["tools"]
             messages = [{k: v for k, v in first.items() if k != "tools"}, *rest] if first.get("content") else rest
-        if not tools or not self.tool_calls:
+        if not tools:
             return super().chat_ids(tokenizer, messages, generation_prompt)
         from jinja2 import TemplateError
 
@@ -433,11 +440,10 @@ class TemplateFormat(GLM4Format):
     def answer_lead_text(self, tokenizer) -> str:
         """What the template writes after its generation prompt and before an assistant message's content
         (GLM-Edge: "\n"; a template whose generation prompt ends with "\n": nothing)."""
-        mark = "\ue0f0"  # a private-use character, never in a template
         user = {"role": "user", "content": "q"}
         prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
-        turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": mark}], tokenize=False)
-        before = turn[: turn.index(mark)]
+        turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _MARK}], tokenize=False)
+        before = turn[: turn.index(_MARK)]
         if not before.startswith(prompt):
             raise ValueError(f"{self.title}'s chat template does not continue its generation prompt {prompt[-40:]!r} "
                              f"with the assistant's message ({before[-40:]!r})")
@@ -455,9 +461,8 @@ class TemplateFormat(GLM4Format):
         """The call's first line as the template writes it between `<|assistant|>` and the arguments."""
         if not self.tool_calls:
             return super().tool_call_lead(tokenizer, name)
-        mark = "\ue0f0"  # a private-use character, never in a template
-        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": mark}], tokenize=False)
-        return tokenizer.encode_text(text[: text.index(mark)].rpartition("<|assistant|>")[2])
+        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": _MARK}], tokenize=False)
+        return tokenizer.encode_text(text[: text.index(_MARK)].rpartition("<|assistant|>")[2])
 
 
 def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str | None,
