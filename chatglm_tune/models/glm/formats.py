@@ -439,7 +439,9 @@ class TemplateFormat(GLM4Format):
 
     def answer_lead_text(self, tokenizer) -> str:
         """What the template writes after its generation prompt and before an assistant message's content
-        (GLM-Edge: "\n"; a template whose generation prompt ends with "\n": nothing)."""
+        (GLM-Edge: "\n"; a template whose generation prompt ends with "\n": nothing). Read once a template."""
+        if tokenizer.chat_template in self._leads:
+            return self._leads[tokenizer.chat_template]
         user = {"role": "user", "content": "q"}
         prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
         turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _MARK}], tokenize=False)
