@@ -245,11 +245,11 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 # --model NAME: a random tiny model of that version
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4", "tiny-glm4-0414": "glm4-0414",
-                "tiny-glm-edge": "glm-edge"}
+                "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47-flash": "glm4-moe-lite"}
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
-                   "tiny-glm-edge": 3200}  # budget_steps of each tiny preset
+                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}  # budget_steps of each preset
 
 
 def threads_from_environment() -> int | None:

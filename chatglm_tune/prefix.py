@@ -48,19 +48,24 @@ class PrefixEncoder(nn.Module):
 
 
 def prefix_key_values(encoder: PrefixEncoder, dropout: nn.Module, num_layers: int, heads: int, head_dim: int,
-                      batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (key, value), each [b, heads, P, head_dim] in `dtype` (the cache layout).
+                      batch_size: int, dtype: torch.dtype, value_dim: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (key, value), [b, heads, P, head_dim] and [b, heads, P, value_dim] (default head_dim) in `dtype`
+    (the cache layout).
 
-    Channel `((2 * layer + kv) * heads + head) * head_dim + d` of the encoder output is element `d` of
-    head `head` of the key (kv=0) or value (kv=1) of `layer`, as in the official `get_prompt`. One
-    dropout mask covers keys and values alike.
+    Each layer's channels are its key's heads then its value's: with equal widths, channel
+    `((2 * layer + kv) * heads + head) * head_dim + d` of the encoder output is element `d` of head `head` of the
+    key (kv=0) or value (kv=1) of `layer`, as in the official `get_prompt`. One dropout mask covers keys and values
+    alike. (A latent-attention cache holds another pair per layer: the key/value latent and the rotary key.)
     """
+    value_dim = head_dim if value_dim is None else value_dim
     weight = encoder.embedding.weight
     p = weight.shape[0]
     tokens = torch.arange(p, device=weight.device).expand(batch_size, p)
-    kv = dropout(encoder(tokens).to(dtype))  # [b, P, W]
-    kv = kv.view(batch_size, p, 2 * num_layers, heads, head_dim).permute(2, 0, 3, 1, 4)  # [2L, b, heads, P, hd]
-    return [(kv[2 * layer], kv[2 * layer + 1]) for layer in range(num_layers)]
+    kv = dropout(encoder(tokens).to(dtype)).view(batch_size, p, num_layers, heads * (head_dim + value_dim))
+    keys, values = kv.split([heads * head_dim, heads * value_dim], dim=-1)
+    keys = keys.reshape(batch_size, p, num_layers, heads, head_dim).permute(2, 0, 3, 1, 4)  # [L, b, heads, P, hd]
+    values = values.reshape(batch_size, p, num_layers, heads, value_dim).permute(2, 0, 3, 1, 4)
+    return [(keys[layer], values[layer]) for layer in range(num_layers)]
 
 
 def seed_cache(cache: Cache, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:

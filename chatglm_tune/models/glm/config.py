@@ -1,5 +1,6 @@
 """ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B config.json <-> transformers' `GlmConfig`, and which version a config is
-(GLM-4-0414 and GLM-Edge too, whose config.json is transformers' own: `transformers_form`).
+(GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash too, whose config.json is transformers' own:
+`transformers_form`).
 
 The official `configuration_chatglm.py` of all three names its fields Megatron-style (`num_layers`,
 `padded_vocab_size`, `kv_channels`, `multi_query_group_num`, `ffn_hidden_size`, `layernorm_epsilon`,
@@ -25,7 +26,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import GlmConfig
+from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig
 
 from chatglm_tune.checkpoint import CheckpointError, read_config_file
 from chatglm_tune.models.glm.formats import FORMATS
@@ -37,15 +38,37 @@ FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4
 # quantization swaps for `quant.modules.QuantizedLinear`s (the attention and MLP Linears).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
 QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+# The mixture-of-experts versions: the dense and shared-expert MLPs have a gate, an up and a down Linear; the
+# routed experts are 3D weights (`quant.experts`); GLM-4.7-Flash's latent attention has its own projections.
+MOE_QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LATENT_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+LATENT_QUANTIZABLE_LINEARS = (*LATENT_LORA_TARGETS, "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantizable_linears(version: str) -> tuple[str, ...]:
+    """The Linears INT8 / INT4 swaps in a version's blocks (its routed experts are `quant.experts`' business)."""
+    return {"glm4-moe": MOE_QUANTIZABLE_LINEARS, "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
 GLM4_VOCAB = 151552
 GLM4_PROMPT_START = "[gMASK]<sop>"  # how GLM-4's chat template begins every prompt (GLM-Edge's does not)
 # The versions whose released form is transformers' own (config.json's `model_type`, transformers' key
 # names), with the transformers class they are: their own directories are written back in that form.
-TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm"}
-# transformers' config fields that map one to one (`transformers_form`).
-GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "hidden_act", "attention_dropout", "max_position_embeddings",
-              "rms_norm_eps", "attention_bias", "pad_token_id")
+TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm", "glm4-moe": "glm4_moe", "glm4-moe-lite": "glm4_moe_lite"}
+# config.json's model_type -> (architecture, its fields written by `transformers_form`)
+_COMMON_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "hidden_act", "attention_dropout", "max_position_embeddings",
+                  "rms_norm_eps", "attention_bias", "pad_token_id")
+GLM_FIELDS = (*_COMMON_FIELDS, "head_dim")
+_EXPERT_FIELDS = ("moe_intermediate_size", "num_experts_per_tok", "n_shared_experts", "n_routed_experts",
+                  "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+ARCHITECTURES = {
+    "glm": ("GlmForCausalLM", GLM_FIELDS),
+    "glm4": ("Glm4ForCausalLM", GLM_FIELDS),
+    "glm4_moe": ("Glm4MoeForCausalLM", (*GLM_FIELDS, *_EXPERT_FIELDS, "first_k_dense_replace", "use_qk_norm",
+                                        "num_nextn_predict_layers")),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", (*_COMMON_FIELDS, *_EXPERT_FIELDS, "kv_lora_rank", "q_lora_rank",
+                                                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                                                 "mlp_layer_types", "num_nextn_predict_layers")),
+}
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
 # lacks it), read by `glm_config` and written back by `official_config` in this order.
@@ -92,8 +115,9 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str | None
     """"chatglm2", "chatglm3", "glm4", "glm4-0414" or "glm-edge" for a config.json dict of this family (and its
     directory), else None.
 
-    transformers' own forms name their class: `model_type: glm4` is GLM-4-0414 (`Glm4ForCausalLM`);
-    `model_type: glm` is glm-4-9b-chat-hf or GLM-Edge (`glm_type_version`).
+    transformers' own forms name their class: `model_type: glm4` is GLM-4-0414 (`Glm4ForCausalLM`), `glm4_moe`
+    GLM-4.5 / 4.6 / 4.7, `glm4_moe_lite` GLM-4.7-Flash; `model_type: glm` is glm-4-9b-chat-hf or GLM-Edge
+    (`glm_type_version`).
     ChatGLM-6B says `model_type: chatglm` too, so the fields decide: this family has
     `multi_query_group_num` / `kv_channels`. GLM-4 has a list of eos ids and a 151552 vocab.
     ChatGLM2 and ChatGLM3 are one architecture with one SentencePiece model, and their config.json files
@@ -103,8 +127,9 @@ def detect_version(raw: dict, directory: str | Path | None = None) -> str | None
     `build_chat_input`); and last `transformers_version` (THUDM wrote ChatGLM2-6B's with 4.27.1, ChatGLM3's
     with 4.30 and later). Only the prompt format depends on the answer; the model is the same.
     """
-    if raw.get("model_type") == "glm4":
-        return "glm4-0414"
+    released = {model_type: version for version, model_type in TRANSFORMERS_FORMS.items() if model_type != "glm"}
+    if raw.get("model_type") in released:
+        return released[raw["model_type"]]
     if raw.get("model_type") == "glm":
         return glm_type_version(raw, directory)
     if not all(k in raw for k in FAMILY_FIELDS):
@@ -202,25 +227,40 @@ def mismatch_hint(theirs: str | None, ours: str, source) -> str:
             f'is wrong, add "chatglm_version": "{ours}" to it)')
 
 
-class ChatGLMFamilyConfig(GlmConfig):
-    """transformers' `GlmConfig`, under a class of ours so that the Auto classes map it to our model
-    (`auto.py`): ChatGLM2/3 and GLM-4 checkpoints need their official key map and the P-tuning prefix.
-    Its model_type is the official config.json's, `chatglm` (transformers' `glm` would pick its own
-    tokenizer for a run directory)."""
+class _FamilyConfig:
+    """What this family's config classes add to transformers' own: `model_type: chatglm` (the official
+    config.json's: transformers' own type would pick its own classes for a run directory), and `from_dict`."""
 
     model_type = "chatglm"
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """An official config.json (ChatGLM2/3 and GLM-4 keys: `padded_vocab_size`, ...) or one in transformers'
-        form (`model_type` glm / glm4) reads as `glm_config` makes it, with its version, as `AutoConfig` reads it
-        (peft's save compares the vocabulary size of the base this way); other fields read as `GlmConfig` reads
-        them."""
-        if "padded_vocab_size" not in config_dict and config_dict.get("model_type") not in ("glm", "glm4"):
+        form (`TRANSFORMERS_FORMS`) reads as `glm_config` makes it, with its version, as `AutoConfig` reads it
+        (peft's save compares the vocabulary size of the base this way); other fields read as transformers' class
+        reads them."""
+        if "padded_vocab_size" not in config_dict and config_dict.get("model_type") not in ARCHITECTURES:
             return super().from_dict(config_dict, **kwargs)
         config = glm_config(config_dict, version=read_version(config_dict))
         return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
             else config
+
+
+class ChatGLMFamilyConfig(_FamilyConfig, GlmConfig):
+    """transformers' `GlmConfig`, under a class of ours so that the Auto classes map it to our model
+    (`auto.py`): ChatGLM2/3 and GLM-4 checkpoints need their official key map and the P-tuning prefix."""
+
+
+class ChatGLMMoeConfig(_FamilyConfig, Glm4MoeConfig):
+    """transformers' `Glm4MoeConfig` (GLM-4.5 / 4.6 / 4.7), under a class of ours."""
+
+
+class ChatGLMMoeLiteConfig(_FamilyConfig, Glm4MoeLiteConfig):
+    """transformers' `Glm4MoeLiteConfig` (GLM-4.7-Flash), under a class of ours."""
+
+
+CONFIG_CLASSES = {"glm": ChatGLMFamilyConfig, "glm4": ChatGLMFamilyConfig, "glm4_moe": ChatGLMMoeConfig,
+                  "glm4_moe_lite": ChatGLMMoeLiteConfig}  # by config.json's model_type
 
 
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
@@ -230,7 +270,7 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
     """
     if version not in FORMATS:
         raise CheckpointError(f"{version!r} is not a version of this model (one of {', '.join(FORMATS)})")
-    if raw.get("model_type") in ("glm", "glm4"):
+    if raw.get("model_type") in ARCHITECTURES:
         return _hf_config(raw, version, pre_seq_len, prefix_projection)
     missing = [official for official, _, default in _FIELDS if default is _REQUIRED and official not in raw]
     if missing:
@@ -259,8 +299,9 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefi
 
 
 def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projection: bool | None) -> GlmConfig:
-    """transformers' own form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge): its fields as they are, plus our
-    P-tuning settings. (`Glm4Config` holds the same fields as `GlmConfig`: one config class serves both.)"""
+    """transformers' own form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge, the mixture-of-experts versions): its fields
+    as they are, plus our P-tuning settings. (`Glm4Config` holds the same fields as `GlmConfig`: one config class
+    serves both.)"""
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "model_type")}
     fields["pre_seq_len"] = fields.get("pre_seq_len") if pre_seq_len is None else pre_seq_len
     fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None else prefix_projection)
@@ -269,23 +310,25 @@ def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projecti
     fields.update(stored_format(raw))
     fields.pop("torch_dtype", None)  # the compute dtype is the loader's choice
     fields.pop("dtype", None)
-    config = ChatGLMFamilyConfig(**fields)
+    config = CONFIG_CLASSES[raw["model_type"]](**fields)
     if config.tie_word_embeddings:
         raise CheckpointError(f"config.json ties the embeddings to the head: {FORMATS[version].title} never does")
     return config
 
 
 def transformers_form(config: GlmConfig, dtype: torch.dtype | None = None, *, toolkit_fields: bool = True) -> dict:
-    """config.json in transformers' own form: `GlmForCausalLM` (`model_type: glm`), or `Glm4ForCausalLM`
-    (`glm4`) for GLM-4-0414; `rope_theta` and `partial_rotary_factor` also at the top level, where transformers 4
-    reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type: glm`),
+    """config.json in transformers' own form: `GlmForCausalLM` (`model_type: glm`), or the class of the version's
+    `TRANSFORMERS_FORMS` (`ARCHITECTURES`); `rope_theta` and `partial_rotary_factor` also at the top level, where
+    transformers 4 reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type: glm`),
     P-tuning settings and INT format where set; without them, what any transformers reads (export)."""
     model_type = TRANSFORMERS_FORMS.get(config.chatglm_version, "glm")
+    architecture, fields = ARCHITECTURES[model_type]
     rope = dict(config.rope_parameters)
-    out = {"architectures": ["Glm4ForCausalLM" if model_type == "glm4" else "GlmForCausalLM"], "model_type": model_type,
-           **{k: getattr(config, k) for k in GLM_FIELDS}, "eos_token_id": config.eos_token_id, "tie_word_embeddings": False,
-           "rope_parameters": rope, "rope_theta": rope["rope_theta"],
-           "partial_rotary_factor": rope.get("partial_rotary_factor", 0.5), "use_cache": True}
+    out = {"architectures": [architecture], "model_type": model_type,
+           **{k: getattr(config, k) for k in fields}, "eos_token_id": config.eos_token_id, "tie_word_embeddings": False,
+           "rope_parameters": rope, "rope_theta": rope["rope_theta"], "use_cache": True}
+    if "partial_rotary_factor" in rope or model_type in ("glm", "glm4"):
+        out["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.5)
     if dtype is not None:
         out["dtype"] = str(dtype).removeprefix("torch.")
     if not toolkit_fields:

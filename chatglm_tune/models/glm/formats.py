@@ -1,11 +1,15 @@
-"""The prompt formats of ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414 and GLM-Edge: one family, five ways to
-talk to it.
+"""The prompt formats of ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and
+GLM-4.7-Flash: one family, seven ways to talk to it.
 
     ChatGLM2-6B  [gMASK] sop prompt "[Round 1]\\n\\n问：{text}\\n\\n答：" | answer </s>     (ptuning/main.py)
     ChatGLM3-6B  [gMASK] sop <|user|> \\n prompt + text <|assistant|> | \\n answer </s>   (finetune_demo)
     GLM-4-9B     [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|> (finetune.py)
     GLM-4-0414   its chat template: [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> \\n | answer <|user|>
     GLM-Edge     its chat template: <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|>
+    GLM-4.5      its chat template, thinking off: [gMASK] <sop> <|user|> \\n prompt + text /nothink <|assistant|>
+                 \\n <think> </think> | \\n answer <|user|>
+    GLM-4.7-Flash its chat template, thinking off: [gMASK] <sop> <|user|> prompt + text <|assistant|> </think> |
+                 answer <|user|>
 
 Labels start at `|`. A history (earlier turns) comes before the query: ChatGLM2 as its official rounds,
 ChatGLM3 and GLM-4 as user / assistant messages. ChatGLM3 encodes "\\n" and the text after a role token
@@ -301,6 +305,7 @@ class GLM4Format(_RoleFormat):
     title = "GLM-4"
     sop = "<sop>"
     training_time = "2024年"
+    template_kwargs: dict = {}  # what every render of the chat template is given besides the messages
     ollama_template = "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>"
     stop_texts = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
@@ -333,7 +338,7 @@ class GLM4Format(_RoleFormat):
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt)
+            return tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt, **self.template_kwargs)
         except TemplateError as err:
             raise ValueError(f"{self.title}'s chat template: {err}") from None
 
@@ -370,12 +375,18 @@ class TemplateFormat(GLM4Format):
     script renders them, the tools as the template's. Where tools are offered, the model answers after
     `<|assistant|>` (the template's generation prompt without what follows it), as it is trained on those rows:
     a call's first line names the tool, a text answer starts with "\n". Without tools an answer is all content,
-    every line of it. GLM-Edge (`tool_refusal`) has no tool form: such records are refused."""
+    every line of it. GLM-Edge (`tool_refusal`) has no tool form: such records are refused.
 
-    def __init__(self, name: str, title: str, ollama_template: str, tool_refusal: str | None = None):
+    GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash think unless told not to (`template_kwargs`, given to every render:
+    `enable_thinking` false, the prompt of their non-thinking answers); their tool calls (`<tool_call>` with
+    `<arg_key>` / `<arg_value>`) are not read here (`tool_refusal`)."""
+
+    def __init__(self, name: str, title: str, ollama_template: str, tool_refusal: str | None = None,
+                 template_kwargs: dict | None = None):
         self.name, self.title, self.ollama_template = name, title, ollama_template
         self.tool_refusal = tool_refusal  # why a conversation with tools, calls or observations is refused
         self.tool_calls = tool_refusal is None
+        self.template_kwargs = dict(template_kwargs or {})
         self._leads: dict[str, str] = {}  # answer_lead_text by chat template
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
@@ -427,7 +438,7 @@ class TemplateFormat(GLM4Format):
         from jinja2 import TemplateError
 
         try:
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=False, tools=tools)
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=False, tools=tools, **self.template_kwargs)
         except TemplateError as err:
             raise ValueError(f"{self.title}'s chat template: {err}") from None
         return ids + [tokenizer.get_command("<|assistant|>")] if generation_prompt else ids
@@ -443,8 +454,9 @@ class TemplateFormat(GLM4Format):
         if tokenizer.chat_template in self._leads:
             return self._leads[tokenizer.chat_template]
         user = {"role": "user", "content": "q"}
-        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
-        turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _MARK}], tokenize=False)
+        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _MARK}], tokenize=False,
+                                             **self.template_kwargs)
         before = turn[: turn.index(_MARK)]
         if not before.startswith(prompt):
             raise ValueError(f"{self.title}'s chat template does not continue its generation prompt {prompt[-40:]!r} "
@@ -463,7 +475,8 @@ class TemplateFormat(GLM4Format):
         """The call's first line as the template writes it between `<|assistant|>` and the arguments."""
         if not self.tool_calls:
             return super().tool_call_lead(tokenizer, name)
-        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": _MARK}], tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": _MARK}], tokenize=False,
+                                             **self.template_kwargs)
         return tokenizer.encode_text(text[: text.index(_MARK)].rpartition("<|assistant|>")[2])
 
 
@@ -502,4 +515,14 @@ GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP 
                            + "{{ end }}<|assistant|>\n")
 GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
                           "its chat template has no tool form (it writes system, user and assistant messages only)")
-FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE)}  # the versions of this family, by name
+_NO_XML_TOOLS = ("its tool calls (<tool_call> with <arg_key> / <arg_value>) are not read by this toolkit yet; "
+                 "conversations without tools train")
+_THINKING_OFF = {"enable_thinking": False}
+GLM4_MOE = TemplateFormat("glm4-moe", "GLM-4.5", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n"
+                          + "{{ if eq $m.Role \"assistant\" }}<think></think>\n{{ end }}" + _GO_CONTENT
+                          + "{{ if eq $m.Role \"user\" }}/nothink{{ end }}{{ end }}<|assistant|>\n<think></think>",
+                          _NO_XML_TOOLS, _THINKING_OFF)
+GLM4_MOE_LITE = TemplateFormat("glm4-moe-lite", "GLM-4.7-Flash", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>"
+                               + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}" + _GO_CONTENT
+                               + "{{ end }}<|assistant|></think>", _NO_XML_TOOLS, _THINKING_OFF)
+FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE)}  # by name

@@ -42,7 +42,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
+from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM_EDGE
+from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
 from chatglm_tune.tokenizing import require_left_padding, vocabulary_path
@@ -238,17 +239,18 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         return [self.get_command(f"<|{role}|>"), *self.encode_text(f"{metadata}\n"), *self.encode_text(message)]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, **template_kwargs) -> list[int]:
         """The chat template's ids with every string of `messages` and `tools` as data (only the template's
         own special tokens are special). Equals `apply_chat_template(messages, tokenize=True)` when no
         string holds special-token text; where one does, that text is BPE-encoded with its neighbours as
-        plain text. Roles must be official (the template builds `<|role|>` from them)."""
+        plain text. Roles must be official (the template builds `<|role|>` from them); `template_kwargs` go to
+        the template (GLM-4.5's `enable_thinking`)."""
         for message in messages:
             if message.get("role") not in ROLES:
                 raise ValueError(f"role must be one of {ROLES}, got {message.get('role')!r}")
         rendered = self.apply_chat_template(
             _mark_specials(messages, self._special_re), add_generation_prompt=add_generation_prompt,
-            tools=_mark_specials(tools, self._special_re), tokenize=False,
+            tools=_mark_specials(tools, self._special_re), tokenize=False, **template_kwargs,
         )
         ids, start = [], 0
         # Only unmarked special-token text (written by the template) splits the string.
@@ -332,7 +334,21 @@ def _unmark(text: str) -> str:
     return text.replace(DATA_OPEN, "").replace(DATA_CLOSE, "")
 
 
-TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer}
+class GLM4MoeTokenizer(GLM4Tokenizer):
+    """GLM-4.5 / 4.6 / 4.7's tokenizer: GLM-4's BPE, its special tokens and the thinking and tool tokens after them
+    (`moe_templates.MOE_SPECIALS`), in a `tokenizer.json`; its own chat template."""
+
+    prompt_format = GLM4_MOE
+
+
+class GLM4MoeLiteTokenizer(GLM4Tokenizer):
+    """GLM-4.7-Flash's tokenizer: as GLM-4.5's, with GLM-4.7's chat template."""
+
+    prompt_format = GLM4_MOE_LITE
+
+
+TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
+                     "glm4-moe": GLM4MoeTokenizer, "glm4-moe-lite": GLM4MoeLiteTokenizer}
 
 
 def load_glm4_tokenizer(directory: Path, version: str = "glm4", **kwargs) -> GLM4Tokenizer:
@@ -360,14 +376,15 @@ def glm4_config_kwargs(directory: Path) -> dict:
 
 
 # ----- a small GLM-4 tokenizer, trained here ------------------------------------------------------
-def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4_VOCAB) -> GLM4Tokenizer:
+def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4_VOCAB,
+                   specials: tuple[str, ...] = OFFICIAL_SPECIALS) -> GLM4Tokenizer:
     """A small byte-level BPE of `texts` in GLM-4's layout, written to `output_dir` as a real GLM-4
     directory holds it (`tokenizer.model` ranks, tokenizer_config.json with the official special tokens at
     their official offsets after the ranks) and loaded back from there: the tokenizer of a tiny
     from-scratch GLM-4 (the real 151329 ranks are not needed to learn a small task).
 
     `vocab_size` counts ranks; every byte and every character of `texts` is one token whatever it says,
-    so a corpus of many characters gets more (see `bpe_ranks`)."""
+    so a corpus of many characters gets more (see `bpe_ranks`). `specials`: the special tokens after the ranks."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size must be >= 256 (every byte is a rank), got {vocab_size}")
     output_dir = Path(output_dir)
@@ -375,7 +392,7 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
     ranks = bpe_ranks([t for t in texts if t], vocab_size)
     with open(output_dir / TIKTOKEN_FILE, "wb") as f:
         f.writelines(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate(ranks))
-    config = glm4_tokenizer_config(len(ranks))
+    config = glm4_tokenizer_config(len(ranks), specials)
     (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     return load_glm4_tokenizer(output_dir)
 
@@ -384,7 +401,8 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
 # `[gMASK]<sop>`, writes the `tools` it is given as a system block before the messages (the release's "# 可用工具"
 # with each function as indented JSON), a call as an assistant message whose `metadata` names the tool
 # (`<|assistant|>name` "\n" arguments), a result as an `observation`, and ends its generation prompt with "\n";
-# GLM-Edge's starts with the first role token, has no tool form and always ends with `<|assistant|>`.
+# GLM-Edge's starts with the first role token, has no tool form and always ends with `<|assistant|>`. The
+# mixture-of-experts versions' as released (`moe_templates`).
 RELEASED_CHAT_TEMPLATES = {
     "glm4-0414": ("[gMASK]<sop>{%- if tools -%}<|system|>\n# 可用工具{%- for tool in tools -%}"
                   "{%- set function = tool['function'] if tool['function'] is defined else tool -%}"
@@ -397,7 +415,11 @@ RELEASED_CHAT_TEMPLATES = {
     "glm-edge": ("{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"
                  "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}{% elif item['role'] == 'assistant' %}"
                  "<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
+    "glm4-moe": GLM4_MOE_TEMPLATE,
+    "glm4-moe-lite": GLM4_MOE_LITE_TEMPLATE,
 }
+# The special tokens of each released form after the ranks (the mixture-of-experts versions add theirs to GLM-4's).
+RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
 
 
 def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB) -> GLM4Tokenizer:
@@ -405,7 +427,8 @@ def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_siz
     `tokenizer.json` with the special tokens, tokenizer_config.json for transformers' `PreTrainedTokenizerFast`
     with the version's chat template (`RELEASED_CHAT_TEMPLATES`); no rank file."""
     output_dir = Path(output_dir)
-    train_glm4_bpe(texts, output_dir, vocab_size=vocab_size).save_vocabulary(str(output_dir))
+    specials = RELEASED_SPECIALS.get(version, OFFICIAL_SPECIALS)
+    train_glm4_bpe(texts, output_dir, vocab_size=vocab_size, specials=specials).save_vocabulary(str(output_dir))
     (output_dir / TIKTOKEN_FILE).unlink()
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
               "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
@@ -472,13 +495,13 @@ def _is_text(token: bytes) -> bool:
     return True
 
 
-def glm4_tokenizer_config(n_ranks: int) -> dict:
+def glm4_tokenizer_config(n_ranks: int, specials: tuple[str, ...] = OFFICIAL_SPECIALS) -> dict:
     """tokenizer_config.json of a GLM-4 tokenizer of `n_ranks` ranks, as the official one: the special tokens
     numbered on from the ranks in the official order, eos and pad `<|endoftext|>`, left padding (the chat
     template: the official one with function tools; no `auto_map`, no remote code is shipped)."""
     added = {str(n_ranks + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": True} for i, token in enumerate(OFFICIAL_SPECIALS)}
-    return {"added_tokens_decoder": added, "additional_special_tokens": list(OFFICIAL_SPECIALS),
+                                "single_word": False, "special": True} for i, token in enumerate(specials)}
+    return {"added_tokens_decoder": added, "additional_special_tokens": list(specials),
             "chat_template": FUNCTION_TOOLS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "do_lower_case": False,
             "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left", "remove_space": False,
             "tokenizer_class": "ChatGLM4Tokenizer"}

@@ -40,22 +40,25 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Glm4ForCausalLM, GlmConfig, GlmForCausalLM
+from transformers import Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
 
 from chatglm_tune import checkpoint, heap
 from chatglm_tune.decoding.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models.glm.attention import ATTENTION
-from chatglm_tune.models.glm.config import (QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
-                                            official_config, read_version, stored_format, transformers_form)
-from chatglm_tune.models.glm.prefix import prefix_encoder, prefix_width
+from chatglm_tune.models.glm.config import (ARCHITECTURES, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
+                                            official_config, quantizable_linears, read_version, stored_format,
+                                            transformers_form)
+from chatglm_tune.models.glm.experts import ExpertAssembler, is_prediction_layer, released_experts
+from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
 from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, not_a_model, only_prefix_weights,
                                  prefix_key_values, seed_cache)
 from chatglm_tune.quant.apply import quantize_embedding as int8_embedding_and_head
 from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding
+from chatglm_tune.quant.experts import quantize_experts
 from chatglm_tune.quant.format import check_bits, quantize_rows
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
 
@@ -100,10 +103,11 @@ class PrefixModel(Chat):
         return getattr(self.config, "pre_seq_len", None) or 0
 
     def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (key, value) [b, G, P, D] of the prefix (dropout applies in training mode)."""
-        c = self.config
-        return prefix_key_values(self.prefix_encoder, self.prefix_dropout, c.num_hidden_layers, c.num_key_value_heads,
-                                 c.head_dim, batch_size, dtype)
+        """Per layer (key, value) [b, G, P, D] of the prefix, in the cache's form (`prefix.cache_entry`; dropout
+        applies in training mode)."""
+        heads, key, value = cache_entry(self.config)
+        return prefix_key_values(self.prefix_encoder, self.prefix_dropout, self.config.num_hidden_layers, heads, key,
+                                 batch_size, dtype, value)
 
     def forward(
         self,
@@ -211,10 +215,9 @@ class PrefixModel(Chat):
         if set(tensors) != set(expected):
             raise CheckpointError(f"{source}: prefix keys {sorted(tensors)}, expected {sorted(expected)}")
         c = self.config
-        formula = (f"num_layers * 2 * kv_channels * multi_query_group_num = {c.num_hidden_layers} * 2 * {c.head_dim} * "
-                   f"{c.num_key_value_heads}")
         check_prefix_shapes(source, {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in tensors.items()},
-                            {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in expected.items()}, prefix_width(c), formula)
+                            {OFFICIAL_PREFIX_ENCODER + k: t.shape for k, t in expected.items()}, prefix_width(c),
+                            prefix_formula(c))
         check_prefix_config(source, c.chatglm_version)  # ChatGLM3-6B and GLM-4 prefixes can be of equal shape
         encoder.load_state_dict({k: t.float() for k, t in tensors.items()})  # kept in float32
         if self.prefix_encoder is None:
@@ -244,11 +247,22 @@ class Glm4ForCausalLMWithPrefix(PrefixModel, Glm4ForCausalLM):
     each residual add) with the P-tuning v2 prefix."""
 
 
-MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix}  # by TRANSFORMERS_FORMS' model_type
+class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
+    """GLM-4.5 / 4.6 / 4.7: transformers' `Glm4MoeForCausalLM` (routed and shared experts after dense first layers)
+    with the P-tuning v2 prefix."""
+
+
+class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
+    """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
+    as the first entries of its latent cache."""
+
+
+MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix, "glm4_moe": Glm4MoeForCausalLMWithPrefix,
+                 "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix}  # by TRANSFORMERS_FORMS' model_type
 
 
 def model_class(version: str) -> type[PrefixModel]:
-    """The model class of a version: GLM-4-0414 is `Glm4ForCausalLM`, every other one `GlmForCausalLM`."""
+    """The model class of a version: transformers' class of its released form, else `GlmForCausalLM`."""
     return MODEL_CLASSES[TRANSFORMERS_FORMS.get(version, "glm")]
 
 
@@ -298,29 +312,10 @@ def load_glm(
     config.name_or_path = str((Path(path) if Path(path).is_dir() else Path(path).parent).resolve())
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
-    official_keys = raw.get("model_type") not in ("glm", "glm4")  # else transformers' own key names
-    rows = qkv_rows(config)
-    expected = dict(model.named_parameters())
+    expected = {**dict(model.named_parameters()), **_persistent_buffers(model)}
+    experts = ExpertAssembler(model, expected, dtype)  # released experts may span files
     for file in checkpoint.weight_files(path):
-        pages = checkpoint._FilePages(file)  # each tensor's file pages are released once it is copied out
-        for key, tensor in checkpoint.iter_tensors(file):
-            if official_keys or key.startswith(OFFICIAL_PREFIX_ENCODER):
-                try:
-                    pairs = to_transformers(key, tensor, rows)
-                except ValueError as e:  # a fused tensor whose rows do not add up to q | k | v
-                    raise CheckpointError(f"{file}: {key} has shape {list(tensor.shape)}: {e}; does config.json match "
-                                          "these weights?") from e
-            else:
-                pairs = [] if key.endswith("rotary_emb.inv_freq") else [(key, tensor)]
-            if pairs is None:
-                raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
-            if not official_keys:
-                _check_architecture(key, file, raw)
-            for name, part in pairs:
-                _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
-            pages.release(tensor)
-            del tensor, pairs
-        pages.close()
+        _read_file(model, file, raw, expected, quantized, dtype, experts)
     not_prefix = [k for k in expected if not k.startswith(PREFIX_ENCODER)]
     if not_prefix:
         if only_prefix_weights(path, OFFICIAL_PREFIX_ENCODER):
@@ -334,6 +329,42 @@ def load_glm(
     return model.to(device).eval()
 
 
+def _read_file(model: PrefixModel, file, raw: dict, expected: dict, quantized: dict, dtype: torch.dtype,
+               experts: ExpertAssembler) -> None:
+    """Place every tensor of one weight file into `model` (`_place`; `expected` loses what is placed), official
+    keys mapped to transformers' (q/k/v split by rows), released experts into their fused weights."""
+    config = model.config
+    official_keys = raw.get("model_type") not in ARCHITECTURES  # else transformers' own key names
+    rows = qkv_rows(config) if official_keys else None
+    pages = checkpoint._FilePages(file)  # each tensor's file pages are released once it is copied out
+    for key, tensor in checkpoint.iter_tensors(file):
+        if official_keys or key.startswith(OFFICIAL_PREFIX_ENCODER):
+            try:
+                pairs = to_transformers(key, tensor, rows)
+            except ValueError as e:  # a fused tensor whose rows do not add up to q | k | v
+                raise CheckpointError(f"{file}: {key} has shape {list(tensor.shape)}: {e}; does config.json match "
+                                      "these weights?") from e
+        else:
+            pairs = [] if key.endswith("rotary_emb.inv_freq") else [(key, tensor)]
+        if pairs is None:
+            raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
+        if not official_keys:
+            _check_architecture(key, file, raw)
+            if is_prediction_layer(key, config) or experts.take(key, tensor, file):
+                pairs = []
+        for name, part in pairs:
+            _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
+        pages.release(tensor)
+        del tensor, pairs
+    pages.close()
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds (a router's `e_score_correction_bias`; not the rotary tables)."""
+    saved = set(model.state_dict())
+    return {name: buffer for name, buffer in model.named_buffers() if name in saved}
+
+
 def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bool,
                  int8_embedding: torch.dtype | None) -> tuple[PrefixModel, dict]:
     """(the model on the meta device, with empty INT layers of the format to load, {module name: layer} of the
@@ -344,7 +375,8 @@ def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bo
     config.quantization_bit, config.quantization_group_size = 0, 0
     if bits:
         try:
-            quantize_model(model, bits, group_size, targets=QUANTIZABLE_LINEARS, empty_init=True)
+            quantize_model(model, bits, group_size, targets=quantizable_linears(config.chatglm_version), empty_init=True)
+            quantize_experts(model, bits, group_size, empty_init=True)
         except ValueError as e:
             raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
     quantized = {} if stored else {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -399,7 +431,11 @@ def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict,
         raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
                               f"{list(target.shape)}{layout}; does config.json match these weights?")
     value = checkpoint.copy_out(name, part, dtype, pages, prefix_key=PREFIX_ENCODER)
-    model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+    module = model.get_submodule(owner)
+    if attr in module._buffers:  # a router's score correction
+        module._buffers[attr] = value
+    else:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
 
 
 def _quantize_into(layer: QuantizedLinear | QuantizedEmbedding, name: str, part: torch.Tensor, file, key: str,
@@ -477,7 +513,7 @@ def save_official(
     if model.config.chatglm_version in TRANSFORMERS_FORMS:  # released in transformers' form: written back in it
         # the prefix under its official key, as every P-tuning checkpoint of the family holds it
         written = {(OFFICIAL_PREFIX_ENCODER + k.removeprefix(PREFIX_ENCODER) if k.startswith(PREFIX_ENCODER) else k): v
-                   for k, v in state.items()}
+                   for k, v in released_experts(state).items()}
         config = transformers_form(model.config, trunk)
     else:
         written, config = to_official(state), official_config(model.config, trunk)

@@ -1,8 +1,9 @@
-"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414 and GLM-Edge as the rest of the toolkit sees them
-(`models.version.Version`): one model (`modeling.py`: transformers' GlmForCausalLM, or Glm4ForCausalLM for
-GLM-4-0414, with the P-tuning prefix), a prompt format each (`formats.py`), two tokenizers (SentencePiece for
-ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in `glm4_tokenizer.py`, which GLM-4-0414 and GLM-Edge
-ship as a `tokenizer.json`); and how their files are recognised (`detect`, `detect_tokenizer`).
+"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash as the rest of
+the toolkit sees them (`models.version.Version`): one model (`modeling.py`: transformers' GlmForCausalLM, or
+Glm4ForCausalLM for GLM-4-0414, with the P-tuning prefix; `moe.py`: the mixture-of-experts classes), a prompt format
+each (`formats.py`), two tokenizers (SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in
+`glm4_tokenizer.py`, which the later versions ship as a `tokenizer.json`); and how their files are recognised
+(`detect`, `detect_tokenizer`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatglm_tune.models.glm.config import (LORA_TARGETS, QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, ChatGLMFamilyConfig,
+from chatglm_tune.models.glm.config import (LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS, LORA_TARGETS,
+                                            MOE_QUANTIZABLE_LINEARS, QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS,
+                                            ChatGLMFamilyConfig, ChatGLMMoeConfig, ChatGLMMoeLiteConfig,
                                             GLM4_PROMPT_START, chat_template_of, detect_version, glm_config,
                                             mismatch_hint)
-from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
+from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM_EDGE
 from chatglm_tune.models.version import Version
 from chatglm_tune.options import TINY_CONTEXT
 
@@ -94,11 +97,33 @@ class GLM4Version(GLMVersion):
         return tokenizer.stop_token_ids
 
 
+# The tiny presets' architecture fields beyond the shared ones (`ReleasedFormVersion.tiny`): GLM-4-0414 and
+# GLM-Edge as GLM-4's tiny (16-dim heads, rotary on half); GLM-4.5 with a dense first layer and a routed one of 8
+# experts (2 a token) beside a shared one, q/k norms and GLM-4.5's routed scale; GLM-4.7-Flash with latent
+# attention (a 32-wide key/value latent, 8 rotary dims kept apart, a 48-wide query latent), the same experts.
+_TINY_ATTENTION = {"head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.5}
+_TINY_EXPERTS = {"moe_intermediate_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                 "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
+TINY_FIELDS = {
+    "glm4-0414": _TINY_ATTENTION, "glm-edge": _TINY_ATTENTION,
+    "glm4-moe": {**_TINY_ATTENTION, **_TINY_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True,
+                 "routed_scaling_factor": 2.5},
+    "glm4-moe-lite": {**_TINY_EXPERTS, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
+                      "qk_nope_head_dim": 16, "v_head_dim": 16, "rope_interleave": True,
+                      "mlp_layer_types": ["dense", "sparse"], "routed_scaling_factor": 1.8, "attention_bias": False},
+}
+
+
 @dataclass(frozen=True)
 class ReleasedFormVersion(GLM4Version):
-    """GLM-4-0414 (`Glm4ForCausalLM`) and GLM-Edge (`GlmForCausalLM`): released in transformers' own form
-    (transformers' keys and config.json, a `tokenizer.json` with the chat template), which the toolkit reads and
-    writes as it is (`config.TRANSFORMERS_FORMS`)."""
+    """GLM-4-0414 (`Glm4ForCausalLM`), GLM-Edge (`GlmForCausalLM`), GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`) and
+    GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): released in transformers' own form (transformers' keys and
+    config.json, a `tokenizer.json` with the chat template), which the toolkit reads and writes as it is
+    (`config.TRANSFORMERS_FORMS`)."""
+
+    @property
+    def tiny_fields(self) -> dict:
+        return TINY_FIELDS[self.name]
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
         """A byte-level BPE of `corpus` in a `tokenizer.json`, with the version's chat template
@@ -117,11 +142,10 @@ class ReleasedFormVersion(GLM4Version):
             self.train_tokenizer(corpus, directory)
         tokenizer = self.load_tokenizer(directory)
         raw = {"model_type": TRANSFORMERS_FORMS[self.name], "num_hidden_layers": 2, "hidden_size": 128,
-               "num_attention_heads": 8, "head_dim": 16, "num_key_value_heads": 8, "intermediate_size": 384,
-               "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "attention_bias": True,
-               "max_position_embeddings": context, "eos_token_id": tokenizer.stop_token_ids,
-               "pad_token_id": tokenizer.pad_token_id, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
-               "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name}
+               "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 384,
+               "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "max_position_embeddings": context,
+               "eos_token_id": tokenizer.stop_token_ids, "pad_token_id": tokenizer.pad_token_id, "rope_theta": 10000.0,
+               "hidden_act": "silu", "tie_word_embeddings": False, "chatglm_version": self.name, **self.tiny_fields}
         unknown = sorted(set(config_overrides) - set(raw))
         if unknown:  # an official name (num_layers, ...) would be kept as an unused attribute
             raise ValueError(f"{self.title}'s config has no field {', '.join(unknown)} (transformers' names: "
@@ -134,25 +158,33 @@ _NO_GGML = "chatglm.cpp's {} file is not written here: use --format gguf (llama.
 VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_model_type=3),
             GLM4Version(GLM4, export_refusals={"ggml": _NO_GGML.format("GLM-4")}),
             ReleasedFormVersion(GLM4_0414, export_refusals={"ggml": _NO_GGML.format("GLM-4-0414")}),
-            ReleasedFormVersion(GLM_EDGE, export_refusals={"ggml": _NO_GGML.format("GLM-Edge")}))
+            ReleasedFormVersion(GLM_EDGE, export_refusals={"ggml": _NO_GGML.format("GLM-Edge")}),
+            ReleasedFormVersion(GLM4_MOE, ChatGLMMoeConfig, quantizable_linears=MOE_QUANTIZABLE_LINEARS,
+                                export_refusals={"ggml": _NO_GGML.format("GLM-4.5")}),
+            ReleasedFormVersion(GLM4_MOE_LITE, ChatGLMMoeLiteConfig, LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS,
+                                export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 # What the registry reads of this family: config.json's model_type of its versions (the official one, and
 # transformers' GlmForCausalLM and Glm4ForCausalLM), and tokenizer_config.json's tokenizer_class of each version
 # (ours, and the official GLM-4 one).
-MODEL_TYPES = ("chatglm", "glm", "glm4")
+MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite")
 TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
-                     "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge"}
+                     "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge",
+                     "GLM4MoeTokenizer": "glm4-moe", "GLM4MoeLiteTokenizer": "glm4-moe-lite"}
 
 
 def _tokenizer_json_version(directory: Path) -> str:
-    """GLM-4, GLM-4-0414 or GLM-Edge for a tokenizer.json with GLM-4's special tokens: the config.json beside it
-    where there is one (`detect_version`), else the chat template (GLM-Edge's starts with no `[gMASK]<sop>`)."""
+    """GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 or GLM-4.7-Flash for a tokenizer.json with GLM-4's special tokens: the
+    config.json beside it where there is one (`detect_version`), else the chat template (GLM-Edge's starts with no
+    `[gMASK]<sop>`; GLM-4.5's non-thinking prompt ends `<think></think>` after a newline, GLM-4.7-Flash's at once)."""
     raw = _read_json(directory / "config.json")
     version = detect_version(raw, directory) if raw else None
-    if version in ("glm4", "glm4-0414", "glm-edge"):
+    if version in ("glm4", "glm4-0414", "glm-edge", "glm4-moe", "glm4-moe-lite"):
         return version
-    template = chat_template_of(directory)
-    return "glm-edge" if template is not None and GLM4_PROMPT_START not in template else "glm4"
+    template = chat_template_of(directory) or ""
+    if "<arg_key>" in template:
+        return "glm4-moe" if "\\n<think></think>" in template else "glm4-moe-lite"
+    return "glm-edge" if template and GLM4_PROMPT_START not in template else "glm4"
 
 
 def load_glm_tokenizer(directory: str | Path, version: str, **kwargs):

@@ -1,0 +1,106 @@
+"""Routed experts over INT8 / INT4 weights: `QuantizedExperts`, which stands where a mixture-of-experts layer holds its
+experts as 3D weights (transformers' `gate_up_proj` [E, 2I, H], the gate's rows first, and `down_proj` [E, H, I]).
+
+Each expert is three `QuantizedLinear`s (`gate_proj`, `up_proj`, `down_proj`), so a module's state_dict holds the
+released per-expert layout (`experts.E.gate_proj.weight`, ...) with the official per-row INT format, and every matmul
+runs on the CPU kernels a dense Linear uses (integer dot products for decode). Per-row scales make splitting the
+fused gate/up rows exact: a quantized gate and up are the quantized fused rows. A forward runs only the experts its
+tokens were routed to, each on the rows routed to it (a decode step reads k experts' weights, never all E).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from chatglm_tune.quant.modules import QuantizedLinear
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizedExpert(nn.Module):
+    """One expert's SwiGLU: `down(act(gate(x)) * up(x))` over INT weights."""
+
+    def __init__(self, gate_proj: QuantizedLinear, up_proj: QuantizedLinear, down_proj: QuantizedLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: Tensor, act) -> Tensor:
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QuantizedExperts(nn.Module):
+    """E `QuantizedExpert`s (children "0" .. "E-1") with the routed experts' forward: (hidden [T, H], top_k_index
+    [T, k], top_k_weights [T, k]) -> [T, H], the weighted sum of each token's chosen experts (an index of E,
+    transformers' mark of a dropped choice, counts for nothing)."""
+
+    def __init__(self, experts: list[QuantizedExpert], act_fn):
+        super().__init__()
+        self.num_experts = len(experts)
+        for index, expert in enumerate(experts):
+            self.add_module(str(index), expert)
+        self.act_fn = act_fn
+
+    def expert(self, index: int) -> QuantizedExpert:
+        return self._modules[str(index)]
+
+    @classmethod
+    def empty(cls, experts: nn.Module, bits: int, group_size: int = 0, device="meta") -> QuantizedExperts:
+        """Uninitialised layers of `experts`' shapes (its `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]), to be
+        filled from a checkpoint."""
+        count, rows, hidden = experts.gate_up_proj.shape
+        inner = rows // 2
+
+        def layer(n_in, n_out):
+            return QuantizedLinear(n_in, n_out, bits, group_size, bias=False, device=device,
+                                   dtype=experts.down_proj.dtype)
+
+        return cls([QuantizedExpert(layer(hidden, inner), layer(hidden, inner), layer(inner, hidden))
+                    for _ in range(count)], experts.act_fn)
+
+    @classmethod
+    def from_fused(cls, experts: nn.Module, bits: int, group_size: int = 0) -> QuantizedExperts:
+        """`experts`' 3D float weights quantized, expert by expert (per row: the official rule)."""
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        inner = gate_up.shape[1] // 2
+
+        def layer(weight: Tensor) -> QuantizedLinear:
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            return QuantizedLinear.from_linear(linear, bits, group_size)
+
+        return cls([QuantizedExpert(layer(gate_up[e, :inner]), layer(gate_up[e, inner:]), layer(down[e]))
+                    for e in range(gate_up.shape[0])], experts.act_fn)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden_states)
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()
+        start = 0
+        for expert, count in enumerate(counts[: self.num_experts]):
+            if count:
+                pairs = order[start : start + count]
+                tokens = pairs // top_k_index.shape[-1]
+                y = self.expert(expert)(hidden_states[tokens], self.act_fn)
+                weights = top_k_weights.reshape(-1)[pairs, None]
+                out.index_add_(0, tokens, (y * weights).to(out.dtype))
+            start += count
+        return out
+
+
+def quantize_experts(model: nn.Module, bits: int, group_size: int = 0, *, empty_init: bool = False) -> int:
+    """Swap, in place, every module of `model` holding 3D routed-expert weights (`gate_up_proj` and `down_proj`
+    Parameters) for a `QuantizedExperts` (empty with `empty_init`, for a loader to fill); the number swapped."""
+    slots = [(name, module) for name, module in model.named_modules() if _is_fused_experts(module)]
+    for name, module in slots:
+        parent_name, _, attr = name.rpartition(".")
+        new = (QuantizedExperts.empty(module, bits, group_size, module.gate_up_proj.device) if empty_init
+               else QuantizedExperts.from_fused(module, bits, group_size))
+        setattr(model.get_submodule(parent_name), attr, new)
+    return len(slots)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
+    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
