@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--lora-alpha", type=int, help=f"LoRA alpha (lora only; default {L.alpha})")
     g("--lora-dropout", type=float, help=f"LoRA dropout (lora only; default {L.dropout})")
     g("--lora-target", nargs="+", help="Linears that get adapters (default: the attention projections of the version: "
-      "query_key_value for ChatGLM-6B, q_proj k_proj v_proj for ChatGLM2/3 and GLM-4)")
+      "query_key_value for ChatGLM-6B, q_proj k_proj v_proj for ChatGLM2/3 and GLM-4); the routed experts of GLM-4.5 / "
+      "GLM-4.7-Flash as experts.gate_up_proj experts.down_proj (an adapter per expert), the router never")
     g = p.add_argument_group("optimisation").add_argument
     g("--max-steps", type=int, help="optimizer steps (default: --epochs, else the budget of the method, "
       f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demos: {TINY_DEMO_STEPS})")

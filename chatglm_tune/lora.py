@@ -30,11 +30,24 @@ from chatglm_tune.quant.modules import QuantizedLinear
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, in its order of preference
 
 
+EXPERT_WEIGHTS = "experts."  # a target naming routed experts' 3D weights (`experts.gate_up_proj`, `experts.down_proj`)
+
+
 def peft_config(options: LoraOptions) -> LoraConfig:
-    """peft's LoraConfig for `options`, told to wrap our integer `QuantizedLinear` layers too."""
+    """peft's LoraConfig for `options`, told to wrap our integer `QuantizedLinear` layers too. Targets under
+    `experts.` are the routed experts' fused 3D weights (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`): peft's
+    `target_parameters`, an adapter per expert; every other target names Linears."""
+    modules = [t for t in options.target if not t.startswith(EXPERT_WEIGHTS)]
+    weights = [t for t in options.target if t.startswith(EXPERT_WEIGHTS)]
+    if weights and not modules:
+        raise ValueError(f"--lora-target {' '.join(weights)}: name the Linears too (e.g. q_proj k_proj v_proj); "
+                         "expert weights alone give peft no module to wrap")
+    if weights and options.dropout:
+        raise ValueError(f"--lora-target {' '.join(weights)}: peft's adapters on 3D weights take no dropout; pass "
+                         f"--lora-dropout 0 (it is {options.dropout})")
     config = LoraConfig(
         task_type="CAUSAL_LM", r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
-        target_modules=list(options.target),
+        target_modules=modules, target_parameters=weights or None,
     )
     # peft wraps nn.Linear by itself; our integer layers expose in/out_features and take the same wrapper.
     config._register_custom_module({QuantizedLinear: LoraLinear})

@@ -1,4 +1,5 @@
-"""GLM-4-0414 (transformers' `Glm4ForCausalLM`) and GLM-Edge (`GlmForCausalLM` with its own chat template): the two
+"""GLM-4-0414 (transformers' `Glm4ForCausalLM`), GLM-Edge (`GlmForCausalLM` with its own chat template), GLM-4.5 /
+4.6 / 4.7 (`Glm4MoeForCausalLM`: experts) and GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`: latent attention, experts): the
 versions released in transformers' own form, whose official implementation is transformers' own.
 
 Each test model is a tiny random model built and saved by transformers itself (`save_pretrained`), with random norm
@@ -7,8 +8,10 @@ ship it (`tokenizer.json`, tokenizer_config.json with the chat template):
 - the toolkit loads the directory as the right version and class, and gives transformers' logits (fp32, max |diff|
   < 1e-5) with and without left padding, and transformers' greedy ids;
 - a directory whose weights do not fit the class its config.json names is refused, saying which;
-- P-tuning v2: pre_seq_len 0 is no prefix, a prefix changes the output, save + load gives the same logits;
-- saving writes transformers' form back (transformers loads it), INT8 / INT4 included;
+- P-tuning v2: pre_seq_len 0 is no prefix, a prefix changes the output, save + load gives the same logits; the
+  prefix is transformers' model with it as the first cache entries (GLM-4.7-Flash's: its latent cache's entries);
+- saving writes transformers' form back (transformers loads it; routed experts one by one, as released), INT8 / INT4
+  included (the routed experts too);
 - the tokenizer round-trips, and its chat prompts are transformers' `apply_chat_template` on the same
   `tokenizer.json`; a training row is the template's conversation with the record's text as data.
 """
@@ -18,7 +21,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast
+from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeLiteConfig,
+                          Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
 
 from chatglm_tune import from_pretrained
 from chatglm_tune.batches import encode_record, prompt_ids
@@ -26,14 +30,30 @@ from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, train_released_bpe
-from chatglm_tune.models.glm.modeling import Glm4ForCausalLMWithPrefix, GlmForCausalLMWithPrefix
+from chatglm_tune.models.glm.modeling import (Glm4ForCausalLMWithPrefix, Glm4MoeForCausalLMWithPrefix,
+                                              Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix)
+from chatglm_tune.quant.experts import QuantizedExperts
 from chatglm_tune.options import EncodingOptions
 from chatglm_tune.records import SPORecord
 from test_versions import assert_record_text_is_data
 
 CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", "Hello world, the fan turns slowly: 42.", "水泵_部件故障_漏油"] * 10
 ARCHITECTURES = {"glm4-0414": (Glm4Config, Glm4ForCausalLM, Glm4ForCausalLMWithPrefix),
-                 "glm-edge": (GlmConfig, GlmForCausalLM, GlmForCausalLMWithPrefix)}
+                 "glm-edge": (GlmConfig, GlmForCausalLM, GlmForCausalLMWithPrefix),
+                 "glm4-moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeForCausalLMWithPrefix),
+                 "glm4-moe-lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Glm4MoeLiteForCausalLMWithPrefix)}
+_ATTENTION = dict(num_key_value_heads=2, head_dim=16, attention_bias=True, partial_rotary_factor=0.5)
+# 6 experts, 2 a token, so that a batch's tokens route to different ones; the experts' first dense layer
+_EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+                routed_scaling_factor=2.5, num_nextn_predict_layers=0)
+FIELDS = {"glm4-0414": _ATTENTION, "glm-edge": _ATTENTION,
+          "glm4-moe": {**_ATTENTION, **_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True},
+          "glm4-moe-lite": {**_EXPERTS, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                            "qk_nope_head_dim": 8, "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"]}}
+A_QUANTIZED_KEY = {"glm4-0414": "model.layers.0.mlp.gate_up_proj.weight_scale",
+                   "glm-edge": "model.layers.0.mlp.gate_up_proj.weight_scale",
+                   "glm4-moe": "model.layers.1.mlp.experts.5.down_proj.weight_scale",
+                   "glm4-moe-lite": "model.layers.1.mlp.experts.5.gate_proj.weight_scale"}
 NO_INSTRUCTION = EncodingOptions(prompt="")
 
 
@@ -42,15 +62,14 @@ def released(directory, version: str, seed: int = 0):
     config_class, model_class, _ = ARCHITECTURES[version]
     tokenizer = train_released_bpe(CORPUS, directory, version)
     config = config_class(vocab_size=len(tokenizer) + 10, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                          partial_rotary_factor=0.5, rope_theta=10000.0, eos_token_id=tokenizer.stop_token_ids,
-                          pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256)
+                          num_attention_heads=4, rope_theta=10000.0, eos_token_id=tokenizer.stop_token_ids,
+                          pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256, **FIELDS[version])
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or "e_score_correction_bias" in name:  # a router's correction: 0 would hide it too
+                tensor.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     return model, tokenizer
 
@@ -142,7 +161,7 @@ def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
     assert (got - want)[mask.bool()].abs().max() > 1e-3  # the prefix changes the output
     tuned.save_pretrained(tmp_path / "full")  # the whole model, prefix included
     saved = load_file(tmp_path / "full" / "model.safetensors")
-    assert "transformer.prefix_encoder.embedding.weight" in saved and "model.layers.0.self_attn.q_proj.weight" in saved
+    assert "transformer.prefix_encoder.embedding.weight" in saved and "model.layers.0.self_attn.o_proj.weight" in saved
     prefix_only = tmp_path / "prefix"
     tuned.save_pretrained(prefix_only, state_dict={k: v for k, v in tuned.state_dict().items() if k.startswith("prefix_encoder.")})
     again = from_pretrained(directory)
@@ -186,7 +205,7 @@ def test_saving_writes_transformers_form_back(tiny, tmp_path):
         quantized.save_pretrained(tmp_path / f"int{bits}")
         stored = json.loads((tmp_path / f"int{bits}" / "config.json").read_text())
         assert stored["quantization_bit"] == bits and stored["model_type"] == config["model_type"]
-        assert "model.layers.0.mlp.gate_up_proj.weight_scale" in load_file(tmp_path / f"int{bits}" / "model.safetensors")
+        assert A_QUANTIZED_KEY[version] in load_file(tmp_path / f"int{bits}" / "model.safetensors")
         with torch.no_grad():
             assert torch.equal(from_pretrained(tmp_path / f"int{bits}")(ids, attention_mask=mask).logits,
                                quantized(ids, attention_mask=mask).logits)
@@ -207,7 +226,8 @@ def test_tokenizer_round_trips_and_chats_as_transformers(tiny):
                      [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "你好"},
                       {"role": "assistant", "content": "水泵_部件故障_漏油"}, {"role": "user", "content": "再来 one"}])
     for messages in conversations:
-        want = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        want = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **tokenizer.prompt_format.template_kwargs)
         assert tokenizer.prompt_format.chat_ids(tokenizer, messages) == want
 
 
@@ -217,9 +237,10 @@ def test_training_rows_are_the_templates_conversation(tiny):
     record = SPORecord("水泵漏油。", None, response="水泵_部件故障_漏油")
     row, prompt = encode_record(record, tokenizer, NO_INSTRUCTION), prompt_ids(record, tokenizer, NO_INSTRUCTION)
     user = {"role": "user", "content": record.text}
-    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False)
+    kwargs = tokenizer.prompt_format.template_kwargs  # thinking off, where a template thinks
+    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
     conversation = fast.apply_chat_template([user, {"role": "assistant", "content": record.response}], tokenize=True,
-                                            return_dict=False)
+                                            return_dict=False, **kwargs)
     if version == "glm-edge":  # its template always ends with <|assistant|>, which a trained answer does not
         conversation = conversation[:-1]
     end = tokenizer.get_command("<|user|>")

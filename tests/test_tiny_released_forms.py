@@ -1,4 +1,5 @@
-"""The tiny presets of the versions released in transformers' form (`--model tiny-glm4-0414`, `--model tiny-glm-edge`),
+"""The tiny presets of the versions released in transformers' form (`--model tiny-glm4-0414`, `tiny-glm-edge`,
+`tiny-glm4-moe`, `tiny-glm47-flash`),
 end to end and cheaply: train.py `--tuning full` for a few steps, P-tuning v2 and LoRA on that run for 2 steps each
 (`test_versions.tiny_runs`, as for the tiny GLM-4, without a dev file: no generation while training),
 each run read back from its own directory and run by infer.py.
@@ -11,13 +12,13 @@ import pytest
 
 from chatglm_tune import loading
 from chatglm_tune.models import registry
-from chatglm_tune.models.glm.config import LORA_TARGETS, TRANSFORMERS_FORMS
+from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS
 from chatglm_tune.options import TINY_PRESETS
 from test_tiny_glm4 import in_process
 from test_versions import tiny_runs
 
 
-@pytest.mark.parametrize("preset", ["tiny-glm4-0414", "tiny-glm-edge"])
+@pytest.mark.parametrize("preset", ["tiny-glm4-0414", "tiny-glm-edge", "tiny-glm4-moe", "tiny-glm47-flash"])
 def test_a_tiny_released_form_trains_then_ptunes_and_lora_tunes_end_to_end(preset, tmp_path):
     version = TINY_PRESETS[preset]
     root = tiny_runs(tmp_path, preset, base_steps=4, run=in_process, dev=False)
@@ -28,4 +29,4 @@ def test_a_tiny_released_form_trains_then_ptunes_and_lora_tunes_end_to_end(prese
         assert model.config.chatglm_version == version, name
         assert (model.config.pre_seq_len == 4) == (name == "ptuning"), name
         in_process("infer.py", "--model", root / name, "--text", "水泵漏油。", "--max-new-tokens", 4, "--threads", 1)
-    assert sorted(json.loads((root / "lora" / "adapter_config.json").read_text())["target_modules"]) == sorted(LORA_TARGETS)
+    assert sorted(json.loads((root / "lora" / "adapter_config.json").read_text())["target_modules"]) == sorted(registry.VERSIONS[version].lora_targets)

@@ -1,0 +1,92 @@
+"""What the mixture-of-experts versions (GLM-4.5 / 4.6 / 4.7: `glm4-moe`; GLM-4.7-Flash: `glm4-moe-lite`) add to the
+versions before them: LoRA on the routed experts' 3D weights through train.py (trained, saved, read back, merged),
+INT8 / INT4 experts that run only the experts a token is routed to, equal to the float experts quantized the same way,
+and serve.py answering a chat on a tiny model.
+
+transformers' equality (logits, greedy ids, the prefix as the first cache entries, saving) is in
+test_glm_transformers_forms.py; the tiny presets end to end in test_tiny_released_forms.py.
+"""
+
+import json
+import urllib.request
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from chatglm_tune import loading
+from chatglm_tune.lora import load_lora
+from chatglm_tune.quant.experts import QuantizedExperts, quantize_experts
+from chatglm_tune.quant.format import dequantize
+from serving import serve_py, tiny_model
+from test_tiny_glm4 import in_process
+from test_versions import DEV
+
+VERSIONS = ("glm4-moe", "glm4-moe-lite")
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def tiny(request, tmp_path_factory):
+    return request.param, tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_lora_on_the_routed_experts_trains_saves_and_merges(tiny, tmp_path):
+    version, directory = tiny
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:8]) + "\n", encoding="utf-8")
+    in_process("train.py", "--model", directory, "--tuning", "lora", "--lora-target", "o_proj", *EXPERT_TARGETS, "--lora-dropout", 0,
+               "--train-file", data, "--max-src-len", 64, "--max-len", 96, "--batch-size", 4, "--threads", 1,
+               "--max-steps", 3, "--lr", "5e-2", "--output-dir", tmp_path / "lora")
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == sorted(EXPERT_TARGETS) and config["target_modules"] == ["o_proj"]
+    with safe_open(tmp_path / "lora" / "adapter_model.safetensors", "pt") as f:
+        experts = [k for k in f.keys() if ".mlp.experts." in k]
+        assert experts and all(f.get_tensor(k).abs().sum() > 0 for k in experts)  # trained, not zero
+    merged, tokenizer = loading.load_run(loading.resolve_run(tmp_path / "lora"))  # the adapter folded into the base
+    base, _ = loading.load_run(loading.resolve_run(directory))
+    ids = torch.tensor([tokenizer.prompt_format.chat_ids(tokenizer, [{"role": "user", "content": "水泵漏油。"}])])
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = load_lora(base, tmp_path / "lora")(ids).logits  # peft's adapters beside the weights
+        assert (adapted - plain).abs().max() > 1e-4  # the adapters change the answer
+        assert (merged(ids).logits - adapted).abs().max() < 1e-5
+    assert isinstance(merged.model.layers[1].mlp.experts.gate_up_proj, nn.Parameter)  # folded back into the 3D weight
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tiny, bits):
+    version, directory = tiny
+    model, _ = loading.load_run(loading.resolve_run(directory))
+    experts = model.model.layers[1].mlp.experts
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[0, 3], [3, 1], [7, 0], [2, 8], [5, 5]])  # 8: transformers' mark of a dropped choice
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(1))
+    quantized = QuantizedExperts.from_fused(experts, bits)
+    # the float experts with each weight replaced by its dequantized INT form: the same sum, in float
+    with torch.no_grad():
+        for e in range(experts.gate_up_proj.shape[0]):
+            expert = quantized.expert(e)
+            fused = [dequantize(p.weight, p.weight_scale, bits, torch.float32) for p in (expert.gate_proj, expert.up_proj)]
+            experts.gate_up_proj[e] = torch.cat(fused)
+            experts.down_proj[e] = dequantize(expert.down_proj.weight, expert.down_proj.weight_scale, bits, torch.float32)
+        want = experts(hidden, index, weights)
+        calls = []
+        for e in range(quantized.num_experts):
+            quantized.expert(e).register_forward_pre_hook(lambda m, args, e=e: calls.append(e))
+        got = quantized(hidden, index, weights)
+    assert sorted(calls) == [0, 1, 2, 3, 5, 7]  # each chosen expert once, the others never
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()  # activations quantized on the integer path
+    assert quantize_experts(model, bits) == 1 and isinstance(model.model.layers[1].mlp.experts, QuantizedExperts)
+
+
+def test_serve_answers_a_chat(tiny, tmp_path):
+    version, directory = tiny
+    body = {"messages": [{"role": "user", "content": "水泵漏油。"}], "max_tokens": 6, "temperature": 0}
+    with serve_py(directory, tmp_path / "serve.log") as (_, base):
+        request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+    assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1
