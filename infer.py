@@ -24,8 +24,8 @@ DEFAULT_SETTINGS = ExtractionSettings()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or a train.py run "
-                   "directory (it names its base)")
+    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / 4.7 "
+                   "or GLM-4.7-Flash model directory, or a train.py run directory (it names its base)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", type=Path, help="records to extract from (.jsonl or .json; gold answers optional)")
     what.add_argument("--text", help="extract from this one text and print the result")

@@ -27,8 +27,8 @@ SHUTDOWN_GRACE_S = 5.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3 or GLM-4 model directory, or a train.py run "
-                   "directory (full, P-tuning or LoRA: it names its base)")
+    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / 4.7 "
+                   "or GLM-4.7-Flash model directory, or a train.py run directory (full, P-tuning or LoRA: it names its base)")
     adapter = p.add_mutually_exclusive_group()
     adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
     adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model")

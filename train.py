@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--loss-on", choices=LOSS_ON, help="conversation records (ChatGLM3 / GLM-4 and later): train on every assistant "
       f"turn, as the official fine-tuning does, or on the last one only (default: the base run's, else {E.loss_on})")
     g = p.add_argument_group("model").add_argument
-    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model directory, or "
+    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 or GLM-4.7-Flash model directory, or "
       f"{' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version and a tokenizer trained on the train file in that "
       "version's format; with --tuning full and no other flag, "
       f"the demo settings {TINY_DEMO} and step budgets {TINY_DEMO_STEPS})")
