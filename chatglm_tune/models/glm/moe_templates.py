@@ -6,12 +6,14 @@ Both begin with `[gMASK]<sop>`, write the tools they are given as a system block
 `<think>...</think>` unless `enable_thinking` is false, and write a tool call as `<tool_call>name` with
 `<arg_key>` / `<arg_value>` pairs. GLM-4.5's puts "\\n" after each role token, appends `/nothink` to a user
 message when thinking is off and ends that prompt with `<|assistant|>\\n<think></think>`; GLM-4.7-Flash's writes
-content right after the role token and ends a non-thinking prompt with `<|assistant|></think>`.
+content right after the role token and ends a non-thinking prompt with `<|assistant|></think>`. What the two share is
+written once below; each template is its parts in order.
 """
 
 from __future__ import annotations
 
-GLM4_MOE_TEMPLATE = r"""[gMASK]<sop>
+# The tools block up to the call format each release spells its own way.
+_TOOLS_INTRO = r"""[gMASK]<sop>
 {%- if tools -%}
 <|system|>
 # Tools
@@ -26,13 +28,17 @@ You are provided with function signatures within <tools></tools> XML tags:
 </tools>
 
 For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}
+"""
+_GLM45_CALL_FORMAT = r"""<tool_call>{function-name}
 <arg_key>{arg-key-1}</arg_key>
 <arg_value>{arg-value-1}</arg_value>
 <arg_key>{arg-key-2}</arg_key>
 <arg_value>{arg-value-2}</arg_value>
 ...
-</tool_call>{%- endif -%}
+</tool_call>"""
+_GLM47_CALL_FORMAT = r"""<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>"""
+# The end of the tools block, the macro that reads a message's text, and the index of the last user message.
+_TEXT_AND_LAST_USER = r"""{%- endif -%}
 {%- macro visible_text(content) -%}
     {%- if content is string -%}
         {{- content }}
@@ -54,7 +60,8 @@ For each function call, output the function name and arguments within the follow
         {% set ns.last_user_index = loop.index0 -%}
     {%- endif %}
 {%- endfor %}
-{% for m in messages %}
+"""
+_GLM45_MESSAGES = r"""{% for m in messages %}
 {%- if m.role == 'user' -%}<|user|>
 {{ visible_text(m.content) }}
 {{- '/nothink' if (enable_thinking is defined and not enable_thinking and not visible_text(m.content).endswith("/nothink")) else '' -}}
@@ -115,45 +122,7 @@ For each function call, output the function name and arguments within the follow
     <|assistant|>{{- '\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
 {%- endif -%}
 """
-
-GLM4_MOE_LITE_TEMPLATE = r"""[gMASK]<sop>
-{%- if tools -%}
-<|system|>
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}
-{{ tool | tojson(ensure_ascii=False) }}
-{% endfor %}
-</tools>
-
-For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>{%- endif -%}
-{%- macro visible_text(content) -%}
-    {%- if content is string -%}
-        {{- content }}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for item in content -%}
-            {%- if item is mapping and item.type == 'text' -%}
-                {{- item.text }}
-            {%- elif item is string -%}
-                {{- item }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{- content }}
-    {%- endif -%}
-{%- endmacro -%}
-{%- set ns = namespace(last_user_index=-1) %}
-{%- for m in messages %}
-    {%- if m.role == 'user' %}
-        {% set ns.last_user_index = loop.index0 -%}
-    {%- endif %}
-{%- endfor %}
-{% for m in messages %}
+_GLM47_MESSAGES = r"""{% for m in messages %}
 {%- if m.role == 'user' -%}<|user|>{{ visible_text(m.content) }}
 {%- elif m.role == 'assistant' -%}
 <|assistant|>
@@ -203,6 +172,9 @@ For each function call, output the function name and arguments within the follow
     <|assistant|>{{- '</think>' if (enable_thinking is defined and not enable_thinking) else '<think>' -}}
 {%- endif -%}
 """
+
+GLM4_MOE_TEMPLATE = _TOOLS_INTRO + _GLM45_CALL_FORMAT + _TEXT_AND_LAST_USER + _GLM45_MESSAGES
+GLM4_MOE_LITE_TEMPLATE = _TOOLS_INTRO + _GLM47_CALL_FORMAT + _TEXT_AND_LAST_USER + _GLM47_MESSAGES
 
 # The special tokens these releases add after GLM-4's (`glm4_tokenizer.OFFICIAL_SPECIALS`), in their order.
 MOE_SPECIALS = ("<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",
