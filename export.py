@@ -8,8 +8,8 @@
 
 What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
 exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
-float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture)
-and GLM-4-0414 (`glm4`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory
+float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture),
+GLM-4-0414 (`glm4`), GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-4.7-Flash (`deepseek2`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory
 this process may write (checked before any weight is read); the export is written in `.OUT_DIR.partial` beside
 it and renamed to OUT_DIR when complete: an error, Ctrl-C or SIGTERM removes it, OUT_DIR is left as it was and the
 same command runs again. GGUF and GGML need the `export` extra (`pip install -e ".[export]"`: gguf-py).
@@ -116,7 +116,7 @@ def write(args, source, out: Path) -> list[Path]:
             path = out / f"{name}-{kind}.gguf"
             text = modelfile(source.version.format, path.name, source.run_prompt, source.sampling)  # first: it may refuse
             write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name,
-                       chat_template=source.chat_template, sampling=source.sampling, progress=progress)
+                       chat_template=source.gguf_chat_template, sampling=source.sampling, progress=progress)
             (out / "Modelfile").write_text(text, encoding="utf-8")
             return [path, out / "Modelfile"]
         from chatglm_tune.export.ggml_file import official_layout, write_ggml

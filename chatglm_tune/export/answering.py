@@ -24,6 +24,7 @@ unassigned characters, which `repr` escapes and the template writes as they are.
 
 from __future__ import annotations
 
+import json
 import keyword
 import unicodedata
 from dataclasses import dataclass
@@ -176,11 +177,38 @@ def tool_prompt_end(prompt_format) -> str:
     return "" if form is None else form.end
 
 
-def chat_template(prompt_format, tokenizer, instruction: str) -> str:
-    """The Jinja chat template an export writes for a model of `prompt_format` asked with `instruction`: tool
-    conversations in OpenAI's form rewritten first (`tool_messages`)."""
-    return with_instruction(tool_messages(prompt_format) + prompt_format.chat_template(tokenizer)
-                            + tool_prompt_end(prompt_format), instruction)
+THINKING_SWITCHES = ("enable_thinking",)  # render arguments that llama-server always defines itself
+# a request that asks llama-server for reasoning (OpenAI's `reasoning_effort`, which it passes to the template)
+_ASKS_REASONING = "reasoning_effort is defined and reasoning_effort and reasoning_effort != 'none'"
+
+
+def template_defaults(prompt_format, llama_cpp: bool = False) -> str:
+    """The Jinja preamble that gives the format's render arguments (`template_kwargs`: GLM-4.5's and GLM-4.7-Flash's
+    `enable_thinking` false) the toolkit's values by default, so that an exported template renders the toolkit's own
+    prompt; "" for a format without any.
+
+    For transformers' `apply_chat_template` and vLLM (the hf directory) an argument is set where the caller left it
+    undefined: a request passing `enable_thinking=True` gets the thinking prompt. llama-server always defines
+    `enable_thinking` itself (true for a template it finds can think), so it cannot tell a request's value from its
+    own; in a GGUF file (`llama_cpp`) the switch is set to the toolkit's value unless the request asks for
+    reasoning with `reasoning_effort` (other than "none"), which llama-server hands to the template: that request
+    gets the template's thinking prompt."""
+    out = []
+    for name, value in getattr(prompt_format, "template_kwargs", {}).items():
+        literal = json.dumps(value)
+        if llama_cpp and name in THINKING_SWITCHES:
+            out.append(f"{{%- if not ({_ASKS_REASONING}) -%}}{{%- set {name} = {literal} -%}}{{%- endif -%}}")
+        else:
+            out.append(f"{{%- if {name} is not defined -%}}{{%- set {name} = {literal} -%}}{{%- endif -%}}")
+    return "".join(out)
+
+
+def chat_template(prompt_format, tokenizer, instruction: str, llama_cpp: bool = False) -> str:
+    """The Jinja chat template an export writes for a model of `prompt_format` asked with `instruction`: its render
+    defaults set first (`template_defaults`; `llama_cpp`: the GGUF file's), tool conversations in OpenAI's form
+    rewritten (`tool_messages`)."""
+    return with_instruction(template_defaults(prompt_format, llama_cpp) + tool_messages(prompt_format)
+                            + prompt_format.chat_template(tokenizer) + tool_prompt_end(prompt_format), instruction)
 
 
 def sampling(prompt_format, is_run: bool) -> SamplingOptions:

@@ -1,9 +1,11 @@
-"""A ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model as one GGUF file for llama.cpp and ollama.
+"""A ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 or GLM-4.7-Flash model as one GGUF file for llama.cpp and ollama.
 
 The architecture is the one llama.cpp's own converter gives the model's transformers class (`ARCHES`):
 `GlmForCausalLM` (ChatGLM2/3, GLM-4, GLM-Edge) is `chatglm`; `Glm4ForCausalLM` (GLM-4-0414, GLM-Z1) is `glm4`,
-the same graph with an RMSNorm after attention and after the MLP, each before its residual add. What the graph
-reads, and what is written here for it:
+the same graph with an RMSNorm after attention and after the MLP, each before its residual add;
+`Glm4MoeForCausalLM` (GLM-4.5 / 4.6 / 4.7) is `glm4moe` and `Glm4MoeLiteForCausalLM` (GLM-4.7-Flash) `deepseek2`,
+whose tensors and hyperparameters export/gguf_moe.py writes (`tensor_layout`; a router stays F32 in every
+`--type`, as llama.cpp keeps it). What the `chatglm` / `glm4` graphs read, and what is written here for them:
 - tensors under its names (`models.glm.weights.gguf_name`): from an official checkpoint, q|k|v rows fused into
   `attn_qkv` with its bias and dense_h_to_4h's gate|up rows as `ffn_up`; from one in transformers' own form
   (GLM-4-0414, GLM-Edge), `attn_q` / `attn_k` / `attn_v` apart (as llama.cpp's converter writes them),
@@ -13,7 +15,8 @@ reads, and what is written here for it:
   width, RMSNorm epsilon, context length (`seq_length`), rotary on half of each head (`rope.dimension_count` =
   kv_channels / 2, adjacent pairs as the official code rotates them) with `rope.freq_base` = 10000 x rope_ratio
   (transformers' `rope_theta`); a scaled rotary (`rope_type` other than default) is refused;
-- the tokenizer (gguf_vocab.py) and the version's Jinja chat template (`PromptFormat.chat_template`);
+- the tokenizer (gguf_vocab.py) and the version's Jinja chat template (`PromptFormat.chat_template`, with the
+  toolkit's render defaults for llama.cpp: `answering.template_defaults`);
 - norms and biases in F32; the matrices (embedding, head, block Linears) in the `--type`: F16, BF16, or ggml's
   blocks of 32 weights, Q8_0 (an fp16 scale absmax / 127 and 32 int8) or Q4_0 (an fp16 scale and 16 bytes of
   nibbles), quantized by gguf-py exactly as ggml's reference quantizer; a q4_0 file keeps the head in Q8_0 (llama.cpp's own
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 
 import gguf
@@ -35,24 +39,29 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from chatglm_tune.export.answering import engine_fields
+from chatglm_tune.export.answering import engine_fields, template_defaults
+from chatglm_tune.export.gguf_moe import MOE_ARCHES, GgufTensor, moe_hyperparameters, moe_layout
 from chatglm_tune.export.gguf_vocab import add_vocab
 from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.weights import gguf_name
 from chatglm_tune.options import SamplingOptions
 
-ARCHES = {"GlmForCausalLM": "chatglm", "Glm4ForCausalLM": "glm4"}  # transformers class -> llama.cpp architecture
+# transformers class -> llama.cpp architecture (the mixture-of-experts ones: export/gguf_moe.py)
+ARCHES = {"GlmForCausalLM": "chatglm", "Glm4ForCausalLM": "glm4", **MOE_ARCHES}
 # whether the architecture's attention output is hidden x hidden (`chatglm`), not heads x kv_channels (`glm4`)
 SQUARE_ATTENTION_OUTPUT = {"chatglm": True, "glm4": False}
 TYPES = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> ggml type of the matrices
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 SLICE_WEIGHTS = 1 << 22  # weights quantized at a time (16 MB of float32)
+F32_MATRICES = (".ffn_gate_inp.weight",)  # matrices kept in F32 whatever the --type (a router's, as llama.cpp does)
 
 
 def tensor_type(name: str, shape: tuple[int, ...], kind: str) -> Q:
     """The ggml type a tensor is stored in for `--type kind`."""
     qtype = TYPES[kind]
+    if name.endswith(F32_MATRICES):
+        return Q.F32
     if qtype == Q.Q4_0 and name == "output.weight":
         qtype = Q.Q8_0
     return stored_type(qtype, shape)
@@ -88,6 +97,10 @@ def architecture(config) -> str:
 
 
 def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
+    if writer.arch in MOE_ARCHES.values():
+        moe_hyperparameters(writer, config, writer.arch)
+        writer.add_file_type(FILE_TYPES[kind])
+        return
     if SQUARE_ATTENTION_OUTPUT[writer.arch] and config.num_attention_heads * config.head_dim != config.hidden_size:
         raise ValueError(f"llama.cpp's chatglm architecture needs heads x kv_channels = hidden_size; this model has "
                          f"{config.num_attention_heads} x {config.head_dim} != {config.hidden_size}")
@@ -117,39 +130,84 @@ def add_sampling(writer, sampling: SamplingOptions) -> None:
         writer.add_sampling_top_k(fields["top_k"])
 
 
+def dense_layout(tensors) -> list[GgufTensor]:
+    """The GGUF tensors of a `chatglm` / `glm4` model: each source tensor under its name, read in the source's
+    order (one pass over its files)."""
+    stream = iter(tensors)
+
+    def take(key: str, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        got, tensor = next(stream, (None, None))
+        if got != key or tuple(tensor.shape) != shape:
+            found = "nothing" if got is None else f"{got} {list(tensor.shape)}"
+            raise ValueError(f"{found} came where the header holds {key} {list(shape)}")
+        return [tensor]
+
+    return [GgufTensor(gguf_name(key), shape, lambda key=key, shape=shape: take(key, shape))
+            for key, shape in tensors.shapes()]
+
+
+def tensor_layout(arch: str, config, tensors) -> list[GgufTensor]:
+    """The tensors of the file in the order they are written (`moe_layout` for the mixture-of-experts ones)."""
+    return moe_layout(arch, config, tensors) if arch in MOE_ARCHES.values() else dense_layout(tensors)
+
+
+def stored_bytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
+
+
+def encode_tensor(tensor: GgufTensor, qtype: Q) -> np.ndarray:
+    """The tensor's bytes in `qtype`: a single part encoded as it is; parts (stacked experts) each encoded into
+    their place in one output array, so that no stacked float copy is made."""
+    parts = iter(tensor.parts())
+    first = next(parts)
+    if tuple(first.shape) == tensor.shape:
+        return encode(first, qtype)
+    out = np.empty(stored_bytes(tensor.shape, qtype), dtype=np.uint8)
+    at = rows = 0
+    for part in chain([first], parts):
+        if tuple(part.shape[1:]) != tensor.shape[1:] or rows + part.shape[0] > tensor.shape[0]:
+            raise ValueError(f"{tensor.name}: a part of shape {list(part.shape)} does not fit {list(tensor.shape)}")
+        data = np.ascontiguousarray(encode(part, qtype)).reshape(-1).view(np.uint8)
+        out[at:at + data.size] = data
+        at, rows = at + data.size, rows + part.shape[0]
+    if rows != tensor.shape[0]:
+        raise ValueError(f"{tensor.name}: its parts hold {rows} of {tensor.shape[0]} rows")
+    return out
+
+
 def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str = "", chat_template: str | None = None,
                sampling: SamplingOptions | None = None,
                progress: Callable[[int, int], None] = lambda done, total: None) -> dict:
-    """Write a model of this family (its `GlmConfig`, its tokenizer, `tensors`: an `export.tensors` source of its
+    """Write a model of this family (its config, its tokenizer, `tensors`: an `export.tensors` source of its
     float tensors under checkpoint keys) as the GGUF file `path`; {"tensors": n, "bytes": size}. `chat_template`:
-    the Jinja template it carries (None: the version's); `sampling`: the defaults llama.cpp takes from it
-    (`general.sampling.*`; None: none written). `progress(tensors written, tensors of the file)` is called before the
-    first tensor and after each."""
+    the Jinja template it carries (None: the version's, with its render defaults: `answering.template_defaults`);
+    `sampling`: the defaults llama.cpp takes from it (`general.sampling.*`; None: none written).
+    `progress(tensors written, tensors of the file)` is called before the first tensor and after each."""
     if kind not in TYPES:
         raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {kind!r}")
-    plan = [(key, gguf_name(key), shape) for key, shape in tensors.shapes()]
+    arch = architecture(config)
+    plan = tensor_layout(arch, config, tensors)
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, architecture(config))
+    writer = gguf.GGUFWriter(tmp, arch)
     try:
         writer.add_name(name or path.stem)
         hyperparameters(writer, config, kind)
         add_vocab(writer, tokenizer, rows=config.vocab_size)
-        writer.add_chat_template(chat_template or tokenizer.prompt_format.chat_template(tokenizer))
+        writer.add_chat_template(chat_template or template_defaults(tokenizer.prompt_format, llama_cpp=True)
+                                 + tokenizer.prompt_format.chat_template(tokenizer))
         if sampling is not None:
             add_sampling(writer, sampling)
-        for _, tensor_name, shape in plan:
-            qtype = tensor_type(tensor_name, shape, kind)
-            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
-            writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        for tensor in plan:
+            qtype = tensor_type(tensor.name, tensor.shape, kind)
+            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), stored_bytes(tensor.shape, qtype),
+                                   raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         progress(0, len(plan))
-        for done, ((key, tensor_name, shape), (got, tensor)) in enumerate(zip(plan, tensors, strict=True), 1):
-            if got != key or tuple(tensor.shape) != shape:
-                raise ValueError(f"{got} {list(tensor.shape)} came where the header holds {key} {list(shape)}")
-            writer.write_tensor_data(encode(tensor, tensor_type(tensor_name, shape, kind)))
+        for done, tensor in enumerate(plan, 1):
+            writer.write_tensor_data(encode_tensor(tensor, tensor_type(tensor.name, tensor.shape, kind)))
             progress(done, len(plan))
         writer.close()
         os.replace(tmp, path)

@@ -1,15 +1,19 @@
 """A merged model as a transformers-native directory: what plain transformers, vLLM, SGLang and TGI load.
 
 ChatGLM2/3, GLM-4 and GLM-Edge become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
-`glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released):
+`glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released), GLM-4.5 /
+4.6 / 4.7 its `Glm4MoeForCausalLM` and GLM-4.7-Flash its `Glm4MoeLiteForCausalLM`:
 - config.json in transformers' fields (`config.transformers_form`, without the toolkit's own), plus `rope_theta`
   and `partial_rotary_factor` at the top level, where transformers 4 reads them;
 - generation_config.json: the version's stop ids as `eos_token_id`, the export's sampling (greedy for a train.py
   run, the official chat()'s for a model directory: export/answering.py);
-- safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused);
+- safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused), the routed experts of the
+  mixture-of-experts versions one by one as they are released (`experts.released_experts`:
+  `mlp.experts.E.{gate,up,down}_proj.weight`, which transformers fuses as it loads);
 - the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, the version's prefix, `[gMASK]` and
   the start token, put first by its post-processor; GLM-Edge has none and its post-processor adds nothing) and
-  the version's Jinja chat template in tokenizer_config.json (with a run's instruction: export/answering.py).
+  the version's Jinja chat template in tokenizer_config.json (with a run's instruction and the toolkit's render
+  defaults, GLM-4.5's and GLM-4.7-Flash's thinking off unless asked: export/answering.py).
 Loading needs no remote code and no `import chatglm_tune`.
 
 The tokenizer.json of ChatGLM2/3 is their SentencePiece model in `tokenizers` terms: each text piece between
@@ -31,8 +35,9 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from chatglm_tune import checkpoint
-from chatglm_tune.export.answering import engine_fields
+from chatglm_tune.export.answering import engine_fields, template_defaults
 from chatglm_tune.models.glm.config import transformers_form
+from chatglm_tune.models.glm.experts import released_experts
 from chatglm_tune.options import SamplingOptions
 from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 
@@ -52,15 +57,15 @@ def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30, cha
         progress(size, size)
         tokenizer.save_pretrained(out)
     else:
-        _write_glm(out, model, tokenizer, max_shard_bytes, progress,
-                   chat_template or tokenizer.prompt_format.chat_template(tokenizer),
+        default = template_defaults(tokenizer.prompt_format) + tokenizer.prompt_format.chat_template(tokenizer)
+        _write_glm(out, model, tokenizer, max_shard_bytes, progress, chat_template or default,
                    sampling or tokenizer.prompt_format.chat_sampling)
     return {"files": sorted(p.name for p in out.iterdir())}
 
 
 def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Callable[[int, int], None],
                chat_template: str, sampling: SamplingOptions) -> None:
-    state = model.state_dict()  # transformers' own keys (a P-tuning prefix never reaches export)
+    state = released_experts(model.state_dict())  # transformers' own keys (a P-tuning prefix never reaches export)
     checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
     config = transformers_form(model.config, next(iter(state.values())).dtype, toolkit_fields=False)
     _write_json(out / "config.json", config)

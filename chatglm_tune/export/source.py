@@ -58,6 +58,11 @@ class Exportable:
         return answering.chat_template(self.version.format, self.tokenizer, self.run_prompt)
 
     @property
+    def gguf_chat_template(self) -> str:
+        """`chat_template` as a GGUF file carries it, for llama.cpp (`answering.template_defaults`)."""
+        return answering.chat_template(self.version.format, self.tokenizer, self.run_prompt, llama_cpp=True)
+
+    @property
     def sampling(self):
         """The sampling defaults every file of the export carries: greedy for a run, the official chat()'s else."""
         return answering.sampling(self.version.format, self.is_run)
@@ -96,10 +101,11 @@ def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None =
                      "is merged into the float base, which differs from the weights it trained against by that rounding")
     tokenizer = loading.load_tokenizer(source)
     files = CheckpointTensors(source.base) if form == "gguf" and source.lora_dir is None else None
-    if files is not None and names_every_tensor(files):
+    if files is not None:
         from chatglm_tune.models.glm.config import glm_config  # GGUF holds this family only
 
         config = glm_config(json.loads((source.base / CONFIG).read_text(encoding="utf-8")), version=version.name)
+    if files is not None and names_every_tensor(files, config):
         model, tensors = None, files
     else:
         model = loading.load_model(source, dtype=dtype, quantization_bit=0, quantize_embedding=False)

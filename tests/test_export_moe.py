@@ -1,0 +1,300 @@
+"""export.py on GLM-4.5 (`glm4-moe`) and GLM-4.7-Flash (`glm4-moe-lite`): the GGUF file in llama.cpp's `glm4moe` /
+`deepseek2` architectures (names, shapes, values and hyperparameters, from the checkpoint's files and from a loaded
+model), the hf directory in the released layout that plain transformers loads with the toolkit's logits, the chat
+templates that render the toolkit's prompts by default; and llama.cpp's own llama-server on the f16 files
+(tokenization and greedy ids against the toolkit), which skips without a llama-server."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
+from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
+from serving import TEXTS  # noqa: E402
+
+from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.export import gguf_moe  # noqa: E402
+from chatglm_tune.export.gguf_file import write_gguf  # noqa: E402
+from chatglm_tune.export.hf_dir import write_hf  # noqa: E402
+from chatglm_tune.export.source import open_export  # noqa: E402
+from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors  # noqa: E402
+from chatglm_tune.models import registry  # noqa: E402
+
+VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE), "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2)}
+TRANSFORMERS_CLASSES = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM"}
+CHATS = [[{"role": "user", "content": "你好 world"}],
+         [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXTS[0]},
+          {"role": "assistant", "content": "好的"}, {"role": "user", "content": TEXTS[1]}]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """version -> a random tiny model directory (seed 0; the routers' score corrections random too, so that the
+    `exp_probs_b` they become is checked)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name in VERSIONS:
+        torch.manual_seed(0)
+        model, _ = registry.VERSIONS[name].tiny(TEXTS, root / name)
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "e_score_correction_bias"):
+                    module.e_score_correction_bias.normal_(0, 0.05)
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def toolkit_model(directory: Path):
+    return loading.load_model(loading.resolve_run(directory), dtype="float32").eval()
+
+
+def expected_tensors(model, arch: str) -> dict[str, torch.Tensor]:
+    """llama.cpp's tensors of a loaded model, built here from its state dict with gguf-py's own name map."""
+    config, state = model.config, model.state_dict()
+    table = gguf.get_tensor_name_map(VERSIONS[model.config.chatglm_version][1], config.num_hidden_layers)
+
+    def name(key: str) -> str:
+        return table.get_name(key, try_suffixes=(".weight", ".bias"))
+
+    out = {}
+    for key, tensor in state.items():
+        tensor = tensor.float()
+        if key.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            base = key.removesuffix("gate_up_proj")
+            out[name(base + "gate_proj.weight")] = gate
+            out[name(base + "up_proj.weight")] = up
+        elif key.endswith("mlp.experts.down_proj"):
+            out[name(key + ".weight")] = tensor
+        elif key.endswith("kv_b_proj.weight"):
+            heads, nope, v = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+            per_head = tensor.view(heads, nope + v, -1)
+            out[name(key.replace("kv_b", "k_b"))] = per_head[:, :nope].transpose(1, 2)
+            out[name(key.replace("kv_b", "v_b"))] = per_head[:, nope:]
+        elif key.endswith("e_score_correction_bias"):
+            out[key.split(".mlp")[0].replace("model.layers", "blk") + ".exp_probs_b.bias"] = tensor
+        else:
+            out[name(key)] = tensor
+    return out
+
+
+def hyperparameters(config, arch: str) -> dict:
+    """The hyperparameters llama.cpp's converter writes for the config (keys without the architecture prefix)."""
+    common = {
+        "context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size, "block_count": config.num_hidden_layers,
+        "attention.head_count": config.num_attention_heads, "rope.freq_base": config.rope_parameters["rope_theta"],
+        "attention.layer_norm_rms_epsilon": config.rms_norm_eps, "expert_count": config.n_routed_experts,
+        "expert_used_count": config.num_experts_per_tok, "expert_group_count": config.n_group,
+        "expert_group_used_count": config.topk_group, "expert_feed_forward_length": config.moe_intermediate_size,
+        "expert_shared_count": config.n_shared_experts, "leading_dense_block_count": 1,
+        "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+        "expert_weights_scale": config.routed_scaling_factor, "expert_weights_norm": config.norm_topk_prob,
+        "nextn_predict_layers": 0}
+    if arch == "glm4moe":
+        return {**common, "attention.head_count_kv": config.num_key_value_heads,
+                "attention.key_length": config.head_dim, "attention.value_length": config.head_dim,
+                "rope.dimension_count": config.head_dim // 2}
+    rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    return {**common, "vocab_size": config.vocab_size, "attention.head_count_kv": 1,
+            "attention.q_lora_rank": config.q_lora_rank, "attention.kv_lora_rank": rank,
+            "attention.key_length": rank + rope, "attention.value_length": rank,
+            "attention.key_length_mla": config.qk_nope_head_dim + rope,
+            "attention.value_length_mla": config.v_head_dim, "rope.dimension_count": rope}
+
+
+@pytest.mark.parametrize("read", ["files", "model"])
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_gguf_file_is_llama_cpps_architecture_with_its_tensors_and_hyperparameters(tiny, tmp_path, version, read):
+    arch, arch_enum = VERSIONS[version]
+    model = toolkit_model(tiny[version])
+    if read == "files":
+        source = open_export(tiny[version], form="gguf")
+        assert source.model is None and isinstance(source.tensors, CheckpointTensors)  # streamed, not loaded
+        config, tensors, tokenizer = source.config, source.tensors, source.tokenizer
+    else:
+        config, tensors, tokenizer = model.config, ModelTensors(model), loading.load_tokenizer(loading.resolve_run(tiny[version]))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, tokenizer, tensors, "f16")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == arch
+    got = {f.name.removeprefix(arch + "."): f.contents() for f in reader.fields.values() if f.name.startswith(arch + ".")}
+    want = hyperparameters(config, arch)
+    assert set(want) <= set(got)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=n) for t in gguf.MODEL_TENSORS[arch_enum] for n in range(2)}
+    expected = expected_tensors(model, arch)
+    tensors_read = {t.name: t for t in reader.tensors}
+    assert set(tensors_read) == set(expected)
+    for name, tensor in tensors_read.items():
+        assert name.rsplit(".", 1)[0] in allowed, name
+        data = np.asarray(tensor.data)
+        assert data.shape == tuple(expected[name].shape), name  # torch order: stacked experts [E, ...]
+        want_values = expected[name].numpy() if data.dtype == np.float32 else expected[name].half().numpy()
+        assert np.array_equal(data, want_values), name
+        if name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight")):
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, name
+    if version == "glm4-moe":
+        assert "blk.1.ffn_gate_exps.weight" in expected and expected["blk.1.ffn_gate_exps.weight"].shape == (8, 64, 128)
+        assert {"blk.0.attn_q_norm.weight", "blk.0.attn_q.bias", "blk.0.post_attention_norm.weight"} <= set(expected)
+    else:
+        assert expected["blk.1.attn_k_b.weight"].shape == (8, 32, 16)
+        assert expected["blk.1.attn_v_b.weight"].shape == (8, 16, 32)
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_q8_0_file_quantizes_the_matrices_alike_from_files_and_model_and_keeps_routers_f32(tiny, tmp_path, version):
+    source = open_export(tiny[version], form="gguf")
+    write_gguf(tmp_path / "files.gguf", source.config, source.tokenizer, source.tensors, "q8_0")
+    model = toolkit_model(tiny[version])
+    write_gguf(tmp_path / "model.gguf", model.config, source.tokenizer, ModelTensors(model), "q8_0")
+    files, loaded = ({t.name: t for t in gguf.GGUFReader(tmp_path / f"{name}.gguf").tensors} for name in ("files", "model"))
+    assert files["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert files["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert set(files) == set(loaded)
+    for name, tensor in files.items():  # experts stacked one by one into the output = cut out of the fused weight
+        assert np.array_equal(np.asarray(tensor.data), np.asarray(loaded[name].data)), name
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_hf_directory_is_the_released_layout_plain_transformers_loads_with_our_logits(tiny, tmp_path, version):
+    import transformers
+    from safetensors import safe_open
+
+    source = open_export(tiny[version], form="hf", dtype="float32")
+    out = tmp_path / "hf"
+    write_hf(out, source.model, source.tokenizer, chat_template=source.chat_template, sampling=source.sampling)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")} <= keys
+    assert not {k for k in keys if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert json.loads((out / "config.json").read_text())["architectures"] == [TRANSFORMERS_CLASSES[version]]
+    plain = getattr(transformers, TRANSFORMERS_CLASSES[version]).from_pretrained(out, dtype=torch.float32).eval()
+    assert type(plain).__module__.startswith("transformers.")
+    ids = torch.tensor([source.tokenizer.encode_text(TEXTS[2])[:24]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, toolkit_model(tiny[version])(ids).logits, atol=1e-5, rtol=0)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    fmt, tokenizer = source.version.format, source.tokenizer
+    for messages in CHATS:  # thinking off unless asked, as the toolkit prompts
+        for asked in ({}, {"enable_thinking": True}):
+            text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **asked)
+            want = tokenizer.encode_chat(messages, add_generation_prompt=True, **{**fmt.template_kwargs, **asked})
+            assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == want, asked
+
+
+def with_specials(tokenizer, text: str) -> list[int]:
+    """`text` tokenized with its special-token text as special tokens (llama-server's /tokenize, parse_special)."""
+    ids, start = [], 0
+    for match in tokenizer._special_re.finditer(text):
+        ids += tokenizer.encode_text(text[start:match.start()]) + [tokenizer.special_ids[match.group()]]
+        start = match.end()
+    return ids + tokenizer.encode_text(text[start:])
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_gguf_template_renders_the_toolkit_prompt_whatever_the_server_defines(tiny, version):
+    """llama-server defines `enable_thinking` in every render (true for a template that can think): the GGUF's
+    template gives the toolkit's prompt all the same, and the thinking prompt where the request asks for reasoning
+    (`reasoning_effort`)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = open_export(tiny[version], form="gguf")
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source.gguf_chat_template)
+    fmt, tokenizer = source.version.format, source.tokenizer
+    for messages in CHATS:
+        want = tokenizer.encode_chat(messages, add_generation_prompt=True, **fmt.template_kwargs)
+        for defined in (True, False):
+            text = template.render(messages=messages, add_generation_prompt=True, enable_thinking=defined)
+            assert with_specials(tokenizer, text) == want
+        thinking = template.render(messages=messages, add_generation_prompt=True, enable_thinking=True,
+                                   reasoning_effort="high")
+        assert with_specials(tokenizer, thinking) == tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                                                           enable_thinking=True)
+
+
+def test_a_checkpoint_missing_an_expert_or_with_dense_layers_late_is_refused(tiny, tmp_path):
+    source = CheckpointTensors(tiny["glm4-moe"])
+    config = open_export(tiny["glm4-moe"], form="gguf").config
+
+    class Missing:
+        def shapes(self):
+            return [(k, s) for k, s in source.shapes() if k != "model.layers.1.mlp.experts.5.up_proj.weight"]
+
+        def get(self, key):
+            return source.get(key)
+
+    with pytest.raises(ValueError, match=r"layer 1: up_proj of the routed experts must be experts 0\.\.7"):
+        gguf_moe.moe_layout("glm4moe", config, Missing())
+    lite = open_export(tiny["glm4-moe-lite"], form="gguf").config
+    lite.mlp_layer_types = ["sparse", "dense"]
+    with pytest.raises(ValueError, match="leading dense layers then expert layers only"):
+        gguf_moe.leading_dense_layers(lite)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# llama.cpp's own server on the f16 files
+
+NEW_TOKENS = 8
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def toolkit_greedy(model, ids: list[int], new: int, stops) -> list[int]:
+    """Greedy ids in float32, the whole sequence recomputed at each step, up to and without a stop id."""
+    x = torch.tensor([ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(new):
+            token = int(model(x).logits[0, -1].argmax())
+            if token in stops:
+                break
+            out.append(token)
+            x = torch.cat([x, torch.tensor([[token]])], 1)
+    return out
+
+
+@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_path, version):
+    from bench.export.export_engines import sample_strings
+
+    source = open_export(tiny[version], form="gguf")
+    path = tmp_path / "m-f16.gguf"
+    write_gguf(path, source.config, source.tokenizer, source.tensors, "f16", chat_template=source.gguf_chat_template)
+    tokenizer, fmt = source.tokenizer, source.version.format
+    model = toolkit_model(tiny[version])
+    stops = set(tokenizer.stop_token_ids)
+    strings = sample_strings(300)
+    prompts = [[{"role": "user", "content": text}] for text in strings[-20:]]
+    server = llama_server(find_llama_server(), path, 1, 1, 512, tmp_path, prompt_of=lambda text: text)
+    server.start(timeout=120)
+    try:
+        tokens = [post(server.base, "/tokenize", {"content": s, "parse_special": False})["tokens"] for s in strings]
+        rendered = [post(server.base, "/apply-template", {"messages": m})["prompt"] for m in prompts]
+        prompt_ids = [post(server.base, "/tokenize", {"content": r, "parse_special": True})["tokens"] for r in rendered]
+        answers = [post(server.base, "/completion", {"prompt": ids, "n_predict": NEW_TOKENS, "temperature": 0,
+                                                     "top_k": 1, "return_tokens": True, "cache_prompt": False})["tokens"]
+                   for ids in prompt_ids]
+    finally:
+        server.stop()
+    wrong = [s for s, got in zip(strings, tokens) if got != tokenizer.encode_text(s)]
+    assert wrong == [], f"{len(wrong)} of {len(strings)} strings tokenized otherwise"
+    want_prompts = [tokenizer.encode_chat(m, add_generation_prompt=True, **fmt.template_kwargs) for m in prompts]
+    assert prompt_ids == want_prompts
+    want = [toolkit_greedy(model, ids, NEW_TOKENS, stops) for ids in want_prompts]
+    got = [[t for t in answer[:len(w) + 1] if t not in stops][:NEW_TOKENS] for answer, w in zip(answers, want)]
+    assert len({t for w in want for t in w}) > 3  # the random model answers, not one token over and over
+    assert sum(w == g for w, g in zip(want, got)) == len(prompts), list(zip(want, got))
