@@ -160,6 +160,34 @@ def transformers_int4_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str
     return out
 
 
+def quantized_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, shape, init) of what `quantize.py --bits 4` writes for config.json `raw` (a mixture-of-experts version:
+    the toolkit's meta-device model with its block Linears and routed experts swapped for INT4 layers, each expert
+    under the released per-expert keys): packed `weight` int8 (init "int4:<key>") and fp16 `weight_scale`
+    ("scale:<in>") of every swapped Linear; norms ones, routers' score corrections zeros, the rest random fp16."""
+    from chatglm_tune.models.glm.config import quantizable_linears
+    from chatglm_tune.quant.apply import quantize_model
+    from chatglm_tune.quant.experts import quantize_experts
+    from chatglm_tune.quant.modules import QuantizedLinear
+
+    model = _meta_glm(raw)
+    quantize_model(model, 4, 0, targets=quantizable_linears(model.config.chatglm_version), empty_init=True)
+    quantize_experts(model, 4, 0, empty_init=True)
+    inputs = {f"{name}.weight_scale": str(m.in_features) for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    out = []
+    for key, tensor in model.state_dict().items():
+        if key.startswith("prefix_encoder."):
+            continue
+        if key in inputs:
+            init = "scale:" + inputs[key]
+        elif tensor.dtype == torch.int8:
+            init = "int4:" + key
+        else:
+            init = "ones" if key.endswith("norm.weight") else "zeros" if key.endswith("e_score_correction_bias") else key
+        out.append((key, tuple(tensor.shape), init))
+    return out
+
+
 def _int4_table() -> torch.Tensor:
     """256 packed bytes: byte b holds (Q[b >> 4], Q[b & 15]) in the official nibble order, where Q are the 16
     quantiles (midpoints of 16 equal-probability bins) of N(0, 0.02) / scale rounded to [-7, 7], scale = 0.02 *
@@ -246,16 +274,18 @@ LAYOUTS = {
     "glm4-0414": (transformers_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
     "glm4-0414-int4": (transformers_int4_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json",
                        _save_safetensors),
+    "moe-int4": (quantized_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
 }
 
 
-def write_released_tokenizer(assets: Path, directory: Path) -> None:
-    """GLM-4-0414's tokenizer files as released: `tokenizer.json` (GLM-4's BPE from the rank file in `assets`) and a
-    tokenizer_config.json for transformers' `PreTrainedTokenizerFast` with the chat template."""
+def write_released_tokenizer(assets: Path, directory: Path, version: str = "glm4-0414") -> None:
+    """A version's tokenizer files as released (GLM-4-0414's, GLM-4.7-Flash's): `tokenizer.json` (GLM-4's BPE from the
+    rank file in `assets`) and a tokenizer_config.json for transformers' `PreTrainedTokenizerFast` with the chat
+    template."""
     from chatglm_tune.models.glm.glm4_tokenizer import EOS_TOKEN, RELEASED_CHAT_TEMPLATES, load_glm4_tokenizer
 
     load_glm4_tokenizer(assets).save_vocabulary(str(directory))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES["glm4-0414"],
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
               "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
               "do_lower_case": False, "remove_space": False, "model_input_names": ["input_ids", "attention_mask"],
               "model_max_length": 128000}
@@ -285,7 +315,9 @@ def write_checkpoint(directory: Path, version, n_shards: int, num_layers: int | 
     (directory / index_name).write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer_dir is not None and version.tokenizer_json:
-        write_released_tokenizer(tokenizer_dir, directory)
+        from chatglm_tune.models.registry import detect
+
+        write_released_tokenizer(tokenizer_dir, directory, detect(cfg))
     elif tokenizer_dir is not None:
         for file in tokenizer_dir.iterdir():
             if file.is_file():

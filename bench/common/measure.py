@@ -145,27 +145,43 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5, huge_pages: bool = False) -
 def weight_bytes_per_token(model) -> int:
     """Weight bytes one decode step reads: every unique parameter once (the tied head too), with an
     INT8/INT4 layer counted as the kernel layout it runs from when it has one; an untied input embedding
-    (ChatGLM2/3, GLM-4; float or INT8 rows and scales) is not counted: a step reads one row of it."""
+    (ChatGLM2/3, GLM-4; float or INT8 rows and scales) is not counted: a step reads one row of it; routed experts
+    count for the share a token reads (`num_experts_per_tok` of `n_routed_experts`)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = head is not None and head.weight is not embedding.weight
+    seen = {id(p) for p in embedding.parameters()} if untied else set()
+    share = _routed_share(model)
+    return round(sum(_module_bytes(module, seen) * share.get(id(module), 1.0) for module in model.modules()))
+
+
+def _routed_share(model) -> dict[int, float]:
+    """{id(module): the share of it a token reads} for every module inside a mixture-of-experts layer's routed experts."""
+    config = getattr(model, "config", None)
+    chosen, experts = getattr(config, "num_experts_per_tok", None), getattr(config, "n_routed_experts", None)
+    if not (chosen and experts):
+        return {}
+    return {id(m): chosen / experts for name, outer in model.named_modules() if name.endswith("mlp.experts")
+            for m in outer.modules()}
+
+
+def _module_bytes(module, seen: set) -> int:
+    """The bytes a step reads of `module`'s own parameters not counted yet (`seen`, which gains them)."""
     import torch
 
     from chatglm_tune.quant.modules import QuantizedLinear
 
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = head is not None and head.weight is not embedding.weight
-    seen, total = {id(p) for p in embedding.parameters()} if untied else set(), 0
-    for module in model.modules():
-        layout = module._layout if isinstance(module, QuantizedLinear) else None
-        # what the kernel reads instead: int8dot's layout and the official scales, int4pack's four
-        skipped = () if layout is None else ("weight",) if layout[0] == "int8dot" else ("weight", "weight_scale")
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if name in skipped:
-                continue
+    total = 0
+    layout = module._layout if isinstance(module, QuantizedLinear) else None
+    # what the kernel reads instead: int8dot's layout and the official scales, int4pack's four
+    skipped = () if layout is None else ("weight",) if layout[0] == "int8dot" else ("weight", "weight_scale")
+    for name, p in module.named_parameters(recurse=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name not in skipped:
             total += p.numel() * p.element_size()
-        if layout is not None:
-            total += sum(t.numel() * t.element_size() for t in layout[2:] if torch.is_tensor(t))
+    if layout is not None:
+        total += sum(t.numel() * t.element_size() for t in layout[2:] if torch.is_tensor(t))
     return total
 
 

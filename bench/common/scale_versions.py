@@ -10,6 +10,8 @@ scale benches is here; scale.py, checkpoint_writer.py, scale_children.py and sca
                                     a tokenizer.json
     glm4-0414-32b   GLM-4-32B-0414  the same form at 32B, written directly as quantize.py's INT4 output (9 shards,
                                     about its 2 GiB ones; no fp16 checkpoint: 65 GB); its rows go to the 9B's results
+    glm47-flash     GLM-4.7-Flash   transformers' Glm4MoeLiteForCausalLM form (30B, 64 routed experts, 4 a token),
+                                    written directly as quantize.py's INT4 output (16 shards)
 
 The GLM configs are the official config.json files field for field (the names the toolkit reads:
 chatglm_tune/models/glm/config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
@@ -101,6 +103,29 @@ GLM4_0414_NOTES = (
     "keys, dtypes and shapes are quantize.py's.",
 )
 
+GLM47_FLASH = {  # transformers' Glm4MoeLiteForCausalLM config.json: its Glm4MoeLiteConfig defaults (GLM-4.7-Flash's)
+    "_name_or_path": "zai-org/GLM-4.7-Flash", "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+    "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+    "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64, "num_experts_per_tok": 4,
+    "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "kv_lora_rank": 512,
+    "q_lora_rank": 768, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "rope_interleave": True,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 46, "max_position_embeddings": 202752, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "vocab_size": 154880, "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
+    "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
+}
+GLM47_FLASH_NOTES = (
+    "Config (`bench/common/scale_versions.py`): transformers' `Glm4MoeLiteConfig` defaults, which are GLM-4.7-Flash's "
+    "shapes: hidden 2048, 47 layers (the first dense, 46 with 64 routed experts of 1536 and one shared, 4 chosen a "
+    "token, routed scale 1.8), 20 heads of latent attention (query latent 768, key/value latent 512, rotary 64, "
+    "no-rotary key 192, value 256), vocabulary 154880; the eos and pad ids are GLM-4's (the release's are not "
+    "known here); the multi-token-prediction layer the release ships is not written (the toolkit does not load it).",
+    "Weights: written directly in the INT4 layout `quantize.py --bits 4` writes (every Linear of the blocks and each "
+    "routed expert's gate, up and down as packed INT4 with per-row fp16 scales; embedding, head, norms and routers "
+    "fp16), about 16 GB instead of the release's 60 GB of bf16; the tokenizer.json is GLM-4's BPE converted from the "
+    "shared assets' rank file, with GLM-4.7's chat template.",
+)
+
 
 @dataclass(frozen=True)
 class PromptFrame:
@@ -166,8 +191,12 @@ class BenchVersion:
         cfg = dict(self.official_config)
         if num_layers is not None:
             cfg.update({k: num_layers for k in ("num_layers", "num_hidden_layers") if k in cfg})
+            if "mlp_layer_types" in cfg:
+                cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:num_layers]
         if self.written_bits:  # what quantize.py writes into config.json (`transformers_form`)
-            cfg.update(chatglm_version="glm4-0414", quantization_bit=self.written_bits)
+            from chatglm_tune.models.registry import detect
+
+            cfg.update(chatglm_version=detect(cfg), quantization_bit=self.written_bits)
         return cfg
 
     def shape(self, num_layers: int | None = None) -> dict:
@@ -223,6 +252,12 @@ VERSIONS = {
         targets={}, official_config=GLM4_32B_0414, tokenizer_assets="glm4", tokenizer_json=True,
         fit_steps=("infer-int4-file", "train-ptuning-int4"), written_bits=4, results_prefix="32b:",
         reported_by="glm4-0414"),
+    "glm47-flash": BenchVersion(
+        "glm47-flash", "GLM-4.7-Flash", 45, "scale-glm47-flash", "glm47-flash", 16, "moe-int4",
+        PromptFrame(("[gMASK]", "<sop>", "<|user|>"), ("<|assistant|>",), "<|user|>", (5, 151329)),
+        targets={"inference": {"int4": 20.0}, "ptuning": {"int4": 24.0}}, official_config=GLM47_FLASH,
+        tokenizer_assets="glm4", tokenizer_json=True,
+        fit_steps=("infer-int4-file", "train-ptuning-int4", "train-lora-int4"), written_bits=4, notes=GLM47_FLASH_NOTES),
 }
 
 

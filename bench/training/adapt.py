@@ -83,10 +83,13 @@ on the same 8-epoch base: lr 4e-2, 0.690 in 40 epochs (0.35, 0.51, 0.60, 0.69, 0
 at 2e-2, but the cosine schedule ends while it still learns); the MLP reparameterisation (--prefix-projection) at lr
 1e-2, 0.035 at step 2000 (stopped). In 80 epochs: lr 4e-2 0.829 (性能故障 0.886, 组成 0.789; 0.53, 0.64, 0.78, 0.82,
 0.83 at each 4000 steps; 3951 s beside another run), lr 6e-2 0.820 (0.51, 0.64, 0.76, 0.80, 0.82). Hence
-VERSION_SETTINGS: GLM-4-0414's P-tuning runs at 4e-2 for 80 epochs (bench/results/adapt-glm4-0414.json).
+VERSION_SETTINGS: GLM-4-0414's P-tuning runs at 4e-2 for 80 epochs (bench/results/adapt-glm4-0414.json); the
+mixture-of-experts versions (`--version glm4-moe`, `glm4-moe-lite`: GLM-4-0414's attention without its extra norms,
+or latent attention, and routed experts) take the same.
 --ptuning-epochs, --lora-epochs, --ptuning-lr, --lora-lr: the run length and rate of each adaptation.
 
-    OMP_NUM_THREADS=1 python bench/training/adapt.py [--version chatglm|chatglm3|glm4|glm4-0414] [--work-dir DIR] [--results FILE]
+    OMP_NUM_THREADS=1 python bench/training/adapt.py [--version chatglm|chatglm3|glm4|glm4-0414|glm4-moe|glm4-moe-lite]
+        [--work-dir DIR] [--results FILE]
 """
 
 import argparse
@@ -147,7 +150,8 @@ ADAPTATIONS = {
 # Where a version's prefix learns slower than the official settings allow: GLM-4-0414's norms after attention and
 # after the MLP bound what the prefix adds to the residual stream, and at lr 2e-2 P-tuning reached 0.600 in 40
 # epochs, at 4e-2 in 80 epochs 0.829 (module docstring).
-VERSION_SETTINGS = {"glm4-0414": {"ptuning": {"--lr": "4e-2", "--epochs": "80"}}}
+_GLM4_0414_PTUNING = {"ptuning": {"--lr": "4e-2", "--epochs": "80"}}
+VERSION_SETTINGS = {"glm4-0414": _GLM4_0414_PTUNING, "glm4-moe": _GLM4_0414_PTUNING, "glm4-moe-lite": _GLM4_0414_PTUNING}
 PRESET_OF_VERSION = {version: preset for preset, version in TINY_PRESETS.items()}
 
 

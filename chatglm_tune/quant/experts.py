@@ -72,7 +72,18 @@ class QuantizedExperts(nn.Module):
         return cls([QuantizedExpert(layer(gate_up[e, :inner]), layer(gate_up[e, inner:]), layer(down[e]))
                     for e in range(gate_up.shape[0])], experts.act_fn)
 
+    def prepare_kernels(self) -> None:
+        """Build every expert's integer-dot layout now (in the weights' own bytes), where that kernel runs: an expert
+        first chosen mid-answer would otherwise pay its repacking inside a decode step."""
+        for layer in self.modules():
+            if isinstance(layer, QuantizedLinear) and layer.kernel == "auto" and layer.weight.device.type == "cpu" \
+                    and layer._usable("int8dot"):
+                layer.weight_for("int8dot")
+        self._prepared = True
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if not getattr(self, "_prepared", False) and not torch.is_grad_enabled():
+            self.prepare_kernels()
         out = torch.zeros_like(hidden_states)
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
