@@ -90,3 +90,24 @@ def test_serve_answers_a_chat(tiny, tmp_path):
         with urllib.request.urlopen(request, timeout=60) as response:
             answer = json.loads(response.read())
     assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("bits", (0, 4))
+def test_latent_decode_steps_agree_with_the_expanded_attention(tmp_path_factory, bits):
+    """GLM-4.7-Flash's decode steps (attention against the cached latents, `kv_b_proj` absorbed) choose what
+    transformers' expanded attention over the whole sequence chooses, float and INT4 (`kv_b_proj` dequantized)."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.decoding.generation import generate
+    from chatglm_tune.models.glm.latent_attention import LatentAttention
+
+    directory = tiny_model("glm4-moe-lite", tmp_path_factory.mktemp("lite"))
+    model = from_pretrained(directory, quantization_bit=bits or None)
+    assert all(type(layer.self_attn) is LatentAttention for layer in model.model.layers)
+    ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    new = generate(model, ids, mask, max_new_tokens=8, eos_token_id=[])
+    with torch.no_grad():
+        whole = torch.cat([ids, torch.tensor(new)], 1)
+        logits = model(whole, attention_mask=torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)).logits
+    assert new == logits[:, 11:-1].argmax(-1).tolist()

@@ -64,7 +64,8 @@ class LatentAttention(Glm4MoeLiteAttention):
         held = getattr(self, "_absorbed_cache", None)
         if held is None or held[0] != key:
             if isinstance(layer, QuantizedLinear):
-                full = dequantize(layer._official_weight(), layer.weight_scale, layer.bits, torch.float32)
+                official = layer._official_weight() if layer.held_layout else layer.weight
+                full = dequantize(official, layer.weight_scale, layer.bits, torch.float32)
             else:
                 full = weight.detach().float()
             full = full.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
