@@ -236,6 +236,34 @@ def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_wou
     assert torch.isfinite(logits).all() and logits.float().std() > 0
 
 
+def test_scale_bench_writes_glm47_flash_as_quantize_py_would(tmp_path):
+    """bench/scale/scale.py's GLM-4.7-Flash checkpoint at a tiny shape, written directly in INT4: the keys, dtypes and
+    shapes quantize.py --bits 4 writes from the same model in float (routed experts one by one), and it runs."""
+    import dataclasses
+
+    from bench.common.checkpoint_writer import write_checkpoint
+    from bench.common.scale_versions import VERSIONS
+
+    from chatglm_tune import from_pretrained
+
+    tiny = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "mlp_layer_types": ["dense", "sparse"], "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
+    int4 = dataclasses.replace(VERSIONS["glm47-flash"], official_config={**VERSIONS["glm47-flash"].official_config, **tiny},
+                               tokenizer_assets=None)
+    write_checkpoint(tmp_path / "int4", int4, 2)
+    write_checkpoint(tmp_path / "float", dataclasses.replace(int4, layout="glm4-0414", written_bits=0), 2)
+    done = subprocess.run([sys.executable, "quantize.py", "--bits", "4", str(tmp_path / "float"), str(tmp_path / "q")],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = _tensor_layout(tmp_path / "int4")
+    assert written == _tensor_layout(tmp_path / "q") and "model.layers.1.mlp.experts.3.down_proj.weight_scale" in written
+    model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantize_embedding=True)
+    logits = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
+    assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
 def test_tools_bench_sends_each_dev_conversation_as_openai_does():
     """The tool bench's requests: the dev conversation before its gold call, the tools in OpenAI's form, and the
     gold call the records read."""

@@ -325,7 +325,8 @@ def transformers_form(config: GlmConfig, dtype: torch.dtype | None = None, *, to
     architecture, fields = ARCHITECTURES[model_type]
     rope = dict(config.rope_parameters)
     out = {"architectures": [architecture], "model_type": model_type,
-           **{k: getattr(config, k) for k in fields}, "eos_token_id": config.eos_token_id, "tie_word_embeddings": False,
+           **{k: getattr(config, k) for k in fields if hasattr(config, k)}, "eos_token_id": config.eos_token_id,
+           "tie_word_embeddings": False,
            "rope_parameters": rope, "rope_theta": rope["rope_theta"], "use_cache": True}
     if "partial_rotary_factor" in rope or model_type in ("glm", "glm4"):
         out["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.5)

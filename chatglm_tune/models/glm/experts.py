@@ -6,7 +6,7 @@ Released checkpoints hold expert e of layer n as `model.layers.n.mlp.experts.e.{
 `mlp.experts.gate_up_proj` [E, 2I, H] (the gate's rows first) and `mlp.experts.down_proj` [E, H, I]. Loading fills
 the 3D weights slice by slice as the files are read (`ExpertAssembler`: no per-expert copy is kept), saving splits
 them back (`released_experts`). An INT model holds its experts per expert already (`quant.experts`), under the
-released keys, so neither applies to it.
+released keys: a checkpoint's fused weights are split into those (`released_experts`) and quantized as they are read.
 
 The multi-token-prediction layer the releases ship after the last layer (`num_nextn_predict_layers`) is not part of
 transformers' classes: it is not loaded (`is_prediction_layer`), as transformers itself skips it.

@@ -359,6 +359,8 @@ def _read_file(model: PrefixModel, file, raw: dict, expected: dict, quantized: d
             _check_architecture(key, file, raw)
             if is_prediction_layer(key, config) or experts.take(key, tensor, file):
                 pairs = []
+            elif key not in expected:  # fused 3D experts, for a model holding them one by one (INT)
+                pairs = list(released_experts(dict(pairs)).items())
         for name, part in pairs:
             _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
         pages.release(tensor)
