@@ -9,8 +9,9 @@ L = 100, 47 layers: 22 G multiply-adds, many times what the rest of the step cos
 which reads each cached latent once and never expands it. `LatentAttention` runs that form where nothing is trained
 and a forward has few queries (`ABSORBED_MAX_QUERIES`: decode steps, a speculative step's guesses), transformers'
 own forward otherwise (prefill, training), so the cache, the P-tuning prefix in it and the parameters are
-transformers' own; W_UK / W_UV are a float copy of `kv_b_proj` (dequantized once from INT8 / INT4), remade when its
-weight changes. A `kv_b_proj` wrapped by a LoRA adapter runs transformers' forward.
+transformers' own; W_UK / W_UV are a float32 copy of `kv_b_proj` (dequantized once from INT8 / INT4), remade when its
+weight changes, and the step's attention runs in float32 (in bf16 its small batched products took 1 ms each on a
+2-core AVX-512 EPYC, most of a GLM-4.7-Flash decode step's attention). A `kv_b_proj` wrapped by a LoRA adapter runs transformers' forward.
 """
 
 from __future__ import annotations
@@ -48,19 +49,20 @@ class LatentAttention(Glm4MoeLiteAttention):
         rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
         latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
-        key_weight, value_weight = self._absorbed(q.dtype)  # [H, 192, 512], [H, 256, 512]
-        scores = (torch.einsum("bhsd,hdc->bhsc", q_pass, key_weight) @ latent.transpose(-1, -2)
-                  + q_rot @ k_rot.transpose(-1, -2)).float() * self.scaling  # [b, H, s, L]
-        scores = _masked(scores, attention_mask, s)
-        probs = scores.softmax(-1).to(latent.dtype)
+        # in float32: small batched products, which a CPU runs several times faster than in bf16
+        key_weight, value_weight = self._absorbed()  # [H, 192, 512], [H, 256, 512]
+        latent, k_rot = latent.float(), k_rot.float()
+        scores = (torch.einsum("bhsd,hdc->bhsc", q_pass.float(), key_weight) @ latent.transpose(-1, -2)
+                  + q_rot.float() @ k_rot.transpose(-1, -2)) * self.scaling  # [b, H, s, L]
+        probs = _masked(scores, attention_mask, s).softmax(-1)
         out = torch.einsum("bhsc,hvc->bshv", probs @ latent, value_weight)  # [b, s, H, 256]
-        return self.o_proj(out.reshape(b, s, -1)), None
+        return self.o_proj(out.reshape(b, s, -1).to(hidden_states.dtype)), None
 
-    def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK, W_UV) of `kv_b_proj` in `dtype`, made again when its weight or the dtype changed."""
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK, W_UV) of `kv_b_proj` in float32, made again when its weight changed."""
         layer = self.kv_b_proj
         weight = layer.weight
-        key = (weight.data_ptr(), weight._version, dtype, getattr(layer, "held_layout", None))
+        key = (weight.data_ptr(), weight._version, getattr(layer, "held_layout", None))
         held = getattr(self, "_absorbed_cache", None)
         if held is None or held[0] != key:
             if isinstance(layer, QuantizedLinear):
@@ -70,7 +72,7 @@ class LatentAttention(Glm4MoeLiteAttention):
                 full = weight.detach().float()
             full = full.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
             parts = full.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-            held = (key, *(p.to(dtype).contiguous() for p in parts))
+            held = (key, *(p.contiguous() for p in parts))
             self._absorbed_cache = held
         return held[1], held[2]
 
