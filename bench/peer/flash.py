@@ -135,7 +135,7 @@ def llama_row(binary: Path, threads: int) -> dict:
                 out[f"prefill_{length}_s"] = round(timings["prompt_ms"] / 1000, 2)
             timings = _complete(server, framed_ids(frame, PROMPTS[0], PROMPTS[0], SEED)[0].tolist(), NEW_TOKENS)
             out["decode_tok_s"] = round(timings["predicted_per_second"], 3)
-        out["peak_rss_gb"] = round(rss.peak * 1024 / GB, 2)
+        out["peak_rss_gb"] = round(rss.peak / GB, 2)
     finally:
         server.stop()
     return out

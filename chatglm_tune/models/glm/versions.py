@@ -151,6 +151,9 @@ class ReleasedFormVersion(GLM4Version):
             raise ValueError(f"{self.title}'s config has no field {', '.join(unknown)} (transformers' names: "
                              f"{', '.join(sorted(raw))})")
         raw.update(config_overrides)
+        layers = raw.get("mlp_layer_types")
+        if layers is not None and "mlp_layer_types" not in config_overrides:  # another depth: a dense first layer still
+            raw["mlp_layer_types"] = ["dense"] + ["sparse"] * (raw["num_hidden_layers"] - 1)
         return model_class(self.name)(glm_config(raw, version=self.name)), tokenizer
 
 
