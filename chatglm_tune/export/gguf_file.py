@@ -97,11 +97,7 @@ def architecture(config) -> str:
 
 
 def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
-    if writer.arch in MOE_ARCHES.values():
-        moe_hyperparameters(writer, config, writer.arch)
-        writer.add_file_type(FILE_TYPES[kind])
-        return
-    if SQUARE_ATTENTION_OUTPUT[writer.arch] and config.num_attention_heads * config.head_dim != config.hidden_size:
+    if SQUARE_ATTENTION_OUTPUT.get(writer.arch) and config.num_attention_heads * config.head_dim != config.hidden_size:
         raise ValueError(f"llama.cpp's chatglm architecture needs heads x kv_channels = hidden_size; this model has "
                          f"{config.num_attention_heads} x {config.head_dim} != {config.hidden_size}")
     rope_type = config.rope_parameters.get("rope_type", "default")
@@ -112,12 +108,15 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.5)))
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if writer.arch in MOE_ARCHES.values():
+        moe_hyperparameters(writer, config, writer.arch)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.5)))
     writer.add_file_type(FILE_TYPES[kind])
 
 

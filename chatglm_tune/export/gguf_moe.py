@@ -193,21 +193,10 @@ def leading_dense_layers(config) -> int:
 
 
 def moe_hyperparameters(writer, config, arch: str) -> None:
-    """The architecture's hyperparameters (see the module docstring); ValueError for a scaled rotary or, in
-    `deepseek2`, a rotary that is not interleaved."""
+    """The architecture's own hyperparameters beyond those every architecture here has (`gguf_file.hyperparameters`:
+    see the module docstring); ValueError, in `deepseek2`, for a rotary that is not interleaved."""
     import gguf
 
-    rope = config.rope_parameters
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"this model's rotary embedding is scaled ({rope['rope_type']}), which is not written into "
-                         "GGUF files here")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_expert_count(config.n_routed_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_group_count(config.n_group)
