@@ -4,6 +4,7 @@ speed, load time and peak memory, one run.
     python bench/scale/scale.py --version glm47-flash --step write      # the INT4 checkpoint (16 GB, 90 s)
     python bench/peer/flash.py --step gguf                               # the same weights as a q4_0 GGUF
     LLAMA_SERVER=.../llama-server python bench/peer/flash.py --step measure [--threads 1 2]
+    LLAMA_SERVER=.../llama-server python bench/peer/flash.py --step load     # as root: drops the page cache
 
 The checkpoint is bench/scale's (random weights in the layout `quantize.py --bits 4` writes: every block Linear and
 routed expert per-row INT4, embedding and head fp16; `bench/common/scale_versions.py`). `gguf` writes those weights,
@@ -15,7 +16,8 @@ process of its own on a quiet machine:
   tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt, peak RSS;
 - llama.cpp's own server (`--ctx-size 1024`, one slot, its defaults): seconds from start to /health (the load), the
   prompt and decode timings its /completion reports for the same prompt ids (`cache_prompt` off), peak RSS sampled.
-Prompts are the bench frame's ids (`scale_versions.framed_ids`). Prints a table and ends with one line of JSON;
+Prompts are the bench frame's ids (`scale_versions.framed_ids`). `load`: each engine's load alone, one thread, from a
+cold page cache (dropped before each) and then a warm one. Prints a table and ends with one line of JSON;
 results in bench/results/peer-glm47-flash.json.
 """
 
@@ -161,6 +163,42 @@ def measure(threads: list[int], binary: Path | None) -> dict:
     return rows
 
 
+def child_load() -> dict:
+    """Seconds to load the toolkit's model (`--child-load`), nothing else."""
+    import torch
+
+    from chatglm_tune import from_pretrained
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    from_pretrained(MODEL_DIR, dtype=torch.bfloat16, quantize_embedding=True)
+    return {"load_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(peak_rss() / GB, 2)}
+
+
+def load_times(binary: Path | None) -> dict:
+    """Each engine's load, one thread, from a cold page cache (dropped first: needs root) and then warm."""
+    from bench.serve.serve_servers import Server, free_port
+
+    rows = {}
+    for cache in ("cold", "warm"):
+        if cache == "cold":
+            subprocess.run(["sync"], check=True)
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        child = subprocess.run([sys.executable, __file__, "--child-load"], capture_output=True, text=True, check=True)
+        rows[f"toolkit_{cache}"] = json.loads(child.stdout.strip().splitlines()[-1])
+        if binary is None:
+            continue
+        if cache == "cold":
+            subprocess.run(["sync"], check=True)
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(free_port()), "--threads", "1",
+               "--parallel", "1", "--ctx-size", "1024", "--no-webui"]
+        server = Server("llama-server", cmd, {}, Path(f"/tmp/{VERSION.slug}-llama-server.log"), engine_stats=False)
+        rows[f"llama_{cache}"] = {"load_s": round(server.start(timeout=1800), 1)}
+        server.stop()
+    return rows
+
+
 def table(rows: dict) -> str:
     keys = ("load_s", "prefill_64_s", "prefill_512_s", "decode_tok_s", "peak_rss_gb")
     lines = ["| engine, threads | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
@@ -172,12 +210,13 @@ def main() -> None:
     from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--step", choices=("gguf", "measure"))
+    p.add_argument("--step", choices=("gguf", "measure", "load"))
+    p.add_argument("--child-load", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child_toolkit(args.child)))
+    if args.child or args.child_load:
+        print(json.dumps(child_toolkit(args.child) if args.child else child_load()))
         return
     if not (MODEL_DIR / "config.json").is_file():
         sys.exit(f"{MODEL_DIR}: no checkpoint; write it first: python bench/scale/scale.py --version glm47-flash --step write")
@@ -189,8 +228,13 @@ def main() -> None:
         print(f"no llama-server ($LLAMA_SERVER or on PATH): the toolkit's rows only. {LLAMA_SERVER_BUILD}")
     elif not GGUF.is_file():
         sys.exit(f"{GGUF}: no GGUF; write it first: python bench/peer/flash.py --step gguf")
-    rows = measure(args.threads, binary)
-    print(table(rows))
+    earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if args.step == "load":  # kept beside the speed rows of `measure`
+        rows = {**{k: v for k, v in earlier.items() if k != "load"}, "load": load_times(binary)}
+        print(table(rows["load"]))
+    else:
+        rows = {**measure(args.threads, binary), **({"load": earlier["load"]} if "load" in earlier else {})}
+        print(table({k: v for k, v in rows.items() if k != "load"}))
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps({"peer-glm47-flash": rows}))
 
