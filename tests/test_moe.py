@@ -77,6 +77,10 @@ def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tin
             quantized.expert(e).register_forward_pre_hook(lambda m, args, e=e: calls.append(e))
         got = quantized(hidden, index, weights)
     assert sorted(calls) == [0, 1, 2, 3, 5, 6, 7]  # each chosen expert once, the others never
+    with torch.no_grad():
+        for row in range(5):  # one token (a decode step) alone: what the batch gave it
+            assert torch.allclose(quantized(hidden[row:row + 1], index[row:row + 1], weights[row:row + 1]),
+                                  got[row:row + 1], rtol=1e-5, atol=1e-7)
     assert (got - want).abs().max() < 2e-2 * want.abs().max()  # activations quantized on the integer path
     assert quantize_experts(model, bits) == 1 and isinstance(model.model.layers[1].mlp.experts, QuantizedExperts)
 
