@@ -1,9 +1,9 @@
 """ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash as the rest of
 the toolkit sees them (`models.version.Version`): one model (`modeling.py`: transformers' GlmForCausalLM, or
-Glm4ForCausalLM for GLM-4-0414, with the P-tuning prefix; `moe.py`: the mixture-of-experts classes), a prompt format
-each (`formats.py`), two tokenizers (SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in
-`glm4_tokenizer.py`, which the later versions ship as a `tokenizer.json`); and how their files are recognised
-(`detect`, `detect_tokenizer`).
+Glm4ForCausalLM, Glm4MoeForCausalLM or Glm4MoeLiteForCausalLM for the later ones, with the P-tuning prefix;
+`experts.py`: the routed experts' released layout), a prompt format each (`formats.py`), two tokenizers
+(SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in `glm4_tokenizer.py`, which the later
+versions ship as a `tokenizer.json`); and how their files are recognised (`detect`, `detect_tokenizer`).
 """
 
 from __future__ import annotations
@@ -151,8 +151,7 @@ class ReleasedFormVersion(GLM4Version):
             raise ValueError(f"{self.title}'s config has no field {', '.join(unknown)} (transformers' names: "
                              f"{', '.join(sorted(raw))})")
         raw.update(config_overrides)
-        layers = raw.get("mlp_layer_types")
-        if layers is not None and "mlp_layer_types" not in config_overrides:  # another depth: a dense first layer still
+        if "mlp_layer_types" in raw and "mlp_layer_types" not in config_overrides:  # any depth: a dense first layer
             raw["mlp_layer_types"] = ["dense"] + ["sparse"] * (raw["num_hidden_layers"] - 1)
         return model_class(self.name)(glm_config(raw, version=self.name)), tokenizer
 
@@ -168,7 +167,7 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
                                 export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 # What the registry reads of this family: config.json's model_type of its versions (the official one, and
-# transformers' GlmForCausalLM and Glm4ForCausalLM), and tokenizer_config.json's tokenizer_class of each version
+# transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and Glm4MoeLiteForCausalLM), and tokenizer_config.json's tokenizer_class of each version
 # (ours, and the official GLM-4 one).
 MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite")
 TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
