@@ -121,12 +121,9 @@ def child_toolkit(threads: int) -> dict:
 
 def llama_row(binary: Path, threads: int) -> dict:
     """llama-server's row: load, then the same prompts through /completion (timings as it reports them)."""
-    from bench.serve.serve_servers import RssSampler, Server, free_port
+    from bench.serve.serve_servers import RssSampler
 
-    port = free_port()
-    cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
-           "--threads-batch", str(threads), "--parallel", "1", "--ctx-size", "1024", "--no-webui"]
-    server = Server("llama-server", cmd, {}, Path(f"/tmp/{VERSION.slug}-llama-server.log"), engine_stats=False)
+    server = _llama_server(binary, threads)
     frame = json.loads(frame_json(VERSION.name, MODEL_DIR))
     out = {"load_s": round(server.start(timeout=900), 1)}
     try:
@@ -141,6 +138,15 @@ def llama_row(binary: Path, threads: int) -> dict:
     finally:
         server.stop()
     return out
+
+
+def _llama_server(binary: Path, threads: int):
+    """llama-server on the GGUF, one slot of 1024 tokens, `threads` threads for prompts and decoding (not started)."""
+    from bench.serve.serve_servers import Server, free_port
+
+    cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(free_port()), "--threads", str(threads),
+           "--threads-batch", str(threads), "--parallel", "1", "--ctx-size", "1024", "--no-webui"]
+    return Server("llama-server", cmd, {}, Path(f"/tmp/{VERSION.slug}-llama-server.log"), engine_stats=False)
 
 
 def _complete(server, ids: list[int], n: int) -> dict:
@@ -175,25 +181,24 @@ def child_load() -> dict:
     return {"load_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(peak_rss() / GB, 2)}
 
 
+def _drop_page_cache() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def load_times(binary: Path | None) -> dict:
     """Each engine's load, one thread, from a cold page cache (dropped first: needs root) and then warm."""
-    from bench.serve.serve_servers import Server, free_port
-
     rows = {}
     for cache in ("cold", "warm"):
         if cache == "cold":
-            subprocess.run(["sync"], check=True)
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            _drop_page_cache()
         child = subprocess.run([sys.executable, __file__, "--child-load"], capture_output=True, text=True, check=True)
         rows[f"toolkit_{cache}"] = json.loads(child.stdout.strip().splitlines()[-1])
         if binary is None:
             continue
         if cache == "cold":
-            subprocess.run(["sync"], check=True)
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(free_port()), "--threads", "1",
-               "--parallel", "1", "--ctx-size", "1024", "--no-webui"]
-        server = Server("llama-server", cmd, {}, Path(f"/tmp/{VERSION.slug}-llama-server.log"), engine_stats=False)
+            _drop_page_cache()
+        server = _llama_server(binary, 1)
         rows[f"llama_{cache}"] = {"load_s": round(server.start(timeout=1800), 1)}
         server.stop()
     return rows

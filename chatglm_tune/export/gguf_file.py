@@ -40,7 +40,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from chatglm_tune.export.answering import engine_fields, template_defaults
-from chatglm_tune.export.gguf_moe import MOE_ARCHES, GgufTensor, moe_hyperparameters, moe_layout
+from chatglm_tune.export.gguf_moe import LATENT_ATTENTION, MOE_ARCHES, GgufTensor, moe_hyperparameters, moe_layout
 from chatglm_tune.export.gguf_vocab import add_vocab
 from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.weights import gguf_name
@@ -112,7 +112,7 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if writer.arch in MOE_ARCHES.values():
         moe_hyperparameters(writer, config, writer.arch)
-    else:
+    if writer.arch not in LATENT_ATTENTION:  # grouped-query attention
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)

@@ -39,6 +39,9 @@ from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.experts import EXPERT_KEY, is_prediction_layer
 
 MOE_ARCHES = {"Glm4MoeForCausalLM": "glm4moe", "Glm4MoeLiteForCausalLM": "deepseek2"}  # transformers class -> llama.cpp
+# the architectures whose attention hyperparameters are latent attention's (`_latent_attention`); every other one
+# writes grouped-query attention's (`gguf_file.hyperparameters`)
+LATENT_ATTENTION = ("deepseek2",)
 
 # transformers key -> llama.cpp name; {n}: layer, {w}: weight or bias, {p}: gate, up or down (kept as it is)
 _COMMON_NAMES = (
@@ -194,7 +197,8 @@ def leading_dense_layers(config) -> int:
 
 def moe_hyperparameters(writer, config, arch: str) -> None:
     """The architecture's own hyperparameters beyond those every architecture here has (`gguf_file.hyperparameters`:
-    see the module docstring); ValueError, in `deepseek2`, for a rotary that is not interleaved."""
+    see the module docstring), latent attention's among them; ValueError, in `deepseek2`, for a rotary that is not
+    interleaved."""
     import gguf
 
     writer.add_expert_count(config.n_routed_experts)
@@ -208,14 +212,8 @@ def moe_hyperparameters(writer, config, arch: str) -> None:
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     writer.add_expert_weights_norm(bool(config.norm_topk_prob))
     writer.add_nextn_predict_layers(0)
-    (_latent_attention if arch == "deepseek2" else _grouped_attention)(writer, config)
-
-
-def _grouped_attention(writer, config) -> None:
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.5)))
+    if arch in LATENT_ATTENTION:
+        _latent_attention(writer, config)
 
 
 def _latent_attention(writer, config) -> None:
