@@ -21,6 +21,7 @@ import ctypes
 import functools
 import mmap
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -36,6 +37,11 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 # is followed by `trim()`: about 2.5 ms, against 100 ms for such a layer at 6B size.
 TRIM_MIN_ROWS = 33
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+# Weights from this size up to one 2 MB page share such pages (`large_empty`): a mixture-of-experts model's experts are
+# that small (GLM-4.7-Flash's INT4 projections: 1.5 MB each, 60 of them read a decode step, 0.9 GB), and on 4 KB pages
+# its decode step took ms longer.
+SHARED_PAGE_MIN_BYTES = 256 << 10
+SHARED_BLOCK_BYTES = 32 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the mode in brackets
 
 
@@ -116,9 +122,38 @@ def huge_pages_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype=dtype)` on the CPU, in 2 MB pages where `huge_pages_empty` gives them: for weights,
-    which loaders write once and decoding streams at every step."""
-    out = huge_pages_empty(shape, dtype)
+    which loaders write once and decoding streams at every step. Weights from SHARED_PAGE_MIN_BYTES up to one such
+    page share them (`_SharedPages`)."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    out = _SHARED.take(nbytes, shape, dtype) if SHARED_PAGE_MIN_BYTES <= nbytes < HUGE_PAGE_BYTES else None
+    if out is None:
+        out = huge_pages_empty(shape, dtype)
     return out if out is not None else torch.empty(shape, dtype=dtype)
+
+
+class _SharedPages:
+    """Weights under one 2 MB page cut, one after another, from blocks of SHARED_BLOCK_BYTES in 2 MB pages (a new
+    block where the next does not fit). A block is unmapped once no tensor cut from it lives, but for the one being
+    cut from, which this keeps (at most SHARED_BLOCK_BYTES)."""
+
+    def __init__(self):
+        self.block: torch.Tensor | None = None
+        self.used = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        step = -(-nbytes // 64) * 64  # each tensor starts on a cache line
+        with self.lock:
+            if self.block is None or self.used + step > self.block.numel():
+                self.block, self.used = huge_pages_empty((SHARED_BLOCK_BYTES,), torch.uint8), 0
+                if self.block is None:
+                    return None
+            out = self.block[self.used : self.used + nbytes].view(dtype).view(shape)
+            self.used += step
+        return out
+
+
+_SHARED = _SharedPages()
 
 
 def on_huge_pages(tensor: torch.Tensor) -> bool:

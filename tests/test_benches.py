@@ -277,3 +277,32 @@ def test_tools_bench_sends_each_dev_conversation_as_openai_does():
         assert messages == [{"role": "user", "content": record.text}], version
         assert all(tool["type"] == "function" and "name" in tool["function"] for tool in tools) and len(tools) == 3
         assert gold == record.dialogue.answer.call.to_json()
+
+
+def test_scale_bench_accounts_glm45_air_memory_as_the_loader_allocates_it(tmp_path):
+    """bench/scale/scale_memory.py's accounting of GLM-4.5-Air at a tiny shape (INT4 experts and blocks, INT8
+    embedding and head) sums, part by part, to the bytes of the model the loader fills from the INT4 checkpoint the
+    bench writes; the full size's weights are GLM-4.5-Air's ~54 GB."""
+    import dataclasses
+
+    from bench.common.checkpoint_writer import write_checkpoint
+    from bench.common.scale_versions import VERSIONS
+    from bench.scale.scale_memory import GB, PARTS, accounting, part_of
+
+    from chatglm_tune import from_pretrained
+
+    tiny = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
+    air = dataclasses.replace(VERSIONS["glm45-air"], official_config={**VERSIONS["glm45-air"].official_config, **tiny},
+                              tokenizer_assets=None)
+    write_checkpoint(tmp_path / "int4", air, 2)
+    model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantize_embedding=True)
+    loaded = dict.fromkeys(PARTS, 0)
+    for key, tensor in model.state_dict().items():
+        if not key.startswith("prefix_encoder."):
+            loaded[part_of(key)] += tensor.numel() * tensor.element_size()
+    counted = accounting(air.config_json(), 4)
+    assert {part: counted[part] for part in PARTS} == loaded and loaded["routed experts"] > 0
+    full = accounting(VERSIONS["glm45-air"].config_json(), 4)
+    assert 50 < sum(full[part] for part in PARTS) / GB < 60

@@ -71,6 +71,29 @@ def test_huge_page_tensors_are_aligned_writable_and_freed_with_the_tensor():
     assert not mapped()
 
 
+def test_weights_under_one_huge_page_share_such_pages_without_overlapping(monkeypatch):
+    """`large_empty` cuts weights from SHARED_PAGE_MIN_BYTES up to one 2 MB page (a mixture-of-experts model's experts)
+    one after another from 2 MB-page blocks (a new block where the next does not fit); smaller ones are ordinary
+    tensors; every tensor its own bytes."""
+    import torch
+
+    if not heap.huge_pages_available():
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setattr(heap, "_SHARED", heap._SharedPages())
+    monkeypatch.setattr(heap, "SHARED_BLOCK_BYTES", 4 << 20)
+    small = heap.large_empty((1000,), torch.int8)
+    assert small.untyped_storage().nbytes() == 1000  # not from a block
+    pieces = [heap.large_empty((1536, 1000), torch.int8) for _ in range(3)]  # 1.5 MB each: two a 4 MB block
+    starts = [t.data_ptr() for t in pieces]
+    assert starts[0] % heap.HUGE_PAGE_BYTES == 0 and starts[1] == starts[0] + 1536 * 1000  # 1536000: a 64-byte multiple
+    assert starts[2] % heap.HUGE_PAGE_BYTES == 0 and starts[2] != starts[0]  # a new block
+    for value, piece in enumerate(pieces):
+        piece.fill_(value)
+    assert [int(piece.float().mean()) for piece in pieces] == [0, 1, 2]
+    half = heap.large_empty((512, 1024), torch.float16)  # 1 MB of fp16, after the third piece
+    assert half.dtype == torch.float16 and half.data_ptr() == starts[2] + 1536 * 1000
+
+
 def test_a_prefill_trims_after_each_layer_and_a_decode_step_or_training_does_not(monkeypatch):
     import torch
 

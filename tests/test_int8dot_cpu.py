@@ -116,6 +116,27 @@ def test_the_interleaved_layout_reads_back_and_serves_either_path(bits, out_feat
 
 
 @needs_kernel
+@each_isa
+@pytest.mark.parametrize("bits, act", [(8, 16), (4, 8)])
+@pytest.mark.parametrize("out_features, in_features", [(24, 1056), (13, 200)])
+def test_a_grouped_call_equals_one_call_a_group(isa, bits, act, out_features, in_features):
+    """matmul_multi: group g's rows times weight g, as matmul computes each, bit for bit (official and interleaved
+    weights, fp16 and fp32 scales, 1 to 5 rows a group)."""
+    parts = [official(bits, out_features, in_features, seed=g) for g in range(3)]
+    for layout in ("official", "interleaved"):
+        weights = [w if layout == "official" else int8dot_cpu.pack(w, isa) for w, _ in parts]
+        for rows in (1, 2, 5):
+            x = torch.stack([activations(rows, in_features, seed=10 * rows + g) for g in range(3)])
+            want = torch.stack([int8dot_cpu.matmul(x[g], weights[g], parts[g][1], bits, isa, act) for g in range(3)])
+            for scales in ([s for _, s in parts], [s.float() for _, s in parts]):
+                got = int8dot_cpu.matmul_multi(x, weights, scales, bits, isa, act)
+                assert got.shape == (3, rows, out_features) and torch.equal(got, want), (layout, rows)
+            assert int8dot_cpu.matmul_multi(x.bfloat16(), weights, scales, bits, isa, act).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="a weight and a scale per group"):
+        int8dot_cpu.matmul_multi(x, weights[:2], scales, bits, isa, act)
+
+
+@needs_kernel
 def test_packing_in_place_goes_tile_by_tile(monkeypatch):
     weight, _ = official(8, 64, 256)
     want = int8dot_cpu.pack(weight, "avx2")

@@ -85,6 +85,83 @@ def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tin
     assert quantize_experts(model, bits) == 1 and isinstance(model.model.layers[1].mlp.experts, QuantizedExperts)
 
 
+@pytest.mark.parametrize("bits", (8, 4))
+def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(tiny, bits):
+    """Over INT experts a one-token step of a mixture-of-experts layer runs its chosen experts and the shared expert in
+    two grouped integer-dot calls, equal bit for bit to transformers' forward expert by expert; a shared expert the
+    grouped calls cannot take (a float layer, as an adapter leaves it) runs transformers' way."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.quant import int8dot_cpu
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    version, directory = tiny
+    model = from_pretrained(directory, quantization_bit=bits, dtype=torch.bfloat16)
+    layer = model.model.layers[1].mlp
+    plain_forward = type(layer).__mro__[2].forward  # transformers' own layer forward
+    calls = []
+    for module in layer.modules():
+        module.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
+    with torch.no_grad():
+        for seed in range(4):
+            x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            calls.clear()
+            grouped = layer(x)
+            assert "QuantizedLinear" not in calls and "QuantizedExpert" not in calls  # no layer by layer
+            layer.experts._grouped = False  # expert by expert, then the shared expert
+            want = plain_forward(layer, x)
+            layer.experts._grouped = True
+            assert torch.equal(grouped, want)
+        shared = layer.shared_experts
+        float_gate = nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False).bfloat16()
+        shared.gate_proj = float_gate
+        float_gate.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
+        calls.clear()
+        out = layer(x)
+        assert "Linear" in calls and torch.equal(out, plain_forward(layer, x))
+
+
+def test_the_one_group_router_chooses_as_transformers_router(tiny):
+    """`moe_layer.route` skips the group selection of one group of experts: the same weights and experts, in the
+    same order, bit for bit (a score correction bias that changes the choice included)."""
+    from chatglm_tune.models.glm.moe_layer import route
+
+    version, directory = tiny
+    model, _ = loading.load_run(loading.resolve_run(directory))
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.randn(gate.num_experts, generator=torch.Generator().manual_seed(2)))
+        x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+        _, want_weights, want_index = gate(x)
+        weights, index = route(gate, x)
+    assert gate.num_group == 1 and torch.equal(index, want_index) and torch.equal(weights, want_weights)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_latent_decode_steps_over_int_weights_read_the_integer_kv_b_proj(tmp_path_factory, bits):
+    """GLM-4.7-Flash's absorbed products over INT `kv_b_proj`: the value rows as stored and the key rows transposed in
+    INT8, every head in one grouped call, close to the float32 products of the dequantized weight."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.models.glm import latent_attention
+    from chatglm_tune.quant import int8dot_cpu
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    directory = tiny_model("glm4-moe-lite", tmp_path_factory.mktemp("lite-int"))
+    attention = from_pretrained(directory, quantization_bit=bits).model.layers[0].self_attn
+    with torch.no_grad():
+        absorbed = attention._absorbed()
+        assert isinstance(absorbed, latent_attention.IntAbsorbed)
+        heads, shape = attention.num_heads, (attention.num_heads, attention.qk_nope_head_dim + attention.v_head_dim,
+                                             attention.kv_lora_rank)
+        exact = latent_attention.FloatAbsorbed(latent_attention._float_weight(attention.kv_b_proj).view(shape),
+                                               attention.qk_nope_head_dim)
+        q = torch.randn(heads, 3, attention.qk_nope_head_dim, generator=torch.Generator().manual_seed(0))
+        mixed = torch.randn(heads, 3, attention.kv_lora_rank, generator=torch.Generator().manual_seed(1))
+        for got, want in ((absorbed.keys(q), exact.keys(q)), (absorbed.values(mixed), exact.values(mixed))):
+            assert got.shape == want.shape and (got - want).norm() < 2e-2 * want.norm()
+
+
 def test_serve_answers_a_chat(tiny, tmp_path):
     version, directory = tiny
     body = {"messages": [{"role": "user", "content": "水泵漏油。"}], "max_tokens": 6, "temperature": 0}

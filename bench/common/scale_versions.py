@@ -12,6 +12,9 @@ scale benches is here; scale.py, checkpoint_writer.py, scale_children.py and sca
                                     about its 2 GiB ones; no fp16 checkpoint: 65 GB); its rows go to the 9B's results
     glm47-flash     GLM-4.7-Flash   transformers' Glm4MoeLiteForCausalLM form (30B, 64 routed experts, 4 a token),
                                     written directly as quantize.py's INT4 output (16 shards)
+    glm45-air       GLM-4.5-Air     transformers' Glm4MoeForCausalLM form (106B, 128 routed experts, 8 a token), its
+                                    first 4 layers written as quantize.py's INT4 output; the full size's memory from
+                                    the loader's accounting
 
 The GLM configs are the official config.json files field for field (the names the toolkit reads:
 chatglm_tune/models/glm/config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
@@ -114,6 +117,26 @@ GLM47_FLASH = {  # transformers' Glm4MoeLiteForCausalLM config.json: its Glm4Moe
     "rope_theta": 10000.0, "vocab_size": 154880, "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
     "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
 }
+GLM45_AIR = {  # GLM-4.5-Air's config.json (transformers' Glm4MoeForCausalLM; its Glm4MoeConfig defaults are these shapes)
+    "_name_or_path": "zai-org/GLM-4.5-Air", "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "attention_bias": True, "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "n_shared_experts": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1,
+    "partial_rotary_factor": 0.5, "use_qk_norm": False, "num_nextn_predict_layers": 1, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000, "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338],
+    "pad_token_id": 151329, "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
+}
+GLM45_AIR_NOTES = (
+    "Config (`bench/common/scale_versions.py`): GLM-4.5-Air's config.json: hidden 4096, 46 layers (the first dense, "
+    "45 with 128 routed experts of 1408 and one shared, 8 chosen a token), 96 query heads and 8 key/value heads of 128 "
+    "(rotary on half), vocabulary 151552: about 106 B parameters, 12 B active a token. In INT4 its weights alone are "
+    "about 60 GB: the bench writes and measures its first 4 layers (`slice_layers`), and gives the full size's memory "
+    "from the loader's accounting (`bench/scale/scale_memory.py`, the `memory` step); the multi-token-prediction "
+    "layer is not written (the toolkit does not load it).",
+    "Weights: written directly in the INT4 layout `quantize.py --bits 4` writes (as GLM-4.7-Flash's); the tokenizer.json "
+    "is GLM-4's BPE converted from the shared assets' rank file, with GLM-4.5's chat template.",
+)
 GLM47_FLASH_NOTES = (
     "Config (`bench/common/scale_versions.py`): transformers' `Glm4MoeLiteConfig` defaults, which are GLM-4.7-Flash's "
     "shapes: hidden 2048, 47 layers (the first dense, 46 with 64 routed experts of 1536 and one shared, 4 chosen a "
@@ -178,6 +201,7 @@ class BenchVersion:
     companions: tuple[str, ...] = ()  # versions whose rows (under their `results_prefix`) this report shows too
     compare_with: str | None = None  # a version whose results file's rows this report quotes (not rerun)
     notes: tuple[str, ...] = ()  # report paragraphs after the header (where the config comes from, ...)
+    slice_layers: int | None = None  # the checkpoint written and measured: its first N layers (the full size does not fit)
 
     def config_json(self, num_layers: int | None = None) -> dict:
         """config.json of the bench checkpoint: full size, or the first `num_layers` layers."""
@@ -258,6 +282,12 @@ VERSIONS = {
         targets={"inference": {"int4": 20.0}, "ptuning": {"int4": 24.0}}, official_config=GLM47_FLASH,
         tokenizer_assets="glm4", tokenizer_json=True,
         fit_steps=("infer-int4-file", "train-ptuning-int4", "train-lora-int4"), written_bits=4, notes=GLM47_FLASH_NOTES),
+    "glm45-air": BenchVersion(
+        "glm45-air", "GLM-4.5-Air", 0, "scale-glm45-air", "glm45-air", 4, "moe-int4",
+        PromptFrame(("[gMASK]", "<sop>", "<|user|>"), ("<|assistant|>",), "<|user|>", (5, 151329)),
+        targets={}, official_config=GLM45_AIR, tokenizer_assets="glm4", tokenizer_json=True,
+        fit_steps=("infer-int4-file",), written_bits=4, notes=GLM45_AIR_NOTES,
+        slice_layers=4),
 }
 
 

@@ -3,7 +3,9 @@ one training step, bf16 / INT8 / INT4. `--version` (bench/common/scale_versions.
 `chatglm` (default) ChatGLM-6B, beside the seed's GPU figures (Table 18-1); `chatglm3`
 ChatGLM3-6B; `glm4` GLM-4-9B; `glm4-0414` GLM-4-9B-0414 (transformers' `Glm4ForCausalLM` form);
 `glm4-0414-32b` GLM-4-32B-0414, written directly in quantize.py's INT4 layout (no fp16 checkpoint), its rows in
-GLM-4-9B-0414's results (`scale-glm4-0414.json`, keys `32b:<step>`; `--step report` of either writes both).
+GLM-4-9B-0414's results (`scale-glm4-0414.json`, keys `32b:<step>`; `--step report` of either writes both);
+`glm47-flash` GLM-4.7-Flash in INT4; `glm45-air` GLM-4.5-Air, its first 4 layers in INT4 (the full size does not fit:
+the `memory` step gives its memory from the loader's accounting, `scale_memory.py`).
 
     python bench/scale/scale.py --quick [--version V]              # 2-layer slice of the real config, every step in one go
     python bench/scale/scale.py [--version V] --step write          # full size, one step per command:
@@ -43,6 +45,8 @@ Steps:
   train.py has them (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s` (the
   10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
   are measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
+- `memory`: the loader's accounting of the model's memory at full size and as written (`scale_memory.py`): what each
+  part takes in INT4 with the INT8 embedding and head; the report sets it beside the written copy's measured peak.
 - `clean` (not part of `all`): deletes the checkpoint and the quantize.py outputs beside it.
 - `report` (`bench/scale/scale_report.py`): the table (also `<results>.md`; ChatGLM-6B beside the seed's GPU
   figures, with a bar chart `scale.png`), the version's targets, and the closing JSON line
@@ -81,9 +85,11 @@ from chatglm_tune.quant.cpu_matmul import native_bf16_gemm  # noqa: E402
 from bench.common.measure import RESULTS, run_python  # noqa: E402
 from bench.common.scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS, frame_json  # noqa: E402
 from bench.scale.scale_children import GB, INFER, TRAIN  # noqa: E402
+from bench.scale.scale_memory import accounting  # noqa: E402
 from bench.scale.scale_report import report  # noqa: E402
 
-STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "report"]
+STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "memory",
+         "report"]
 CLEAN = "clean"  # not part of `all`: deletes the checkpoint and the quantize.py outputs beside it
 
 
@@ -92,7 +98,7 @@ class Bench:
         self.args = args
         self.quick = args.quick
         self.version = VERSIONS[args.version]
-        self.num_layers = QUICK_LAYERS if args.quick else None  # None: the full size
+        self.num_layers = QUICK_LAYERS if args.quick else self.version.slice_layers  # None: the full size
         slug = self.version.slug
         self.model_dir = args.model_dir or Path(f"/tmp/{slug}-random" + ("-2l" if args.quick else ""))
         self.out = args.out or (Path(f"/tmp/{slug}-scale-quick") if args.quick else RESULTS)
@@ -169,7 +175,7 @@ class Bench:
         if self.not_applicable(step):
             raise SystemExit(self.not_applicable(step))
         if step == "write":
-            layers = ["--num-layers", QUICK_LAYERS] if self.quick else []
+            layers = ["--num-layers", self.num_layers] if self.num_layers else []
             done = run_python(HERE.parent / "common" / "checkpoint_writer.py", self.model_dir, "--version", self.version.name, *layers,
                               "--shards", QUICK_SHARDS if self.quick else self.version.shards)
             info = done.last_json()
@@ -209,6 +215,10 @@ class Bench:
             r.update(peak_rss_gb=done.peak_rss / GB, process_s=round(done.seconds, 1),
                      malloc_mmap_threshold=self.args.malloc_mmap_threshold)
             self.save(step + suffix, r)
+        elif step == "memory":
+            self.save("memory", {"full": accounting(self.version.config_json(), 4),
+                                 "sliced": accounting(self.version.config_json(self.num_layers), 4),
+                                 "sliced_layers": self.num_layers or self.version.shape()["num_layers"]})
         elif step == CLEAN:
             for which in ("source", "int8", "int4"):
                 directory = self.dirs(which)
@@ -226,7 +236,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--version", choices=VERSIONS, default=DEFAULT_VERSION,
                    help="chatglm: ChatGLM-6B; chatglm3: ChatGLM3-6B; glm4: GLM-4-9B; glm4-0414: GLM-4-9B-0414; "
-                        "glm4-0414-32b: GLM-4-32B-0414 (written as INT4) "
+                        "glm4-0414-32b: GLM-4-32B-0414 (written as INT4); glm47-flash: GLM-4.7-Flash; "
+                        "glm45-air: GLM-4.5-Air (4 layers) "
                         "(default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help=f"a {QUICK_LAYERS}-layer slice of the real config (default: full size, 28 layers; GLM-4-9B 40)")

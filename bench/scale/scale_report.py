@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.common.scale_versions import DEFAULT_VERSION, VERSIONS, BenchVersion
 from bench.scale.scale_children import BITS, GB, INFER, TRAIN
+from bench.scale.scale_memory import memory_estimate, memory_lines
 from bench.scale.scale_tables import (fmt, header_lines, inference_table, machine_gb, preparation_lines, step_variants,
                                       training_table, variant_label)
 
@@ -98,6 +99,11 @@ def report(results: dict, out: Path, version: BenchVersion = VERSIONS[DEFAULT_VE
     lines += inference_table(results, version)
     lines += training_table(results, version, cfg.get("num_layers"))
     lines += preparation_lines(results)
+    if "memory" in results:
+        memory, measured = results["memory"], results.get("infer-int4-file+e8", {}).get("peak_rss_gb")
+        lines += memory_lines(memory["full"], memory["sliced"], memory["sliced_layers"],
+                              version.shape()["num_layers"], measured)
+        s["memory"] = memory_estimate(memory["full"], memory["sliced"], measured)
     if version.targets or version.decode_targets:
         lines += ["", "## Targets (as is)", ""] + [f"- {t}" for t in target_lines(s, version)]
         lines += ["", "## Targets with the measured options (see `code` above)", ""]

@@ -107,7 +107,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository: chatglm_tune, train.py, bench.<room>.<module>
 
 import train as train_cli  # noqa: E402
-from chatglm_tune import loading  # noqa: E402
+from chatglm_tune import loading, rundir  # noqa: E402
 from chatglm_tune.batches import SpecialIds, collate_train  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS  # noqa: E402
@@ -286,6 +286,8 @@ def main() -> None:
     parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
     parser.add_argument("--reuse-base", action="store_true", help="keep a base already trained in the work dir")
     parser.add_argument("--only", nargs="+", choices=tuple(ADAPTATIONS), default=list(ADAPTATIONS))
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an adaptation stopped midway from its saved state (train.py --resume), with --reuse-base")
     for name in ADAPTATIONS:
         parser.add_argument(f"--{name}-epochs", type=int, help=f"epochs of {name} (default: its flags, VERSION_SETTINGS)")
         parser.add_argument(f"--{name}-lr", type=float, help=f"learning rate of {name} (default: its flags, VERSION_SETTINGS)")
@@ -328,9 +330,11 @@ def main() -> None:
               "base_on_new_relations": dev_f1(work / "base", files["new_dev"])}
     write_results(scores)
     for name in args.only:
-        shutil.rmtree(work / name, ignore_errors=True)
+        resume = args.resume and args.reuse_base and rundir.state_dir(work / name) is not None
+        if not resume:
+            shutil.rmtree(work / name, ignore_errors=True)
         seconds[name] = run(["--model", str(work / "base"), "--train-file", str(files["new_train"]), "--dev-file",
-                             str(files["new_dev"]), "--output-dir", str(work / name),
+                             str(files["new_dev"]), "--output-dir", str(work / name), *(["--resume"] if resume else []),
                              *adaptation_flags(name, args.version, epochs[name], lrs[name])])
         scores[f"{name}_on_new_relations"] = dev_f1(work / name, files["new_dev"])
         write_results(scores)

@@ -6,6 +6,8 @@ released per-expert layout (`experts.E.gate_proj.weight`, ...) with the official
 runs on the CPU kernels a dense Linear uses (integer dot products for decode). Per-row scales make splitting the
 fused gate/up rows exact: a quantized gate and up are the quantized fused rows. A forward runs only the experts its
 tokens were routed to, each on the rows routed to it (a decode step reads k experts' weights, never all E).
+A decode step runs its k experts in two calls of the integer-dot kernel (`int8dot_cpu.matmul_multi`: every gate and
+up, then every down), the same products as expert by expert, bit for bit, without 3k calls' overheads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from chatglm_tune.quant import int8dot_cpu
 from chatglm_tune.quant.modules import QuantizedLinear
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -75,15 +78,27 @@ class QuantizedExperts(nn.Module):
     def prepare_kernels(self) -> None:
         """Build every expert's integer-dot layout now (in the weights' own bytes), where that kernel runs: an expert
         first chosen mid-answer would otherwise pay its repacking inside a decode step."""
-        for layer in self.modules():
-            if isinstance(layer, QuantizedLinear) and layer.kernel == "auto" and layer.weight.device.type == "cpu" \
-                    and layer._usable("int8dot"):
+        layers = [layer for layer in self.modules() if isinstance(layer, QuantizedLinear)]
+        for layer in layers:
+            if _grouped_kernel_runs(layer):
                 layer.weight_for("int8dot")
+        self._grouped = all(_grouped_kernel_runs(layer) for layer in layers)
         self._prepared = True
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if not getattr(self, "_prepared", False) and not torch.is_grad_enabled():
+    def grouped_decode_runs(self, x: Tensor) -> bool:
+        """Whether `decode_step` runs for these rows of x: one token, no gradient, every layer on the integer-dot
+        kernel (the layouts are built here the first time a forward runs without gradients)."""
+        if torch.is_grad_enabled():
+            return False
+        if not getattr(self, "_prepared", False):
             self.prepare_kernels()
+        return self._grouped and x.shape[0] == 1 and x.device.type == "cpu"
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if self.grouped_decode_runs(hidden_states):
+            step = self.decode_step(hidden_states, top_k_index[0], top_k_weights[0])
+            if step is not None:
+                return step
         out = torch.zeros_like(hidden_states)
         if hidden_states.shape[0] == 1:  # a decode step: its k experts in expert order, as the grouped sum adds them
             for expert, weight in sorted(zip(top_k_index[0].tolist(), top_k_weights[0])):
@@ -103,6 +118,55 @@ class QuantizedExperts(nn.Module):
                 out.index_add_(0, tokens, (y * weights).to(out.dtype))
             start += count
         return out
+
+    def decode_step(self, x: Tensor, index: Tensor, weights: Tensor, shared: nn.Module | None = None) -> Tensor | None:
+        """One token's chosen experts (x [1, H], its k `index`es and `weights`) in two grouped integer-dot calls,
+        summed in expert order as the other paths add them, then `shared` (an expert of the same shape with
+        `gate_proj` / `up_proj` / `down_proj`, weight 1: a layer's shared expert) added last. Where
+        `grouped_decode_runs(x)`; None where a chosen expert's layer is no longer a plain INT layer (an adapter
+        wraps it since): the caller's other path runs it."""
+        chosen = sorted((e, i) for i, e in enumerate(index.tolist()) if e < self.num_experts)
+        experts = [self.expert(e) for e, _ in chosen] + ([shared] if shared is not None else [])
+        out = torch.zeros_like(x)
+        if not experts:
+            return out
+        projections = [layer for expert in experts for layer in (expert.gate_proj, expert.up_proj)]
+        downs = [expert.down_proj for expert in experts]
+        if not all(type(layer) is QuantizedLinear for layer in projections + downs):
+            return None
+        gate_up = _grouped_matmul(x.expand(len(projections), *x.shape), projections)
+        gate_up = gate_up.view(len(experts), 2, x.shape[0], -1)
+        down = _grouped_matmul(self.act_fn(gate_up[:, 0]) * gate_up[:, 1], downs)
+        scale = weights[[i for _, i in chosen]]
+        if shared is not None:
+            scale = torch.cat([scale, scale.new_ones(1)])
+        for row in (down * scale.view(-1, 1, 1)).to(out.dtype):
+            out += row
+        return out
+
+    def takes_as_expert(self, module: nn.Module) -> bool:
+        """Whether `module` (a shared expert) can join `decode_step`: INT layers of the routed experts' format and
+        shapes that the grouped kernel runs."""
+        def shape(layer):
+            return layer.bits, layer.in_features, layer.out_features
+
+        pairs = [(getattr(module, name, None), getattr(self.expert(0), name)) for name in _PROJECTIONS]
+        return all(isinstance(layer, QuantizedLinear) and _grouped_kernel_runs(layer) and shape(layer) == shape(ref)
+                   for layer, ref in pairs)
+
+
+def _grouped_kernel_runs(layer: QuantizedLinear) -> bool:
+    """Whether the grouped integer-dot calls can run `layer` as it stands (the automatic kernel, on the CPU, no bias)."""
+    return (layer.kernel == "auto" and layer.weight.device.type == "cpu" and layer.bias is None
+            and layer._usable("int8dot"))
+
+
+def _grouped_matmul(x: Tensor, layers: list[QuantizedLinear]) -> Tensor:
+    """x [G, M, in] group by group times `layers` (one format and shape): [G, M, out]."""
+    for layer in layers:
+        layer.record_kernel("int8dot")
+    return int8dot_cpu.matmul_multi(x, [layer.weight_for("int8dot") for layer in layers],
+                                    [layer.float_scale() for layer in layers], layers[0].bits)
 
 
 def quantize_experts(model: nn.Module, bits: int, group_size: int = 0, *, empty_init: bool = False) -> int:

@@ -541,23 +541,53 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t act_bit
   return {q, d};
 }
 
-// x float [M, K] (fp32, bf16 or fp16); w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing), or either
-// interleaved ([G, NC, il, 64], `Weight`); scale float [N]; bias [N] or none -> [M, N] in x's dtype:
-// the fp32 product rounded to x's dtype, then plus the bias in that dtype (as `F.linear`'s caller adds it)
-// act_bits 16 (INT8 weights only): int16 activations in blocks of 64, int16 dot products
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale_in, int64_t bits, int64_t isa,
-              int64_t act_bits, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()) && w.scalar_type() == at::kChar && at::isFloatingType(scale_in.scalar_type()),
-              "int8dot mm: float x and scale, int8 weight");
-  TORCH_CHECK(w.is_contiguous() && x_in.dim() == 2 && (w.dim() == 2 || w.dim() == 4),
-              "int8dot mm: 2-d x and a contiguous 2-d (official) or 4-d (interleaved) weight");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous(), scale = scale_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(bits == 4 || bits == 8, "int8dot mm: bits 4 or 8");
-  TORCH_CHECK(isa_supported(isa), "int8dot mm: this CPU lacks the instructions of isa ", isa);
-  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), KB = bits == 4 ? K / 2 : K;
-  TORCH_CHECK(bits == 8 || K % 2 == 0, "int8dot mm: INT4 needs an even in");
-  const int64_t nb = (K + QB - 1) / QB;
+// The activations of x (fp32 [rows, K]) quantized and laid out for weights of `bits` (`act` points into the buffers).
+struct Prepared {
+  std::vector<int8_t> q, qp;
+  std::vector<float> d, dv, off;
+  std::vector<int32_t> bsum;
+  Act act;
+};
+
+void prepare(const float* x, int64_t M, int64_t K, int64_t bits, int64_t isa, bool a16, Prepared& p) {
+  const int64_t KB = bits == 4 ? K / 2 : K, nb = (K + QB - 1) / QB;
   const int64_t NC = (KB + CH - 1) / CH, KP = NC * (bits == 4 ? 2 * CH : CH);
+  p.q.assign(M * KP * (a16 ? 2 : 1), 0);  // zero: the padding beyond K
+  p.qp.assign(bits == 4 ? M * KP : 0, 0);
+  p.d.assign(M * nb, 0.f), p.dv.assign(M * NC * 16, 0.f), p.off.assign(M, 0.f), p.bsum.assign(M * nb, 0);
+  if (a16) {  // blocks of 64 = chunks: every lane of chunk c takes d[c]; no offset
+    quantize_rows16(x, M, K, reinterpret_cast<int16_t*>(p.q.data()), KP, p.d.data());  // d: [M, NC]
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t l = 0; l < 16; ++l) p.dv[(m * NC + c) * 16 + l] = p.d[m * NC + c];
+  } else {
+    quantize_rows(x, M, K, p.q.data(), KP, p.d.data(), p.bsum.data());
+    const float offset = bits == 4 ? 8.f : (isa == 2 ? 128.f : 0.f);
+    layout(p.q.data(), p.d.data(), p.bsum.data(), M, K, static_cast<int>(bits), offset, p.qp.data(), p.dv.data(),
+           p.off.data(), KP, NC);
+  }
+  p.act = Act{bits == 4 ? p.qp.data() : p.q.data(), p.dv.data(), p.off.data(), KP * (a16 ? 2 : 1), NC};
+}
+
+// Rows m0 .. of the prepared activations: those of one group of a grouped call
+Act rows_from(const Act& a, int64_t m0) { return Act{a.q + m0 * a.KP, a.dv + m0 * a.NC * 16, a.off + m0, a.KP, a.NC}; }
+
+// The block functions for a weight of `bits` read on path `isa` (`pairs`: an interleaved group of all 8 rows)
+std::pair<BlockFn, BlockFn> block_fns(int64_t bits, int64_t isa, bool a16, bool pairs) {
+  if (a16)
+    return {isa == 2 ? (pairs ? block512<R, 16, 2> : block512<R, 16, MT_MAX>) : block256<R, 16>,
+            isa == 2 ? block512<1, 16, MT_MAX> : block256<1, 16>};
+  if (isa == 2)
+    return {bits == 4 ? (pairs ? block512<R, 4, 2> : block512<R, 4, MT_MAX>) : (pairs ? block512<R, 8, 2> : block512<R, 8, MT_MAX>),
+            bits == 4 ? block512<1, 4, MT_MAX> : block512<1, 8, MT_MAX>};
+  return {bits == 4 ? block256<R, 4> : block256<R, 8>, bits == 4 ? block256<1, 4> : block256<1, 8>};
+}
+
+// w as the kernel reads it, checked against N rows of KB bytes: official [N, KB] or interleaved [G, NC, il, 64]
+Weight weight_of(const at::Tensor& w, int64_t N, int64_t KB) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && (w.dim() == 2 || w.dim() == 4),
+              "int8dot mm: a contiguous int8 2-d (official) or 4-d (interleaved) weight");
+  const int64_t NC = (KB + CH - 1) / CH;
   const bool packed = w.dim() == 4;
   if (packed) {
     const int64_t il = w.size(2);
@@ -566,45 +596,53 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& sca
   } else {
     TORCH_CHECK(w.size(0) == N && w.size(1) == KB, "int8dot mm: shapes");
   }
-  const Weight wt{w.data_ptr<int8_t>(), packed ? NC * CH : KB, packed ? w.size(2) : 1, packed ? PF_PACKED : PF * KB};
+  return Weight{w.data_ptr<int8_t>(), packed ? NC * CH : KB, packed ? w.size(2) : 1, packed ? PF_PACKED : PF * KB};
+}
+
+// Blocks of R rows of a weight's N rows (official layout: N / R blocks, then the last rows one at a time;
+// interleaved: whole blocks, the padding rows unwritten), and the tasks that cover them
+int64_t whole_blocks(const Weight& wt, int64_t N) { return wt.il > 1 ? (N + R - 1) / R : N / R; }
+int64_t tasks_of(const Weight& wt, int64_t N) { return wt.il > 1 ? whole_blocks(wt, N) : N / R + N % R; }
+
+void run_task(const std::pair<BlockFn, BlockFn>& fns, const Weight& wt, const Act& a, int64_t M, const float* ws,
+              float* y, int64_t N, int64_t t) {
+  const int64_t blocks = whole_blocks(wt, N);
+  if (t < blocks) fns.first(wt, a, M, ws, y, N, t * R);
+  else fns.second(wt, a, M, ws, y, N, blocks * R + (t - blocks));
+}
+
+// t in float32, contiguous: itself where it is (scales kept in float32 cost no conversion a call)
+at::Tensor as_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+void check_call(const at::Tensor& x, int64_t bits, int64_t isa, int64_t act_bits) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8dot mm: float x");
+  TORCH_CHECK(bits == 4 || bits == 8, "int8dot mm: bits 4 or 8");
+  TORCH_CHECK(isa_supported(isa), "int8dot mm: this CPU lacks the instructions of isa ", isa);
   TORCH_CHECK(act_bits == 8 || (act_bits == 16 && bits == 8), "int8dot mm: int16 activations are for INT8 weights");
-  const bool a16 = act_bits == 16;
-  std::vector<int8_t> q(M * KP * (a16 ? 2 : 1)), qp(bits == 4 ? M * KP : 0);  // zero-initialized: padding beyond K
-  std::vector<float> d(M * nb), dv(M * NC * 16), off(M);
-  std::vector<int32_t> bsum(M * nb);
-  if (a16) {  // blocks of 64 = chunks: every lane of chunk c takes d[c]; no offset
-    quantize_rows16(x.data_ptr<float>(), M, K, reinterpret_cast<int16_t*>(q.data()), KP, d.data());  // d: [M, NC]
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < NC; ++c)
-        for (int64_t l = 0; l < 16; ++l) dv[(m * NC + c) * 16 + l] = d[m * NC + c];
-  } else {
-    quantize_rows(x.data_ptr<float>(), M, K, q.data(), KP, d.data(), bsum.data());
-    const float offset = bits == 4 ? 8.f : (isa == 2 ? 128.f : 0.f);
-    layout(q.data(), d.data(), bsum.data(), M, K, static_cast<int>(bits), offset, qp.data(), dv.data(), off.data(), KP, NC);
-  }
-  const Act a{bits == 4 ? qp.data() : q.data(), dv.data(), off.data(), KP * (a16 ? 2 : 1), NC};
-  BlockFn blockR, block1;
-  const bool pairs = wt.il == R;  // AVX-512 passes of all 8 rows of a group: tiles of 2 rows of x
-  if (a16) {
-    blockR = isa == 2 ? (pairs ? block512<R, 16, 2> : block512<R, 16, MT_MAX>) : block256<R, 16>;
-    block1 = isa == 2 ? block512<1, 16, MT_MAX> : block256<1, 16>;
-  } else if (isa == 2) {
-    blockR = bits == 4 ? (pairs ? block512<R, 4, 2> : block512<R, 4, MT_MAX>) : (pairs ? block512<R, 8, 2> : block512<R, 8, MT_MAX>);
-    block1 = bits == 4 ? block512<1, 4, MT_MAX> : block512<1, 8, MT_MAX>;
-  } else {
-    blockR = bits == 4 ? block256<R, 4> : block256<R, 8>;
-    block1 = bits == 4 ? block256<1, 4> : block256<1, 8>;
-  }
+  TORCH_CHECK(bits == 8 || x.size(-1) % 2 == 0, "int8dot mm: INT4 needs an even in");
+}
+
+// x float [M, K] (fp32, bf16 or fp16); w int8 [N, K] (bits 8) or [N, K/2] (bits 4, official packing), or either
+// interleaved ([G, NC, il, 64], `Weight`); scale float [N]; bias [N] or none -> [M, N] in x's dtype:
+// the fp32 product rounded to x's dtype, then plus the bias in that dtype (as `F.linear`'s caller adds it)
+// act_bits 16 (INT8 weights only): int16 activations in blocks of 64, int16 dot products
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale_in, int64_t bits, int64_t isa,
+              int64_t act_bits, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && at::isFloatingType(scale_in.scalar_type()), "int8dot mm: 2-d x, float scale");
+  check_call(x_in, bits, isa, act_bits);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), scale = as_float(scale_in);
+  const int64_t M = x.size(0), K = x.size(1), N = scale.numel();
+  const Weight wt = weight_of(w, N, bits == 4 ? K / 2 : K);
+  Prepared p;
+  prepare(x.data_ptr<float>(), M, K, bits, isa, act_bits == 16, p);
+  const auto fns = block_fns(bits, isa, act_bits == 16, wt.il == R);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* ps = scale.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  // official: N / R blocks, then the last rows one at a time; interleaved: whole blocks (the padding rows unwritten)
-  const int64_t blocks = packed ? (N + R - 1) / R : N / R, tasks = packed ? blocks : blocks + N % R;
-  at::parallel_for(0, tasks, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (t < blocks) blockR(wt, a, M, ps, py, N, t * R);
-      else block1(wt, a, M, ps, py, N, blocks * R + (t - blocks));
-    }
+  at::parallel_for(0, tasks_of(wt, N), 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run_task(fns, wt, p.act, M, ps, py, N, t);
   });
   if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
   if (bias) {
@@ -614,10 +652,46 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& sca
   return y;
 }
 
+// G products in one call: x float [G, M, K], group g's rows times weight g (w[g], scale[g]: one format and shape,
+// as `mm` takes them) -> [G, M, N] in x's dtype. The activations are quantized once, every group's blocks are
+// split over the threads together: one parallel region for the G small products of a decode step (the chosen
+// experts of a mixture-of-experts layer, the heads of latent attention).
+at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList scale_in, int64_t bits, int64_t isa,
+                    int64_t act_bits) {
+  TORCH_CHECK(x_in.dim() == 3, "int8dot mm_multi: x [G, M, K]");
+  const int64_t G = x_in.size(0), M = x_in.size(1), K = x_in.size(2);
+  TORCH_CHECK(G > 0 && static_cast<int64_t>(w.size()) == G && static_cast<int64_t>(scale_in.size()) == G,
+              "int8dot mm_multi: a weight and a scale per group");
+  check_call(x_in, bits, isa, act_bits);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t N = scale_in[0].numel();
+  std::vector<at::Tensor> scales;
+  std::vector<Weight> wts;
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(scale_in[g].numel() == N && w[g].dim() == w[0].dim(), "int8dot mm_multi: groups of one shape");
+    scales.push_back(as_float(scale_in[g]));
+    wts.push_back(weight_of(w[g], N, bits == 4 ? K / 2 : K));
+  }
+  Prepared p;
+  prepare(x.data_ptr<float>(), G * M, K, bits, isa, act_bits == 16, p);
+  const auto fns = block_fns(bits, isa, act_bits == 16, wts[0].il == R);
+  at::Tensor y = at::empty({G, M, N}, x.options());
+  float* py = y.data_ptr<float>();
+  const int64_t per = tasks_of(wts[0], N);
+  at::parallel_for(0, G * per, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / per;
+      run_task(fns, wts[g], rows_from(p.act, g * M), M, scales[g].data_ptr<float>(), py + g * M * N, N, t % per);
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
   lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8, Tensor? bias=None) -> Tensor", &mm);
+  lib.def("mm_multi(Tensor x, Tensor[] w, Tensor[] scale, int bits, int isa, int act_bits=8) -> Tensor", &mm_multi);
   lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
   lib.def("isa_supported(int isa) -> bool", &isa_supported);
 }
@@ -735,6 +809,17 @@ def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, isa_nam
     code = ISAS[isa_name or isa()]
     _build()  # cached: a no-op once built (a forced `isa_name` may come first)
     return torch.ops.chatglm_int8dot_cpu.mm(x2d, weight.contiguous(), weight_scale, bits, code, act_bits(bits, act), bias)
+
+
+def matmul_multi(x: Tensor, weights: list[Tensor], weight_scales: list[Tensor], bits: int, isa_name: str | None = None,
+                 act: int | None = None) -> Tensor:
+    """G products in one call: x (G, M, in), group g's rows times dequant(weights[g]).T -> (G, M, out) in x's dtype,
+    each as `matmul` computes it (bit for bit); the weights of one format and shape (official or `pack`'s layout).
+    Scales in float32 are read as they are (fp16 ones are converted at every call)."""
+    code = ISAS[isa_name or isa()]
+    _build()
+    return torch.ops.chatglm_int8dot_cpu.mm_multi(x, [w.contiguous() for w in weights], list(weight_scales), bits, code,
+                                                  act_bits(bits, act))
 
 
 def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:

@@ -179,7 +179,7 @@ def quantized_matmul(x: Tensor, layer, kernel: str, bias: Tensor | None = None) 
     """x (..., in) @ dequant(W).T (+ bias, in x's dtype) -> (..., out) in x's dtype, by `kernel`; no autograd."""
     x2d = x.reshape(-1, layer.in_features)
     if kernel == "int8dot":  # INT8 / INT4 interleaved, quantized activations, integer dot products; adds the bias
-        y, bias = int8dot_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale, layer.bits, bias=bias), None
+        y, bias = int8dot_cpu.matmul(x2d, layer.weight_for(kernel), layer.float_scale(), layer.bits, bias=bias), None
     elif kernel == "int8pack":
         y = int8pack_mm(x2d, layer.weight_for(kernel), layer.weight_scale)
     elif kernel == "int4cpu":  # official INT4 read as it is, fp32 math (AVX2-only CPUs)

@@ -111,7 +111,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out), in x's dtype."""
         kernel = self._choose_kernel(x)
-        self.last_kernel = kernel
+        self.record_kernel(kernel)
         bias = self.bias
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             y = QuantizedMatmul.apply(x, self, kernel)
@@ -199,6 +199,20 @@ class QuantizedLinear(nn.Module):
             ints = cpu_matmul.workspace("int4", (stop - start, self.in_features), torch.int8)
             return int4pack_to_int(self._layout[2][start:stop], self.in_features, out=ints), 8
         return int8dot_cpu.unpack(self._layout[2], start, stop, self.weight_row_bytes), self.bits
+
+    def float_scale(self) -> Tensor:
+        """`weight_scale` in float32, as grouped integer-dot calls read it without a conversion a call (kept beside the
+        official fp16 scale for this process, made again when that changes)."""
+        scale = self._parameters["weight_scale"]
+        held = self.__dict__.get("_float_scale")  # plain attributes, read and set past nn.Module's slower hooks
+        if held is None or held[0] is not scale or held[1] != scale._version:
+            held = (scale, scale._version, scale.float())
+            self.__dict__["_float_scale"] = held
+        return held[2]
+
+    def record_kernel(self, kernel: str) -> None:
+        """Set `last_kernel` (a plain attribute, set past nn.Module's `__setattr__`: a decode step sets it ~700 times)."""
+        self.__dict__["last_kernel"] = kernel
 
     @property
     def weight_row_bytes(self) -> int:

@@ -52,6 +52,7 @@ from chatglm_tune.models.glm.config import (ARCHITECTURES, TRANSFORMERS_FORMS, c
                                             transformers_form)
 from chatglm_tune.models.glm.experts import ExpertAssembler, is_prediction_layer, released_experts
 from chatglm_tune.models.glm.latent_attention import LatentAttention
+from chatglm_tune.models.glm.moe_layer import use_grouped_decode
 from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
@@ -250,18 +251,24 @@ class Glm4ForCausalLMWithPrefix(PrefixModel, Glm4ForCausalLM):
 
 class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
     """GLM-4.5 / 4.6 / 4.7: transformers' `Glm4MoeForCausalLM` (routed and shared experts after dense first layers)
-    with the P-tuning v2 prefix."""
+    with the P-tuning v2 prefix; over INT experts a decode step runs each layer's experts in two grouped kernel calls
+    (`moe_layer`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        use_grouped_decode(self)
 
 
 class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
     """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
     as the first entries of its latent cache; its decode steps attend to the cached latents themselves
-    (`latent_attention.LatentAttention`, the same parameters and cache)."""
+    (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts as GLM-4.5's do."""
 
     def __init__(self, config):
         super().__init__(config)
         for layer in self.model.layers:
             layer.self_attn.__class__ = LatentAttention
+        use_grouped_decode(self)
 
 
 MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix, "glm4_moe": Glm4MoeForCausalLMWithPrefix,

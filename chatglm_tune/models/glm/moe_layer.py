@@ -1,0 +1,70 @@
+"""The mixture-of-experts layers of GLM-4.5 / 4.6 / 4.7 (`Glm4MoeMoE`) and GLM-4.7-Flash (`Glm4MoeLiteMoE`) with
+decode steps in two calls of the integer-dot kernel: over INT8 / INT4 experts (`quant.experts.QuantizedExperts`) a
+token's chosen experts and the layer's shared expert (as an expert of weight 1, added last as transformers adds it)
+run their gate and up projections in one grouped call and their down projections in another, the same products bit
+for bit; the router's arithmetic is transformers' own (`route`). Prefill, training and float experts run transformers'
+forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
+
+from chatglm_tune.quant.experts import QuantizedExperts
+
+
+class _GroupedDecode:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        experts = self.experts
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        if isinstance(experts, QuantizedExperts) and experts.grouped_decode_runs(x) and self._shared_joins():
+            weights, index = route(self.gate, x)
+            out = experts.decode_step(x, index[0], weights[0], self.shared_experts)
+            if out is not None:
+                return out.view(hidden_states.shape)
+        return super().forward(hidden_states)
+
+    def _shared_joins(self) -> bool:
+        """Whether the shared expert can run in the routed experts' grouped calls (asked once per pair of modules)."""
+        key = (id(self.experts), id(self.shared_experts))
+        held = getattr(self, "_joins", None)
+        if held is None or held[0] != key:
+            held = (key, self.experts.takes_as_expert(self.shared_experts))
+            self._joins = held
+        return held[1]
+
+
+def route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, index) of the experts transformers' router (`Glm4MoeTopkRouter`, `Glm4MoeLiteTopkRouter`) chooses for
+    the rows of x: its own arithmetic, in the same order. With one group of experts (every GLM release: n_group 1) its
+    group selection keeps every expert, and is skipped (11 of its 20 operations a token)."""
+    if gate.num_group != 1 or gate.topk_group != 1:
+        _, weights, index = gate(x)
+        return weights, index
+    scores = F.linear(x.type(torch.float32), gate.weight.type(torch.float32)).sigmoid()
+    index = torch.topk(scores + gate.e_score_correction_bias, k=gate.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if gate.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * gate.routed_scaling_factor, index
+
+
+class MoeLayer(_GroupedDecode, Glm4MoeMoE):
+    """GLM-4.5 / 4.6 / 4.7's layer with grouped decode steps (the module docstring)."""
+
+
+class MoeLiteLayer(_GroupedDecode, Glm4MoeLiteMoE):
+    """GLM-4.7-Flash's layer with grouped decode steps (the module docstring)."""
+
+
+def use_grouped_decode(model: torch.nn.Module) -> None:
+    """Give every mixture-of-experts layer of `model` the grouped decode steps, in place (the same parameters)."""
+    for module in model.modules():
+        if type(module) is Glm4MoeMoE:
+            module.__class__ = MoeLayer
+        elif type(module) is Glm4MoeLiteMoE:
+            module.__class__ = MoeLiteLayer
