@@ -287,7 +287,7 @@ def test_scale_bench_accounts_glm45_air_memory_as_the_loader_allocates_it(tmp_pa
 
     from bench.common.checkpoint_writer import write_checkpoint
     from bench.common.scale_versions import VERSIONS
-    from bench.scale.scale_memory import GB, PARTS, accounting, part_of
+    from bench.scale.scale_memory import GB, PARTS, accounting, bytes_by_part
 
     from chatglm_tune import from_pretrained
 
@@ -298,10 +298,7 @@ def test_scale_bench_accounts_glm45_air_memory_as_the_loader_allocates_it(tmp_pa
                               tokenizer_assets=None)
     write_checkpoint(tmp_path / "int4", air, 2)
     model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantize_embedding=True)
-    loaded = dict.fromkeys(PARTS, 0)
-    for key, tensor in model.state_dict().items():
-        if not key.startswith("prefix_encoder."):
-            loaded[part_of(key)] += tensor.numel() * tensor.element_size()
+    loaded = bytes_by_part(model.state_dict())
     counted = accounting(air.config_json(), 4)
     assert {part: counted[part] for part in PARTS} == loaded and loaded["routed experts"] > 0
     full = accounting(VERSIONS["glm45-air"].config_json(), 4)

@@ -43,12 +43,20 @@ def accounting(cfg: dict, bits: int, int8_embedding: bool = True) -> dict[str, i
     raw = {k: v for k, v in cfg.items() if k != "quantization_bit"}
     config = glm_config(raw, version=detect(raw))
     model, _ = _empty_model(config, "<accounting>", bits, 0, True, torch.bfloat16 if int8_embedding else None)
-    sizes = dict.fromkeys(PARTS, 0)
     compute = torch.empty(0, dtype=torch.bfloat16).element_size()  # the loader casts float tensors to the compute dtype
-    for key, tensor in model.state_dict().items():
-        if not key.startswith("prefix_encoder."):
-            sizes[part_of(key)] += tensor.numel() * (compute if tensor.is_floating_point() else tensor.element_size())
+    sizes = bytes_by_part(model.state_dict(), float_bytes=compute)
     sizes["KV cache / 1K tokens"] = 1024 * 2 * cache_width(cfg)
+    return sizes
+
+
+def bytes_by_part(state: dict[str, torch.Tensor], float_bytes: int | None = None) -> dict[str, int]:
+    """{part: bytes} of a model's state_dict (the P-tuning prefix encoder left out); `float_bytes`: the size counted
+    for each float element (the dtype a loader casts to), else each tensor's own."""
+    sizes = dict.fromkeys(PARTS, 0)
+    for key, tensor in state.items():
+        if not key.startswith("prefix_encoder."):
+            size = float_bytes if float_bytes and tensor.is_floating_point() else tensor.element_size()
+            sizes[part_of(key)] += tensor.numel() * size
     return sizes
 
 
@@ -66,7 +74,7 @@ def memory_lines(full: dict[str, int], sliced: dict[str, int], layers: int, tota
                  measured_rss_gb: float | None) -> list[str]:
     """The report's table: each part at full size and in the `layers`-layer copy, the weights' sums, and where the
     copy was measured, the full size's peak estimated as its weights plus what the copy's process added."""
-    lines = ["", f"## Memory, from the loader's accounting (INT4 blocks and experts, INT8 embedding and head)", "",
+    lines = ["", "## Memory, from the loader's accounting (INT4 blocks and experts, INT8 embedding and head)", "",
              f"| part | full size ({total_layers} layers) GB | measured copy ({layers} layers) GB |", "|---|---|---|"]
     for part in (*PARTS, "KV cache / 1K tokens"):
         lines.append(f"| {part} | {full[part] / GB:.2f} | {sliced[part] / GB:.2f} |")

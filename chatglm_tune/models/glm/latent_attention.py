@@ -110,7 +110,7 @@ class IntAbsorbed:
 
     def __init__(self, layer: QuantizedLinear, shape: tuple[int, int, int], key_dim: int):
         heads, rows, latent = shape
-        official = layer._official_weight() if layer.held_layout else layer.weight
+        official = _stored_weight(layer)
         scale = layer.weight_scale.view(heads, rows)
         values = official.view(heads, rows, -1)[:, key_dim:].reshape(heads * (rows - key_dim), -1)
         self.value_weights = _per_head(int8dot_cpu.pack(values.contiguous()), heads)
@@ -142,11 +142,15 @@ def _per_head(packed: torch.Tensor, heads: int) -> list[torch.Tensor]:
     return list(packed.view(heads, -1, *packed.shape[1:]).unbind(0))
 
 
+def _stored_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """An INT layer's weight in the stored layout, rebuilt where a kernel's layout holds it."""
+    return layer._official_weight() if layer.held_layout else layer.weight
+
+
 def _float_weight(layer: nn.Module) -> torch.Tensor:
     """`kv_b_proj`'s weight in float32 (dequantized from INT8 / INT4)."""
     if isinstance(layer, QuantizedLinear):
-        official = layer._official_weight() if layer.held_layout else layer.weight
-        return dequantize(official, layer.weight_scale, layer.bits, torch.float32)
+        return dequantize(_stored_weight(layer), layer.weight_scale, layer.bits, torch.float32)
     return layer.weight.detach().float()
 
 
