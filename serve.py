@@ -83,7 +83,7 @@ def main(argv=None) -> None:
         print(f"serve.py: error: {' and '.join(missing)} not installed: pip install -e \".[serve]\"", file=sys.stderr)
         sys.exit(2)
 
-    from chatglm_tune import loading
+    from chatglm_tune import heap, loading
 
     try:
         source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
@@ -96,6 +96,7 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         print("serve.py: interrupted while loading", file=sys.stderr)
         sys.exit(130)
+    heap.heap_large_blocks()  # prefills take again the large blocks the layer before freed (no page faults)
     speculation = "on for greedy requests" if args.options.drafts is not None else "off"
     print(f"{line}; speculative decoding {speculation}", file=sys.stderr)
     import uvicorn

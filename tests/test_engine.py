@@ -19,7 +19,7 @@ import torch
 from chatglm_tune.batches import SpecialIds
 from chatglm_tune.decoding import emitter
 from chatglm_tune.decoding.batch_cache import BatchCache
-from chatglm_tune.decoding.engine import Engine
+from chatglm_tune.decoding.engine import Engine, padding_groups
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.decoding.generation import generate
@@ -161,3 +161,15 @@ def test_the_queue_holds_max_queue_beyond_a_full_batch(tiny):
     engine.close()
     with pytest.raises(EngineClosed):
         engine.submit(Recorder().request(prompt, 5))
+
+
+def test_newcomers_are_prefilled_in_groups_of_near_length_shortest_first():
+    requests = [Request([1] * n, 4, on_token=lambda t: None, on_finish=lambda r, e: None) for n in (40, 30, 31, 48, 33, 41)]
+    groups = padding_groups(requests, padding=0.1)
+    assert [[len(r.prompt) for r in g] for g in groups] == [[30, 31, 33], [40, 41], [48]]
+    assert sorted(map(id, (r for g in groups for r in g))) == sorted(map(id, requests))  # each once
+    for group in groups:  # pads at most a tenth of a group's positions
+        longest = max(len(r.prompt) for r in group)
+        assert longest * len(group) - sum(len(r.prompt) for r in group) <= 0.1 * longest * len(group)
+    same = [Request([1] * 7, 4, on_token=lambda t: None, on_finish=lambda r, e: None) for _ in range(5)]
+    assert padding_groups(same, padding=0.0) == [same]

@@ -125,3 +125,48 @@ def test_quantizing_rows_gives_its_temporaries_back(monkeypatch):
     monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
     q, scale = quantize_rows(torch.randn(40, 64, dtype=torch.float16), torch.bfloat16, 8, 0)
     assert q.shape == (40, 64) and scale.shape == (40,) and trims == [1]
+
+
+def test_inside_one_trim_a_prefill_trims_once_at_the_end(monkeypatch):
+    import torch
+
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    heap.trim_after_each(layers)
+
+    def prefill():
+        x = torch.randn(1, heap.TRIM_MIN_ROWS, 8)
+        for layer in layers:
+            x = layer(x)
+
+    with torch.no_grad():
+        with heap.one_trim():
+            prefill()
+            with heap.one_trim():  # nested: still one trim, at the outer end
+                prefill()
+            assert trims == []
+        assert trims == [1]
+        prefill()  # outside: after every layer again
+        assert len(trims) == 4
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc only")
+def test_large_blocks_come_from_the_heap_for_a_server():
+    # A fresh process (the setting is process-wide): a 40 MB block is a fresh mmap by glibc's defaults (over its
+    # 32 MB automatic limit), whose pages a prefill's next layer would fault in anew; with the setting it lies in
+    # the heap, where freed pages stay for the next layer until `trim()`.
+    code = textwrap.dedent(f"""
+        import importlib.util, sys, torch
+        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
+        heap = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(heap)
+        if sys.argv[1] == "heap":
+            assert heap.heap_large_blocks()
+        block = torch.ones(10 << 20)  # 40 MB
+        spans = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+        print(any(int(a, 16) <= block.data_ptr() < int(b, 16) for a, b in spans))
+    """)
+    in_heap = {kind: subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True,
+                                    check=True).stdout.strip() for kind in ("default", "heap")}
+    assert in_heap == {"default": "False", "heap": "True"}

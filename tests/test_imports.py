@@ -4,7 +4,7 @@
       -> training, extraction, metrics (callmetrics, textmetrics), lora, loading, rundir, auto, serve/, export/ (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
       -> shared layers: batches, records, dialogues, decoding/ (generation, the engine, chat), prefix, checkpoint,
-         tokenizing, quant/, heap
+         tokenizing, quant/, heap, openmp
       -> options
 
 A family never imports another family, the registry or an upper layer; a shared layer never imports
@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
+SHARED = {"options", "heap", "openmp", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
 UPPER = {"training", "extraction", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}

@@ -3,7 +3,7 @@
 - The queue holds at most `max_queue` requests beyond what the running batch has room for (QueueFull past
   that), and nothing once the engine is closing (EngineClosed).
 - Newcomers are admitted in arrival order while the batch has room (`max_batch`) and their prompts fit the
-  prefill budget together (`prefill_tokens`: one left-padded forward); the first always goes.
+  prefill budget together (`prefill_tokens`: the engine's forwards of one step); the first always goes.
 - A prompt longer than the budget is taken alone, to be prefilled a chunk of `prefill_tokens` a step, where
   the model attends causally within a prompt. ChatGLM-6B's prompt attends both ways (every prompt token sees
   the whole prompt), so its prompts cannot be cut: a longer one is admitted whole, alone.
