@@ -12,6 +12,20 @@ from chatglm_tune import heap
 GLIBC = heap._glibc("mallopt") is not None
 
 
+def _in_a_fresh_process(body: str, kinds: tuple[str, str]) -> dict[str, str]:
+    """What `body` prints, run for each of `kinds` (as sys.argv[1]) in a fresh process that loads heap.py alone
+    (as `heap`, with sys and torch): glibc's settings are process-wide, and importing transformers first changes
+    glibc's heap history."""
+    code = (textwrap.dedent(f"""
+        import importlib.util, sys, torch
+        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
+        heap = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(heap)
+    """) + textwrap.dedent(body))
+    return {kind: subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True,
+                                 check=True).stdout.strip() for kind in kinds}
+
+
 def test_small_models_keep_the_default_allocator():
     assert heap.mmap_large_blocks(nn.Linear(64, 64)) is False
     heap.trim()  # callable anywhere; a no-op off glibc
@@ -19,16 +33,10 @@ def test_small_models_keep_the_default_allocator():
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
 def test_freed_large_blocks_leave_the_process_for_a_large_model():
-    # A fresh process, as the setting is process-wide, that loads heap.py alone: importing transformers
-    # first changes glibc's heap history. After a 16 MB block is freed, glibc serves blocks below 16 MB
-    # from the heap, where freed ones stay resident between kept small tensors; with the setting they are
-    # mmap'd and leave when freed.
-    code = textwrap.dedent(f"""
-        import importlib.util, sys, torch
+    # After a 16 MB block is freed, glibc serves blocks below 16 MB from the heap, where freed ones stay resident
+    # between kept small tensors; with the setting they are mmap'd and leave when freed.
+    grown = _in_a_fresh_process("""
         from torch import nn
-        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
-        heap = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(heap)
         def rss_mb():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
         if sys.argv[1] == "large":
@@ -42,9 +50,8 @@ def test_freed_large_blocks_leave_the_process_for_a_large_model():
             kept.append(torch.ones(64))
         del big
         print(rss_mb() - before)
-    """)
-    grown = {kind: float(subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, check=True).stdout)
-             for kind in ("default", "large")}
+    """, ("default", "large"))
+    grown = {kind: float(value) for kind, value in grown.items()}
     assert grown["large"] < 16 < grown["default"], grown
 
 
@@ -153,20 +160,14 @@ def test_inside_one_trim_a_prefill_trims_once_at_the_end(monkeypatch):
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
 def test_large_blocks_come_from_the_heap_for_a_server():
-    # A fresh process (the setting is process-wide): a 40 MB block is a fresh mmap by glibc's defaults (over its
-    # 32 MB automatic limit), whose pages a prefill's next layer would fault in anew; with the setting it lies in
-    # the heap, where freed pages stay for the next layer until `trim()`.
-    code = textwrap.dedent(f"""
-        import importlib.util, sys, torch
-        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
-        heap = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(heap)
+    # A 40 MB block is a fresh mmap by glibc's defaults (over its 32 MB automatic limit), whose pages a prefill's
+    # next layer would fault in anew; with the setting it lies in the heap, where freed pages stay for the next
+    # layer until `trim()`.
+    in_heap = _in_a_fresh_process("""
         if sys.argv[1] == "heap":
             assert heap.heap_large_blocks()
         block = torch.ones(10 << 20)  # 40 MB
         spans = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
         print(any(int(a, 16) <= block.data_ptr() < int(b, 16) for a, b in spans))
-    """)
-    in_heap = {kind: subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True,
-                                    check=True).stdout.strip() for kind in ("default", "heap")}
+    """, ("default", "heap"))
     assert in_heap == {"default": "False", "heap": "True"}

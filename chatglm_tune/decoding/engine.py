@@ -108,7 +108,7 @@ class Engine:
 
     def start(self) -> "Engine":
         """Run `step` on a daemon thread until `close`. The calling thread (the one that loaded the model, as a
-        rule) hands its idle OpenMP workers back first, so that the engine's own spin between parallel regions
+        rule) hands its idle OpenMP workers back first, so that the engine's own team spins between parallel regions
         (`openmp.release_idle_team`)."""
         openmp.release_idle_team()
         self._thread = threading.Thread(target=self._loop, name="chatglm_tune-engine", daemon=True)
