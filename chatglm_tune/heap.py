@@ -143,13 +143,17 @@ def huge_pages_available() -> bool:
         return False
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
 def huge_pages_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """An uninitialized CPU tensor in private anonymous memory, 2 MB-aligned, its whole 2 MB pages marked
     MADV_HUGEPAGE: the kernel backs those with 2 MB pages as they are first written, where it has them free; the
     last part page keeps 4 KB ones (a 2 MB page there would hold up to 2 MB that no tensor uses). None where that
     cannot be asked (`huge_pages_available`) or for tensors under one such page. The mapping lives as long as the
     tensor; its pages beyond the tensor are never touched, so they take no memory."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     if nbytes < HUGE_PAGE_BYTES or not huge_pages_available():
         return None
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -163,7 +167,7 @@ def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype=dtype)` on the CPU, in 2 MB pages where `huge_pages_empty` gives them: for weights,
     which loaders write once and decoding streams at every step. Weights from SHARED_PAGE_MIN_BYTES up to one such
     page share them (`_SharedPages`)."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     out = _SHARED.take(nbytes, shape, dtype) if SHARED_PAGE_MIN_BYTES <= nbytes < HUGE_PAGE_BYTES else None
     if out is None:
         out = huge_pages_empty(shape, dtype)

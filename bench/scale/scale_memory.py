@@ -43,7 +43,7 @@ def accounting(cfg: dict, bits: int, int8_embedding: bool = True) -> dict[str, i
     raw = {k: v for k, v in cfg.items() if k != "quantization_bit"}
     config = glm_config(raw, version=detect(raw))
     model, _ = _empty_model(config, "<accounting>", bits, 0, True, torch.bfloat16 if int8_embedding else None)
-    compute = torch.empty(0, dtype=torch.bfloat16).element_size()  # the loader casts float tensors to the compute dtype
+    compute = torch.bfloat16.itemsize  # the loader casts float tensors to the compute dtype
     sizes = bytes_by_part(model.state_dict(), float_bytes=compute)
     sizes["KV cache / 1K tokens"] = 1024 * 2 * cache_width(cfg)
     return sizes

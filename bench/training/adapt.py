@@ -294,6 +294,8 @@ def main() -> None:
         parser.add_argument(f"--{name}-epochs", type=int, help=f"epochs of {name} (default: its flags, VERSION_SETTINGS)")
         parser.add_argument(f"--{name}-lr", type=float, help=f"learning rate of {name} (default: its flags, VERSION_SETTINGS)")
     args = parser.parse_args()
+    if args.resume and not args.reuse_base:
+        parser.error("--resume continues an adaptation of the base already trained: give --reuse-base too")
     epochs = {n: getattr(args, f"{n}_epochs") or int(adaptation_setting(n, "--epochs", args.version)) for n in args.only}
     lrs = {n: getattr(args, f"{n}_lr") or float(adaptation_setting(n, "--lr", args.version)) for n in args.only}
     torch.set_num_threads(1)
@@ -332,7 +334,7 @@ def main() -> None:
               "base_on_new_relations": dev_f1(work / "base", files["new_dev"])}
     write_results(scores)
     for name in args.only:
-        resume = args.resume and args.reuse_base and rundir.state_dir(work / name) is not None
+        resume = args.resume and rundir.state_dir(work / name) is not None
         if not resume:
             shutil.rmtree(work / name, ignore_errors=True)
         seconds[name] = run(["--model", str(work / "base"), "--train-file", str(files["new_train"]), "--dev-file",

@@ -80,9 +80,9 @@ class QuantizedExperts(nn.Module):
         first chosen mid-answer would otherwise pay its repacking inside a decode step."""
         layers = [layer for layer in self.modules() if isinstance(layer, QuantizedLinear)]
         for layer in layers:
-            if _grouped_kernel_runs(layer):
+            if layer.grouped_kernel_runs():
                 layer.weight_for("int8dot")
-        self._grouped = all(_grouped_kernel_runs(layer) for layer in layers)
+        self._grouped = all(layer.grouped_kernel_runs() for layer in layers)
         self._prepared = True
 
     def grouped_decode_runs(self, x: Tensor) -> bool:
@@ -151,14 +151,8 @@ class QuantizedExperts(nn.Module):
             return layer.bits, layer.in_features, layer.out_features
 
         pairs = [(getattr(module, name, None), getattr(self.expert(0), name)) for name in _PROJECTIONS]
-        return all(isinstance(layer, QuantizedLinear) and _grouped_kernel_runs(layer) and shape(layer) == shape(ref)
+        return all(isinstance(layer, QuantizedLinear) and layer.grouped_kernel_runs() and shape(layer) == shape(ref)
                    for layer, ref in pairs)
-
-
-def _grouped_kernel_runs(layer: QuantizedLinear) -> bool:
-    """Whether the grouped integer-dot calls can run `layer` as it stands (the automatic kernel, on the CPU, no bias)."""
-    return (layer.kernel == "auto" and layer.weight.device.type == "cpu" and layer.bias is None
-            and layer._usable("int8dot"))
 
 
 def _grouped_matmul(x: Tensor, layers: list[QuantizedLinear]) -> Tensor:

@@ -210,6 +210,11 @@ class QuantizedLinear(nn.Module):
             self.__dict__["_float_scale"] = held
         return held[2]
 
+    def grouped_kernel_runs(self) -> bool:
+        """Whether grouped integer-dot calls (`int8dot_cpu.matmul_multi`, which add no bias) can run this layer as it
+        stands: the automatic kernel, on the CPU, no bias."""
+        return self.kernel == "auto" and self.weight.device.type == "cpu" and self.bias is None and self._usable("int8dot")
+
     def record_kernel(self, kernel: str) -> None:
         """Set `last_kernel` (a plain attribute, set past nn.Module's `__setattr__`: a decode step sets it ~700 times)."""
         self.__dict__["last_kernel"] = kernel

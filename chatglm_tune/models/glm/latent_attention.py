@@ -123,11 +123,10 @@ class IntAbsorbed:
 
     @staticmethod
     def usable(layer: nn.Module, shape: tuple[int, int, int], key_dim: int) -> bool:
-        """Whether `layer` (`kv_b_proj`) is INT8 / INT4 the kernel runs, with each head's rows whole blocks of its
-        layout (the usual shapes: 192 + 256 rows over 512 columns)."""
+        """Whether `layer` (`kv_b_proj`) is INT8 / INT4 the grouped kernel runs, with each head's rows whole blocks of
+        its layout (the usual shapes: 192 + 256 rows over 512 columns)."""
         heads, rows, latent = shape
-        return (isinstance(layer, QuantizedLinear) and layer.kernel == "auto" and layer._usable("int8dot")
-                and layer.weight.device.type == "cpu"
+        return (isinstance(layer, QuantizedLinear) and layer.grouped_kernel_runs()
                 and (rows - key_dim) % int8dot_cpu.BLOCK_ROWS == 0 and latent % int8dot_cpu.BLOCK_ROWS == 0)
 
     def keys(self, q: torch.Tensor) -> torch.Tensor:
