@@ -11,7 +11,7 @@ import importlib.util
 import sys
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
+    BAD_RECORD_MODES, COMPILE_BACKEND, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
     TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("hardware").add_argument
     g("--mixed-precision", choices=MIXED_PRECISIONS, default=D.mixed_precision, help="autocast (default %(default)s)")
     g("--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)")
+    g("--compile", nargs="?", const=COMPILE_BACKEND, metavar="BACKEND", help="torch.compile each decoder layer with "
+      f"BACKEND (default when given: {COMPILE_BACKEND}; meant for GPUs: on a CPU the tiny models trained no faster; "
+      "default: off)")
     g("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else the tiny demo's "
       f"{TINY_DEMO['threads']}, else torch's)")
     return p.parse_args(argv)
@@ -139,7 +142,7 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
         columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
-        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
+        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, eval_batch_size=args.eval_batch_size, log_every=args.log_every,
         tensorboard=args.tensorboard,
     )

@@ -50,9 +50,9 @@ def read_run_args(directory: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-# Options a resumed run may change: how long it runs and how it reports, not what it learns.
+# Options a resumed run may change: how long it runs, how fast and how it reports, not what it learns.
 RESUMABLE_CHANGES = ("epochs", "max_steps", "budget_steps", "patience", "threads", "eval_batch_size", "log_every",
-                     "tensorboard")
+                     "tensorboard", "compile")
 
 
 def file_identity(path) -> dict:

@@ -127,7 +127,29 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
     if options.gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
-    return set_trainable(model, options), tokenizer
+    model = set_trainable(model, options)
+    if options.compile:
+        compile_layers(model, options.compile)
+    return model, tokenizer
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules of the classes it declares unsplittable (`_no_split_modules`:
+    ChatGLM-6B's GLMBlock, transformers' GlmDecoderLayer, Glm4MoeDecoderLayer, ...; read through peft's wrapper),
+    the unit FSDP shards and `--compile` compiles."""
+    names = set(model._no_split_modules or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def compile_layers(model, backend: str) -> int:
+    """torch.compile each decoder layer in place (its weights and their names unchanged, so checkpoints save and
+    load as without), shapes dynamic (rows of any length compile once); the number compiled."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise TrainingError(f"{type(model).__name__} declares no decoder layer class to compile")
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=True)
+    return len(layers)
 
 
 def set_trainable(model, options: TrainOptions):
@@ -289,7 +311,8 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
         f"truncated: {cut['source_truncated']} texts longer than max_src_len={options.encoding.max_src_len}, "
         f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}"
         + (f", {cut['row_truncated']} conversations cut at max_len={options.encoding.max_len}" if cut["row_truncated"] else ""),
-        f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable",
+        f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable"
+        + (f"; decoder layers compiled ({options.compile})" if options.compile else ""),
         f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
         f"rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
         *([] if tiny else [f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}"]),

@@ -305,22 +305,26 @@ print(type(AutoTokenizer.from_pretrained({tokenizer!r})).__name__)
 """
 
 
-@pytest.mark.parametrize("first", ["import chatglm_tune", "import transformers; import chatglm_tune",
-                                   "import chatglm_tune; import transformers.models.auto.configuration_auto",
-                                   "from chatglm_tune import loading",
-                                   "import chatglm_tune, importlib.util; "
-                                   "importlib.util.find_spec('transformers.models.auto.configuration_auto')"])
-def test_import_chatglm_tune_is_all_the_auto_classes_need(work, first):
+AUTO_FIRSTS = ["import chatglm_tune", "import transformers; import chatglm_tune",
+               "import chatglm_tune; import transformers.models.auto.configuration_auto", "from chatglm_tune import loading",
+               "import chatglm_tune, importlib.util; importlib.util.find_spec('transformers.models.auto.configuration_auto')"]
+
+
+def test_import_chatglm_tune_is_all_the_auto_classes_need(work):
     """Transformers' Auto classes load every version's directory after `import chatglm_tune`, whichever of the
-    two was imported first, and after an import of the package's own that imports transformers."""
+    two was imported first, and after an import of the package's own that imports transformers: one fresh process
+    each way (they run side by side)."""
     root, _ = work
-    probe = AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"), tokenizer=str(root / "base"))
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
-                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    names = done.stdout.split()
-    assert names[:3] == ["ChatGLMFamilyConfig", "GlmForCausalLMWithPrefix", "ChatGLMForConditionalGeneration"], names
-    assert names[3] == type(chatglm_tune.load_tokenizer(root / "base")).__name__
+    probes = {first: subprocess.Popen(
+        [sys.executable, "-c", AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"), tokenizer=str(root / "base"))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        for first in AUTO_FIRSTS}
+    tokenizer = type(chatglm_tune.load_tokenizer(root / "base")).__name__
+    for first, probe in probes.items():
+        out, err = probe.communicate(timeout=HANG_S)
+        assert probe.returncode == 0, (first, err[-3000:])
+        names = out.split()
+        assert names == ["ChatGLMFamilyConfig", "GlmForCausalLMWithPrefix", "ChatGLMForConditionalGeneration", tokenizer], (first, names)
 
 
 def test_import_chatglm_tune_imports_neither_torch_nor_transformers():

@@ -35,6 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatglm_tune import checkpoint, heap
 from chatglm_tune.decoding.chat import Chat
+from chatglm_tune.loss import causal_lm_loss
 from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
                                                   ChatGLMConfig)
@@ -403,10 +404,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         hidden, cache = self.transformer(input_ids, position_ids, attention_mask, cache, use_cache)
         loss = None
         if labels is not None:
-            shift = labels[:, 1:]
-            picked = shift != -100
-            logits_picked = self.lm_head(hidden[:, :-1][picked]).float()
-            loss = F.cross_entropy(logits_picked, shift[picked])
+            loss = causal_lm_loss(self.lm_head, hidden, labels)  # the head on labelled positions, in chunks
         keep = (None if labels is not None else 0) if logits_to_keep is None else logits_to_keep
         logits = None
         if keep is not None:

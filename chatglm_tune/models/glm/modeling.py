@@ -42,8 +42,10 @@ import torch
 from torch import nn
 from transformers import Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatglm_tune import checkpoint, heap
+from chatglm_tune.loss import causal_lm_loss
 from chatglm_tune.decoding.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models.glm.attention import ATTENTION
@@ -133,7 +135,9 @@ class PrefixModel(Chat):
         cache: a `Cache`; with a prefix its first `pre_seq_len` entries are the prefix, written on
             the first call (empty cache). Without a cache (use_cache=False, training) the prefix rides in a
             read-only `PrefixCache` that is not returned.
-        labels: [b, s], -100 ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
+        labels: [b, s], -100 ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:], the
+            output layer run on the labelled positions only (`loss.causal_lm_loss`); no logits are returned then.
+        logits_to_keep (without labels): 0 = all positions, N = the last N.
         """
         ref = input_ids if input_ids is not None else inputs_embeds
         b, s = ref.shape[:2]
@@ -167,10 +171,14 @@ class PrefixModel(Chat):
                 mask = torch.cat([mask.new_ones(b, p), mask], dim=-1)
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=ref.device).expand(b, s)
-        out = super().forward(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
-        )
+        inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                      inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        if labels is None:
+            out = super().forward(**inputs, logits_to_keep=logits_to_keep)
+        else:  # the output layer on the labelled positions only, in chunks (loss.causal_lm_loss)
+            trunk = self.model(**inputs)
+            out = CausalLMOutputWithPast(loss=causal_lm_loss(self.lm_head, trunk.last_hidden_state, labels),
+                                         cache=trunk.cache, hidden_states=trunk.hidden_states, attentions=trunk.attentions)
         if not keep_cache or not use_cache:
             out.cache = None
         return out
