@@ -236,7 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64, help="decode prompt tokens (default %(default)s)")
     p.add_argument("--new-tokens", type=int, help="greedy tokens per row (default 64; --quick 16)")
     p.add_argument("--train-batch", type=int, default=4, help="rows per training step (default %(default)s)")
-    p.add_argument("--train-len", type=int, default=256, help="tokens per training row (default %(default)s)")
+    p.add_argument("--train-len", type=int, default=1024,
+                   help="tokens per training row (default %(default)s: the 4 x 1024 LoRA step the GPU targets name)")
     p.add_argument("--steps", type=int, help="timed training steps, after one warm-up (default 3; --quick 1)")
     p.add_argument("--skip-tests", action="store_true", help="do not run tests/test_cuda.py first")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default %(default)s)")
