@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "checkpoint (dev F1, ties by dev loss); 0 = never (default %(default)s)")
     g("--batch-size", type=int, help="rows per process per micro-batch (default by method: "
       f"{ {t: d['batch_size'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['batch_size']})")
+    g("--packing", action="store_true", help="pack several examples into each row of up to --max-len tokens (none "
+      "sees another, each keeps its own positions): fewer pad tokens a step, more examples a row (default: off)")
     g("--grad-accum", type=int, help="micro-batches per optimizer step (default by method: "
       f"{ {t: d['grad_accum'] for t, d in METHOD_DEFAULTS.items()} }, with the method's batch size; 1 when "
       "--batch-size is given)")
@@ -142,7 +144,7 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
         columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
-        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed, eval_every=args.eval_every,
+        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, packing=args.packing, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, eval_batch_size=args.eval_batch_size, log_every=args.log_every,
         tensorboard=args.tensorboard,
     )

@@ -227,6 +227,51 @@ def collate_prompts(prompts: Sequence[Sequence[int]], special: SpecialIds) -> di
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def pack(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """The indices of rows of `lengths` grouped into packed rows of at most `max_len` tokens: first fit, longest
+    first (a row longer than `max_len` alone); every index once, each group in the order it was filled."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = next((r for r, left in enumerate(room) if lengths[i] <= left), None)
+        if fits is None:
+            rows.append([i])
+            room.append(max_len - lengths[i])
+        else:
+            rows[fits].append(i)
+            room[fits] -= lengths[i]
+    return rows
+
+
+def collate_packed(rows: Sequence[Sequence[EncodedExample]], special: SpecialIds) -> dict[str, torch.Tensor]:
+    """Packed training rows: each row's examples one after another, right-padded to the longest row. Returns
+    `input_ids`, `labels` (pads -100) and `segment_ids` [b, s]: 1, 2, ... for the examples of a row, 0 on pads. A
+    model given `segment_ids` lets no token see another example's, and starts each example's positions afresh
+    (`segment_positions`, `segment_visibility`), so an example's loss is what it is alone."""
+    joined = [[t for e in row for t in e.input_ids] for row in rows]
+    lengths = torch.tensor([len(ids) for ids in joined])
+    input_ids = _pad_rows(joined, special.pad_token_id, lengths, left=False)
+    labels = _pad_rows([[t for e in row for t in e.labels] for row in rows], IGNORE_INDEX, lengths, left=False)
+    segments = [[k + 1 for k, e in enumerate(row) for _ in e.input_ids] for row in rows]
+    return {"input_ids": input_ids, "labels": labels, "segment_ids": _pad_rows(segments, 0, lengths, left=False)}
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] each token's position within its own example (0, 1, ...; 0 on pads) of packed rows' `segment_ids`."""
+    j = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, j, 0).cummax(dim=1).values  # where each token's example starts
+    return (j - first) * (segment_ids > 0)
+
+
+def segment_visibility(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s, s] bool: query i may see key j of the same example (pads see no one); the causal or other pattern
+    within an example is the model's to add."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return same & (segment_ids > 0)[:, None, :]
+
+
 def _pad_rows(rows: Sequence[Sequence[int]], value: int, lengths: torch.Tensor, *, left: bool) -> torch.Tensor:
     """[b, max(lengths)] long tensor of the rows, padded with `value` on the left or the right."""
     if len(rows) == 0:

@@ -166,6 +166,10 @@ class TrainOptions:
     quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quant.apply.quantize_embedding`)
     gradient_checkpointing: bool = False
     compile: str | None = None  # torch.compile backend of each decoder layer (`--compile`: COMPILE_BACKEND); None = eager
+    # Several examples a row of up to max_len tokens, none seeing another (`batches.pack`). Off: on a CPU the tiny
+    # model trained the shipped SPO set at 104 examples/s packed, 114 unpacked (rows grouped by length already; one
+    # thread, AVX-512 EPYC).
+    packing: bool = False
     seed: int = 42
     eval_every: int | None = None  # steps; None = EVALUATIONS times over the run
     save_every: int | None = None  # steps; the state is also saved at each evaluation and at the end

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from chatglm_tune import rundir
-from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_prompts, collate_train, prompt_ids
+from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_prompts, collate_train, pack,
+                                  prompt_ids)
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.lora import apply_lora
 from chatglm_tune.metrics import describe_scores, score_answers
@@ -219,10 +220,18 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
 
 
 def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLoader:
-    sampler = LengthGroupedSampler([len(e.input_ids) for e in dataset], options.rows_per_batch, options.seed)
+    """Batches of `rows_per_batch` rows of similar lengths: examples, or with `packing` packed rows of up to max_len
+    tokens (`batches.pack`, once; their order shuffled each epoch)."""
+    rows, collate = list(dataset), partial(collate_train, special=special)
+    lengths = [len(e.input_ids) for e in rows]
+    if options.packing:
+        groups = pack(lengths, options.encoding.max_len)
+        rows, collate = [[dataset[i] for i in group] for group in groups], partial(collate_packed, special=special)
+        lengths = [sum(len(e.input_ids) for e in row) for row in rows]
+    sampler = LengthGroupedSampler(lengths, options.rows_per_batch, options.seed)
     # Its own generator: creating an iterator then draws no number from the global RNG (dropout's),
     # so a resumed run, which creates one more iterator, keeps the same dropout masks.
-    return DataLoader(dataset, batch_size=options.rows_per_batch, sampler=sampler, collate_fn=partial(collate_train, special=special),
+    return DataLoader(rows, batch_size=options.rows_per_batch, sampler=sampler, collate_fn=collate,
                       generator=torch.Generator().manual_seed(options.seed))
 
 
@@ -300,8 +309,9 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
     skipped = {k: (v or {}).get("skipped", 0) for k, v in (bad_records or {}).items()}
     cut = dataset.truncation_counts()
     trainable, total = parameter_counts(model)
-    epochs = total_steps * options.accumulation * options.rows_per_batch / max(len(dataset), 1)
+    epochs = total_steps * options.accumulation / max(batches_per_epoch, 1)
     accumulated = f" x {options.accumulation} accumulated" if options.accumulation > 1 else ""
+    packed = f"packed (examples together, up to {options.encoding.max_len} tokens) " if options.packing else ""
     stopping = (f"after {options.patience} evaluations without a better dev checkpoint" if options.patience and dev_records
                 else "off")
     method = ", ".join(f"{k} {v:g}" for k, v in METHOD_DEFAULTS[options.tuning].items())
@@ -314,7 +324,7 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
         f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable"
         + (f"; decoder layers compiled ({options.compile})" if options.compile else ""),
         f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
-        f"rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
+        f"{packed}rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
         *([] if tiny else [f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}"]),
     ])
 

@@ -39,7 +39,7 @@ from chatglm_tune.loss import causal_lm_loss
 from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
                                                   ChatGLMConfig)
-from chatglm_tune.models.chatglm6b.positions import build_position_ids, context_lengths, glm_mask
+from chatglm_tune.models.chatglm6b.positions import build_position_ids, context_lengths, glm_mask, packed_inputs
 from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version,
                                  not_a_model, only_prefix_weights, prefix_key_values, seed_cache)
 from chatglm_tune.quant import cpu_matmul
@@ -387,7 +387,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
     def forward(self, input_ids: torch.LongTensor, *, position_ids: torch.LongTensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
                 labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-                logits_to_keep: int | None = None, return_dict: bool | None = None, **unsupported):
+                logits_to_keep: int | None = None, return_dict: bool | None = None,
+                segment_ids: torch.LongTensor | None = None, **unsupported):
         """Logits, loss and cache for `input_ids` [b, s].
 
         position_ids: [b, 2, s] GLM positions; computed from `input_ids` when omitted (prompt steps only).
@@ -397,9 +398,17 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         labels: [b, s], -100 = ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:].
         logits_to_keep: None = all positions without labels and none with labels (the head then runs only
             on labelled positions, the bulk of a training step's savings); an int N keeps the last N (0 = all).
+        segment_ids: [b, s] of packed training rows (`batches.collate_packed`): each example gets the positions
+            and mask it has alone (`positions.packed_inputs`), in place of position_ids and attention_mask.
         """
         if any(v is not None and v is not False for v in unsupported.values()):
             raise TypeError(f"ChatGLM forward does not support: {', '.join(sorted(unsupported))}")
+        if segment_ids is not None:
+            if attention_mask is not None or position_ids is not None or cache is not None:
+                raise ValueError("segment_ids (packed training rows) take no attention_mask, position_ids or cache")
+            c = self.config
+            position_ids, attention_mask = packed_inputs(input_ids, segment_ids, bos_token_id=c.bos_token_id,
+                                                         gmask_token_id=c.gmask_token_id, mask_token_id=c.mask_token_id)
         use_cache = self.config.use_cache and not self.training if use_cache is None else use_cache
         hidden, cache = self.transformer(input_ids, position_ids, attention_mask, cache, use_cache)
         loss = None

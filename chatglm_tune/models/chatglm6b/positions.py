@@ -83,6 +83,27 @@ def build_attention_mask(
     return glm_mask(c, s, s, past_length=0, pad_mask=pad_mask)
 
 
+def packed_inputs(input_ids: torch.Tensor, segment_ids: torch.Tensor, *, bos_token_id: int, gmask_token_id: int,
+                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2D position ids [b, 2, s], official mask [b, 1, s, s] bool, True = blocked) of packed training rows
+    (`segment_ids`: 1, 2, ... an example, 0 on pads): each example's positions and GLM mask as it has them alone, in
+    its own block; nothing across examples, pads blocked."""
+    b, s = input_ids.shape
+    positions = torch.zeros(b, 2, s, dtype=torch.long, device=input_ids.device)
+    blocked = torch.ones(b, 1, s, s, dtype=torch.bool, device=input_ids.device)
+    for r in range(b):
+        for k in segment_ids[r].unique().tolist():
+            where = (segment_ids[r] == k).nonzero().flatten()
+            start, end = int(where[0]), int(where[-1]) + 1
+            if k == 0 or end - start != len(where):
+                continue  # pads; an example is one run of tokens (collate_packed)
+            ids = input_ids[r : r + 1, start:end]
+            positions[r, :, start:end] = build_position_ids(ids, bos_token_id=bos_token_id, gmask_token_id=gmask_token_id,
+                                                            mask_token_id=mask_token_id)[0]
+            blocked[r, :, start:end, start:end] = build_attention_mask(ids, bos_token_id=bos_token_id)[0]
+    return positions, blocked
+
+
 def glm_mask(
     context_length: torch.Tensor,
     q_len: int,

@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatglm_tune import checkpoint, heap
+from chatglm_tune.batches import segment_positions, segment_visibility
 from chatglm_tune.loss import causal_lm_loss
 from chatglm_tune.decoding.chat import Chat
 from chatglm_tune.checkpoint import CheckpointError
@@ -65,6 +66,17 @@ from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding
 from chatglm_tune.quant.experts import quantize_experts
 from chatglm_tune.quant.format import check_bits, quantize_rows
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
+
+
+def packed_mask(segment_ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """[b, 1, s, prefix + s] bool, True = may attend, of packed rows: causal within each example, the P-tuning prefix
+    seen by all; a pad sees itself only (a row of SDPA with no key would be NaN)."""
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    seen = (segment_visibility(segment_ids) & causal) | torch.eye(s, dtype=torch.bool, device=segment_ids.device)
+    if prefix:
+        seen = torch.cat([seen.new_ones(seen.shape[0], s, prefix), seen], dim=-1)
+    return seen[:, None]
 
 
 def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) -> torch.Tensor:
@@ -124,6 +136,7 @@ class PrefixModel(Chat):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        segment_ids: torch.LongTensor | None = None,
         **kwargs,
     ):
         """Logits [b, s, V] (and loss, cache) for input_ids [b, s].
@@ -138,6 +151,8 @@ class PrefixModel(Chat):
         labels: [b, s], -100 ignored; loss = mean cross entropy of logits[:, :-1] against labels[:, 1:], the
             output layer run on the labelled positions only (`loss.causal_lm_loss`); no logits are returned then.
         logits_to_keep (without labels): 0 = all positions, N = the last N.
+        segment_ids: [b, s] of packed training rows (`batches.collate_packed`): 1, 2, ... an example, 0 on pads;
+            each example then sees only itself (and the prefix), its positions from 0.
         """
         ref = input_ids if input_ids is not None else inputs_embeds
         b, s = ref.shape[:2]
@@ -164,7 +179,11 @@ class PrefixModel(Chat):
                 seed_cache(cache, pairs)
         past = cache.get_seq_length() - p if cache is not None else 0  # real tokens already cached
         mask = attention_mask
-        if mask is not None and mask.dim() == 2:
+        if segment_ids is not None:  # packed rows: each example alone
+            if mask is not None or past:
+                raise ValueError("segment_ids (packed training rows) take no attention_mask and no cached tokens")
+            mask, position_ids = packed_mask(segment_ids, p), segment_positions(segment_ids)
+        elif mask is not None and mask.dim() == 2:
             if position_ids is None:
                 position_ids = positions_from_mask(mask, past, s)
             if p:
