@@ -10,7 +10,7 @@ from serving import tiny_model
 from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_train, pack, segment_positions,
                                   segment_visibility)
 from chatglm_tune.models import registry
-from chatglm_tune.options import EncodingOptions, TrainOptions
+from chatglm_tune.options import EncodingOptions, LoraOptions, TrainOptions
 from chatglm_tune.records import read_records
 from chatglm_tune.training import set_trainable
 
@@ -52,13 +52,14 @@ def loss_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("name", VERSIONS)
-@pytest.mark.parametrize("tuning", ["full", "ptuning"])
+@pytest.mark.parametrize("tuning", ["full", "ptuning", "lora"])
 def test_packed_rows_give_the_loss_and_gradients_of_separate_rows(models, name, tuning):
     version = registry.VERSIONS[name]
     tokenizer = version.load_tokenizer(models[name])
     torch.manual_seed(0)
     model = version.load_model(models[name], **(dict(pre_seq_len=4) if tuning == "ptuning" else {}))
-    model = set_trainable(model, TrainOptions(tuning=tuning)).eval()  # eval: no dropout, the same arithmetic twice
+    options = TrainOptions(tuning=tuning, lora=LoraOptions(r=4, dropout=0.0))  # LoRA: segment_ids through peft
+    model = set_trainable(model, options).eval()  # eval: no dropout, the same arithmetic twice
     rows = examples(tokenizer)
     special = SpecialIds.of(tokenizer)
     groups = pack([len(e.input_ids) for e in rows], 150)
