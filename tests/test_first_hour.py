@@ -112,6 +112,8 @@ def test_a_run_into_an_existing_run_is_refused_unless_resumed_or_overwritten(wor
     other = tmp_path / "notes"
     other.mkdir()
     (other / "mine.txt").write_text("keep me")
+    again = tmp_path / "again"
+    first_run = start("train.py", *args, "--output-dir", again)  # side by side with the two refused
     into_run = start("train.py", *args, "--output-dir", root / "lora")
     done = cli("train.py", *args, "--output-dir", other, "--overwrite")
     assert done.returncode == 2 and "not a train.py run directory" in done.stderr
@@ -120,8 +122,7 @@ def test_a_run_into_an_existing_run_is_refused_unless_resumed_or_overwritten(wor
     assert tree_bytes(root / "lora") == before
     assert (other / "mine.txt").read_text() == "keep me"
 
-    again = tmp_path / "again"
-    ok(cli("train.py", *args, "--output-dir", again))
+    ok(finish(first_run))
     (again / "stale.txt").write_text("from before")
     ok(cli("train.py", *args, "--output-dir", again, "--overwrite"))
     assert not (again / "stale.txt").exists() and (again / "adapter_model.safetensors").exists()
