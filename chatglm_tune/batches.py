@@ -22,6 +22,8 @@ Collating. `collate_train` right-pads a batch to its longest row; `collate_promp
 prompts. Both return `input_ids` and the 2D `attention_mask` (1 = token, 0 = pad), from which every
 model derives its positions (ChatGLM-6B its 2D GLM positions from the ids and the mask, the others
 cumsum(mask) - 1). The pad id comes from the tokenizer or the model config (`SpecialIds.of`).
+`pack` and `collate_packed` put several training rows into one (`--packing`): `segment_ids` in place of the
+mask tell the model which tokens are one example's, and each model keeps examples apart.
 """
 
 from __future__ import annotations
