@@ -253,7 +253,10 @@ def collate_packed(rows: Sequence[Sequence[EncodedExample]], special: SpecialIds
     joined = [[t for e in row for t in e.input_ids] for row in rows]
     lengths = torch.tensor([len(ids) for ids in joined])
     input_ids = _pad_rows(joined, special.pad_token_id, lengths, left=False)
-    labels = _pad_rows([[t for e in row for t in e.labels] for row in rows], IGNORE_INDEX, lengths, left=False)
+    # an example's first label is never a target (the loss shifts it away in a row of its own): here it would be
+    # the previous example's last token's, so it goes
+    labels = _pad_rows([[t for e in row for t in (IGNORE_INDEX, *e.labels[1:])] for row in rows], IGNORE_INDEX, lengths,
+                       left=False)
     segments = [[k + 1 for k, e in enumerate(row) for _ in e.input_ids] for row in rows]
     return {"input_ids": input_ids, "labels": labels, "segment_ids": _pad_rows(segments, 0, lengths, left=False)}
 
