@@ -64,3 +64,34 @@ def test_merged_and_trimmed_rows_decode_as_alone(tiny):
     assert cached_length(batch) == prefix + len(short_prompt) + 1
     token = merged[1:].argmax(-1)
     torch.testing.assert_close(batch.step(model, token)[0], alone[1][0].step(model, token)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_growing_cache_writes_in_place_and_takes_tensors_set_from_outside():
+    """A decode step writes into the room the layer keeps (the buffer stays, no copy of what is cached); keys set
+    from outside (a row selection) are taken into new buffers; a view cut shorter (rejected guesses) is written
+    over; every state equals what concatenation gives."""
+    from transformers.cache_utils import DynamicLayer
+
+    from chatglm_tune.decoding.growing_cache import GrowingLayer
+
+    torch.manual_seed(0)
+    growing, plain = GrowingLayer(), DynamicLayer()
+    steps = [torch.randn(3, 2, n, 4) for n in (5, 1, 1, 3)]
+    for layer in (growing, plain):
+        layer.update(steps[0], -steps[0])
+    buffer = growing.keys.data_ptr()
+    for new in steps[1:]:
+        for layer in (growing, plain):
+            out = layer.update(new, -new)
+        assert torch.equal(out[0], growing.keys) and torch.equal(growing.keys, plain.keys)
+    assert growing.keys.data_ptr() == buffer  # written in place: 10 columns fit the first buffer's room
+    for layer in (growing, plain):  # a speculative accept that drops the last two columns of every row
+        layer.keys, layer.values = layer.keys[..., :8, :], layer.values[..., :8, :]
+        layer.update(steps[1], -steps[1])
+    assert growing.keys.data_ptr() == buffer and torch.equal(growing.values, plain.values)
+    index = torch.tensor([0, 2])
+    for layer in (growing, plain):  # rows leave: tensors of their own
+        layer.batch_select_indices(index)
+        layer.update(steps[2][index], -steps[2][index])
+    assert growing.keys.data_ptr() != buffer
+    assert torch.equal(growing.keys, plain.keys) and torch.equal(growing.values, plain.values)

@@ -12,8 +12,9 @@ The model gets no mask while nothing is padded (`padded`, kept up to date where 
 recomputed on a decoding step, which only appends a real token to every row). Rows leave with `select`
 (a finished row costs nothing after); `trim` cuts the pad columns every row has on its left (pads left by
 a long row that finished), `merge` joins two batches with the shorter side left-padded after the prefix:
-the engine's continuous batching. A transformers `DynamicCache` grows by concatenation: a preallocated
-(static) cache is another class with these methods.
+the engine's continuous batching. The cache is a `GrowingCache` (a decode step writes into room kept at the end of
+each layer's buffers, where transformers' `DynamicCache` concatenates the whole cache again); the methods here
+may replace a layer's tensors, which it then takes into new buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
+
+from chatglm_tune.decoding.growing_cache import GrowingCache
 
 
 def last_scores(model, ids: torch.Tensor, cache: DynamicCache, **inputs) -> torch.Tensor:
@@ -47,7 +50,7 @@ class BatchCache:
         padded = mask is not None and not bool(mask.all())
         model_mask = mask if padded else None
         positions = model.prompt_positions(ids, model_mask)  # ChatGLM-6B: [b, 2, s]; the others: None
-        batch = cls(DynamicCache(), torch.ones_like(ids) if mask is None else mask.long(), None, prefix_length(model),
+        batch = cls(GrowingCache(), torch.ones_like(ids) if mask is None else mask.long(), None, prefix_length(model),
                     padded)
         scores = last_scores(model, ids, batch.cache, position_ids=positions, attention_mask=model_mask)
         batch.next_positions = None if positions is None else model.next_positions(positions[..., -1:])
@@ -56,7 +59,7 @@ class BatchCache:
     @classmethod
     def empty(cls, model, device) -> "BatchCache":
         """One row with nothing cached yet, to fill a chunk at a time (`extend`)."""
-        return cls(DynamicCache(), torch.ones(1, 0, dtype=torch.long, device=device), None, prefix_length(model), False)
+        return cls(GrowingCache(), torch.ones(1, 0, dtype=torch.long, device=device), None, prefix_length(model), False)
 
     def extend(self, model, ids: torch.Tensor) -> torch.Tensor:
         """The next chunk of a lone, unpadded prompt whose positions follow from the cache (causal models):
