@@ -4,8 +4,9 @@ transformers' `DynamicCache` appends a step's keys and values with `torch.cat`: 
 the whole cache of every row again, a cost that grows with the rows and the tokens cached (the serving engine at
 32 streams spent about a tenth of a step on it). Here each layer keeps its keys and values in buffers with spare
 columns (`GrowingLayer`): a step writes its new entries in place, and `keys` / `values` are views of the filled
-part, read by attention as before. Past the buffer's end the buffer is made anew, twice as long (at least `ROOM`
-columns more), so copies are amortised to a few over a whole answer.
+part, read by attention as before. Past the buffer's end the buffer is made anew with a quarter more room (`ROOM`
+columns at the least): a copy of the cache every few dozen or hundred steps where the concatenation copied it every
+step, for at most a quarter more memory than the cache holds.
 
 Whoever replaces a layer's `keys` / `values` with tensors of their own (`BatchCache.select`, `trim`, `merge`, a
 speculative `accept` that shifts rows) is free to: the layer notices they are no longer its buffers' views and
@@ -52,9 +53,9 @@ class GrowingLayer(DynamicLayer):
 
 
 def _roomy(old: torch.Tensor, new: torch.Tensor, filled: int, end: int) -> torch.Tensor:
-    """A buffer of `new`'s rows, heads and width with room for at least twice `end` columns (`ROOM` more at the
+    """A buffer of `new`'s rows, heads and width with room for a quarter more than `end` columns (`ROOM` more at the
     least), its first `filled` columns `old`'s."""
-    capacity = max(2 * end, end + ROOM)
+    capacity = end + max(ROOM, end // 4)
     buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
     if filled:
         buffer[..., :filled, :].copy_(old)
