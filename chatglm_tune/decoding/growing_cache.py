@@ -65,5 +65,5 @@ def _roomy(old: torch.Tensor, new: torch.Tensor, filled: int, end: int) -> torch
 class GrowingCache(DynamicCache):
     """A `DynamicCache` of `GrowingLayer`s."""
 
-    def __init__(self):
+    def __init__(self):  # Cache's own constructor: DynamicCache's would make DynamicLayers
         super(DynamicCache, self).__init__(layer_class_to_replicate=GrowingLayer)

@@ -92,15 +92,15 @@ def packed_inputs(input_ids: torch.Tensor, segment_ids: torch.Tensor, *, bos_tok
     positions = torch.zeros(b, 2, s, dtype=torch.long, device=input_ids.device)
     blocked = torch.ones(b, 1, s, s, dtype=torch.bool, device=input_ids.device)
     for r in range(b):
-        for k in segment_ids[r].unique().tolist():
-            where = (segment_ids[r] == k).nonzero().flatten()
-            start, end = int(where[0]), int(where[-1]) + 1
-            if k == 0 or end - start != len(where):
-                continue  # pads; an example is one run of tokens (collate_packed)
-            ids = input_ids[r : r + 1, start:end]
-            positions[r, :, start:end] = build_position_ids(ids, bos_token_id=bos_token_id, gmask_token_id=gmask_token_id,
-                                                            mask_token_id=mask_token_id)[0]
-            blocked[r, :, start:end, start:end] = build_attention_mask(ids, bos_token_id=bos_token_id)[0]
+        start = 0
+        for k, n in zip(*(t.tolist() for t in segment_ids[r].unique_consecutive(return_counts=True))):
+            end = start + n
+            if k:  # an example (0: pads)
+                ids = input_ids[r : r + 1, start:end]
+                positions[r, :, start:end] = build_position_ids(ids, bos_token_id=bos_token_id,
+                                                                gmask_token_id=gmask_token_id, mask_token_id=mask_token_id)[0]
+                blocked[r, :, start:end, start:end] = build_attention_mask(ids, bos_token_id=bos_token_id)[0]
+            start = end
     return positions, blocked
 
 
