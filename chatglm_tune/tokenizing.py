@@ -1,11 +1,13 @@
 """What the tokenizers of every model family share: the pair layout (`pair_inputs`) and the special-tokens
 mask read off it, the left-padding rule, where `save_vocabulary` writes, training and saving a small
-SentencePiece model, and reading what a SentencePiece model is (its model type, its dummy prefix).
+SentencePiece model, the text a small tokenizer may learn word pieces of (`word_runs`), and reading what a
+SentencePiece model is (its model type, its dummy prefix).
 """
 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -46,20 +48,38 @@ def save_sentencepiece(sp_model, save_directory: str, filename_prefix: str | Non
     return (str(path),)
 
 
-def train_sentencepiece(sentences: Iterable[str], output_dir: str | Path, file_name: str, **options) -> Path:
-    """Train a small SentencePiece unigram model on `sentences` and write it as `output_dir / file_name`
-    (the folder made if need be); returns that path. What every small tokenizer trained here shares: every
-    character of the corpus may get a piece (the vocabulary size is a soft limit), others fall back to
-    bytes, digits are split, one thread (deterministic), quiet. `options`: the trainer's other settings."""
+def train_sentencepiece(sentences: Iterable[str], output_dir: str | Path, file_name: str, *,
+                        model_type: str = "unigram", **options) -> Path:
+    """Train a small SentencePiece model (`model_type` "unigram" or "bpe") on `sentences` and write it as
+    `output_dir / file_name` (the folder made if need be); returns that path. What every small tokenizer
+    trained here shares: every character of the corpus may get a piece (the vocabulary size is a soft
+    limit), others fall back to bytes, digits are split, one thread (deterministic), quiet. `options`: the
+    trainer's other settings."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, model_type="unigram", hard_vocab_limit=False,
+        sentence_iterator=iter(sentences), model_writer=model, model_type=model_type, hard_vocab_limit=False,
         character_coverage=1.0, byte_fallback=True, split_digits=True, num_threads=1, minloglevel=2, **options,
     )
     path = Path(output_dir) / file_name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(model.getvalue())
     return path
+
+
+# Characters a small tokenizer keeps one a token: CJK (ideographs, their punctuation, full-width forms) and
+# digits. A name or a number in a text and in an answer are then the same tokens, which a tiny model copies.
+_SINGLE = re.compile(r"([\u2e80-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]|\d)")
+
+
+def word_runs(texts: Iterable[str]) -> list[str]:
+    """The runs of `texts` between the characters kept single (CJK and digits): what a small tokenizer
+    learns word pieces of (Latin words, runs of spaces, JSON punctuation: a tool definition)."""
+    return [run for text in texts for run in _SINGLE.split(text) if run and not _SINGLE.fullmatch(run)]
+
+
+def keeps_single(text: str) -> bool:
+    """True when `text` holds a character that a small tokenizer keeps one a token (`word_runs`)."""
+    return _SINGLE.search(text) is not None
 
 
 def adds_dummy_prefix(sp) -> bool:

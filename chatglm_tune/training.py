@@ -76,9 +76,10 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
                **config_overrides):
-    """A character-level tokenizer trained on the prompt, `extra_texts` and the training texts and answers (a
-    conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the preset's
-    version (with `config_overrides`) for it."""
+    """A small tokenizer (every character; the GLM versions' also word pieces of the text outside CJK and
+    digits, `TINY_WORD_PIECES`) trained on the prompt, `extra_texts` and the training texts and answers (a
+    conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the
+    preset's version (with `config_overrides`) for it."""
     corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
     turns = [turn for r in train_records if r.dialogue for turn in r.dialogue.turns]
     corpus += [turn.metadata + turn.content for turn in turns]
@@ -414,8 +415,8 @@ def _save_state(accelerator, output_dir, progress) -> None:
 
 
 def is_better(f1: float, loss: float, best_f1: float | None, best_loss: float | None) -> bool:
-    """A checkpoint beats the best so far on its dev score (micro-F1; ROUGE-L for free-text answers), a tie (all 0.0
-    early on, say) on lower dev loss."""
+    """A checkpoint beats the best so far on its dev score (micro-F1; the tool-call exact match of a dev set of
+    calls; ROUGE-L for free-text answers), a tie (all 0.0 early on, say) on lower dev loss."""
     return best_f1 is None or f1 > best_f1 or (f1 == best_f1 and loss < best_loss)
 
 

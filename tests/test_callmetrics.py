@@ -60,6 +60,9 @@ def test_exact_match_needs_the_right_tool_and_equal_arguments(tmp_path):
     assert score_calls([None], records[-1:]) is None  # no gold call: nothing to score
     both = score_answers(["a"] * 5, records, predicted)
     assert both["tool_calls"] == scores and "rouge-l" in both
+    assert both["score"] == both["rouge-l"] / 100  # a text answer among the calls: the best checkpoint by ROUGE-L
+    calls_only = score_answers(["a"] * 4, records[:4], predicted[:4])
+    assert calls_only["score"] == calls_only["tool_calls"]["exact_match"] == 0.5  # every gold answer a call
     assert score_answers(["a"] * 5, records)["tool_calls"]["text_for_call"] == 4  # no calls read: all text
 
 

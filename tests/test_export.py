@@ -505,7 +505,7 @@ def test_an_hf_directory_loads_in_plain_transformers(runs, models, loaded_elsewh
 
 
 def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():
-    """The real ChatGLM2/3 tokenizer.model is a SentencePiece BPE (the tiny ones are unigram)."""
+    """The real ChatGLM2/3 tokenizer.model is a SentencePiece BPE, as the tiny ones are."""
     real = ROOT.parent / "shared" / "assets" / "chatglm3" / "tokenizer.model"
     if not real.is_file():
         pytest.skip("the real ChatGLM3 tokenizer.model is not in this checkout")

@@ -143,3 +143,20 @@ def test_a_tiny_glm4_run_quantizes_to_int4_and_infers(runs4, tmp_path):
     model, tokenizer = loading.load_run(loading.resolve_run(out))
     assert model.config.quantization_bit == 4 and isinstance(tokenizer, GLM4Tokenizer)
     assert_infers(out, runs4 / "data.jsonl", tmp_path / "q.jsonl", min_f1=0.85, run=in_process)
+
+
+# A tool definition as a system prompt holds it: Latin words, runs of spaces, JSON punctuation.
+TOOL_JSON = json.dumps([{"name": "get_weather", "description": "查天气", "parameters": {"city": "城市"}}], indent=4,
+                       ensure_ascii=False)
+
+
+def test_word_pieces_shorten_the_json_and_keep_chinese_and_digits_single(tmp_path):
+    corpus = [TOOL_JSON, "北京今天天气怎么样？把2500元换成美元。"] * 20
+    plain = train_glm4_bpe(corpus, tmp_path / "plain")
+    pieces = train_glm4_bpe(corpus, tmp_path / "pieces", word_pieces=64)
+    assert len(plain.encode_text(TOOL_JSON)) == len(TOOL_JSON)
+    assert len(pieces.encode_text(TOOL_JSON)) < len(TOOL_JSON) / 3
+    for text in ("北京今天天气怎么样？", "2500", "城市"):
+        assert len(pieces.encode_text(text)) == len(text), text
+    ranks = read_tiktoken_ranks(tmp_path / "pieces" / "tokenizer.model")
+    assert pieces.encode_text(TOOL_JSON) == _tiktoken_reference(TOOL_JSON, ranks)

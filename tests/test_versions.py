@@ -67,6 +67,20 @@ def test_prompts_equal_the_official_chat_prompts(version):
     assert checked >= (3 if version == "chatglm2" else 1)
 
 
+def test_the_tiny_sentencepiece_learns_word_pieces_but_keeps_chinese_and_digits_single(tmp_path):
+    """A tool definition's JSON (Latin words, runs of spaces) reads in word pieces of a SentencePiece BPE, as
+    the real ChatGLM3 model's; Chinese and numbers stay a character a token."""
+    from chatglm_tune.tokenizing import sentencepiece_model_type
+
+    tool = json.dumps([{"name": "get_weather", "parameters": {"city": "城市"}}], indent=4, ensure_ascii=False)
+    tokenizer = train_glm_sentencepiece([tool, "北京今天天气怎么样？把2500元换成美元。"] * 20, tmp_path, version="chatglm3")
+    assert sentencepiece_model_type(tokenizer.sp_model) == "bpe"
+    assert len(tokenizer.encode_text(tool)) < len(tool) / 3
+    for text in ("北京今天天气怎么样？", "2500", "城市"):
+        pieces = [tokenizer.decode([i]) for i in tokenizer.encode_text(text)]
+        assert [p for p in pieces if p] == list(text), text  # after the dummy prefix "▁", which decodes to ""
+
+
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
     texts = [json.loads(line)["text"] for line in DEV.read_text(encoding="utf-8").splitlines()[:40]]

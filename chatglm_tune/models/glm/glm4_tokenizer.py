@@ -46,7 +46,7 @@ from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
-from chatglm_tune.tokenizing import require_left_padding, vocabulary_path
+from chatglm_tune.tokenizing import require_left_padding, vocabulary_path, word_runs
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"
@@ -376,7 +376,7 @@ def glm4_config_kwargs(directory: Path) -> dict:
 
 
 # ----- a small GLM-4 tokenizer, trained here ------------------------------------------------------
-def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4_VOCAB,
+def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4_VOCAB, word_pieces: int = 0,
                    specials: tuple[str, ...] = OFFICIAL_SPECIALS) -> GLM4Tokenizer:
     """A small byte-level BPE of `texts` in GLM-4's layout, written to `output_dir` as a real GLM-4
     directory holds it (`tokenizer.model` ranks, tokenizer_config.json with the official special tokens at
@@ -384,12 +384,13 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
     from-scratch GLM-4 (the real 151329 ranks are not needed to learn a small task).
 
     `vocab_size` counts ranks; every byte and every character of `texts` is one token whatever it says,
-    so a corpus of many characters gets more (see `bpe_ranks`). `specials`: the special tokens after the ranks."""
+    so a corpus of many characters gets more (see `bpe_ranks`); `word_pieces` more ranks of text outside CJK
+    and digits (`tokenizing.word_runs`). `specials`: the special tokens after the ranks."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size must be >= 256 (every byte is a rank), got {vocab_size}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    ranks = bpe_ranks([t for t in texts if t], vocab_size)
+    ranks = bpe_ranks([t for t in texts if t], vocab_size, word_pieces)
     with open(output_dir / TIKTOKEN_FILE, "wb") as f:
         f.writelines(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate(ranks))
     config = glm4_tokenizer_config(len(ranks), specials)
@@ -422,13 +423,15 @@ RELEASED_CHAT_TEMPLATES = {
 RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
 
 
-def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB) -> GLM4Tokenizer:
+def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB,
+                       word_pieces: int = 0) -> GLM4Tokenizer:
     """A small byte-level BPE of `texts` (`train_glm4_bpe`) written as GLM-4-0414 and GLM-Edge are released: a
     `tokenizer.json` with the special tokens, tokenizer_config.json for transformers' `PreTrainedTokenizerFast`
     with the version's chat template (`RELEASED_CHAT_TEMPLATES`); no rank file."""
     output_dir = Path(output_dir)
     specials = RELEASED_SPECIALS.get(version, OFFICIAL_SPECIALS)
-    train_glm4_bpe(texts, output_dir, vocab_size=vocab_size, specials=specials).save_vocabulary(str(output_dir))
+    train_glm4_bpe(texts, output_dir, vocab_size=vocab_size, word_pieces=word_pieces,
+                   specials=specials).save_vocabulary(str(output_dir))
     (output_dir / TIKTOKEN_FILE).unlink()
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
               "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
@@ -437,11 +440,13 @@ def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_siz
     return load_glm4_tokenizer(output_dir, version)
 
 
-def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:
+def bpe_ranks(texts: list[str], vocab_size: int, word_pieces: int = 0) -> list[bytes]:
     """The tokens of a byte-level BPE of `texts`, lowest rank first, as tiktoken reads them (the lowest-rank
     adjacent pair merges first): the 256 bytes; then every multi-byte character of `texts`, most frequent
     first, through its byte prefixes (UTF-8 `e6 95 85` as `e6 95`, then `e6 95 85`); then the whole-character
-    tokens that `tokenizers`' BPE trainer learns, in its order, up to `vocab_size` ranks.
+    tokens that `tokenizers`' BPE trainer learns, in its order: up to `word_pieces` of them made of text
+    outside CJK and digits (`tokenizing.word_runs`: Latin words, runs of spaces, JSON punctuation), and any
+    others up to `vocab_size` ranks.
 
     Ranked before every longer token, characters always form first, so each character of the corpus
     is one token (the trainer alone learns byte pairs across characters too: those are left out, as
@@ -459,14 +464,23 @@ def bpe_ranks(texts: list[str], vocab_size: int) -> list[bytes]:
         data = char.encode("utf-8")
         for end in range(2, len(data) + 1):
             add(data[:end])
-    if len(ranks) >= vocab_size:  # the characters fill the size (the tiny preset): no merges to learn
-        return ranks
-    for token in _trained_tokens(texts, vocab_size + len(ranks)):
-        if len(ranks) >= vocab_size:
-            break
-        if _is_text(token) and any(token[:i] in known and token[i:] in known for i in range(1, len(token))):
-            add(token)
+    if word_pieces:
+        _extend(ranks, known, _trained_tokens(word_runs(texts), 256 + 2 * word_pieces), len(ranks) + word_pieces)
+    if len(ranks) < vocab_size:
+        _extend(ranks, known, _trained_tokens(texts, vocab_size + len(ranks)), vocab_size)
     return ranks
+
+
+def _extend(ranks: list[bytes], known: set[bytes], tokens: list[bytes], size: int) -> None:
+    """Append to `ranks` (and `known`) each of `tokens`, in order, that is whole characters and splits into
+    two known tokens, until there are `size` ranks."""
+    for token in tokens:
+        if len(ranks) >= size:
+            return
+        if token not in known and _is_text(token) and any(token[:i] in known and token[i:] in known
+                                                          for i in range(1, len(token))):
+            known.add(token)
+            ranks.append(token)
 
 
 def _trained_tokens(texts: list[str], vocab_size: int) -> list[bytes]:

@@ -33,7 +33,8 @@ from transformers.utils import PaddingStrategy
 
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3
 from chatglm_tune.models.glm.tokenizer import GLMFamilyTokenizer, GLM_SPECIALS, ROLES, ROLE_SPECIALS, left_pad
-from chatglm_tune.tokenizing import require_left_padding, save_sentencepiece, train_sentencepiece
+from chatglm_tune.options import TINY_WORD_PIECES
+from chatglm_tune.tokenizing import keeps_single, require_left_padding, save_sentencepiece, train_sentencepiece, word_runs
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 
@@ -177,13 +178,20 @@ class ChatGLM3Tokenizer(_SentencePieceGLMTokenizer):
 SENTENCEPIECE_CLASSES = {"chatglm2": ChatGLM2Tokenizer, "chatglm3": ChatGLM3Tokenizer}
 
 
-def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "chatglm3", vocab_size: int = 4000):
-    """A small character-level SentencePiece model of `texts` in the official layout (unk 0, <s> 1,
-    </s> 2, byte fallback), written with its tokenizer files to `output_dir`: the tokenizer of a tiny
-    from-scratch ChatGLM2/3 (the real 64789-piece model is not needed to learn a small task)."""
+def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "chatglm3",
+                            word_pieces: int = TINY_WORD_PIECES):
+    """A small SentencePiece BPE model of `texts` in the official layout (unk 0, <s> 1, </s> 2, byte
+    fallback), written with its tokenizer files to `output_dir`: the tokenizer of a tiny from-scratch
+    ChatGLM2/3 (the real 64789-piece model is not needed to learn a small task). Every character of `texts`
+    is a piece; up to `word_pieces` merges are learnt of the text outside CJK and digits (`word_runs`), so
+    a Chinese word or a number is its characters wherever it stands."""
+    texts = list(texts)
+    singles = sorted({char for text in texts for char in text if keeps_single(char)})
+    characters = len({char for text in texts for char in text})
     path = train_sentencepiece(
-        texts, output_dir, SENTENCEPIECE_FILE, vocab_size=vocab_size, max_sentencepiece_length=1,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        word_runs(texts) or [" "], output_dir, SENTENCEPIECE_FILE, model_type="bpe", required_chars="".join(singles),
+        vocab_size=3 + 256 + characters + word_pieces, max_sentencepiece_length=16, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1,
         # newlines and runs of spaces are data (an answer has one triple a line), as in the real model
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
     )

@@ -19,7 +19,7 @@ from chatglm_tune.models.glm.config import (LATENT_LORA_TARGETS, LATENT_QUANTIZA
                                             mismatch_hint)
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM_EDGE
 from chatglm_tune.models.version import Version
-from chatglm_tune.options import TINY_CONTEXT
+from chatglm_tune.options import TINY_CONTEXT, TINY_WORD_PIECES
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class GLMVersion(Version):
         return SENTENCEPIECE_CLASSES[self.name].from_pretrained(str(directory), **kwargs)
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
-        """A character-level SentencePiece model of `corpus` (`train_glm_sentencepiece`)."""
+        """A small SentencePiece BPE of `corpus`: its characters and word pieces (`train_glm_sentencepiece`)."""
         from chatglm_tune.models.glm.sp_tokenizer import train_glm_sentencepiece
 
         train_glm_sentencepiece(corpus, directory, version=self.name)
@@ -87,10 +87,11 @@ class GLM4Version(GLMVersion):
         return load_glm4_tokenizer(_directory(directory), self.name, **kwargs)
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
-        """A byte-level BPE rank file of `corpus` and the chat template's tool prompt (`train_glm4_bpe`)."""
+        """A byte-level BPE rank file of `corpus` and the chat template's tool prompt: its characters and word
+        pieces (`train_glm4_bpe`)."""
         from chatglm_tune.models.glm.glm4_tokenizer import TOOL_PROMPT_TEXT, train_glm4_bpe
 
-        train_glm4_bpe([*corpus, TOOL_PROMPT_TEXT], directory)
+        train_glm4_bpe([*corpus, TOOL_PROMPT_TEXT], directory, word_pieces=TINY_WORD_PIECES)
 
     def config_eos(self, tokenizer):
         """GLM-4's config says it as the official one does: its eos ids are its stop ids."""
@@ -126,11 +127,11 @@ class ReleasedFormVersion(GLM4Version):
         return TINY_FIELDS[self.name]
 
     def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
-        """A byte-level BPE of `corpus` in a `tokenizer.json`, with the version's chat template
-        (`train_released_bpe`)."""
+        """A byte-level BPE of `corpus` (its characters and word pieces) in a `tokenizer.json`, with the
+        version's chat template (`train_released_bpe`)."""
         from chatglm_tune.models.glm.glm4_tokenizer import train_released_bpe
 
-        train_released_bpe(corpus, directory, self.name)
+        train_released_bpe(corpus, directory, self.name, word_pieces=TINY_WORD_PIECES)
 
     def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): 2 layers of this
