@@ -236,7 +236,7 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
         if not args.resume:
             rundir.discard_unrecorded(args.output_dir)
         return fail(e)
-    score = "n/a" if summary["best_f1"] is None else format_score(summary["best_f1"], any(r.response is not None for r in dev_records))
+    score = "n/a" if summary["best_f1"] is None else format_score(summary["best_f1"], dev_records)
     print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {score}, model in {args.output_dir}")
     return 0
 

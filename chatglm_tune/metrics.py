@@ -188,10 +188,18 @@ def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence |
     return {**scores, "score": None if scores["micro"] is None else scores["micro"]["f1"]}
 
 
-def format_score(score: float, free_text: bool) -> str:
-    """A best-checkpoint `score` as the evaluations print it: `rouge-l 45.8712` for free-text answers (the
-    score is ROUGE-L / 100), `micro F1 0.9760` for triples."""
-    return f"rouge-l {score * 100:.4f}" if free_text else f"micro F1 {score:.4f}"
+def format_score(score: float, records: Sequence) -> str:
+    """A best-checkpoint `score` of dev `records` as the evaluations print it (`score_answers`): `micro F1
+    0.9760` for triples, `tool-call exact match 0.9600` where every gold answer is a call, else `rouge-l
+    45.8712` (the score is ROUGE-L / 100)."""
+    answered = [r for r in records if r.response is not None]
+    if not answered:
+        return f"micro F1 {score:.4f}"
+    from chatglm_tune.callmetrics import gold_call
+
+    if all(gold_call(r) is not None for r in answered):
+        return f"tool-call exact match {score:.4f}"
+    return f"rouge-l {score * 100:.4f}"
 
 
 def describe_scores(scores: dict) -> str:

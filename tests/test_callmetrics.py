@@ -11,7 +11,7 @@ import pytest
 from chatglm_tune.callmetrics import score_calls
 from chatglm_tune.dialogues import ToolCall
 from chatglm_tune.extraction import format_summary, make_row, summarize
-from chatglm_tune.metrics import score_answers
+from chatglm_tune.metrics import format_score, score_answers
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.records import read_records
@@ -63,6 +63,8 @@ def test_exact_match_needs_the_right_tool_and_equal_arguments(tmp_path):
     assert both["score"] == both["rouge-l"] / 100  # a text answer among the calls: the best checkpoint by ROUGE-L
     calls_only = score_answers(["a"] * 4, records[:4], predicted[:4])
     assert calls_only["score"] == calls_only["tool_calls"]["exact_match"] == 0.5  # every gold answer a call
+    assert format_score(calls_only["score"], records[:4]) == "tool-call exact match 0.5000"  # train.py's last line
+    assert format_score(both["score"], records).startswith("rouge-l ")
     assert score_answers(["a"] * 5, records)["tool_calls"]["text_for_call"] == 4  # no calls read: all text
 
 
