@@ -167,7 +167,8 @@ def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence |
     """
     if len(generated) != len(records):
         raise ValueError(f"{len(generated)} generations for {len(records)} records")
-    if any(r.response is not None for r in records):
+    kind = score_kind(records)
+    if kind != "triples":
         from chatglm_tune.callmetrics import score_calls
         from chatglm_tune.textmetrics import GenerationScorer
 
@@ -177,9 +178,8 @@ def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence |
             scorer.add(prediction, reference)
         result = scorer.result()
         tool_calls = score_calls(calls if calls is not None else [None] * len(records), records)
-        all_calls = tool_calls is not None and tool_calls["calls"] == len(pairs)
         return {**result, "records": len(records), "scored_records": len(pairs),
-                "score": tool_calls["exact_match"] if all_calls else result["rouge-l"] / 100,
+                "score": tool_calls["exact_match"] if kind == "calls" else result["rouge-l"] / 100,
                 **({"tool_calls": tool_calls} if tool_calls is not None else {})}
     scorer = SPOScorer()
     for text, record in zip(generated, records):
@@ -188,18 +188,25 @@ def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence |
     return {**scores, "score": None if scores["micro"] is None else scores["micro"]["f1"]}
 
 
-def format_score(score: float, records: Sequence) -> str:
-    """A best-checkpoint `score` of dev `records` as the evaluations print it (`score_answers`): `micro F1
-    0.9760` for triples, `tool-call exact match 0.9600` where every gold answer is a call, else `rouge-l
-    45.8712` (the score is ROUGE-L / 100)."""
+def score_kind(records: Sequence) -> str:
+    """What a run's `score` over `records` is (`score_answers`): "triples" (micro F1) for SPO records, "calls"
+    (the tool-call exact match) where every record with a free-text `response` has a call as its gold answer,
+    else "text" (ROUGE-L / 100)."""
     answered = [r for r in records if r.response is not None]
     if not answered:
-        return f"micro F1 {score:.4f}"
+        return "triples"
     from chatglm_tune.callmetrics import gold_call
 
-    if all(gold_call(r) is not None for r in answered):
-        return f"tool-call exact match {score:.4f}"
-    return f"rouge-l {score * 100:.4f}"
+    return "calls" if all(gold_call(r) is not None for r in answered) else "text"
+
+
+def format_score(score: float, records: Sequence) -> str:
+    """A best-checkpoint `score` of dev `records` as the evaluations print it: `micro F1 0.9760` for triples,
+    `tool-call exact match 0.9600` for a dev set of calls, else `rouge-l 45.8712` (`score_kind`)."""
+    kind = score_kind(records)
+    if kind == "triples":
+        return f"micro F1 {score:.4f}"
+    return f"tool-call exact match {score:.4f}" if kind == "calls" else f"rouge-l {score * 100:.4f}"
 
 
 def describe_scores(scores: dict) -> str:

@@ -286,9 +286,10 @@ def tiny_demo(preset: str) -> dict:
 
 # tiny-glm4's tokenizer: ranks of a byte-level BPE trained on the corpus (bytes, every character, then
 # merges up to this many ranks), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`). 256: no
-# merges past the characters (the vocabulary grows to hold each one), so a word in the text and in an
-# answer are the same tokens: the demo's dev F1 0.881 at 3200 steps, against 0.735 with 2000 ranks (AVX2 EPYC);
-# 0.907 on an AVX-512 Xeon (one thread, 240 s of training).
+# merges past the characters (the vocabulary grows to hold each one) but TINY_WORD_PIECES' below, which hold
+# no CJK character or digit, so a word in the text and in an answer are the same tokens: the demo's dev F1
+# 0.881 at 3200 steps, against 0.735 with 2000 ranks (AVX2 EPYC); 0.907 on an AVX-512 Xeon (one thread, 240 s
+# of training).
 TINY_CONTEXT = 512  # tokens of a tiny model's context at least (a run's max_len when longer)
 TINY_GLM4_VOCAB = 256
 # Word pieces a tiny GLM tokenizer learns past its characters, of text outside CJK and digits only (Latin

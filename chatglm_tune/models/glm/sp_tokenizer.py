@@ -186,11 +186,12 @@ def train_glm_sentencepiece(texts, output_dir: str | Path, *, version: str = "ch
     is a piece; up to `word_pieces` merges are learnt of the text outside CJK and digits (`word_runs`), so
     a Chinese word or a number is its characters wherever it stands."""
     texts = list(texts)
-    singles = sorted({char for text in texts for char in text if keeps_single(char)})
-    characters = len({char for text in texts for char in text})
+    characters = {char for text in texts for char in text}
+    singles = "".join(sorted(char for char in characters if keeps_single(char)))
     path = train_sentencepiece(
-        word_runs(texts) or [" "], output_dir, SENTENCEPIECE_FILE, model_type="bpe", required_chars="".join(singles),
-        vocab_size=3 + 256 + characters + word_pieces, max_sentencepiece_length=16, unk_id=0, bos_id=1, eos_id=2,
+        word_runs(texts) or [" "],  # a corpus of CJK and digits alone: no run to learn from, only its characters
+        output_dir, SENTENCEPIECE_FILE, model_type="bpe", required_chars=singles,
+        vocab_size=3 + 256 + len(characters) + word_pieces, max_sentencepiece_length=16, unk_id=0, bos_id=1, eos_id=2,
         pad_id=-1,
         # newlines and runs of spaces are data (an answer has one triple a line), as in the real model
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
