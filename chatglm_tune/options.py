@@ -177,6 +177,7 @@ class TrainOptions:
     log_every: int = 10
     tensorboard: bool = False
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    tiny_layers: int | None = None  # decoder layers of a tiny model built from scratch; None = its preset's
 
     def __post_init__(self):
         problems = []
@@ -190,7 +191,8 @@ class TrainOptions:
             problems.append("full fine-tuning cannot update INT8/INT4 weights: use ptuning or lora on a quantized base")
         if self.quantize_embedding and self.tuning == "full":
             problems.append("full fine-tuning trains the embedding: quantize_embedding is for ptuning or lora")
-        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every", "eval_every"):
+        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every", "eval_every",
+                     "tiny_layers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.compile is not None and not self.compile.strip():

@@ -118,7 +118,8 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
         if options.tuning != "full":
             raise ValueError(f"--model {model_arg} starts from random weights: train it with --tuning full first, "
                              "then P-tune or LoRA-tune the result with --model <that run>")
-        model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg)
+        depth = {registry.VERSIONS[TINY_PRESETS[model_arg]].layers_field: options.tiny_layers} if options.tiny_layers else {}
+        model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg, **depth)
     else:
         version = registry.of_directory(rundir.require_model_dir(model_arg))
         tokenizer = version.load_tokenizer(model_arg)

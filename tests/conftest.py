@@ -1,10 +1,12 @@
-"""Shared test fixtures: the golden checkpoints of the official implementation.
+"""Shared test fixtures: the golden checkpoints of the official implementation, one thread a test, and how many
+worker processes the suite runs on.
 
 `model-small-vocab` ships in tests/fixtures (always tested); `model-tiny` (38 MB) is read from the
 `shared/` folder beside the checkout when it is there, and its tests skip cleanly when it is not.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,17 @@ GOLDEN_DIRS = {
     "small-vocab": FIXTURES / "model-small-vocab",
     "tiny": SHARED / "golden" / "model-tiny",
 }
+
+
+MAX_WORKERS = 4  # the longest file alone takes about a quarter of the suite on one core: more workers wait on it
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (the default, pyproject.toml): a worker process a core this process may run on, up to MAX_WORKERS.
+    The tests run their models on one thread each (`one_thread`), so the workers share the cores without
+    oversubscribing them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -145,6 +145,25 @@ def test_a_cancelled_request_leaves_and_the_others_go_on(tiny):
     assert [recorders[0].tokens, recorders[2].tokens] == [alone[0], alone[2]]
 
 
+def test_a_request_being_prefilled_is_unfinished_though_the_engine_looks_idle(tiny):
+    """During a prefill the request is out of the queue and not yet in the batch: `idle` says so, `unfinished`
+    (what serve.py's shutdown waits on) still counts it, until its on_finish has run."""
+    model, tokenizer = tiny
+    seen = []
+    hook = model.register_forward_pre_hook(lambda module, inputs: seen.append((engine.idle, engine.unfinished)))
+    try:
+        engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer))
+        recorder = Recorder()
+        engine.submit(recorder.request(prompts_of(tokenizer, 1)[0], 3, stop_ids=[-1]))
+        assert engine.unfinished == 1 and not engine.idle
+        while recorder.finish is None:
+            engine.step()
+    finally:
+        hook.remove()
+    assert seen[0] == (True, 1)  # the prefill's forward
+    assert engine.unfinished == 0 and recorder.finish == FINISH_LENGTH
+
+
 def test_the_queue_holds_max_queue_beyond_a_full_batch(tiny):
     model, tokenizer = tiny
     prompt = prompts_of(tokenizer, 1)[0]
@@ -154,6 +173,7 @@ def test_the_queue_holds_max_queue_beyond_a_full_batch(tiny):
         engine.submit(Recorder().request(prompt, 5))
     with pytest.raises(QueueFull):
         engine.submit(Recorder().request(prompt, 5))
+    assert engine.unfinished == 3  # the refused one is not counted
     engine.step()  # two admitted: one waits
     assert (engine.running, engine.waiting) == (2, 1)
     with pytest.raises(QueueFull):

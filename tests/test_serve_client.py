@@ -323,11 +323,12 @@ def test_sigterm_refuses_newcomers_with_503_and_ends_open_streams_cleanly(models
         server.send_signal(signal.SIGTERM)
         events = events_of(stream, [first])
         server.wait(HANG_S)
-    assert events[-1] == "[DONE]", events[-3:]
+    output = log.read_text(errors="replace")
+    assert events[-1] == "[DONE]", (events[-3:], output[-3000:])
     assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
     assert all("error" not in json.loads(e) for e in events[:-2])
-    output = log.read_text(errors="replace")
     assert "Traceback" not in output, output[-3000:]
+    assert "shutting down: no new requests" in output and "the shutdown grace ran out" in output, output[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,6 +69,44 @@ def test_build_tiny_covers_extra_texts_and_takes_config_overrides(records, tmp_p
     assert (plain_model.config.num_layers, model.config.num_layers) == (3, 4)
 
 
+def test_tiny_layers_sets_the_depth_of_a_preset_and_is_refused_for_a_model_directory(records, base_dir, train_file,
+                                                                                    tmp_path, capsys):
+    """--tiny-layers reaches each family's own config field (the official num_layers of ChatGLM-6B and ChatGLM2/3,
+    transformers' num_hidden_layers of the released forms) and the model built; with a model directory it would be
+    ignored, so it is refused."""
+    from chatglm_tune.training import prepare_model
+
+    for preset, layers in (("tiny", 1), ("tiny-chatglm3", 3), ("tiny-glm4-moe", 3)):
+        options = TrainOptions(tuning="full", tiny_layers=layers)
+        model, _ = prepare_model(preset, records[:8], tmp_path / preset, options)
+        depth = model.config.num_layers if preset == "tiny" else model.config.num_hidden_layers
+        blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+        assert depth == layers and blocks, preset
+    assert train_cli.main(["--model", str(base_dir), "--tuning", "lora", "--train-file", str(train_file), "--output-dir",
+                           str(tmp_path / "refused"), "--tiny-layers", "3"]) == 2
+    assert "--tiny-layers applies only to a tiny preset" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tiny_layers must be >= 1"):
+        TrainOptions(tuning="full", tiny_layers=0)
+
+
+def test_a_run_that_breaks_before_it_records_itself_leaves_its_directory_empty(records, train_file, tmp_path,
+                                                                              monkeypatch):
+    """An error train.py does not expect (here DeepSpeed's assertion on a batch size, as several CPU processes
+    under a DeepSpeed config raise it) still takes back the tiny model's tokenizer it wrote, so the same command
+    runs again; the error itself goes on up."""
+    from chatglm_tune import training
+
+    def broken(*args, **kwargs):
+        raise AssertionError("Check batch related parameters")
+
+    monkeypatch.setattr(training, "train", broken)
+    out = tmp_path / "run"
+    with pytest.raises(AssertionError, match="batch related"):
+        train_cli.main(["--model", "tiny-chatglm3", "--tuning", "full", "--train-file", str(train_file),
+                        "--output-dir", str(out), "--max-steps", "1"])
+    assert out.is_dir() and not any(out.iterdir())
+
+
 def test_a_tiny_models_context_covers_the_rows_it_trains_on(records, tmp_path):
     """A run of rows longer than the tiny preset's 512 tokens gets a model whose config says so (serve.py and the
     chat keep prompts within it); shorter runs keep 512."""

@@ -77,6 +77,8 @@ class Engine:
         # the mask and attend causally): None until the first prompt over the prefill budget asks
         self._prompts_attend_both_ways: bool | None = None
         self._thread: threading.Thread | None = None
+        self._unfinished = 0  # submitted requests whose on_finish has not run (`unfinished`)
+        self._count_lock = threading.Lock()
         self.steps = 0  # decoding steps run (a step is one forward of the running batch)
 
     # ------------------------------------------------------------------------------------------
@@ -85,7 +87,21 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue `request`; QueueFull when the batch is full and `max_queue` requests wait beyond it already,
         EngineClosed while shutting down."""
-        self.scheduler.submit(request, running=self.running, room=self._room())
+        finish = request.on_finish
+
+        def finished(reason: str, error: str | None) -> None:
+            with self._count_lock:
+                self._unfinished -= 1
+            finish(reason, error)
+
+        with self._count_lock:  # counted before the engine's thread can finish it
+            request.on_finish = finished
+            try:
+                self.scheduler.submit(request, running=self.running, room=self._room())
+            except Exception:
+                request.on_finish = finish
+                raise
+            self._unfinished += 1
 
     def cancel(self, request: Request) -> None:
         """Drop `request` at the next step (its slot is free for the next newcomer); it finishes FINISH_CANCELLED
@@ -97,6 +113,12 @@ class Engine:
     def idle(self) -> bool:
         """Nothing waits, runs or is being prefilled."""
         return not len(self.scheduler) and not self._rows and self._partial is None
+
+    @property
+    def unfinished(self) -> int:
+        """Requests submitted whose end has not been handed back yet. Unlike `idle`, exact from any thread: a
+        request being prefilled is out of the queue and not yet in the batch (its first token already sent)."""
+        return self._unfinished
 
     @property
     def running(self) -> int:

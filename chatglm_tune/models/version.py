@@ -32,6 +32,7 @@ class Version:
     # export.py --format hf: a class of transformers' own (plain transformers and vLLM load it), else the
     # official layout, which this toolkit and the official remote code load.
     hf_native: bool = True
+    layers_field: str = "num_layers"  # the config field of its number of decoder layers (a tiny model's depth)
 
     @property
     def name(self) -> str:

@@ -30,7 +30,9 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, service, grace: float):
         config.timeout_graceful_shutdown = FLUSH_S
-        super().__init__(config)
+        super().__init__(config)  # uvicorn's loggers are configured by now
+        log.setLevel(logging.INFO)  # the drain's messages and the app's errors beside uvicorn's own, in its format
+        log.handlers, log.propagate = logging.getLogger("uvicorn").handlers, False
         self.service, self.grace = service, grace
         self.signals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -63,9 +65,9 @@ class DrainingServer(uvicorn.Server):
         service.stopping = True
         log.info("shutting down: no new requests; running ones get %.0f s (a second signal ends that at once)",
                  self.grace)
-        while not service.engine.idle and self._loop.time() < self._deadline:
+        while service.engine.unfinished and self._loop.time() < self._deadline:
             await asyncio.sleep(_POLL_S)
-        if not service.engine.idle:
+        if service.engine.unfinished:
             log.info("the shutdown grace ran out: ending the running requests")
         await asyncio.to_thread(service.engine.close)  # what still decodes ends with FINISH_CANCELLED: a 503
         super().handle_exit(sig, frame)

@@ -122,6 +122,8 @@ class ReleasedFormVersion(GLM4Version):
     config.json, a `tokenizer.json` with the chat template), which the toolkit reads and writes as it is
     (`config.TRANSFORMERS_FORMS`)."""
 
+    layers_field: str = "num_hidden_layers"
+
     @property
     def tiny_fields(self) -> dict:
         return TINY_FIELDS[self.name]
