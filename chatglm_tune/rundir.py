@@ -144,8 +144,9 @@ def discard_unrecorded(output_dir: Path) -> None:
 
 
 def _empty(directory: Path) -> None:
+    """Every entry of `directory` removed; one gone meanwhile (another process of the run emptying it) is fine."""
     for entry in directory.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def publish(write, directory: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import replace
 from functools import partial
@@ -64,6 +65,18 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a non-finite loss); the last good checkpoint stays in place."""
+
+
+def _check_launch(accelerator) -> None:
+    """TrainingError where `accelerate launch` started several processes that accelerate does not join into one
+    run: DeepSpeed on CPUs, for which it has no backend (DeepSpeed then sees every rank and accelerate one, and
+    fails on the batch size); each process would otherwise train alone."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:
+        raise TrainingError(f"{launched} processes were launched, but accelerate runs each alone "
+                            f"({accelerator.distributed_type.value} on {accelerator.device.type}): DeepSpeed on CPUs "
+                            "runs in one process (--num_processes 1); several CPU processes train with --cpu "
+                            "(DDP over gloo, e.g. configs/ddp.yaml)")
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -181,6 +194,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
         mixed_precision=options.mixed_precision, gradient_accumulation_steps=options.accumulation,
         log_with="tensorboard" if options.tensorboard else None, project_dir=str(output_dir),
     )
+    _check_launch(accelerator)
     set_seed(options.seed)
     dataset = EncodedDataset.from_records(train_records, tokenizer, options.encoding)
     loader = _train_loader(dataset, SpecialIds.of(tokenizer), options)

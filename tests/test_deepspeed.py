@@ -5,7 +5,8 @@ ChatGLM3: each run's losses and saved weights equal a plain train.py run's, and 
 On a CPU, accelerate runs DeepSpeed in one process: with no GPU it gives several processes no backend (DeepSpeed
 then sees 2 ranks and accelerate 1: "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step *
 world_size"), and its --cpu path is DDP over gloo instead (test_training, test_fsdp). So these runs are one
-process each; what they check is the configs' settings, the optimizer DeepSpeed wraps, and the save.
+process each; what they check is the configs' settings, the optimizer DeepSpeed wraps, and the save. Two processes
+are refused before training, saying what runs instead.
 Skipped without deepspeed: `pip install deepspeed` (about a minute; ZeRO-3's offload builds its CPU Adam the
 first time it runs, a few minutes)."""
 
@@ -45,17 +46,18 @@ def setup(tmp_path_factory) -> tuple[Path, list]:
                   "--max-len", 160, "--log-every", 1, "--threads", 1]
 
 
-def launch(*args, config: str | None = None):
-    """train.py with `args`, under `accelerate launch --config_file configs/<config>` (one process, float32) or
-    alone; checked to exit 0."""
+def launch(*args, config: str | None = None, processes: int = 1, check: bool = True):
+    """train.py with `args`, under `accelerate launch --config_file configs/<config>` (float32) or alone; checked
+    to exit 0 unless not `check`."""
     if config is None:
         done = finish(start("train.py", *args))
     else:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / config,
-                    "--num_processes", 1, "--mixed_precision", "no", ROOT / "train.py"]
+                    "--num_processes", processes, "--mixed_precision", "no", ROOT / "train.py"]
         done = subprocess.run(list(map(str, [*launcher, *args])), capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
                               env=os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 or not check, done.stderr[-3000:]
+    return done
 
 
 def losses(run: Path) -> list[float]:
@@ -77,3 +79,14 @@ def test_each_deepspeed_config_trains_and_saves_as_a_plain_run(setup, tmp_path, 
         assert all(torch.allclose(saved[k], plain[k], atol=1e-3) for k in plain), config
         model, _ = loading.load_run(loading.resolve_run(run))
         assert model.config.chatglm_version == "chatglm3"
+
+
+def test_several_cpu_processes_under_deepspeed_are_refused_saying_what_works(setup, tmp_path):
+    """Two processes: accelerate joins them into no run (each would train alone, and DeepSpeed fails on the batch
+    size); train.py says so before training, and the directory is left empty."""
+    _, args = setup
+    run = tmp_path / "two"
+    done = launch(*args, "--tuning", "full", "--output-dir", run, config=CONFIGS[0], processes=2, check=False)
+    assert done.returncode != 0
+    assert "train.py: error: 2 processes were launched, but accelerate runs each alone" in done.stderr
+    assert "--num_processes 1" in done.stderr and not (run.exists() and any(run.iterdir()))
