@@ -303,3 +303,15 @@ def test_scale_bench_accounts_glm45_air_memory_as_the_loader_allocates_it(tmp_pa
     assert {part: counted[part] for part in PARTS} == loaded and loaded["routed experts"] > 0
     full = accounting(VERSIONS["glm45-air"].config_json(), 4)
     assert 50 < sum(full[part] for part in PARTS) / GB < 60
+
+
+def test_tools_bench_reuses_only_finished_runs(tmp_path):
+    """`--reuse` measures a run whose metrics.jsonl ends with its final entry; a stopped or absent one trains."""
+    from bench.training.tools import finished_run_seconds
+
+    finished, stopped = tmp_path / "finished", tmp_path / "stopped"
+    for run, lines in ((finished, [{"step": 10, "loss": 1.0}, {"final": {"step": 10, "seconds": 12.5}}]),
+                       (stopped, [{"step": 10, "loss": 1.0}])):
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    assert [finished_run_seconds(run) for run in (finished, stopped, tmp_path / "absent")] == [12.5, None, None]

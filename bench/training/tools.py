@@ -130,15 +130,28 @@ def _post(server: Server, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def finished_run_seconds(run: Path) -> float | None:
+    """The training seconds a finished train.py run in `run` recorded (metrics.jsonl's final entry), else None."""
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []
+    final = json.loads(lines[-1]).get("final") if lines else None
+    return None if final is None else final["seconds"]
+
+
 def train_all(versions: list[str], args, work: Path) -> dict[str, float]:
     """Train every version at once, one thread each (two 1-thread processes outrun two 2-thread ones taking
-    turns on 2 cores): the wall seconds of each run."""
+    turns on 2 cores): the wall seconds of each run. With `--reuse`, a finished run in the work directory is
+    measured as it is (its own recorded training seconds)."""
+    done = {v: finished_run_seconds(work / v) for v in versions} if args.reuse else {}
+    versions = [v for v in versions if done.get(v) is None]
+    if not versions:
+        return done
     with ThreadPoolExecutor(len(versions)) as pool:
         runs = {v: pool.submit(run_python, "train.py", "--model", f"tiny-{v}", "--train-file", REPO / DATA[v][0],
                                "--dev-file", REPO / DATA[v][1], *TRAIN_FLAGS, "--max-steps", args.max_steps,
                                "--eval-every", args.eval_every, "--threads", 1, "--output-dir", work / v)
                 for v in versions}
-        return {v: run.result().seconds for v, run in runs.items()}
+        return {**done, **{v: run.result().seconds for v, run in runs.items()}}
 
 
 def measure(version: str, train_s: float, args, work: Path) -> dict:
@@ -166,6 +179,8 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=250, help="steps between dev evaluations")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, PATH)")
     p.add_argument("--work-dir", type=Path, help="where the runs go (default: a new temporary directory)")
+    p.add_argument("--reuse", action="store_true", help="measure the finished runs already in --work-dir instead of "
+                   "training them again (e.g. once llama-server is built)")
     p.add_argument("--results", type=Path, help="also write the closing JSON here (e.g. bench/results/tools.json)")
     args = p.parse_args(argv)
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="chatglm_tune_tools_"))).resolve()
