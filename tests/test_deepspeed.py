@@ -66,7 +66,7 @@ def losses(run: Path) -> list[float]:
 
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_each_deepspeed_config_trains_and_saves_as_a_plain_run(setup, tmp_path, tuning):
-    base, args = setup
+    _, args = setup
     launch(*args, "--tuning", tuning, "--output-dir", tmp_path / "plain")
     weights = "model.safetensors" if tuning == "full" else "adapter_model.safetensors"
     plain = load_file(tmp_path / "plain" / weights)
