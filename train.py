@@ -237,13 +237,11 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
         heap.mmap_large_blocks(model)
         summary = train(model, tokenizer, train_records, dev_records, args.output_dir, options,
                         record=record, resume=args.resume, bad_records=bad_records)
-    except (ValueError, FileNotFoundError, TrainingError) as e:
+    except BaseException as e:  # also Ctrl-C, a library's assertion: what a run that never recorded itself wrote goes
         if not args.resume:
             rundir.discard_unrecorded(args.output_dir)
-        return fail(e)
-    except BaseException:  # Ctrl-C, a library's assertion: what a run that never recorded itself wrote goes too
-        if not args.resume:
-            rundir.discard_unrecorded(args.output_dir)
+        if isinstance(e, (ValueError, FileNotFoundError, TrainingError)):
+            return fail(e)
         raise
     score = "n/a" if summary["best_f1"] is None else format_score(summary["best_f1"], dev_records)
     print(f"done: {summary['step']} steps in {summary['seconds']}s, best dev score {score}, model in {args.output_dir}")

@@ -92,14 +92,15 @@ def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_
     """A small tokenizer (every character; the GLM versions' also word pieces of the text outside CJK and
     digits, `TINY_WORD_PIECES`) trained on the prompt, `extra_texts` and the training texts and answers (a
     conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the
-    preset's version (with `config_overrides`) for it."""
+    preset's version for it: `options.tiny_layers` deep where given, with `config_overrides`."""
     corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
     turns = [turn for r in train_records if r.dialogue for turn in r.dialogue.turns]
     corpus += [turn.metadata + turn.content for turn in turns]
     corpus += [json.dumps(list(turn.tools), ensure_ascii=False, indent=4) for turn in turns if turn.tools]
     context = max(TINY_CONTEXT, options.encoding.max_len)  # what the run trains on, its model serves
-    model, tokenizer = registry.VERSIONS[TINY_PRESETS[preset]].tiny(corpus, Path(output_dir), context=context,
-                                                                    **config_overrides)
+    version = registry.VERSIONS[TINY_PRESETS[preset]]
+    depth = {version.layers_field: options.tiny_layers} if options.tiny_layers else {}
+    model, tokenizer = version.tiny(corpus, Path(output_dir), context=context, **{**depth, **config_overrides})
     return start_output_as_input(model), tokenizer
 
 
@@ -131,8 +132,7 @@ def prepare_model(model_arg: str, train_records, output_dir: Path, options: Trai
         if options.tuning != "full":
             raise ValueError(f"--model {model_arg} starts from random weights: train it with --tuning full first, "
                              "then P-tune or LoRA-tune the result with --model <that run>")
-        depth = {registry.VERSIONS[TINY_PRESETS[model_arg]].layers_field: options.tiny_layers} if options.tiny_layers else {}
-        model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg, **depth)
+        model, tokenizer = build_tiny(train_records, output_dir, options, preset=model_arg)
     else:
         version = registry.of_directory(rundir.require_model_dir(model_arg))
         tokenizer = version.load_tokenizer(model_arg)

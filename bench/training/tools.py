@@ -157,10 +157,11 @@ def train_all(versions: list[str], args, work: Path) -> dict[str, float]:
 def measure(version: str, train_s: float, args, work: Path) -> dict:
     dev, run = REPO / DATA[version][1], work / version
     rows_path = work / f"{version}-dev.jsonl"
-    for scratch in (rows_path, rows_path.with_name(rows_path.name + ".summary.json")):  # an earlier measure's (--reuse)
+    summary_path = rows_path.with_name(rows_path.name + ".summary.json")
+    for scratch in (rows_path, summary_path):  # an earlier measure's (--reuse)
         scratch.unlink(missing_ok=True)
     run_python("infer.py", "--model", run, "--input", dev, "--output", rows_path)
-    summary = json.loads(rows_path.with_name(rows_path.name + ".summary.json").read_text(encoding="utf-8"))
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
     rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines()]
     requests = [openai_request(json.loads(line)) for line in dev.read_text(encoding="utf-8").splitlines()]
     served = served_calls(run, requests, work)
