@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="greedy decoding guesses each row's next tokens from its own text and earlier answers and checks "
                         "them in one forward: the same output in fewer forwards, faster where a forward of a few tokens "
                         "costs about one token's (default: off; sampling decodes plainly)")
+    p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a forward at most (default "
+                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
+                   "without AVX-512 VNNI)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")
@@ -77,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.input is not None and args.output.resolve() == args.input.resolve():
             p.error(f"--output {args.output} is the --input file: name another file to write")
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
+    if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
+        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
     if given and not args.do_sample:
         p.error(f"{', '.join(given)} apply only with --do-sample")
     if args.input is not None and args.output is None:
@@ -92,7 +97,7 @@ def settings_from(args) -> ExtractionSettings:
     chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
     return ExtractionSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed,
-                              drafts=DEFAULT_DRAFTS if args.speculative else None)
+                              drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None)
 
 
 def load(args, source, settings):

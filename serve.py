@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="greedy requests guess their next tokens from their own text and check them in one step: the "
                         "same answers in fewer steps, faster where a forward of a few tokens costs about one token's (default: off; "
                         "sampled requests decode plainly)")
+    p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a step at most (default "
+                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
+                   "without AVX-512 VNNI)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS.max_body_mb,
                    help="request bodies over this many MB get HTTP 413 (default %(default)s)")
     p.add_argument("--cors-origin", action="append", default=list(DEFAULTS.cors_origins), metavar="ORIGIN",
@@ -66,10 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
+        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
     try:
         args.options = ServingOptions(max_batch=args.max_batch, max_queue=args.max_queue,
                                       prefill_tokens=args.prefill_tokens, host=args.host, port=args.port,
-                                      drafts=DEFAULT_DRAFTS if args.speculative else None,
+                                      drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None,
                                       max_body_mb=args.max_body_mb, cors_origins=tuple(args.cors_origin))
     except ValueError as err:
         p.error(str(err))

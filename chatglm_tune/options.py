@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def raise_problems(problems: list[str], prefix: str = "") -> None:
@@ -357,7 +357,11 @@ class DraftOptions:
     Off by default: it pays only where checking k guesses costs little more than one token. Measured on 2
     AVX-512 cores: the README main job's tiny model (a 1.1 ms step, bound by Python's bookkeeping) extracts at
     0.88x plain at batch 1 with 1.96 tokens a forward; a mid-size GLM-4 (92 M parameters) checks 4 guesses in
-    3.0x a plain step in fp32 and 1.6x in INT4 (1 guess: 1.5x / 1.4x).
+    3.0x a plain step in fp32 and 1.6x in INT4 (1 guess: 1.5x / 1.4x). On 2 AVX2-only cores the tiny model
+    extracts at 1.36x at batch 1 and 0.81x at batch 8; ChatGLM3-6B in INT4 checks 1 / 2 / 4 / 8 guesses in
+    1.36x / 1.95x / 2.67x / 4.55x a plain step (there every row of x costs its own `vpmaddubsw` products: only
+    the weight's unpacking is shared), so on the tiny model's pattern it extracts at 1.0x at batch 1 (1.18x with
+    `max_draft` 1) and 0.48x at batch 8 (bench/decode/speculative_full.py).
     """
 
     max_draft: int = 8
@@ -377,6 +381,12 @@ class DraftOptions:
         if not (isinstance(self.pool_answers, int) and self.pool_answers >= 0):
             problems.append(f"pool_answers must be an integer >= 0, got {self.pool_answers!r}")
         raise_problems(problems, "invalid draft options: ")
+
+    def capped(self, max_draft: int | None) -> "DraftOptions":
+        """These options with at most `max_draft` guesses a forward (None: as they are)."""
+        if max_draft is None:
+            return self
+        return replace(self, max_draft=max_draft, first_draft=min(self.first_draft, max_draft))
 
 
 DEFAULT_DRAFTS = DraftOptions()

@@ -315,3 +315,30 @@ def test_tools_bench_reuses_only_finished_runs(tmp_path):
         run.mkdir()
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     assert [finished_run_seconds(run) for run in (finished, stopped, tmp_path / "absent")] == [12.5, None, None]
+
+
+def test_full_size_speculative_bench_replays_the_pattern_it_recorded(tmp_path):
+    """bench/decode/speculative_full.py on its smallest setting: a tiny model stands for both the trained model and
+    the full-size one; the replay decodes as many tokens both ways, in as many forwards as the pattern says."""
+    from serving import tiny_model
+
+    directory = tiny_model("chatglm3", tmp_path / "tiny")
+    out = tmp_path / "full.json"
+    done = subprocess.run([sys.executable, "bench/decode/speculative_full.py", "--model", str(directory), "--pattern",
+                           str(directory), "--records", "3", "--batch-sizes", "1,2", "--max-draft", "2", "--reps", "1", "--quantization-bit", "0", "--dtype", "float32",
+                           "--threads", "1", "--gguf", str(tmp_path / "none.gguf"), "--output", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary == json.loads(out.read_text(encoding="utf-8"))
+    assert [row["guesses"] for row in summary["verify"]] == [0, 1, 2, 4, 8]
+    assert summary["drafts"]["max_draft"] == 2 and summary["drafts"]["first_draft"] == 2
+    one, two = summary["replay"]
+    assert (one["batch"], two["batch"]) == (1, 2) and one["records"] == two["records"] == 3
+    assert one["decoded_tokens"] == two["decoded_tokens"] > 0  # the same answers, however batched
+    assert one["tokens_per_forward"] == round(one["decoded_tokens"] / one["speculative_forwards"], 3) >= 1
+    assert one["plain_forwards"] == one["decoded_tokens"]  # at batch 1, a forward a token
+    assert two["plain_forwards"] < two["decoded_tokens"] and two["speculative_forwards"] <= two["plain_forwards"]
+    assert all(r["plain_tok_s"] > 0 and r["speculative_tok_s"] > 0 for r in (one, two))
+    assert summary["llama"]["skipped"].startswith("no ") and "gguf-q4_0" in summary["llama"]["skipped"]
+    assert "| 2 | " in out.with_suffix(".md").read_text(encoding="utf-8")  # the batch-2 row of the table

@@ -120,6 +120,21 @@ def test_speculative_decoding_changes_no_row(workdir, tmp_path, capsys):
     assert fast == plain
     spec = json.loads((tmp_path / "fast.jsonl.summary.json").read_text(encoding="utf-8"))["this_run"]["speculative"]
     assert spec["forwards"] > 0 and spec["accepted"] <= spec["drafted"] and spec["tokens_per_forward"] >= 1
+    capped = run_infer(workdir, tmp_path / "capped.jsonl", "--batch-size", 4, "--speculative", "--max-draft", 1)
+    assert "up to 1 guessed tokens checked a forward" in capsys.readouterr().err
+    assert capped == plain
+    summary = json.loads((tmp_path / "capped.jsonl.summary.json").read_text(encoding="utf-8"))
+    assert summary["settings"]["drafts"]["max_draft"] == 1 and summary["settings"]["drafts"]["first_draft"] == 1
+    one = summary["this_run"]["speculative"]
+    assert one["drafted"] <= one["forwards"] * 4  # at most one guess a row a forward, 4 rows
+
+
+@pytest.mark.parametrize("flags, message", [(["--max-draft", "2"], "--max-draft applies only with --speculative"),
+                                            (["--speculative", "--max-draft", "0"], "--max-draft must be >= 1, got 0")])
+def test_max_draft_needs_speculation_and_a_positive_count(workdir, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        run_infer(workdir, tmp_path / "out.jsonl", *flags)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_rows_equal_direct_generation(workdir):

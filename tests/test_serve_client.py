@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai", reason="the tests call the server with th
 
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
 from chatglm_tune.dialogues import TOOL_PROMPT  # noqa: E402
-from chatglm_tune.options import EncodingOptions, SamplingOptions, ServingOptions  # noqa: E402
+from chatglm_tune.options import DEFAULT_DRAFTS, EncodingOptions, SamplingOptions, ServingOptions  # noqa: E402
 from chatglm_tune.records import SPORecord  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
 from serving import TEXTS, serve_py, tiny_model  # noqa: E402
@@ -400,6 +400,18 @@ def test_developer_is_system_and_a_tool_glm4_cannot_write_is_named(models, monke
             client.chat.completions.create(model="tiny", max_tokens=2, tools=[{"type": "python"}],
                                            messages=[{"role": "user", "content": "你好"}])
         assert err.value.body["param"] == "tools" and "tool" in err.value.body["message"]
+
+
+def test_max_draft_caps_the_guesses_of_a_speculative_server(capsys):
+    import serve
+
+    assert serve.parse_args(["--model", "m", "--speculative", "--max-draft", "1"]).options.drafts.max_draft == 1
+    assert serve.parse_args(["--model", "m", "--speculative"]).options.drafts == DEFAULT_DRAFTS
+    for flags, message in ((["--max-draft", "1"], "--max-draft applies only with --speculative"),
+                           (["--speculative", "--max-draft", "-1"], "--max-draft must be >= 1, got -1")):
+        with pytest.raises(SystemExit) as stop:
+            serve.parse_args(["--model", "m", *flags])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ decode step), 1, 2, 4, 8, at batch 1 after the first record's prompt: the median
 over `--reps`, and its ratio to the plain step. Decoding reads the weights once a forward, so a forward of
 k + 1 rows costs about one row's where the weights' bytes, not arithmetic, bound it.
 
+At full size, where a forward's cost is what speculation trades, on a trained model's acceptance pattern and beside
+llama.cpp: bench/decode/speculative_full.py.
+
 Targets: speculative tok/s >= 2x plain at batch 1 and >= 1.5x at batch 8, on every model, with equal rows.
 Results: bench/results/speculative.json and .md; the last line printed is the JSON.
 """
