@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a forward at most (default "
                    f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
                    "without AVX-512 VNNI)")
+    p.add_argument("--compile", action="store_true", help="decode on a static KV cache, each step one compiled forward "
+                   "(torch.compile: the same output with less Python overhead a step; compiling takes seconds to a minute "
+                   "once; float ChatGLM2/3, GLM-4, GLM-4-0414 and GLM-Edge models; not with --speculative)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")
@@ -82,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
     if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
         p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
+    if args.compile and args.speculative:
+        p.error("--compile and --speculative do not combine: choose one")
     if given and not args.do_sample:
         p.error(f"{', '.join(given)} apply only with --do-sample")
     if args.input is not None and args.output is None:
@@ -97,7 +102,8 @@ def settings_from(args) -> ExtractionSettings:
     chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
     return ExtractionSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed,
-                              drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None)
+                              drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None,
+                              compiled=args.compile)
 
 
 def load(args, source, settings):
@@ -107,6 +113,12 @@ def load(args, source, settings):
     model, tokenizer, line = loading.load_for_inference(
         source, device=args.device, dtype=args.dtype, threads=args.threads, quantization_bit=args.quantization_bit,
         quantize_embedding=args.quantize_embedding, note=lambda text: print(f"infer.py: note: {text}", file=sys.stderr))
+    if settings.compiled:
+        from chatglm_tune.decoding.static_decoding import unsupported
+
+        if unsupported(model):
+            raise ValueError(f"--compile: {unsupported(model)}")
+        line += "; decode steps compiled on a static cache"
     print(f"{line}; {speculation_line(settings)}", file=sys.stderr)
     return model, tokenizer
 

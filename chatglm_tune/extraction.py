@@ -83,7 +83,7 @@ def _decode_batch(model, tokenizer, prompts: list[list[int]], indices: list[int]
     seeds = None if settings.seed is None else [settings.seed + i for i in indices]
     return generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=settings.new_tokens,
                     sampling=settings.sampling, eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), seed=seeds,
-                    vocab_limit=len(tokenizer), drafts=drafter, stats=stats)
+                    vocab_limit=len(tokenizer), drafts=drafter, stats=stats, compiled=settings.compiled)
 
 
 def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, text_truncated: bool = False,

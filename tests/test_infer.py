@@ -129,7 +129,29 @@ def test_speculative_decoding_changes_no_row(workdir, tmp_path, capsys):
     assert one["drafted"] <= one["forwards"] * 4  # at most one guess a row a forward, 4 rows
 
 
+def test_compile_decodes_a_glm_model_as_before_and_refuses_chatglm6b(workdir, tmp_path, capsys, monkeypatch):
+    from serving import tiny_model
+
+    from chatglm_tune.decoding import static_decoding
+
+    # the static cache, each step run uncompiled (tests/test_static_decoding.py compiles it for real)
+    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *a: static_decoding._forward(model, *a))
+    glm = tiny_model("chatglm3", tmp_path / "chatglm3")
+    rows = {}
+    for name, flags in (("plain", []), ("compiled", ["--compile"])):
+        infer_main(["--model", glm, "--input", workdir / "input.jsonl", "--output", tmp_path / f"{name}.jsonl",
+                    "--max-new-tokens", 10, "--batch-size", 3, *flags])
+        rows[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert "decode steps compiled on a static cache" in capsys.readouterr().err
+    assert rows["compiled"] == rows["plain"] and len(rows["plain"]) == N_RECORDS
+    with pytest.raises(SystemExit) as stop:  # ChatGLM-6B keeps its own cache form
+        run_infer(workdir, tmp_path / "refused.jsonl", "--compile")
+    assert stop.value.code == 2 and "infer.py: error: --compile: compiled decoding needs" in capsys.readouterr().err
+    assert not (tmp_path / "refused.jsonl").exists()
+
+
 @pytest.mark.parametrize("flags, message", [(["--max-draft", "2"], "--max-draft applies only with --speculative"),
+                                            (["--compile", "--speculative"], "--compile and --speculative do not combine"),
                                             (["--speculative", "--max-draft", "0"], "--max-draft must be >= 1, got 0")])
 def test_max_draft_needs_speculation_and_a_positive_count(workdir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chatglm_tune.decoding import static_decoding
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
@@ -82,6 +83,7 @@ def generate(
     use_cache: bool = True,
     drafts: DraftOptions | Drafter | None = None,
     stats: DecodeStats | None = None,
+    compiled: bool = False,
 ) -> list[list[int]]:
     """New token ids of each row (each ends with `eos_token_id` when it stopped on it), KV-cached.
 
@@ -92,14 +94,15 @@ def generate(
     `drafts`: greedy decoding checks guesses looked up in each row's own tokens, several a forward
     (`speculative`; the same ids; sampled rows decode plainly): `DraftOptions`, or a `drafting.Drafter` kept
     over calls, whose pool of finished answers then serves the later calls' guesses too; `stats` (a
-    `DecodeStats`) counts its forwards, tokens and accepted guesses.
+    `DecodeStats`) counts its forwards, tokens and accepted guesses. `compiled`: the steps after the prompt run
+    one compiled forward over a static cache (`static_decoding`; the same ids), on the models that have one.
     """
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
     with _eval_mode(model):
         if not use_cache:
             return _decode_recompute(model, d, max_new_tokens, sampling, vocab_limit)
         results: list[list[int]] = [[] for _ in range(d.input_ids.shape[0])]
-        for rows, tokens in _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats):
+        for rows, tokens in _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats, compiled):
             for row, token in zip(rows, tokens):
                 results[row].append(token)
         return results
@@ -124,6 +127,7 @@ def generate_steps(
     vocab_limit: int | None = None,
     drafts: DraftOptions | Drafter | None = None,
     stats: DecodeStats | None = None,
+    compiled: bool = False,
 ) -> Iterator[tuple[list[int], list[int]]]:
     """`generate` one KV-cached step at a time: yields, each step, (the prompt index of every row still
     decoding, the new token of each). The tokens are `generate`'s with the same arguments. A step runs when
@@ -131,12 +135,23 @@ def generate_steps(
     until the iteration ends or the generator is closed (inference mode holds only while a step runs)."""
     d = _setup(model, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, seed, vocab_limit)
     with _eval_mode(model):
-        yield from _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats)
+        yield from _steps(model, d, max_new_tokens, sampling, vocab_limit, drafts, stats, compiled)
 
 
 def _steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit,
-           drafts: DraftOptions | Drafter | None, stats: DecodeStats | None) -> Iterator[tuple[list[int], list[int]]]:
-    """The KV-cached loop: speculative where drafts are asked for and decoding is greedy, else plain."""
+           drafts: DraftOptions | Drafter | None, stats: DecodeStats | None,
+           compiled: bool = False) -> Iterator[tuple[list[int], list[int]]]:
+    """The KV-cached loop: speculative where drafts are asked for and decoding is greedy, compiled on a static
+    cache where asked, else plain."""
+    if compiled:
+        if drafts is not None and sampling.greedy:
+            raise ValueError("compiled decoding and speculative drafts do not combine: ask for one of them")
+        why = static_decoding.unsupported(model)
+        if why:
+            raise ValueError(why)
+        return static_decoding.static_steps(model, d.input_ids, d.mask, max_new_tokens=max_new_tokens,
+                                            sampling=sampling, generators=d.generators, stop=d.stop,
+                                            fallback=d.fallback, vocab_limit=vocab_limit)
     if drafts is None or not sampling.greedy:
         return _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
     stop = [] if d.stop is None else d.stop.tolist()

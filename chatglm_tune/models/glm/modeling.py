@@ -170,7 +170,7 @@ class PrefixModel(Chat):
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
         p = self.pre_seq_len
-        if p and (cache is None or cache.get_seq_length() == 0):
+        if p and (cache is None or _empty(cache)):
             dtype = self.model.norm.weight.dtype  # the compute dtype (RMSNorm weights are never quantized)
             pairs = self.prefix_key_values(b, dtype)
             if cache is None:
@@ -267,13 +267,24 @@ class PrefixModel(Chat):
         save_official(self, save_directory, state_dict=state_dict, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
+def _empty(cache: Cache) -> bool:
+    """Whether nothing is cached yet, so the prefix goes in first. A compiled forward (the static-cache decode step,
+    `decoding.static_decoding`) only ever follows an eager prefill, and a static cache's length is a tensor whose
+    test would split its graph: it is never empty there."""
+    return not torch.compiler.is_compiling() and cache.get_seq_length() == 0
+
+
 class GlmForCausalLMWithPrefix(PrefixModel, GlmForCausalLM):
     """ChatGLM2/3, GLM-4 and GLM-Edge: transformers' `GlmForCausalLM` with the P-tuning v2 prefix."""
+
+    static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
 
 
 class Glm4ForCausalLMWithPrefix(PrefixModel, Glm4ForCausalLM):
     """GLM-4-0414 (and GLM-Z1): transformers' `Glm4ForCausalLM` (a norm after attention and after the MLP, before
     each residual add) with the P-tuning v2 prefix."""
+
+    static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
 
 
 class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):

@@ -1,0 +1,106 @@
+"""Decoding on a static cache with a compiled step gives the ids of the cached loop: every version that has one,
+with a P-tuning prefix, left-padded rows that stop at different steps, greedy and seeded sampling. The versions
+whose cache is their own refuse it, saying so.
+
+Compiling takes tens of seconds on two cores, so the static cache is checked for every version with the step run
+eagerly (the same function), and compiled for real on one version, prefixed, batched and sampled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import TEXTS, answering_each_prompt, batch_of
+
+from chatglm_tune.decoding import static_decoding
+from chatglm_tune.decoding.generation import generate, generate_steps
+from chatglm_tune.loading import from_pretrained
+from chatglm_tune.models import registry
+from chatglm_tune.options import DraftOptions, SamplingOptions
+from chatglm_tune.quant.apply import quantize_model
+
+NEW = 20
+SAMPLING = SamplingOptions(do_sample=True, top_p=0.9, temperature=0.9)
+
+
+def tiny(name, directory, prefix=None):
+    torch.manual_seed(0)
+    model, tokenizer = registry.VERSIONS[name].tiny(TEXTS, directory)
+    answering_each_prompt(model)
+    if prefix:  # saved and loaded back with a fresh P-tuning prefix, as train.py starts one
+        model.save_pretrained(directory)
+        model = from_pretrained(directory, pre_seq_len=prefix)
+    return model.eval(), tokenizer
+
+
+def a_stop_that_ends_rows_early(plain) -> int:
+    """The generated token that ends the most rows at distinct lengths (random models seldom pick the real stop)."""
+    def lengths(token):
+        return {row.index(token) if token in row else NEW for row in plain}
+
+    return max({t for row in plain for t in row}, key=lambda t: len(lengths(t)))
+
+
+def both(model, tokenizer, ids, mask, **kwargs):
+    kwargs = dict(max_new_tokens=NEW, vocab_limit=len(tokenizer), **kwargs)
+    return generate(model, ids, mask, **kwargs), generate(model, ids, mask, compiled=True, **kwargs)
+
+
+@pytest.fixture
+def eager_steps(monkeypatch):
+    """The static cache, each step the same function uncompiled."""
+    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *args: static_decoding._forward(model, *args))
+
+
+@pytest.mark.parametrize("name", list(registry.VERSIONS))
+def test_a_static_cache_gives_the_cached_loops_ids(name, tmp_path, eager_steps):
+    model, tokenizer = tiny(name, tmp_path)
+    ids, mask = batch_of(tokenizer, TEXTS[:5])
+    if static_decoding.unsupported(model):
+        with pytest.raises(ValueError, match="compiled decoding needs a model that decodes on a static cache"):
+            generate(model, ids, mask, max_new_tokens=2, compiled=True)
+        return
+    plain = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=None, vocab_limit=len(tokenizer))
+    stop = a_stop_that_ends_rows_early(plain)
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=stop)
+    assert static == cached
+    assert len({len(row) for row in cached}) > 1  # rows stopped at different steps
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=stop, sampling=SAMPLING, seed=7)
+    assert static == cached
+
+
+def test_a_prefixed_model_on_a_static_cache(tmp_path, eager_steps):
+    model, tokenizer = tiny("glm4", tmp_path, prefix=3)
+    ids, mask = batch_of(tokenizer, TEXTS[:4])
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=None)
+    assert static == cached
+
+
+def test_the_compiled_step_gives_the_cached_loops_ids(tmp_path):
+    model, tokenizer = tiny("chatglm3", tmp_path, prefix=2)
+    ids, mask = batch_of(tokenizer, TEXTS[:3])
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=None)
+    assert static == cached
+    step = model.__dict__["_compiled_decode_step"]
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=None, sampling=SAMPLING, seed=3)
+    assert static == cached
+    assert model.__dict__["_compiled_decode_step"] is step  # compiled once a model
+    streamed = [tokens for _, tokens in generate_steps(model, ids[:1], None, max_new_tokens=4, compiled=True)]
+    assert [t[0] for t in streamed] == generate(model, ids[:1], max_new_tokens=4)[0]
+
+
+def test_compiled_decoding_refuses_speculation_and_quantized_layers(tmp_path):
+    model, tokenizer = tiny("chatglm3", tmp_path)
+    ids, _ = batch_of(tokenizer, TEXTS[:1])
+    with pytest.raises(ValueError, match="do not combine"):
+        generate(model, ids, max_new_tokens=2, compiled=True, drafts=DraftOptions())
+    quantize_model(model, 4, targets=registry.VERSIONS["chatglm3"].quantizable_linears)
+    with pytest.raises(ValueError, match="compiled decoding runs float weights"):
+        generate(model, ids, max_new_tokens=2, compiled=True)
+
+
+def test_the_cache_length_is_rounded_up_to_a_step():
+    step = static_decoding.LENGTH_STEP
+    assert static_decoding.cache_length(10, 20) == step
+    assert static_decoding.cache_length(step - 5, 5) == step
+    assert static_decoding.cache_length(step - 5, 6) == 2 * step
