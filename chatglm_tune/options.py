@@ -410,8 +410,6 @@ class ExtractionSettings:
     compiled: bool = False  # decode steps compiled over a static cache (decoding.static_decoding, infer.py --compile)
 
     def __post_init__(self):
-        if self.compiled and self.drafts is not None:
-            raise ValueError("compiled decoding and speculative drafts do not combine: ask for one of them")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

@@ -2,9 +2,8 @@
 
 `generate(..., compiled=True)` decodes here on float models whose class says `static_cache = True` (their attention
 reads transformers' cache and masks: ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge; `unsupported` says why another
-cannot). The prompt
-goes through the model as it is (eager); every step after runs one compiled forward, whose shapes never change
-within a call, so it is compiled once and replayed:
+cannot). The prompt goes through the model as it is (eager); every step after runs one compiled forward, whose
+shapes never change within a call, so it is compiled once and replayed:
 - the cache is transformers' `StaticCache` of `pre_seq_len + L` columns (the P-tuning prefix first, put there by
   the model at the prefill), L the prompt plus the answer budget rounded up to `LENGTH_STEP`, so that batches of
   other lengths reuse the compiled step (after a second shape `torch.compile` makes the lengths symbolic);
