@@ -6,6 +6,7 @@ by side in one run; then a soak test of the batching server (bad inputs, abandon
     python bench/serve/serve.py --quick            # a small model, 1/4/16 streams, 120-request soak (~1-2 min)
     python bench/serve/serve.py --model DIR --streams 1,16 --requests-per-stream 8 --soak 0
     python bench/serve/serve.py --llama-server PATH  # + llama.cpp's llama-server on the same load (a q4_0 GGUF of it)
+    python bench/serve/serve.py --speculative --streams 1,4,16 --no-baseline   # + the batching server with --speculative
     python bench/serve/serve.py --full-size        # ChatGLM3-6B at full size, INT4 (bench/peer/peer.py writes it; long)
 
 The random model (built when --model is not given) has its output head zeroed for tokens that render no text
@@ -166,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="server threads (--threads and OMP_NUM_THREADS; default %(default)s)")
     p.add_argument("--max-batch", type=int, default=32, help="the batching server's --max-batch (default %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the --max-batch 1 server")
+    p.add_argument("--speculative", action="store_true", help="also the batching server with --speculative (every "
+                   "request is greedy, temperature 0): its rows are `batchN-spec`, its tok/s over the plain one's "
+                   "`speculative_vs_plain`")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on "
                                                      "PATH); without one its side is skipped")
     p.add_argument("--gguf", type=Path, help="llama-server's GGUF of the served model (default: export.py --type q4_0 of it, "
@@ -229,14 +233,15 @@ def run_toolkit_servers(args, model_dir: Path, texts: list[str], log_dir: Path, 
                         servers_info: dict) -> dict | None:
     """The batching server, then the one-at-a-time one (unless --no-baseline); the soak on the batching one.
     Returns the soak's result (None without one)."""
-    servers = [(f"batch{args.max_batch}", args.max_batch)] + ([] if args.no_baseline else [("batch1", 1)])
+    servers = [(f"batch{args.max_batch}", args.max_batch, [])] + ([] if args.no_baseline else [("batch1", 1, [])])
+    servers += [(f"batch{args.max_batch}-spec", args.max_batch, ["--speculative"])] if args.speculative else []
     soak_result = None
-    for name, max_batch in servers:
-        server = toolkit_server(name, model_dir, args.threads, max_batch, args.server_arg, log_dir)
+    for name, max_batch, extra in servers:
+        server = toolkit_server(name, model_dir, args.threads, max_batch, [*args.server_arg, *extra], log_dir)
         load_s = server.start(args.start_timeout)
         try:
             run_streams(server, args, texts, rows)
-            if max_batch == args.max_batch and args.soak:
+            if name == servers[0][0] and args.soak:
                 soak_result = soak(server, args.soak, args.soak_clients, args.soak_time_limit, texts)
             servers_info[name] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB),
                                   "tracebacks_in_log": server.tracebacks(), "log": str(server.log)}
@@ -310,6 +315,14 @@ def print_findings(got: dict, limit_lines: list[str], soak_result: dict | None) 
             print(f"  failure: {f}")
 
 
+def speculative_ratios(rows: list[dict], max_batch: int) -> dict[int, float]:
+    """Per stream count: the speculative batching server's tok/s over the plain one's (where both ran)."""
+    tok_s = {(r["server"], r["streams"]): r["tokens_per_s"] for r in rows}
+    plain, spec = f"batch{max_batch}", f"batch{max_batch}-spec"
+    return {streams: round(tok_s[spec, streams] / tok_s[plain, streams], 3) for (name, streams) in tok_s
+            if name == spec and (plain, streams) in tok_s}
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -332,7 +345,8 @@ def main(argv=None) -> None:
                "threads": args.threads, "cpu": f"{cpu}, {os.cpu_count()} CPUs", "streams": args.streams,
                "requests_per_stream": args.requests_per_stream, "max_tokens": args.max_tokens, "results": rows,
                "targets": got, "limits": limit_lines, "floor": floor, "ceilings": ceil, "servers": servers_info,
-               "skipped": skipped, "soak": soak_result, "seconds": round(time.perf_counter() - began, 1),
+               "skipped": skipped, "soak": soak_result, "speculative_vs_plain": speculative_ratios(rows, args.max_batch),
+               "seconds": round(time.perf_counter() - began, 1),
                "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
@@ -341,6 +355,7 @@ def main(argv=None) -> None:
     print(json.dumps({k: summary[k] for k in ("bench", "quick", "seconds")} | {
         "targets": {k: {"value": v["value"], "pass": v["pass"]} for k, v in got.items()},
         "soak_passed": None if soak_result is None else soak_result["passed"],
+        "speculative_vs_plain": summary["speculative_vs_plain"],
         "tokens_per_s": {f"{r['server']}@{r['streams']}": r["tokens_per_s"] for r in rows}}))
 
 
