@@ -116,8 +116,9 @@ def load(args, source, settings):
     if settings.compiled:
         from chatglm_tune.decoding.static_decoding import unsupported
 
-        if unsupported(model):
-            raise ValueError(f"--compile: {unsupported(model)}")
+        why = unsupported(model)
+        if why:
+            raise ValueError(f"--compile: {why}")
         line += "; decode steps compiled on a static cache"
     print(f"{line}; {speculation_line(settings)}", file=sys.stderr)
     return model, tokenizer

@@ -44,12 +44,15 @@ TARGETS = {1: 2.0, 8: 1.5}  # batch size -> speculative / plain tok/s
 VERIFY_GUESSES = (0, 1, 2, 4, 8)
 
 
-def load(model_dir: Path, threads: int | None):
+def load(model_dir: Path, threads: int | None, *, bits: int | None = None, dtype: str | None = None):
+    """(source, model, tokenizer, its line) on the CPU, as infer.py loads it; `bits` INT8 / INT4 layers with the
+    embedding and head in INT8."""
     from chatglm_tune import loading
 
     source = loading.resolve_run(str(model_dir))
-    model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=None, threads=threads,
-                                                        quantization_bit=None, quantize_embedding=None, note=lambda _: None)
+    model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=dtype, threads=threads,
+                                                        quantization_bit=bits, quantize_embedding=bits is not None or None,
+                                                        note=lambda _: None)
     return source, model, tokenizer, line
 
 

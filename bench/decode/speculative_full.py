@@ -30,9 +30,9 @@ import json
 import platform
 import statistics
 import subprocess
-from dataclasses import asdict
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -40,21 +40,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
 from bench.common.measure import RESULTS, ROOT  # noqa: E402
-from bench.decode.speculative import TARGETS, VERIFY_GUESSES, records_of  # noqa: E402
+from bench.decode.speculative import TARGETS, VERIFY_GUESSES, load, records_of  # noqa: E402
 
 LLAMA_NEW_TOKENS = 32  # llama.cpp's plain tokens after the prompt
 INSTALL_LLAMA = ('pip install llama-cpp-python (CPUs without AVX-512: bench/peer/peer_llama.py INSTALL_AVX2), or '
                  'LLAMA_CPP_LIB_PATH=<a llama.cpp build\'s lib dir> with the llama_cpp package on PYTHONPATH')
-
-
-def load(model_dir: Path, threads: int | None, bits: int | None, dtype: str):
-    from chatglm_tune import loading
-
-    source = loading.resolve_run(str(model_dir))
-    model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=dtype, threads=threads,
-                                                        quantization_bit=bits, quantize_embedding=bits is not None,
-                                                        note=lambda _: None)
-    return source, model, tokenizer, line
 
 
 def recording_drafter(options):
@@ -85,18 +75,25 @@ def acceptance_patterns(pattern_dir: Path, records_path: Path, n: int, batch_siz
                         drafts) -> dict[int, list[dict]]:
     """Per batch size, per batch of the first `n` records, as infer.py decodes them (left-padded, one answer pool
     over the run): each row's new tokens, and per speculative forward {row: (guesses, kept)} of its live rows."""
-    source, model, tokenizer, _ = load(pattern_dir, threads, None, "float32")
+    source, model, tokenizer, _ = load(pattern_dir, threads)
     records = records_of(records_path, n, source)
     return {b: acceptance_pattern(model, tokenizer, source, records, b, drafts) for b in batch_sizes}
 
 
-def acceptance_pattern(model, tokenizer, source, records, batch: int, drafts) -> list[dict]:
+def left_padded(tokenizer, records, source) -> dict[str, torch.Tensor]:
+    """The prompts of `records` as infer.py batches them: `input_ids` and `attention_mask`, left-padded."""
     from chatglm_tune.batches import SpecialIds, collate_prompts
+
+    prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, r, source.encoding)[0] for r in records]
+    return collate_prompts(prompts, SpecialIds.of(tokenizer))
+
+
+def acceptance_pattern(model, tokenizer, source, records, batch: int, drafts) -> list[dict]:
     from chatglm_tune.decoding.generation import generate
+
     drafter, out = recording_drafter(drafts), []
     for lo in range(0, len(records), batch):
-        prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, r, source.encoding)[0] for r in records[lo:lo + batch]]
-        padded = collate_prompts(prompts, SpecialIds.of(tokenizer))
+        padded = left_padded(tokenizer, records[lo:lo + batch], source)
         drafter.forwards = []
         new = generate(model, padded["input_ids"], padded["attention_mask"], max_new_tokens=source.encoding.answer_budget,
                        eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), vocab_limit=len(tokenizer), drafts=drafter)
@@ -109,11 +106,9 @@ def acceptance_pattern(model, tokenizer, source, records, batch: int, drafts) ->
 
 def prefilled(model, tokenizer, records, source):
     """The left-padded prompts of `records` prefilled: (their cache, each row's first token)."""
-    from chatglm_tune.batches import SpecialIds, collate_prompts
     from chatglm_tune.decoding.batch_cache import BatchCache
 
-    prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, r, source.encoding)[0] for r in records]
-    padded = collate_prompts(prompts, SpecialIds.of(tokenizer))
+    padded = left_padded(tokenizer, records, source)
     batch, scores = BatchCache.prefill(model, padded["input_ids"], padded["attention_mask"])
     return batch, scores.argmax(dim=-1).tolist()
 
@@ -252,7 +247,7 @@ def main(argv=None) -> None:
 
     drafts = DEFAULT_DRAFTS.capped(args.max_draft)
     patterns = acceptance_patterns(args.pattern, args.input, args.records, args.batch_sizes, args.threads, drafts)
-    source, model, tokenizer, line = load(args.model, args.threads, args.quantization_bit or None, args.dtype)
+    source, model, tokenizer, line = load(args.model, args.threads, bits=args.quantization_bit or None, dtype=args.dtype)
     records = records_of(args.input, args.records, source)
     result = {"pattern": str(args.pattern), "model": str(args.model), "loaded": line, "drafts": asdict(drafts),
               "verify": verify_cost(model, tokenizer, records[0], source, args.reps),
