@@ -23,13 +23,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from chatglm_tune import rundir
 from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_prompts, collate_train, pack,
                                   prompt_ids)
 from chatglm_tune.decoding.generation import generate
-from chatglm_tune.lora import apply_lora
 from chatglm_tune.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry
 from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions
@@ -118,9 +116,20 @@ def start_output_as_input(model):
 def optimizer_and_schedule(params, options: TrainOptions, total_steps: int):
     """AdamW over `params` and its warmup-then-decay schedule (`options.schedule`) over `total_steps`."""
     optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=options.weight_decay)
-    scheduler = get_scheduler(options.schedule, optimizer, num_warmup_steps=int(options.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
-    return optimizer, scheduler
+    factor = partial(_schedule_factor, options.schedule, int(options.warmup_ratio * total_steps), total_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _schedule_factor(kind: str, warmup: int, total: int, step: int) -> float:
+    """The learning rate's factor at `step`: linear from 0 over `warmup` steps, then down to 0 at `total`, in a
+    straight line ("linear") or half a cosine ("cosine"), as transformers' `get_scheduler` computes them (not
+    imported: it imports peft, ~4 s a process)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if kind == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def prepare_model(model_arg: str, train_records, output_dir: Path, options: TrainOptions):
@@ -173,6 +182,8 @@ def set_trainable(model, options: TrainOptions):
     the official behaviour), LoRA adapters (returned wrapped by peft), or every weight (full)."""
     version = registry.of_config(model.config)
     if options.tuning == "lora":  # on the version's attention projections unless told otherwise
+        from chatglm_tune.lora import apply_lora  # here: peft takes ~4 s to import, which other runs never need
+
         return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets))
     model.requires_grad_(options.tuning == "full")
     if options.tuning == "ptuning":

@@ -102,16 +102,32 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
     calls = []
     for module in layer.modules():
         module.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
-    with torch.no_grad():
-        for seed in range(4):
+
+    def check(seeds):
+        for seed in seeds:
             x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
             calls.clear()
             grouped = layer(x)
             assert "QuantizedLinear" not in calls and "QuantizedExpert" not in calls  # no layer by layer
+            assert layer._held_decoder[1] is not None  # the step held in C++
             layer.experts._grouped = False  # expert by expert, then the shared expert
             want = plain_forward(layer, x)
             layer.experts._grouped = True
             assert torch.equal(grouped, want)
+        return x
+
+    with torch.no_grad():
+        check(range(4))
+        held = layer._held_decoder
+        layer.gate.e_score_correction_bias.copy_(torch.randn(layer.gate.e_score_correction_bias.shape,
+                                                             generator=torch.Generator().manual_seed(9)))
+        check(range(4, 8))  # a score correction that changes the choice, read where it is
+        assert layer._held_decoder is held
+        state = layer.state_dict()
+        for key in [k for k in state if k.endswith("weight_scale")]:
+            state[key] = state[key] * 1.5
+        layer.load_state_dict(state)  # new layouts: the held step is made again from them
+        x = check(range(8, 10))
         shared = layer.shared_experts
         float_gate = nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False).bfloat16()
         shared.gate_proj = float_gate
@@ -119,6 +135,26 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
         calls.clear()
         out = layer(x)
         assert "Linear" in calls and torch.equal(out, plain_forward(layer, x))
+
+
+def test_decoding_makes_each_layers_held_step_once(tiny, monkeypatch):
+    """A model's forward slices its list of layers anew at every step: that is no change that makes the held decode
+    steps again (each was made at every step, slower than the Python step)."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.decoding.generation import generate
+    from chatglm_tune.quant import int8dot_cpu
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    version, directory = tiny
+    model = from_pretrained(directory, quantization_bit=4, dtype=torch.float32)
+    made = []
+    real = QuantizedExperts.decoder
+    monkeypatch.setattr(QuantizedExperts, "decoder", lambda self, *args: made.append(self) or real(self, *args))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    generate(model, ids, torch.ones_like(ids), max_new_tokens=6, eos_token_id=[])
+    layers = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    assert layers and sorted(map(id, made)) == sorted(map(id, layers))
 
 
 def test_the_one_group_router_chooses_as_transformers_router(tiny):

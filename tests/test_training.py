@@ -16,7 +16,7 @@ from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, loading
 from chatglm_tune.batches import SpecialIds, collate_train, encode_record
 from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 from chatglm_tune.records import read_records
-from chatglm_tune.training import TrainOptions, build_tiny
+from chatglm_tune.training import TrainOptions, build_tiny, optimizer_and_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / "data" / "spo_train.jsonl"
@@ -128,6 +128,31 @@ def _probe_logits(model, tokenizer, records):
     batch = collate_train([encode_record(r, tokenizer) for r in records[:4]], SpecialIds.of(tokenizer))
     with torch.no_grad():
         return model(batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=0).logits
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_the_schedule_is_transformers_own_step_for_step(schedule):
+    """The learning rate follows transformers' `get_scheduler` (warmup, then the decay) at every step, past the end
+    too, and resumes from its state_dict where it stopped."""
+    from transformers import get_scheduler
+
+    def rates(scheduler, steps):
+        out = []
+        for _ in range(steps):
+            out.append(scheduler.get_last_lr()[0])
+            scheduler.optimizer.step()
+            scheduler.step()
+        return out
+
+    options = TrainOptions(schedule=schedule, lr=3e-3, warmup_ratio=0.1)
+    ours = optimizer_and_schedule([torch.nn.Parameter(torch.zeros(1))], options, 50)[1]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    theirs = get_scheduler(schedule, optimizer, num_warmup_steps=5, num_training_steps=50)
+    assert rates(ours, 30) == rates(theirs, 30)
+    resumed = optimizer_and_schedule([torch.nn.Parameter(torch.zeros(1))], options, 50)
+    resumed[0].load_state_dict(ours.optimizer.state_dict())
+    resumed[1].load_state_dict(ours.state_dict())
+    assert rates(resumed[1], 25) == rates(theirs, 25)
 
 
 def test_the_methods_accumulation_goes_with_its_batch_size():

@@ -11,8 +11,8 @@ routed expert per-row INT4, embedding and head fp16; `bench/common/scale_version
 dequantized, through export.py's GGUF writer as llama.cpp's `deepseek2` q4_0 file (its own rule: output.weight
 q8_0, routers f32): the same model, each engine in its own 4-bit format. `measure`, per thread count, each engine in a
 process of its own on a quiet machine:
-- the toolkit (`from_pretrained(dir, dtype=bf16, quantize_embedding=True)`: INT4 blocks and experts, INT8 embedding
-  and head): load seconds (the page cache warm, as the writer or the previous run left it), prefill of 64 and of 512
+- the toolkit (`from_pretrained(dir, dtype=bf16, quantize_embedding=True)`; `--dtype float32` for fp32 activations:
+  INT4 blocks and experts, INT8 embedding and head): load seconds (the page cache warm, as the writer or the previous run left it), prefill of 64 and of 512
   tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt, peak RSS;
 - llama.cpp's own server (`--ctx-size 1024`, one slot, its defaults): seconds from start to /health (the load), the
   prompt and decode timings its /completion reports for the same prompt ids (`cache_prompt` off), peak RSS sampled.
@@ -89,8 +89,8 @@ def write_gguf_file() -> dict:
     return {**written, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def child_toolkit(threads: int) -> dict:
-    """The toolkit's row, measured in this process (`--child`)."""
+def child_toolkit(threads: int, dtype: str) -> dict:
+    """The toolkit's row, measured in this process (`--child`), activations in `dtype`."""
     import torch
 
     from chatglm_tune import from_pretrained
@@ -99,7 +99,7 @@ def child_toolkit(threads: int) -> dict:
     torch.set_num_threads(threads)
     frame = json.loads(frame_json(VERSION.name, MODEL_DIR))
     start = time.perf_counter()
-    model = from_pretrained(MODEL_DIR, dtype=torch.bfloat16, quantize_embedding=True)
+    model = from_pretrained(MODEL_DIR, dtype=getattr(torch, dtype), quantize_embedding=True)
     out = {"load_s": round(time.perf_counter() - start, 1)}
     warm = framed_ids(frame, 8, 8, SEED + 1)
     generate(model, warm, torch.ones_like(warm), max_new_tokens=2)  # the kernels' layouts, built once
@@ -159,10 +159,11 @@ def _complete(server, ids: list[int], n: int) -> dict:
         return json.loads(response.read())["timings"]
 
 
-def measure(threads: list[int], binary: Path | None) -> dict:
+def measure(threads: list[int], binary: Path | None, dtype: str) -> dict:
     rows = {}
     for n in threads:
-        child = subprocess.run([sys.executable, __file__, "--child", str(n)], capture_output=True, text=True, check=True)
+        child = subprocess.run([sys.executable, __file__, "--child", str(n), "--dtype", dtype], capture_output=True,
+                               text=True, check=True)
         rows[f"toolkit_{n}t"] = json.loads(child.stdout.strip().splitlines()[-1])
         if binary is not None:
             rows[f"llama_{n}t"] = llama_row(binary, n)
@@ -218,10 +219,13 @@ def main() -> None:
     p.add_argument("--step", choices=("gguf", "measure", "load"))
     p.add_argument("--child-load", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the toolkit's activations (default %(default)s; float32 where the CPU lacks bf16 arithmetic)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default %(default)s)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child or args.child_load:
-        print(json.dumps(child_toolkit(args.child) if args.child else child_load()))
+        print(json.dumps(child_toolkit(args.child, args.dtype) if args.child else child_load()))
         return
     if not (MODEL_DIR / "config.json").is_file():
         sys.exit(f"{MODEL_DIR}: no checkpoint; write it first: python bench/scale/scale.py --version glm47-flash --step write")
@@ -233,14 +237,14 @@ def main() -> None:
         print(f"no llama-server ($LLAMA_SERVER or on PATH): the toolkit's rows only. {LLAMA_SERVER_BUILD}")
     elif not GGUF.is_file():
         sys.exit(f"{GGUF}: no GGUF; write it first: python bench/peer/flash.py --step gguf")
-    earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    earlier = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if args.step == "load":  # kept beside the speed rows of `measure`
         rows = {**{k: v for k, v in earlier.items() if k != "load"}, "load": load_times(binary)}
         print(table(rows["load"]))
     else:
-        rows = {**measure(args.threads, binary), **({"load": earlier["load"]} if "load" in earlier else {})}
+        rows = {**measure(args.threads, binary, args.dtype), **({"load": earlier["load"]} if "load" in earlier else {})}
         print(table({k: v for k, v in rows.items() if k != "load"}))
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps({"peer-glm47-flash": rows}))
 
 

@@ -119,6 +119,7 @@ PACK_TILE_BYTES = 8 << 20  # what `pack` rearranges at a time (in place: its one
 _SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
@@ -687,9 +688,71 @@ at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList sca
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+// A mixture-of-experts layer's decode step over INT weights, held once: the router (transformers' arithmetic, as
+// `models/glm/moe_layer.route` computes it: sigmoid scores, top-k of scores + bias, the chosen scores normalized and
+// scaled), then the chosen experts in expert order and the shared expert (weight 1) last, each SwiGLU's gate and up in
+// one grouped call and the downs in another, summed in that order (`quant/experts.QuantizedExperts.decode_step`):
+// the same ATen operations in the same order, so the same bits, without a decode step's Python around them.
+struct MoeDecoder : torch::CustomClassHolder {
+  std::vector<at::Tensor> w, s;  // per expert (routed 0 .. E-1, then the shared one): gate, up, down
+  at::Tensor router, bias;
+  int64_t experts, top_k, bits, isa, act_bits;
+  bool norm;
+  double factor;
+
+  MoeDecoder(std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, int64_t experts, at::Tensor router,
+             at::Tensor bias, int64_t top_k, bool norm, double factor, int64_t bits, int64_t isa, int64_t act_bits)
+      : w(std::move(weights)), s(std::move(scales)), router(std::move(router)), bias(std::move(bias)),
+        experts(experts), top_k(top_k), bits(bits), isa(isa), act_bits(act_bits), norm(norm), factor(factor) {
+    TORCH_CHECK(w.size() == s.size() && w.size() % 3 == 0 && static_cast<int64_t>(w.size()) / 3 >= experts,
+                "int8dot MoeDecoder: three weights and scales an expert");
+  }
+
+  bool shared() const { return static_cast<int64_t>(w.size()) / 3 > experts; }
+
+  // x [1, H] -> [1, H] in x's dtype
+  at::Tensor step(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "int8dot MoeDecoder: one token, x [1, H]");
+    const at::Tensor scores = at::linear(x.to(at::kFloat), router.to(at::kFloat)).sigmoid();
+    const at::Tensor index = std::get<1>(at::topk(scores + bias, top_k, -1, true, false));
+    at::Tensor weights = scores.gather(1, index);
+    if (norm) weights.div_(weights.sum(-1, true) + 1e-20);
+    weights = weights * factor;
+    std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert, its place among the choices), in expert order
+    const at::Tensor picks = index.contiguous();
+    const int64_t* picked = picks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < top_k; ++i)
+      if (picked[i] < experts) chosen.emplace_back(picked[i], i);
+    std::sort(chosen.begin(), chosen.end());
+    std::vector<int64_t> rows, places;
+    for (const auto& c : chosen) rows.push_back(c.first), places.push_back(c.second);
+    if (shared()) rows.push_back(experts);
+    at::Tensor out = at::zeros_like(x);
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) return out;
+    std::vector<at::Tensor> gw, gs, dw, ds;
+    for (int64_t e : rows) {
+      for (int64_t j = 0; j < 2; ++j) gw.push_back(w[3 * e + j]), gs.push_back(s[3 * e + j]);
+      dw.push_back(w[3 * e + 2]), ds.push_back(s[3 * e + 2]);
+    }
+    const at::Tensor gate_up = mm_multi(x.expand({2 * n, x.size(0), x.size(1)}), gw, gs, bits, isa, act_bits)
+                                   .view({n, 2, x.size(0), -1});
+    const at::Tensor down = mm_multi(at::silu(gate_up.select(1, 0)) * gate_up.select(1, 1), dw, ds, bits, isa, act_bits);
+    at::Tensor scale = weights[0].index_select(0, at::tensor(places, index.options()));
+    if (shared()) scale = at::cat({scale, at::ones({1}, scale.options())});
+    const at::Tensor terms = (down * scale.view({-1, 1, 1})).to(out.scalar_type());
+    for (int64_t r = 0; r < n; ++r) out.add_(terms[r]);
+    return out;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
+  lib.class_<MoeDecoder>("MoeDecoder")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, at::Tensor, at::Tensor, int64_t, bool,
+                       double, int64_t, int64_t, int64_t>())
+      .def("step", &MoeDecoder::step);
   lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8, Tensor? bias=None) -> Tensor", &mm);
   lib.def("mm_multi(Tensor x, Tensor[] w, Tensor[] scale, int bits, int isa, int act_bits=8) -> Tensor", &mm_multi);
   lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
@@ -820,6 +883,19 @@ def matmul_multi(x: Tensor, weights: list[Tensor], weight_scales: list[Tensor], 
     _build()
     return torch.ops.chatglm_int8dot_cpu.mm_multi(x, [w.contiguous() for w in weights], list(weight_scales), bits, code,
                                                   act_bits(bits, act))
+
+
+def moe_decoder(weights: list[Tensor], scales: list[Tensor], experts: int, router: Tensor, bias: Tensor, top_k: int,
+                norm: bool, factor: float, bits: int, isa_name: str | None = None):
+    """A mixture-of-experts layer's decode step held in C++ (`.step(x)`: x [1, H] -> [1, H]): `weights` / `scales` per
+    expert gate, up, down (`pack`'s layout or official; float32 scales), the `experts` routed ones then, where given,
+    the shared one; the router's `router` weight, `bias` (its score correction), `top_k`, `norm` and `factor` as
+    transformers' GLM routers hold them (one group of experts). The same arithmetic as the Python step, bit for bit:
+    the C++ source's `MoeDecoder`."""
+    code = ISAS[isa_name or isa()]
+    _build()
+    return torch.classes.chatglm_int8dot_cpu.MoeDecoder([w.contiguous() for w in weights], list(scales), experts, router,
+                                                        bias, top_k, norm, factor, bits, code, act_bits(bits))
 
 
 def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,8 @@ kernel's first use, for this process only); `state_dict` then rebuilds the offic
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -22,6 +24,34 @@ from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block
 # ------------------------------------------------------------------------------------------------
 # Module
 # ------------------------------------------------------------------------------------------------
+
+_EPOCH = [0]
+
+
+def layouts_epoch() -> int:
+    """A number that changes whenever a QuantizedLinear makes or drops a kernel's layout, and, once `watch_modules`
+    was called, whenever a submodule anywhere is replaced or a QuantizedLinear is set (an adapter wrapping a layer, or
+    unwrapping it): holders of layouts (`quant.experts`' decode steps) check it before they reuse theirs."""
+    return _EPOCH[0]
+
+
+def _layouts_changed() -> None:
+    _EPOCH[0] += 1
+
+
+def _on_submodule(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    # called before `module` is set: a new container filled (transformers slices its ModuleList of layers every
+    # forward) changes nothing
+    if parent._modules.get(name) is not None or type(module) is QuantizedLinear:
+        _layouts_changed()
+
+
+@functools.cache
+def watch_modules() -> None:
+    """From now on a submodule replaced anywhere, or a QuantizedLinear set (`nn.Module.__setattr__`,
+    `register_module`), changes `layouts_epoch` (once per process)."""
+    nn.modules.module.register_module_module_registration_hook(_on_submodule)
+
 
 
 class QuantizedLinear(nn.Module):
@@ -178,6 +208,7 @@ class QuantizedLinear(nn.Module):
                 block = int4pack_block_rows()
                 release = block is not None and self.out_features % block == 0
             self._layout = (kernel, None if release else self.weight.data_ptr(), *data)
+            _layouts_changed()
             if release:
                 self.weight.data = torch.empty(0, dtype=torch.int8)
             heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
@@ -236,7 +267,9 @@ class QuantizedLinear(nn.Module):
     def _restore_official_weight(self) -> None:
         if self.held_layout:
             self.weight.data = self._official_weight()
-        self._layout = None
+        if self._layout is not None:
+            self._layout = None
+            _layouts_changed()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -253,6 +286,7 @@ class QuantizedLinear(nn.Module):
         if self.held_layout:
             self.weight.data = torch.empty(self.out_features, self.weight_row_bytes, dtype=torch.int8)
         self._layout = None
+        _layouts_changed()
         super()._load_from_state_dict(*args, **kwargs)
 
 

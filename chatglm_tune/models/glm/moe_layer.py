@@ -2,8 +2,10 @@
 decode steps in two calls of the integer-dot kernel: over INT8 / INT4 experts (`quant.experts.QuantizedExperts`) a
 token's chosen experts and the layer's shared expert (as an expert of weight 1, added last as transformers adds it)
 run their gate and up projections in one grouped call and their down projections in another, the same products bit
-for bit; the router's arithmetic is transformers' own (`route`). Prefill, training and float experts run transformers'
-forward.
+for bit; the router's arithmetic is transformers' own (`route`). Where the layer's experts and router allow it (SiLU,
+one group of experts: every GLM release) the whole step, router included, runs as one C++ call
+(`QuantizedExperts.decoder`: the same operations, without ~40 Python-level ones a layer). Prefill, training and float
+experts run transformers' forward.
 """
 
 from __future__ import annotations
@@ -15,18 +17,44 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
 
 from chatglm_tune.quant.experts import QuantizedExperts
+from chatglm_tune.quant.modules import layouts_epoch, watch_modules
 
 
 class _GroupedDecode:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         x = hidden_states.view(-1, hidden_states.shape[-1])
+        decoder = self._decoder(x)
+        if decoder is not None:
+            return decoder.step(x).view(hidden_states.shape)
         if isinstance(experts, QuantizedExperts) and experts.grouped_decode_runs(x) and self._shared_joins():
             weights, index = route(self.gate, x)
             out = experts.decode_step(x, index[0], weights[0], self.shared_experts)
             if out is not None:
                 return out.view(hidden_states.shape)
         return super().forward(hidden_states)
+
+    def _decoder(self, x: torch.Tensor):
+        """The C++ decode step (`QuantizedExperts.decoder`) where it runs these rows of x, made once and kept while no
+        layout or submodule changed (`layouts_epoch`); a stale one is dropped at the next forward of any kind, so the
+        layouts it holds are never kept beside rebuilt ones."""
+        held = self.__dict__.get("_held_decoder")
+        if held is not None and held[0] != layouts_epoch():
+            held = self.__dict__["_held_decoder"] = None
+        experts = self.experts
+        if not (isinstance(experts, QuantizedExperts) and experts.grouped_decode_runs(x)):
+            return None
+        if held is None:
+            watch_modules()
+            gate = self.gate
+            one_group = gate.num_group == 1 and gate.topk_group == 1
+            decoder = experts.decoder(gate, self.shared_experts) if one_group and self._shared_joins() else None
+            held = self.__dict__["_held_decoder"] = (layouts_epoch(), decoder)
+        return held[1]
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__["_held_decoder"] = None  # it holds the tensors as they were
+        return super()._apply(fn, recurse)
 
     def _shared_joins(self) -> bool:
         """Whether the shared expert can run in the routed experts' grouped calls (asked once per pair of modules)."""
