@@ -139,7 +139,7 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
 
 def test_decoding_makes_each_layers_held_step_once(tiny, monkeypatch):
     """A model's forward slices its list of layers anew at every step: that is no change that makes the held decode
-    steps again (each was made at every step, slower than the Python step)."""
+    steps again (made at every step, they would be slower than the Python step)."""
     from chatglm_tune import from_pretrained
     from chatglm_tune.decoding.generation import generate
     from chatglm_tune.quant import int8dot_cpu

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -277,10 +278,16 @@ def test_api_key(glm4_dir):
 
 
 @contextlib.contextmanager
-def held_forwards(model):
-    """Every forward of `model` waits at its start until the `release()` this yields is called (or the block ends)."""
-    gate = threading.Event()
-    handle = model.register_forward_pre_hook(lambda module, inputs: gate.wait(HANG_S) and None)
+def held_forwards(model, after: int = 0):
+    """Every forward of `model` past the first `after` waits at its start until the `release()` this yields is called
+    (or the block ends)."""
+    gate, seen = threading.Event(), itertools.count()
+
+    def hold(module, inputs):
+        if next(seen) >= after:
+            gate.wait(HANG_S)
+
+    handle = model.register_forward_pre_hook(hold)
     try:
         yield gate.set
     finally:
@@ -298,12 +305,14 @@ def spy_on_cancel(monkeypatch) -> list:
 def test_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(glm4_dir, monkeypatch):
     with serving(glm4_dir, options=ServingOptions(max_batch=1, max_queue=0)) as s:
         client = s.client()
-        stream = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, stream=True)
-        next(iter(stream))  # running: the one slot is taken
-        with pytest.raises(openai.RateLimitError) as err:
-            client.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=4)
-        assert err.value.status_code == 429
-        with held_forwards(s.model) as release:  # the request cannot go on while the server hears the client leave
+        # the prompt's forward runs, the next one waits: the request holds its slot (it cannot end by itself) while
+        # a second one is refused and while the server hears the client leave
+        with held_forwards(s.model, after=1) as release:
+            stream = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, stream=True)
+            next(iter(stream))  # running: the one slot is taken
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=4)
+            assert err.value.status_code == 429
             steps = s.service.engine.steps
             cancelled = spy_on_cancel(monkeypatch)
             stream.close()  # the client goes away

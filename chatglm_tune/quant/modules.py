@@ -53,7 +53,6 @@ def watch_modules() -> None:
     nn.modules.module.register_module_module_registration_hook(_on_submodule)
 
 
-
 class QuantizedLinear(nn.Module):
     """A frozen Linear holding official-layout integer weights: `y = x @ dequant(W).T + bias`.
 
