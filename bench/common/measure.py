@@ -1,5 +1,6 @@
 """Measuring for every bench: peak resident set (of a fresh process, or of a window inside this one),
-copy bandwidth, the weight bytes a decode step reads, and a timer with warm-up and median.
+copy bandwidth, the weight bytes a decode step reads, a timer with warm-up and median, and the machine a result
+was measured on.
 
 Peak RSS of a child process: `run(cmd)` starts the command from a small stdlib-only interpreter
 (about 13 MB) and reports the `ru_maxrss` that `os.wait4` returns for the command: that process's own
@@ -195,3 +196,20 @@ def median_seconds(fn, repeats: int = 1, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def machine(threads: int) -> dict:
+    """The machine a bench runs on, as its results record it: the CPU, PyTorch's kernel level, threads, torch."""
+    import platform
+
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": threads, "torch": torch.__version__}
+
+
+def made_by(script: str, on: dict) -> str:
+    """A results page's line on how it was made: "`python SCRIPT ARGS` on CPU (LEVEL, N threads, torch V)", with this
+    process's arguments and the `machine` `on`."""
+    command = " ".join([f"python {script}", *sys.argv[1:]])
+    return f"`{command}` on {on['cpu']} ({on['capability']}, {on['threads']} threads, torch {on['torch']})"

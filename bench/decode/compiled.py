@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
-from bench.common.measure import RESULTS, ROOT  # noqa: E402
+from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
 
 CORPUS = ROOT / "data" / "spo_dev.jsonl"
 
@@ -110,16 +109,15 @@ def main(argv=None) -> None:
                 row = compare(model, batch, args.new_tokens, args.rounds)
                 results.append({"version": version, "size": size, "params": params, **row})
                 print(table(results[-1:]).splitlines()[-1], flush=True)
-    machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
-               "threads": args.threads, "torch": torch.__version__}
-    summary = {"bench": "compiled", "machine": machine, "results": results}
+    on = machine(args.threads)
+    summary = {"bench": "compiled", "machine": on, "results": results}
     text = table(results)
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     args.output.with_suffix(".md").write_text(
-        f"# Compiled decode steps on a static cache against the cached loop\n\n`{' '.join(['python bench/decode/compiled.py', *sys.argv[1:]])}` "
-        f"on {machine['cpu']} ({machine['capability']}, {args.threads} threads, torch {machine['torch']}), fp32.\n\n{text}\n",
+        f"# Compiled decode steps on a static cache against the cached loop\n\n{made_by('bench/decode/compiled.py', on)}, "
+        f"fp32.\n\n{text}\n",
         encoding="utf-8")
     print(json.dumps(summary))
 

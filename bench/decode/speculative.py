@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
-from bench.common.measure import RESULTS, ROOT  # noqa: E402
+from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
 
 TARGETS = {1: 2.0, 8: 1.5}  # batch size -> speculative / plain tok/s
 VERIFY_GUESSES = (0, 1, 2, 4, 8)
@@ -199,17 +198,15 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     results = [measure_model(m, args) for m in args.model]
-    machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
-    summary = {"bench": "speculative", "machine": machine, "results": results, "verdicts": verdicts(results)}
+    on = machine(torch.get_num_threads())
+    summary = {"bench": "speculative", "machine": on, "results": results, "verdicts": verdicts(results)}
     text = table(results)
     print(text)
     print("\n".join(summary["verdicts"]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     args.output.with_suffix(".md").write_text(
-        f"# Speculative greedy decoding against plain greedy\n\n`{' '.join(['python bench/decode/speculative.py', *sys.argv[1:]])}` "
-        f"on {machine['cpu']} ({machine['capability']}, {machine['threads']} threads, torch {machine['torch']}).\n\n"
+        f"# Speculative greedy decoding against plain greedy\n\n{made_by('bench/decode/speculative.py', on)}.\n\n"
         f"{text}\n\n" + "\n".join(f"- {v}" for v in summary["verdicts"]) + "\n", encoding="utf-8")
     print(json.dumps(summary, ensure_ascii=False))
 

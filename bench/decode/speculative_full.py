@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
-from bench.common.measure import RESULTS, ROOT  # noqa: E402
+from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
 from bench.decode.speculative import TARGETS, VERIFY_GUESSES, load, records_of  # noqa: E402
 
 LLAMA_NEW_TOKENS = 32  # llama.cpp's plain tokens after the prompt
@@ -255,17 +254,15 @@ def main(argv=None) -> None:
     prompt = tokenizer.prompt_format.prompt_ids(tokenizer, records[0], source.encoding)[0]
     del model
     result["llama"] = llama_plain(args.gguf, prompt, args.threads)
-    machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
-               "threads": args.threads, "torch": torch.__version__}
-    summary = {"bench": "speculative-full", "machine": machine, **result}
+    on = machine(args.threads)
+    summary = {"bench": "speculative-full", "machine": on, **result}
     text = table(result)
     print(line)
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     args.output.with_suffix(".md").write_text(
-        f"# Speculative extraction at full size\n\n`{' '.join(['python bench/decode/speculative_full.py', *sys.argv[1:]])}` "
-        f"on {machine['cpu']} ({machine['capability']}, {args.threads} threads, torch {machine['torch']}); {line}; the "
+        f"# Speculative extraction at full size\n\n{made_by('bench/decode/speculative_full.py', on)}; {line}; the "
         f"acceptance pattern of {args.pattern.name}.\n\n{text}\n", encoding="utf-8")
     print(json.dumps(summary, ensure_ascii=False))
 

@@ -92,4 +92,3 @@ def static_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, max_new
         full[:, length + n] = 1
         scores = step(tokens[:, None], positions, full, cache)
         positions = positions + 1
-

@@ -46,9 +46,8 @@ class _GroupedDecode:
             return None
         if held is None:
             watch_modules()
-            gate = self.gate
-            one_group = gate.num_group == 1 and gate.topk_group == 1
-            decoder = experts.decoder(gate, self.shared_experts) if one_group and self._shared_joins() else None
+            joins = _one_group(self.gate) and self._shared_joins()
+            decoder = experts.decoder(self.gate, self.shared_experts) if joins else None
             held = self.__dict__["_held_decoder"] = (layouts_epoch(), decoder)
         return held[1]
 
@@ -70,7 +69,7 @@ def route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(weights, index) of the experts transformers' router (`Glm4MoeTopkRouter`, `Glm4MoeLiteTopkRouter`) chooses for
     the rows of x: its own arithmetic, in the same order. With one group of experts (every GLM release: n_group 1) its
     group selection keeps every expert, and is skipped (11 of its 20 operations a token)."""
-    if gate.num_group != 1 or gate.topk_group != 1:
+    if not _one_group(gate):
         _, weights, index = gate(x)
         return weights, index
     scores = F.linear(x.type(torch.float32), gate.weight.type(torch.float32)).sigmoid()
@@ -79,6 +78,11 @@ def route(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if gate.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return weights * gate.routed_scaling_factor, index
+
+
+def _one_group(gate: nn.Module) -> bool:
+    """Whether the router chooses among all its experts as one group (its group selection keeps every expert)."""
+    return gate.num_group == 1 and gate.topk_group == 1
 
 
 class MoeLayer(_GroupedDecode, Glm4MoeMoE):
