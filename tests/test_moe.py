@@ -85,8 +85,8 @@ def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tin
     assert quantize_experts(model, bits) == 1 and isinstance(model.model.layers[1].mlp.experts, QuantizedExperts)
 
 
-@pytest.mark.parametrize("bits", (8, 4))
-def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(tiny, bits):
+@pytest.mark.parametrize("bits,dtype", ((8, torch.bfloat16), (4, torch.bfloat16), (4, torch.float32)))
+def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(tiny, bits, dtype):
     """Over INT experts a one-token step of a mixture-of-experts layer runs its chosen experts and the shared expert in
     two grouped integer-dot calls, equal bit for bit to transformers' forward expert by expert; a shared expert the
     grouped calls cannot take (a float layer, as an adapter leaves it) runs transformers' way."""
@@ -96,7 +96,7 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
     if not int8dot_cpu.available():
         pytest.skip("the int8 dot-product kernel cannot run or be built here")
     version, directory = tiny
-    model = from_pretrained(directory, quantization_bit=bits, dtype=torch.bfloat16)
+    model = from_pretrained(directory, quantization_bit=bits, dtype=dtype)
     layer = model.model.layers[1].mlp
     plain_forward = type(layer).__mro__[2].forward  # transformers' own layer forward
     calls = []
@@ -105,7 +105,7 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
 
     def check(seeds):
         for seed in seeds:
-            x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
             calls.clear()
             grouped = layer(x)
             assert "QuantizedLinear" not in calls and "QuantizedExpert" not in calls  # no layer by layer
@@ -129,7 +129,7 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
         layer.load_state_dict(state)  # new layouts: the held step is made again from them
         x = check(range(8, 10))
         shared = layer.shared_experts
-        float_gate = nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False).bfloat16()
+        float_gate = nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False).to(dtype)
         shared.gate_proj = float_gate
         float_gate.register_forward_pre_hook(lambda m, args: calls.append(type(m).__name__))
         calls.clear()
@@ -139,22 +139,29 @@ def test_a_decode_step_runs_the_chosen_and_shared_experts_in_two_grouped_calls(t
 
 def test_decoding_makes_each_layers_held_step_once(tiny, monkeypatch):
     """A model's forward slices its list of layers anew at every step: that is no change that makes the held decode
-    steps again (made at every step, they would be slower than the Python step)."""
+    steps again (made at every step, they would be slower than the Python step): the experts' step and, for
+    GLM-4.7-Flash, the whole layer's."""
     from chatglm_tune import from_pretrained
     from chatglm_tune.decoding.generation import generate
+    from chatglm_tune.models.glm import latent_layer
     from chatglm_tune.quant import int8dot_cpu
 
     if not int8dot_cpu.available():
         pytest.skip("the int8 dot-product kernel cannot run or be built here")
     version, directory = tiny
     model = from_pretrained(directory, quantization_bit=4, dtype=torch.float32)
-    made = []
-    real = QuantizedExperts.decoder
+    made, layers_made = [], []
+    real, real_layer = QuantizedExperts.decoder, latent_layer._made_step
     monkeypatch.setattr(QuantizedExperts, "decoder", lambda self, *args: made.append(self) or real(self, *args))
+    monkeypatch.setattr(latent_layer, "_made_step", lambda layer, x: layers_made.append(layer) or real_layer(layer, x))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     generate(model, ids, torch.ones_like(ids), max_new_tokens=6, eos_token_id=[])
     layers = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
     assert layers and sorted(map(id, made)) == sorted(map(id, layers))
+    held = [m for m in model.modules() if isinstance(m, latent_layer.LatentLayer)]
+    assert sorted(map(id, layers_made)) == sorted(map(id, held)) and bool(held) == (version == "glm4-moe-lite")
+    if held:  # a dense layer runs its modules
+        assert [layer._held[1] is not None for layer in held] == [t == "sparse" for t in model.config.mlp_layer_types]
 
 
 def test_the_one_group_router_chooses_as_transformers_router(tiny):
@@ -196,6 +203,67 @@ def test_latent_decode_steps_over_int_weights_read_the_integer_kv_b_proj(tmp_pat
         mixed = torch.randn(heads, 3, attention.kv_lora_rank, generator=torch.Generator().manual_seed(1))
         for got, want in ((absorbed.keys(q), exact.keys(q)), (absorbed.values(mixed), exact.values(mixed))):
             assert got.shape == want.shape and (got - want).norm() < 2e-2 * want.norm()
+
+
+@pytest.mark.parametrize("bits,dtype", ((4, torch.float32), (8, torch.bfloat16)))
+def test_a_latent_layers_decode_step_runs_in_cpp_with_the_same_bits(tmp_path_factory, monkeypatch, bits, dtype):
+    """GLM-4.7-Flash over INT weights: a one-token decode step of a layer with experts runs as one held C++ step (none
+    of its projections' forwards called), its scores equal bit for bit to the Python step's, a left-padded prompt's
+    mask included; a norm's weight replaced is read by the step made again; a hook on one of its modules sends the step
+    back to the modules, and so does a float projection swapped in."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.decoding.batch_cache import BatchCache
+    from chatglm_tune.models.glm.latent_layer import LatentLayer
+    from chatglm_tune.quant import int8dot_cpu
+    from chatglm_tune.quant.modules import QuantizedLinear
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    directory = tiny_model("glm4-moe-lite", tmp_path_factory.mktemp("lite-held"))
+    model = from_pretrained(directory, quantization_bit=bits, dtype=dtype)
+    layer = model.model.layers[1]
+    ids = torch.randint(5, 200, (1, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    one_row = []
+    real_forward = QuantizedLinear.forward
+
+    def counted(self, x):
+        if x.numel() == x.shape[-1]:  # a one-token step
+            one_row.append(self)
+        return real_forward(self, x)
+
+    monkeypatch.setattr(QuantizedLinear, "forward", counted)
+
+    def decode(steps=4):
+        with torch.no_grad():
+            batch, scores = BatchCache.prefill(model, ids, mask)
+            out = [scores]
+            for _ in range(steps):
+                out.append(batch.step(model, out[-1].argmax(-1)))
+        return torch.stack(out)
+
+    def python_decode(steps=4):
+        with monkeypatch.context() as python_step:
+            python_step.setattr(LatentLayer, "_held_step", lambda self, x, cache: None)
+            return decode(steps)
+
+    held = decode()
+    projections = set(map(id, layer.self_attn.children()))
+    assert layer._held[1] is not None and not projections & set(map(id, one_row))
+    assert torch.equal(python_decode(), held) and projections & set(map(id, one_row))
+    norm = layer.post_attention_layernorm
+    norm.weight = nn.Parameter(torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(5)).to(dtype))
+    changed = decode(2)
+    assert not torch.equal(changed, held[:3]) and torch.equal(changed, python_decode(2))  # the new weight read
+    seen = []
+    handle = layer.self_attn.q_a_layernorm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert torch.equal(decode(1), changed[:2]) and (1, 1, model.config.q_lora_rank) in seen
+    handle.remove()
+    attention = layer.self_attn
+    attention.o_proj = nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features, bias=False, dtype=dtype)
+    decode(1)
+    assert layer._held[1] is None
 
 
 def test_serve_answers_a_chat(tiny, tmp_path):

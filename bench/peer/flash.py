@@ -13,7 +13,8 @@ q8_0, routers f32): the same model, each engine in its own 4-bit format. `measur
 process of its own on a quiet machine:
 - the toolkit (`from_pretrained(dir, dtype=bf16, quantize_embedding=True)`; `--dtype float32` for fp32 activations:
   INT4 blocks and experts, INT8 embedding and head): load seconds (the page cache warm, as the writer or the previous run left it), prefill of 64 and of 512
-  tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt, peak RSS;
+  tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt (the
+  median of `DECODE_RUNS` runs), peak RSS;
 - llama.cpp's own server (`--ctx-size 1024`, one slot, its defaults): seconds from start to /health (the load), the
   prompt and decode timings its /completion reports for the same prompt ids (`cache_prompt` off), peak RSS sampled.
 Prompts are the bench frame's ids (`scale_versions.framed_ids`). `load`: each engine's load alone, one thread, from a
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +43,7 @@ MODEL_DIR = Path(f"/tmp/{VERSION.slug}-random")
 GGUF = Path(f"/tmp/{VERSION.slug}-q4_0.gguf")
 RESULTS = REPO / "bench" / "results" / "peer-glm47-flash.json"
 PROMPTS, NEW_TOKENS, SEED = (64, 512), 32, 0
+DECODE_RUNS = 3  # decode measured this many times an engine, the median kept (a shared machine's speed drifts)
 GB = 1e9
 
 
@@ -111,10 +114,13 @@ def child_toolkit(threads: int, dtype: str) -> dict:
     ids = framed_ids(frame, PROMPTS[0], PROMPTS[0], SEED)
     calls: list[float] = []  # each forward's start: the prompt's, then one a new token
     hook = model.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
-    generate(model, ids, torch.ones_like(ids), max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    end = time.perf_counter()
+    rates = []
+    for _ in range(DECODE_RUNS):
+        calls.clear()
+        generate(model, ids, torch.ones_like(ids), max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        rates.append((len(calls) - 1) / (time.perf_counter() - calls[1]))
     hook.remove()
-    out["decode_tok_s"] = round((len(calls) - 1) / (end - calls[1]), 3)
+    out["decode_tok_s"] = round(statistics.median(rates), 3)
     out["peak_rss_gb"] = round(peak_rss() / GB, 2)
     return out
 
@@ -132,8 +138,9 @@ def llama_row(binary: Path, threads: int) -> dict:
             for length in PROMPTS:
                 timings = _complete(server, framed_ids(frame, length, length, SEED)[0].tolist(), 1)
                 out[f"prefill_{length}_s"] = round(timings["prompt_ms"] / 1000, 2)
-            timings = _complete(server, framed_ids(frame, PROMPTS[0], PROMPTS[0], SEED)[0].tolist(), NEW_TOKENS)
-            out["decode_tok_s"] = round(timings["predicted_per_second"], 3)
+            prompt = framed_ids(frame, PROMPTS[0], PROMPTS[0], SEED)[0].tolist()
+            rates = [_complete(server, prompt, NEW_TOKENS)["predicted_per_second"] for _ in range(DECODE_RUNS)]
+            out["decode_tok_s"] = round(statistics.median(rates), 3)
         out["peak_rss_gb"] = round(rss.peak / GB, 2)
     finally:
         server.stop()

@@ -56,6 +56,9 @@ int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11 (on 2 MB pages: the note below `INT
 `MAX_ROWS_INT8_BF16`; the layout: `INTERLEAVE`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
 memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
 
+The decode steps the GLM mixture-of-experts models hold in C++ (`moe_decoder`, `latent_layer`) are C++ of their own,
+int8dot_steps.cpp, built into the same library after this kernel.
+
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
 ~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
 warning; on CPUs without AVX2 (or not x86-64) it is False without a build; either way QuantizedLinear keeps
@@ -65,6 +68,7 @@ the kernels it used before.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -688,71 +692,9 @@ at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList sca
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
-// A mixture-of-experts layer's decode step over INT weights, held once: the router (transformers' arithmetic, as
-// `models/glm/moe_layer.route` computes it: sigmoid scores, top-k of scores + bias, the chosen scores normalized and
-// scaled), then the chosen experts in expert order and the shared expert (weight 1) last, each SwiGLU's gate and up in
-// one grouped call and the downs in another, summed in that order (`quant/experts.QuantizedExperts.decode_step`):
-// the same ATen operations in the same order, so the same bits, without a decode step's Python around them.
-struct MoeDecoder : torch::CustomClassHolder {
-  std::vector<at::Tensor> w, s;  // per expert (routed 0 .. E-1, then the shared one): gate, up, down
-  at::Tensor router, bias;
-  int64_t experts, top_k, bits, isa, act_bits;
-  bool norm;
-  double factor;
-
-  MoeDecoder(std::vector<at::Tensor> weights, std::vector<at::Tensor> scales, int64_t experts, at::Tensor router,
-             at::Tensor bias, int64_t top_k, bool norm, double factor, int64_t bits, int64_t isa, int64_t act_bits)
-      : w(std::move(weights)), s(std::move(scales)), router(std::move(router)), bias(std::move(bias)),
-        experts(experts), top_k(top_k), bits(bits), isa(isa), act_bits(act_bits), norm(norm), factor(factor) {
-    TORCH_CHECK(w.size() == s.size() && w.size() % 3 == 0 && static_cast<int64_t>(w.size()) / 3 >= experts,
-                "int8dot MoeDecoder: three weights and scales an expert");
-  }
-
-  bool shared() const { return static_cast<int64_t>(w.size()) / 3 > experts; }
-
-  // x [1, H] -> [1, H] in x's dtype
-  at::Tensor step(const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "int8dot MoeDecoder: one token, x [1, H]");
-    const at::Tensor scores = at::linear(x.to(at::kFloat), router.to(at::kFloat)).sigmoid();
-    const at::Tensor index = std::get<1>(at::topk(scores + bias, top_k, -1, true, false));
-    at::Tensor weights = scores.gather(1, index);
-    if (norm) weights.div_(weights.sum(-1, true) + 1e-20);
-    weights = weights * factor;
-    std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert, its place among the choices), in expert order
-    const at::Tensor picks = index.contiguous();
-    const int64_t* picked = picks.data_ptr<int64_t>();
-    for (int64_t i = 0; i < top_k; ++i)
-      if (picked[i] < experts) chosen.emplace_back(picked[i], i);
-    std::sort(chosen.begin(), chosen.end());
-    std::vector<int64_t> rows, places;
-    for (const auto& c : chosen) rows.push_back(c.first), places.push_back(c.second);
-    if (shared()) rows.push_back(experts);
-    at::Tensor out = at::zeros_like(x);
-    const int64_t n = static_cast<int64_t>(rows.size());
-    if (n == 0) return out;
-    std::vector<at::Tensor> gw, gs, dw, ds;
-    for (int64_t e : rows) {
-      for (int64_t j = 0; j < 2; ++j) gw.push_back(w[3 * e + j]), gs.push_back(s[3 * e + j]);
-      dw.push_back(w[3 * e + 2]), ds.push_back(s[3 * e + 2]);
-    }
-    const at::Tensor gate_up = mm_multi(x.expand({2 * n, x.size(0), x.size(1)}), gw, gs, bits, isa, act_bits)
-                                   .view({n, 2, x.size(0), -1});
-    const at::Tensor down = mm_multi(at::silu(gate_up.select(1, 0)) * gate_up.select(1, 1), dw, ds, bits, isa, act_bits);
-    at::Tensor scale = weights[0].index_select(0, at::tensor(places, index.options()));
-    if (shared()) scale = at::cat({scale, at::ones({1}, scale.options())});
-    const at::Tensor terms = (down * scale.view({-1, 1, 1})).to(out.scalar_type());
-    for (int64_t r = 0; r < n; ++r) out.add_(terms[r]);
-    return out;
-  }
-};
-
 }  // namespace
 
 TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
-  lib.class_<MoeDecoder>("MoeDecoder")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, at::Tensor, at::Tensor, int64_t, bool,
-                       double, int64_t, int64_t, int64_t>())
-      .def("step", &MoeDecoder::step);
   lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8, Tensor? bias=None) -> Tensor", &mm);
   lib.def("mm_multi(Tensor x, Tensor[] w, Tensor[] scale, int bits, int isa, int act_bits=8) -> Tensor", &mm_multi);
   lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
@@ -764,7 +706,8 @@ TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
 @functools.cache
 def _build() -> bool:
     """Compile and load the kernel (once per process; the build itself is cached on disk)."""
-    return inline_build.build("chatglm_int8dot_cpu", _SOURCE, [], "the int8 dot-product kernel", "keeping the previous CPU kernels")
+    source = _SOURCE + (Path(__file__).parent / "int8dot_steps.cpp").read_text()
+    return inline_build.build("chatglm_int8dot_cpu", source, [], "the int8 dot-product kernel", "keeping the previous CPU kernels")
 
 
 _x86 = inline_build.x86
@@ -896,6 +839,26 @@ def moe_decoder(weights: list[Tensor], scales: list[Tensor], experts: int, route
     _build()
     return torch.classes.chatglm_int8dot_cpu.MoeDecoder([w.contiguous() for w in weights], list(scales), experts, router,
                                                         bias, top_k, norm, factor, bits, code, act_bits(bits))
+
+
+def latent_layer(linears: list[tuple[Tensor, Tensor, int]], norms: list[tuple[Tensor, float]],
+                 absorbed: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], int],
+                 dims: tuple[int, int, int, int, int], scaling: float, interleave: bool, moe, isa_name: str | None = None):
+    """A GLM-4.7-Flash decoder layer's one-token decode step held in C++ (`.begin(x, cos, sin)`, then the cache's
+    update, then `.finish(x, query, q_rot, latents, k_rots, mask)`): `linears` q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+    o_proj as (weight in `pack`'s layout or official, float32 scale, bits); `norms` the input, q_a, kv_a and
+    post-attention norms as (weight, eps); `absorbed` kv_b_proj's INT8 key weights and scales per head, its value
+    weights and scales per head and their bits; `dims` heads, no-rotary key, rotary, value and latent widths; the
+    attention's `scaling` and rotary layout; `moe` the layer's `moe_decoder`. The same arithmetic as the Python step,
+    bit for bit: the C++ source's `LatentLayer`."""
+    code = ISAS[isa_name or isa()]
+    _build()
+    key_w, key_s, value_w, value_s, value_bits = absorbed
+    bits = [b for _, _, layer_bits in linears for b in (layer_bits, act_bits(layer_bits))]
+    bits += [8, act_bits(8), value_bits, act_bits(value_bits)]
+    return torch.classes.chatglm_int8dot_cpu.LatentLayer(
+        [w.contiguous() for w, _, _ in linears], [s for _, s, _ in linears], bits, [w for w, _ in norms],
+        [float(eps) for _, eps in norms], key_w, key_s, value_w, value_s, [*dims, code], float(scaling), interleave, moe)
 
 
 def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:

@@ -30,8 +30,9 @@ _EPOCH = [0]
 
 def layouts_epoch() -> int:
     """A number that changes whenever a QuantizedLinear makes or drops a kernel's layout, and, once `watch_modules`
-    was called, whenever a submodule anywhere is replaced or a QuantizedLinear is set (an adapter wrapping a layer, or
-    unwrapping it): holders of layouts (`quant.experts`' decode steps) check it before they reuse theirs."""
+    was called, whenever a submodule or a parameter anywhere is replaced or a QuantizedLinear is set (an adapter
+    wrapping a layer, or unwrapping it): holders of layouts and parameters (the held decode steps of
+    `models/glm/moe_layer` and `latent_layer`) check it before they reuse theirs."""
     return _EPOCH[0]
 
 
@@ -46,11 +47,18 @@ def _on_submodule(parent: nn.Module, name: str, module: nn.Module | None) -> Non
         _layouts_changed()
 
 
+def _on_parameter(module: nn.Module, name: str, parameter: nn.Parameter) -> None:
+    # called before `parameter` is set: a held step reads the one it replaces
+    if module._parameters.get(name) is not None:
+        _layouts_changed()
+
+
 @functools.cache
 def watch_modules() -> None:
-    """From now on a submodule replaced anywhere, or a QuantizedLinear set (`nn.Module.__setattr__`,
-    `register_module`), changes `layouts_epoch` (once per process)."""
+    """From now on a submodule or a parameter replaced anywhere, or a QuantizedLinear set (`nn.Module.__setattr__`,
+    `register_module`, `register_parameter`), changes `layouts_epoch` (once per process)."""
     nn.modules.module.register_module_module_registration_hook(_on_submodule)
+    nn.modules.module.register_module_parameter_registration_hook(_on_parameter)
 
 
 class QuantizedLinear(nn.Module):

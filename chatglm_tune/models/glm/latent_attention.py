@@ -36,10 +36,21 @@ class LatentAttention(Glm4MoeLiteAttention):
     """`Glm4MoeLiteAttention` with decode steps against the cached latents (the module docstring)."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None, **kwargs):
-        absorbed = (not self.training and not torch.is_grad_enabled() and hidden_states.shape[1] <= ABSORBED_MAX_QUERIES
-                    and type(self.kv_b_proj) in (nn.Linear, QuantizedLinear) and cache is not None)
-        if not absorbed:
+        if not self.absorbs(hidden_states, cache):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        query, q_rot, latent, k_rot = self.absorbed_query(hidden_states, position_embeddings)
+        latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
+        out = self.absorbed_attention(query, q_rot, latent, k_rot, attention_mask)
+        return self.o_proj(out.to(hidden_states.dtype)), None
+
+    def absorbs(self, hidden_states: torch.Tensor, cache) -> bool:
+        """Whether this forward runs against the cached latents (nothing trained, a few queries, a cache)."""
+        return (not self.training and not torch.is_grad_enabled() and hidden_states.shape[1] <= ABSORBED_MAX_QUERIES
+                and type(self.kv_b_proj) in (nn.Linear, QuantizedLinear) and cache is not None)
+
+    def absorbed_query(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """(each head's no-rotary query in the latent space [H, b s, 512], the rotated query [b, H, s, 64]) and what
+        to cache: (the normed latent [b, 1, s, 512], the rotated shared key [b, 1, s, 64])."""
         b, s = hidden_states.shape[:2]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -53,18 +64,24 @@ class LatentAttention(Glm4MoeLiteAttention):
         cos, sin = position_embeddings
         rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
-        latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
-        # in float32: small batched products, which a CPU runs several times faster than in bf16
-        absorbed = self._absorbed()
-        latent, k_rot = latent.float(), k_rot.float()
-        heads = self.num_heads
-        query = absorbed.keys(q_pass.float().transpose(0, 1).reshape(heads, b * s, self.qk_nope_head_dim))
-        query = query.view(heads, b, s, self.kv_lora_rank).transpose(0, 1)  # [b, H, s, 512]
-        scores = (query @ latent.transpose(-1, -2) + q_rot.float() @ k_rot.transpose(-1, -2)) * self.scaling  # [b,H,s,L]
-        probs = _masked(scores, attention_mask, s).softmax(-1)
-        mixed = (probs @ latent).transpose(0, 1).reshape(heads, b * s, self.kv_lora_rank)  # [H, b s, 512]
-        out = absorbed.values(mixed).view(heads, b, s, self.v_head_dim).permute(1, 2, 0, 3)  # [b, s, H, 256]
-        return self.o_proj(out.reshape(b, s, -1).to(hidden_states.dtype)), None
+        query = self._absorbed().keys(q_pass.float().transpose(0, 1).reshape(self.num_heads, b * s, -1))
+        return query, q_rot, latent, k_rot
+
+    def absorbed_attention(self, query: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                           attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output before o_proj [b, s, H * 256] from `absorbed_query`'s queries and the whole cache
+        (latents [b, 1, L, 512], shared keys [b, 1, L, 64]), in float32: small batched products, which a CPU runs
+        several times faster than in bf16. Every head's queries of a row multiply that row's latents in one product."""
+        heads, b, s = self.num_heads, q_rot.shape[0], q_rot.shape[2]
+        keys, shared = latent.float().select(1, 0), k_rot.float().select(1, 0)  # [b, L, 512], [b, L, 64]
+        length = keys.shape[1]
+        query = query.view(heads, b, s, self.kv_lora_rank).transpose(0, 1).reshape(b, heads * s, self.kv_lora_rank)
+        scores = (query @ keys.transpose(1, 2) + q_rot.float().reshape(b, heads * s, -1) @ shared.transpose(1, 2))
+        probs = _masked((scores * self.scaling).view(b, heads, s, length), attention_mask, s).softmax(-1)
+        mixed = (probs.view(b, heads * s, length) @ keys).view(b, heads, s, self.kv_lora_rank)
+        mixed = mixed.transpose(0, 1).reshape(heads, b * s, self.kv_lora_rank)
+        out = self._absorbed().values(mixed).view(heads, b, s, self.v_head_dim).permute(1, 2, 0, 3)  # [b, s, H, 256]
+        return out.reshape(b, s, -1)
 
     def _absorbed(self) -> FloatAbsorbed | IntAbsorbed:
         """`kv_b_proj` split for the absorbed products, made again when its weight changed: from INT8 / INT4 weights

@@ -55,6 +55,7 @@ from chatglm_tune.models.glm.config import (ARCHITECTURES, TRANSFORMERS_FORMS, c
                                             transformers_form)
 from chatglm_tune.models.glm.experts import ExpertAssembler, is_prediction_layer, released_experts
 from chatglm_tune.models.glm.latent_attention import LatentAttention
+from chatglm_tune.models.glm.latent_layer import use_held_steps
 from chatglm_tune.models.glm.moe_layer import use_grouped_decode
 from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
@@ -300,13 +301,15 @@ class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
 class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
     """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
     as the first entries of its latent cache; its decode steps attend to the cached latents themselves
-    (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts as GLM-4.5's do."""
+    (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts as GLM-4.5's do; each
+    layer with experts holds its one-token decode step in C++ (`latent_layer.LatentLayer`, the class FSDP wraps)."""
 
     def __init__(self, config):
         super().__init__(config)
         for layer in self.model.layers:
             layer.self_attn.__class__ = LatentAttention
         use_grouped_decode(self)
+        use_held_steps(self)
 
 
 MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix, "glm4_moe": Glm4MoeForCausalLMWithPrefix,
