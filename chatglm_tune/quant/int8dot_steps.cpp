@@ -179,7 +179,7 @@ struct LatentLayer : torch::CustomClassHolder {
   std::vector<at::Tensor> norm;     // input, q_a, kv_a, post-attention
   std::vector<double> eps;
   std::vector<at::Tensor> key_w, key_s, value_w, value_s;  // the absorbed kv_b_proj, per head
-  int64_t key_act, value_bits, value_act;
+  int64_t key_bits, key_act, value_bits, value_act;
   int64_t heads, nope, rope, value_dim, rank, isa;
   double scaling;
   bool interleave;
@@ -194,9 +194,10 @@ struct LatentLayer : torch::CustomClassHolder {
         moe(std::move(moe)) {
     TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && bits.size() == 12 && norm.size() == 4 &&
                     this->eps.size() == 4 && dims.size() == 6,
-                "int8dot LatentLayer: four linears (weight, scale, bits, activation bits), four norms, six sizes");
+                "int8dot LatentLayer: four linears (weight, scale), (bits, activation bits) of them, the absorbed keys "
+                "and values, four norms, six sizes");
     for (size_t i = 0; i < 4; ++i) linear.push_back(HeldLinear{weights[i], scales[i], bits[2 * i], bits[2 * i + 1]});
-    key_act = bits[9], value_bits = bits[10], value_act = bits[11];
+    key_bits = bits[8], key_act = bits[9], value_bits = bits[10], value_act = bits[11];
     heads = dims[0], nope = dims[1], rope = dims[2], value_dim = dims[3], rank = dims[4], isa = dims[5];
   }
 
@@ -210,7 +211,7 @@ struct LatentLayer : torch::CustomClassHolder {
     const auto kv = linear[2](h, isa).split_with_sizes({rank, rope}, -1);
     const at::Tensor latent = rms_norm(kv[0], norm[2], eps[2]).view({1, 1, 1, rank});
     const at::Tensor query = mm_multi(parts[0].to(at::kFloat).transpose(0, 1).reshape({heads, 1, nope}), key_w, key_s,
-                                      8, isa, key_act);
+                                      key_bits, isa, key_act);
     return {query, rotate(parts[1], cos, sin, interleave), latent,
             rotate(kv[1].view({1, 1, 1, rope}), cos, sin, interleave)};
   }
