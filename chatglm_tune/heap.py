@@ -75,13 +75,14 @@ def trim_after_each(layers) -> None:
     per layer: 0.07 GB at ChatGLM3-6B's 28 layers over 64 tokens, enough to lift an INT8 model's peak RSS above
     llama.cpp's (6.75 against 6.72 GB; 6.71 with this)."""
     for layer in layers:
-        layer.register_forward_hook(_trim_after_rows)
+        layer.register_forward_hook(trim_after_rows)
 
 
 _scope = threading.local()  # .one_trim: inside `one_trim()` on this thread
 
 
-def _trim_after_rows(module, args, output) -> None:
+def trim_after_rows(module, args, output) -> None:
+    """The hook of `trim_after_each`: nothing for fewer than TRIM_MIN_ROWS positions (a decode step skips it freely)."""
     x = args[0] if args else None
     if (isinstance(x, torch.Tensor) and x.device.type == "cpu" and not torch.is_grad_enabled() and x.dim()
             and x.numel() >= TRIM_MIN_ROWS * x.shape[-1] and not getattr(_scope, "one_trim", False)):

@@ -373,3 +373,29 @@ def test_a_failed_build_keeps_the_previous_kernels_with_one_warning(monkeypatch,
     finally:
         int8dot_cpu._build.cache_clear()
         int8dot_cpu.isa.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch, rows, entries, width, rope", [(1, 20, 104, 512, 64), (2, 7, 33, 40, 12), (3, 1, 1, 8, 4)])
+def test_latent_attentions_products_are_exact_sums_with_the_same_bits_at_any_thread_count(batch, rows, entries, width, rope):
+    """Latent attention's scores (q keys^T + q_rot shared^T) and weighted sums (p keys) from the cache's views (rows of
+    a longer buffer): float32 sums within rounding of the float64 ones, and the same bits on one thread and two."""
+    g = torch.Generator().manual_seed(entries)
+    q, q_rot = torch.randn(batch, rows, width, generator=g), torch.randn(batch, rows, rope, generator=g)
+    keys = torch.randn(batch, entries + 5, width, generator=g)[:, :entries]  # a view, as the cache gives
+    shared = torch.randn(batch, entries + 5, rope, generator=g)[:, :entries]
+    p = torch.rand(batch, rows, entries, generator=g).softmax(-1)
+    want = q.double() @ keys.double().transpose(1, 2) + q_rot.double() @ shared.double().transpose(1, 2)
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = (int8dot_cpu.latent_scores(q, q_rot, keys, shared), int8dot_cpu.latent_mix(p, keys))
+    finally:
+        torch.set_num_threads(before)
+    scores, mixed = got[1]
+    assert scores.dtype == torch.float32 and scores.shape == (batch, rows, entries)
+    assert (scores.double() - want).abs().max() < 1e-5 * want.abs().max()
+    assert (mixed.double() - p.double() @ keys.double()).abs().max() < 1e-5 * keys.abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(got[1], got[2]))

@@ -160,8 +160,8 @@ def test_decoding_makes_each_layers_held_step_once(tiny, monkeypatch):
     assert layers and sorted(map(id, made)) == sorted(map(id, layers))
     held = [m for m in model.modules() if isinstance(m, latent_layer.LatentLayer)]
     assert sorted(map(id, layers_made)) == sorted(map(id, held)) and bool(held) == (version == "glm4-moe-lite")
-    if held:  # a dense layer runs its modules
-        assert [layer._held[1] is not None for layer in held] == [t == "sparse" for t in model.config.mlp_layer_types]
+    if held:  # the dense first layer too: its MLP as the experts' step with no routed experts
+        assert all(layer._held[1] is not None for layer in held) and model.config.mlp_layer_types[0] == "dense"
 
 
 def test_the_one_group_router_chooses_as_transformers_router(tiny):
@@ -207,8 +207,8 @@ def test_latent_decode_steps_over_int_weights_read_the_integer_kv_b_proj(tmp_pat
 
 @pytest.mark.parametrize("bits,dtype", ((4, torch.float32), (8, torch.bfloat16)))
 def test_a_latent_layers_decode_step_runs_in_cpp_with_the_same_bits(tmp_path_factory, monkeypatch, bits, dtype):
-    """GLM-4.7-Flash over INT weights: a one-token decode step of a layer with experts runs as one held C++ step (none
-    of its projections' forwards called), its scores equal bit for bit to the Python step's, a left-padded prompt's
+    """GLM-4.7-Flash over INT weights: a one-token decode step of a layer with experts, or of the dense first layer,
+    runs as one held C++ step (none of its projections' forwards called), its scores equal bit for bit to the Python step's, a left-padded prompt's
     mask included; a norm's weight replaced is read by the step made again; a hook on one of its modules sends the step
     back to the modules, and so does a float projection swapped in."""
     from chatglm_tune import from_pretrained
@@ -251,6 +251,8 @@ def test_a_latent_layers_decode_step_runs_in_cpp_with_the_same_bits(tmp_path_fac
     held = decode()
     projections = set(map(id, layer.self_attn.children()))
     assert layer._held[1] is not None and not projections & set(map(id, one_row))
+    dense = model.model.layers[0]  # its MLP held as the experts' step with no routed experts
+    assert dense._held[1] is not None and not set(map(id, dense.mlp.children())) & set(map(id, one_row))
     assert torch.equal(python_decode(), held) and projections & set(map(id, one_row))
     norm = layer.post_attention_layernorm
     norm.weight = nn.Parameter(torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(5)).to(dtype))
@@ -265,6 +267,56 @@ def test_a_latent_layers_decode_step_runs_in_cpp_with_the_same_bits(tmp_path_fac
     decode(1)
     assert layer._held[1] is None
 
+
+
+def test_a_decode_step_runs_the_held_layers_without_their_module_calls(tmp_path_factory, monkeypatch):
+    """GLM-4.7-Flash's trunk decodes a token over the toolkit's cache without calling the held layers' modules (each
+    one C++ call writing its cache entries); a hook on a layer itself, or transformers' own cache, sends that layer
+    through its module again (two C++ calls around the cache's update): the same scores bit for bit either way."""
+    from transformers.cache_utils import DynamicCache
+
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.decoding.batch_cache import BatchCache
+    from chatglm_tune.models.glm.latent_layer import LatentLayer
+    from chatglm_tune.quant import int8dot_cpu
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    model = from_pretrained(tiny_model("glm4-moe-lite", tmp_path_factory.mktemp("lite-loop")), quantization_bit=4,
+                            dtype=torch.float32)
+    ids = torch.randint(5, 200, (1, 7), generator=torch.Generator().manual_seed(6))
+    called = []
+    real_forward = LatentLayer.forward
+
+    def counted(self, x, *args, **kwargs):
+        called.append((self.self_attn.layer_idx, x.shape[1]))
+        return real_forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(LatentLayer, "forward", counted)
+
+    def decode(steps=3):
+        called.clear()
+        with torch.no_grad():
+            batch, scores = BatchCache.prefill(model, ids, None)
+            out = [scores]
+            for _ in range(steps):
+                out.append(batch.step(model, out[-1].argmax(-1)))
+        return torch.stack(out), [layer for layer, tokens in called if tokens == 1]
+
+    held, stepped = decode()
+    layers = model.model.layers
+    assert stepped == [] and all(layer._held[1] is not None for layer in layers)
+    seen = []
+    handle = layers[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    hooked, stepped = decode()
+    handle.remove()
+    assert torch.equal(hooked, held) and stepped == [1] * 3 and len(seen) == 4
+    with torch.no_grad():  # transformers' cache: every layer through its module
+        cache = DynamicCache(config=model.config)
+        scores = [model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
+        for _ in range(3):
+            scores.append(model(scores[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1])
+    assert torch.equal(torch.stack(scores), held)
 
 def test_serve_answers_a_chat(tiny, tmp_path):
     version, directory = tiny

@@ -28,18 +28,25 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._buffers = None  # (keys, values) with room, or None
+        self._views = None  # the (keys, values) views `grow` made last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        for view, new in zip(self.grow(n, key_states, value_states), (key_states, value_states)):
+            view[..., -n:, :].copy_(new)
+        return self.keys, self.values
+
+    def grow(self, n: int, key_like: torch.Tensor | None = None, value_like: torch.Tensor | None = None):
+        """`keys` / `values` `n` columns longer, the new ones not yet written (the caller writes them): (keys, values).
+        The layer must hold entries already, or `key_like` / `value_like` give the rows, heads and widths."""
         filled = self.get_seq_length()
-        end = filled + key_states.shape[-2]
+        end = filled + n
         if not self._holds(filled, end):
-            self._buffers = tuple(_roomy(old, new, filled, end) for old, new in ((self.keys, key_states),
-                                                                                  (self.values, value_states)))
-        for buffer, new in zip(self._buffers, (key_states, value_states)):
-            buffer[..., filled:end, :].copy_(new)
-        self.keys, self.values = (buffer[..., :end, :] for buffer in self._buffers)
+            likes = (self.keys if key_like is None else key_like, self.values if value_like is None else value_like)
+            self._buffers = tuple(_roomy(old, like, filled, end) for old, like in zip((self.keys, self.values), likes))
+        self.keys, self.values = self._views = tuple(buffer[..., :end, :] for buffer in self._buffers)
         return self.keys, self.values
 
     def _holds(self, filled: int, end: int) -> bool:
@@ -47,6 +54,8 @@ class GrowingLayer(DynamicLayer):
         those have room up to `end`."""
         if self._buffers is None or filled == 0:
             return False
+        if self._views is not None and self.keys is self._views[0] and self.values is self._views[1]:
+            return end <= self._buffers[0].shape[-2]  # the views made last, untouched
         return all(view.data_ptr() == buffer.data_ptr() and view.shape[:-2] == buffer.shape[:-2]
                    and view.stride() == buffer.stride() and end <= buffer.shape[-2]
                    for view, buffer in zip((self.keys, self.values), self._buffers))

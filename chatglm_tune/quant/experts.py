@@ -176,6 +176,23 @@ class QuantizedExperts(nn.Module):
                    for layer, ref in pairs)
 
 
+def dense_decoder(mlp: nn.Module):
+    """A dense SwiGLU MLP's decode step held in C++ as the mixture-of-experts step with no routed experts and `mlp`
+    the shared one (`.step(x)`, x [1, H]): gate and up in one grouped call, down in another, the same bits as its
+    forward; None where it cannot run (not SiLU, a layer that is not INT on the grouped kernel)."""
+    layers = [getattr(mlp, name, None) for name in _PROJECTIONS]
+    if not (type(getattr(mlp, "act_fn", None)) in _SILU and all(type(layer) is QuantizedLinear
+                                                                 and layer.grouped_kernel_runs() for layer in layers)
+            and len({layer.bits for layer in layers}) == 1):
+        return None
+    for layer in layers:
+        layer.record_kernel("int8dot")
+    no_router = torch.empty(0, layers[0].in_features)
+    return int8dot_cpu.moe_decoder([layer.weight_for("int8dot") for layer in layers],
+                                   [layer.float_scale() for layer in layers], 0, no_router, torch.empty(0), 0, False, 1.0,
+                                   layers[0].bits)
+
+
 def _grouped_matmul(x: Tensor, layers: list[QuantizedLinear]) -> Tensor:
     """x [G, M, in] group by group times `layers` (one format and shape): [G, M, out]."""
     for layer in layers:

@@ -56,8 +56,9 @@ int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11 (on 2 MB pages: the note below `INT
 `MAX_ROWS_INT8_BF16`; the layout: `INTERLEAVE`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
 memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
 
-The decode steps the GLM mixture-of-experts models hold in C++ (`moe_decoder`, `latent_layer`) are C++ of their own,
-int8dot_steps.cpp, built into the same library after this kernel.
+The decode steps the GLM mixture-of-experts models hold in C++ (`moe_decoder`, `latent_layer`) and latent attention's
+float32 products (`latent_scores`, `latent_mix`) are C++ of their own, int8dot_steps.cpp, built into the same library
+after this kernel.
 
 Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
 ~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
@@ -826,6 +827,21 @@ def matmul_multi(x: Tensor, weights: list[Tensor], weight_scales: list[Tensor], 
     _build()
     return torch.ops.chatglm_int8dot_cpu.mm_multi(x, [w.contiguous() for w in weights], list(weight_scales), bits, code,
                                                   act_bits(bits, act))
+
+
+def latent_scores(q: Tensor, q_rot: Tensor, keys: Tensor, shared: Tensor) -> Tensor:
+    """Latent attention's scores before scaling: q keys^T + q_rot shared^T [b, M, L] in float32, from q [b, M, R],
+    q_rot [b, M, r], keys [b, L, R], shared [b, L, r] on the CPU. The entries are split over PyTorch's threads, each
+    score summed whole by one thread: the same bits at any thread count (the C++ source's `latent_scores`)."""
+    _build()
+    return torch.ops.chatglm_int8dot_cpu.latent_scores(q, q_rot, keys, shared)
+
+
+def latent_mix(p: Tensor, keys: Tensor) -> Tensor:
+    """p keys [b, M, R] in float32 (p [b, M, L], keys [b, L, R], on the CPU): the latent's columns split over the
+    threads, each sum taken whole over the entries in order by one thread."""
+    _build()
+    return torch.ops.chatglm_int8dot_cpu.latent_mix(p, keys)
 
 
 def moe_decoder(weights: list[Tensor], scales: list[Tensor], experts: int, router: Tensor, bias: Tensor, top_k: int,

@@ -3,6 +3,7 @@
 // bit, without the Python around its ~40-60 small operations a layer (a decode step of GLM-4.7-Flash is 47 layers of
 // them): ATen's operations in the same order, or, for float32 elementwise work, plain loops that round each product
 // and sum as ATen's kernels do (this code is compiled outside the kernels' target regions: no fused multiply-adds).
+// Latent attention's two products are kernels of their own (an AVX2 region), which the Python step calls too.
 
 namespace {
 
@@ -11,11 +12,172 @@ bool all_float(std::initializer_list<at::Tensor> ts) {
   return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
 }
 
+// Latent attention's two products against the cached latents (`models/glm/latent_attention`), float32: the scores
+// q . k + q_rot . k_rot of every query row with every cached entry, and the probability-weighted sum of the cached
+// latents. PyTorch runs the batched products of a decode step's sizes (20 rows, a few hundred entries) on one thread;
+// these split the entries (scores) or the latent's columns (sums) over the threads, each output computed whole by one
+// thread in a fixed order: the same bits at any thread count, in the Python step and the held one alike.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// out[i, l] for N rows of q [., R] / qr [., r] (contiguous) and E entries from l of k / kr (row strides ks / krs):
+// each load of a query row serves E entries, each load of an entry N rows
+template <int N, int E>
+void score_entries(const float* q, const float* qr, int64_t R, int64_t r, const float* k, int64_t ks, const float* kr,
+                   int64_t krs, int64_t l, float* out, int64_t L) {
+  __m256 acc[E][N];
+  float tail[E][N];
+  for (int e = 0; e < E; ++e)
+    for (int i = 0; i < N; ++i) acc[e][i] = _mm256_setzero_ps(), tail[e][i] = 0.f;
+  for (int part = 0; part < 2; ++part) {
+    const float* a = part ? qr : q;
+    const float* b = part ? kr + l * krs : k + l * ks;
+    const int64_t width = part ? r : R, stride = part ? krs : ks, whole = width / 8 * 8;
+    for (int64_t c = 0; c < whole; c += 8) {
+      __m256 kv[E];
+      for (int e = 0; e < E; ++e) kv[e] = _mm256_loadu_ps(b + e * stride + c);
+      for (int i = 0; i < N; ++i) {
+        const __m256 qv = _mm256_loadu_ps(a + i * width + c);
+        for (int e = 0; e < E; ++e) acc[e][i] = _mm256_fmadd_ps(qv, kv[e], acc[e][i]);
+      }
+    }
+    for (int64_t c = whole; c < width; ++c)
+      for (int e = 0; e < E; ++e)
+        for (int i = 0; i < N; ++i) tail[e][i] = std::fma(a[i * width + c], b[e * stride + c], tail[e][i]);
+  }
+  for (int e = 0; e < E; ++e)
+    for (int i = 0; i < N; ++i) out[i * L + l + e] = hsum256(acc[e][i]) + tail[e][i];
+}
+
+// The same for entries l0 .. l1, two at a time
+template <int N>
+void score_rows(const float* q, const float* qr, int64_t R, int64_t r, const float* k, int64_t ks, const float* kr,
+                int64_t krs, int64_t l0, int64_t l1, float* out, int64_t L) {
+  int64_t l = l0;
+  for (; l + 2 <= l1; l += 2) score_entries<N, 2>(q, qr, R, r, k, ks, kr, krs, l, out, L);
+  if (l < l1) score_entries<N, 1>(q, qr, R, r, k, ks, kr, krs, l, out, L);
+}
+
+// out[i, c0 .. c1] = sum over l in order of p[i, l] k[l, c], for N rows of p [., L] (contiguous), k's row stride ks
+template <int N>
+void mix_rows(const float* p, int64_t L, const float* k, int64_t ks, int64_t c0, int64_t c1, float* out, int64_t R) {
+  int64_t c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    __m256 acc[2 * N];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t l = 0; l < L; ++l) {
+      const __m256 k0 = _mm256_loadu_ps(k + l * ks + c), k1 = _mm256_loadu_ps(k + l * ks + c + 8);
+      for (int i = 0; i < N; ++i) {
+        const __m256 w = _mm256_set1_ps(p[i * L + l]);
+        acc[2 * i] = _mm256_fmadd_ps(w, k0, acc[2 * i]);
+        acc[2 * i + 1] = _mm256_fmadd_ps(w, k1, acc[2 * i + 1]);
+      }
+    }
+    for (int i = 0; i < N; ++i) {
+      _mm256_storeu_ps(out + i * R + c, acc[2 * i]);
+      _mm256_storeu_ps(out + i * R + c + 8, acc[2 * i + 1]);
+    }
+  }
+  for (; c < c1; ++c)
+    for (int i = 0; i < N; ++i) {
+      float sum = 0.f;
+      for (int64_t l = 0; l < L; ++l) sum = std::fma(p[i * L + l], k[l * ks + c], sum);
+      out[i * R + c] = sum;
+    }
+}
+
+// Rows m .. of a product in blocks of 4 (the last block 1-3 rows): f<N>(row) for each block
+template <template <int> class F, typename... A>
+void in_blocks(int64_t M, A... args) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) F<4>::run(m, args...);
+  switch (M - m) {
+    case 3: F<3>::run(m, args...); break;
+    case 2: F<2>::run(m, args...); break;
+    case 1: F<1>::run(m, args...); break;
+    default: break;
+  }
+}
+
+#pragma GCC pop_options
+
+// A float32 view [b, n, width] whose rows are contiguous (the cache's views are), else a contiguous copy
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  const at::Tensor f = t.to(at::kFloat);
+  return f.stride(2) == 1 && f.stride(1) == f.size(2) ? f : f.contiguous();
+}
+
+void check_latent(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(2) && a.device().is_cpu(),
+              "int8dot ", what, ": [b, rows, width] and [b, entries, width] on the CPU");
+}
+
+template <int N>
+struct ScoreBlock {
+  static void run(int64_t m, const float* q, const float* qr, int64_t R, int64_t r, const float* k, int64_t ks,
+                  const float* kr, int64_t krs, int64_t l0, int64_t l1, float* out, int64_t L) {
+    score_rows<N>(q + m * R, qr + m * r, R, r, k, ks, kr, krs, l0, l1, out + m * L, L);
+  }
+};
+
+template <int N>
+struct MixBlock {
+  static void run(int64_t m, const float* p, int64_t L, const float* k, int64_t ks, int64_t c0, int64_t c1, float* out,
+                  int64_t R) {
+    mix_rows<N>(p + m * L, L, k, ks, c0, c1, out + m * R, R);
+  }
+};
+
+// q [b, M, R], qr [b, M, r], keys [b, L, R], shared [b, L, r] -> q keys^T + qr shared^T [b, M, L], float32
+at::Tensor latent_scores(const at::Tensor& q_in, const at::Tensor& qr_in, const at::Tensor& keys_in,
+                         const at::Tensor& shared_in) {
+  check_latent(q_in, keys_in, "latent_scores");
+  check_latent(qr_in, shared_in, "latent_scores");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), qr = qr_in.to(at::kFloat).contiguous();
+  const at::Tensor keys = rows_contiguous(keys_in), shared = rows_contiguous(shared_in);
+  const int64_t B = q.size(0), M = q.size(1), R = q.size(2), r = qr.size(2), L = keys.size(1);
+  TORCH_CHECK(qr.size(1) == M && shared.size(1) == L, "int8dot latent_scores: as many rows and entries in both parts");
+  at::Tensor out = at::empty({B, M, L}, q.options());
+  const float *pq = q.data_ptr<float>(), *pqr = qr.data_ptr<float>(), *pk = keys.data_ptr<float>(),
+              *pkr = shared.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t chunk = 16, chunks = (L + chunk - 1) / chunk;  // entries a task
+  at::parallel_for(0, B * chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, l0 = t % chunks * chunk, l1 = std::min(L, l0 + chunk);
+      in_blocks<ScoreBlock>(M, pq + b * M * R, pqr + b * M * r, R, r, pk + b * keys.stride(0), keys.stride(1),
+                            pkr + b * shared.stride(0), shared.stride(1), l0, l1, po + b * M * L, L);
+    }
+  });
+  return out;
+}
+
+// p [b, M, L], keys [b, L, R] -> p keys [b, M, R], float32
+at::Tensor latent_mix(const at::Tensor& p_in, const at::Tensor& keys_in) {
+  TORCH_CHECK(p_in.dim() == 3 && keys_in.dim() == 3 && p_in.size(0) == keys_in.size(0) && p_in.size(2) == keys_in.size(1)
+                  && p_in.device().is_cpu(),
+              "int8dot latent_mix: p [b, rows, L] and keys [b, L, width] on the CPU");
+  const at::Tensor p = p_in.to(at::kFloat).contiguous(), keys = rows_contiguous(keys_in);
+  const int64_t B = p.size(0), M = p.size(1), L = p.size(2), R = keys.size(2);
+  at::Tensor out = at::empty({B, M, R}, p.options());
+  const float *pp = p.data_ptr<float>(), *pk = keys.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t chunk = 64, chunks = (R + chunk - 1) / chunk;  // columns a task
+  at::parallel_for(0, B * chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, c0 = t % chunks * chunk, c1 = std::min(R, c0 + chunk);
+      in_blocks<MixBlock>(M, pp + b * M * L, L, pk + b * keys.stride(0), keys.stride(1), c0, c1, po + b * M * R, R);
+    }
+  });
+  return out;
+}
+
 // A mixture-of-experts layer's decode step over INT weights, held once: the router (transformers' arithmetic, as
 // `models/glm/moe_layer.route` computes it: sigmoid scores, top-k of scores + bias, the chosen scores normalized and
 // scaled), then the chosen experts in expert order and the shared expert (weight 1) last, each SwiGLU's gate and up in
 // one grouped call and the downs in another, summed in that order (`quant/experts.QuantizedExperts.decode_step`):
-// the same ATen operations in the same order, so the same bits, without a decode step's Python around them.
+// the same ATen operations in the same order, so the same bits, without a decode step's Python around them. With no
+// routed experts it is a dense MLP's step (GLM-4.7-Flash's first layer), held as the shared expert alone.
 struct MoeDecoder : torch::CustomClassHolder {
   std::vector<at::Tensor> w, s;  // per expert (routed 0 .. E-1, then the shared one): gate, up, down
   at::Tensor router, bias;
@@ -33,9 +195,11 @@ struct MoeDecoder : torch::CustomClassHolder {
 
   bool shared() const { return static_cast<int64_t>(w.size()) / 3 > experts; }
 
-  // x [1, H] -> [1, H] in x's dtype
-  at::Tensor step(const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "int8dot MoeDecoder: one token, x [1, H]");
+  // The router's choice for x [1, H]: the chosen experts in expert order, their places among the choices, and the
+  // choices' weights [1, top_k] in float32. None without routed experts (a dense MLP held as the shared expert alone).
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::Tensor> route(const at::Tensor& x) const {
+    std::vector<int64_t> rows, places;
+    if (experts == 0) return {rows, places, at::empty({1, 0}, x.options().dtype(at::kFloat))};
     const at::Tensor scores = at::linear(x.to(at::kFloat), router.to(at::kFloat)).sigmoid();
     const at::Tensor index = std::get<1>(at::topk(scores + bias, top_k, -1, true, false));
     at::Tensor weights = scores.gather(1, index);
@@ -47,8 +211,14 @@ struct MoeDecoder : torch::CustomClassHolder {
     for (int64_t i = 0; i < top_k; ++i)
       if (picked[i] < experts) chosen.emplace_back(picked[i], i);
     std::sort(chosen.begin(), chosen.end());
-    std::vector<int64_t> rows, places;
     for (const auto& c : chosen) rows.push_back(c.first), places.push_back(c.second);
+    return {rows, places, weights};
+  }
+
+  // x [1, H] -> [1, H] in x's dtype
+  at::Tensor step(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "int8dot MoeDecoder: one token, x [1, H]");
+    auto [rows, places, weights] = route(x);
     if (shared()) rows.push_back(experts);
     at::Tensor out = at::zeros_like(x);
     const int64_t n = static_cast<int64_t>(rows.size());
@@ -62,7 +232,7 @@ struct MoeDecoder : torch::CustomClassHolder {
                                    .view({n, 2, x.size(0), -1});
     const at::Tensor down = mm_multi(at::silu(gate_up.select(1, 0)) * gate_up.select(1, 1), dw, ds, bits, isa, act_bits);
     if (all_float({x, down, weights})) return sum_scaled(down, weights.contiguous(), places, out);
-    at::Tensor scale = weights[0].index_select(0, at::tensor(places, index.options()));
+    at::Tensor scale = weights[0].index_select(0, at::tensor(places, weights.options().dtype(at::kLong)));
     if (shared()) scale = at::cat({scale, at::ones({1}, scale.options())});
     const at::Tensor terms = (down * scale.view({-1, 1, 1})).to(out.scalar_type());
     for (int64_t r = 0; r < n; ++r) out.add_(terms[r]);
@@ -172,8 +342,8 @@ at::Tensor masked(const at::Tensor& scores, const c10::optional<at::Tensor>& mas
 // A GLM-4.7-Flash decoder layer's one-token decode step (`models/glm/latent_layer`): the input norm, latent attention
 // against the cached latents (`models/glm/latent_attention`: the query in the latent space, scores, softmax, the
 // value heads, o_proj), the residual, the post-attention norm, the mixture-of-experts step (`MoeDecoder`) and the
-// residual. In two calls, around the cache's update: `begin` gives the step's query and the entries to cache,
-// `finish` the layer's output from the whole cache.
+// residual. In two calls around a cache's own update (`begin` gives the step's query and the entries to cache,
+// `finish` the layer's output from the whole cache), or in one (`run`) where the cache gives views one entry longer.
 struct LatentLayer : torch::CustomClassHolder {
   std::vector<HeldLinear> linear;   // q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj
   std::vector<at::Tensor> norm;     // input, q_a, kv_a, post-attention
@@ -223,10 +393,9 @@ struct LatentLayer : torch::CustomClassHolder {
     const at::Tensor keys = latents.to(at::kFloat).select(1, 0), shared = k_rots.to(at::kFloat).select(1, 0);
     const int64_t length = keys.size(1);
     const at::Tensor q = query.view({heads, 1, 1, rank}).transpose(0, 1).reshape({1, heads, rank});
-    const at::Tensor scores = (at::matmul(q, keys.transpose(1, 2)) +
-                               at::matmul(q_rot.to(at::kFloat).reshape({1, heads, rope}), shared.transpose(1, 2))) * scaling;
+    const at::Tensor scores = latent_scores(q, q_rot.reshape({1, heads, rope}), keys, shared) * scaling;
     const at::Tensor probs = masked(scores.view({1, heads, 1, length}), mask).softmax(-1);
-    const at::Tensor mixed = at::matmul(probs.view({1, heads, length}), keys).view({1, heads, 1, rank}).transpose(0, 1)
+    const at::Tensor mixed = latent_mix(probs.view({1, heads, length}), keys).view({1, heads, 1, rank}).transpose(0, 1)
                                  .reshape({heads, 1, rank});
     const at::Tensor out = mm_multi(mixed, value_w, value_s, value_bits, isa, value_act).view({heads, 1, 1, value_dim})
                                .permute({1, 2, 0, 3});
@@ -234,11 +403,23 @@ struct LatentLayer : torch::CustomClassHolder {
     const at::Tensor h = rms_norm(y, norm[3], eps[3]);
     return y + moe->step(h.view({-1, h.size(-1)})).view(h.sizes());
   }
+
+  // The whole step in one call: x, cos / sin as `begin` takes them, the cache's entries already made one longer
+  // ([1, 1, L, rank] / [1, 1, L, rope], views the cache keeps: the last column is written here), the mask or none
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& latents,
+                 const at::Tensor& k_rots, const c10::optional<at::Tensor>& mask) {
+    const std::vector<at::Tensor> made = begin(x, cos, sin);
+    latents.select(2, -1).copy_(made[2].select(2, 0));
+    k_rots.select(2, -1).copy_(made[3].select(2, 0));
+    return finish(x, made[0], made[1], latents, k_rots, mask);
+  }
 };
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(chatglm_int8dot_cpu, lib) {
+  lib.def("latent_scores(Tensor q, Tensor q_rot, Tensor keys, Tensor shared) -> Tensor", &latent_scores);
+  lib.def("latent_mix(Tensor p, Tensor keys) -> Tensor", &latent_mix);
   lib.class_<MoeDecoder>("MoeDecoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, at::Tensor, at::Tensor, int64_t, bool,
                        double, int64_t, int64_t, int64_t>())
@@ -248,5 +429,6 @@ TORCH_LIBRARY_FRAGMENT(chatglm_int8dot_cpu, lib) {
                        std::vector<double>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<int64_t>, double, bool, c10::intrusive_ptr<MoeDecoder>>())
       .def("begin", &LatentLayer::begin)
-      .def("finish", &LatentLayer::finish);
+      .def("finish", &LatentLayer::finish)
+      .def("run", &LatentLayer::run);
 }
