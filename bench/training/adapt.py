@@ -90,8 +90,8 @@ relations, 0.000 on the new ones) P-tuning 0.994 (性能故障 0.988, 组成 0.9
 with --resume, so its train_seconds hold the last 16000 steps), LoRA 1.000 (bench/results/adapt-glm4-moe.json). On the
 tiny GLM-4.7-Flash base (8 epochs; 1.000 / 0.000; its train_seconds include about 45 minutes the process was stopped
 for other measurements) LoRA reaches 1.000 (bench/results/adapt-glm4-moe-lite.json), but
-P-tuning v2 with these settings learns far slower: dev F1 0.041, 0.080 and 0.101 at steps 4000, 8000 and 12000 of
-20000 (dev loss 0.90, 0.72, 0.63), where GLM-4-0414's stood at 0.53, 0.64 and 0.78. Its prefix is what latent attention caches, the normed
+P-tuning v2 with these settings learns far slower: dev F1 0.041, 0.080, 0.101 and 0.122 at steps 4000, 8000, 12000
+and 16000 of 20000 (dev loss 0.90, 0.72, 0.63, 0.59), where GLM-4-0414's stood at 0.53, 0.64, 0.78 and 0.82. Its prefix is what latent attention caches, the normed
 key/value latent and the rotary key: 32 + 8 numbers an entry and layer on the tiny preset (the release's 512 + 64),
 against 8 heads x (16 + 16) = 256 on the tiny GLM-4.5, one latent serving every head's key and value at once.
 --ptuning-epochs, --lora-epochs, --ptuning-lr, --lora-lr: the run length and rate of each adaptation.
