@@ -137,6 +137,29 @@ def test_a_grouped_call_equals_one_call_a_group(isa, bits, act, out_features, in
 
 
 @needs_kernel
+@each_isa
+@pytest.mark.parametrize("bits, act", [(8, 16), (4, 8)])
+def test_groups_of_rows_equal_one_call_a_group(isa, bits, act):
+    """matmul_groups: group g's rows of x times weight g, as matmul computes them, bit for bit, the groups' rows one
+    after another (groups of 1 to 5 rows, a group of none, two groups over the same rows)."""
+    parts = [official(bits, 24, 1056, seed=g) for g in range(4)]
+    x = activations(9, 1056, seed=3)
+    starts, counts = [0, 1, 4, 1], [1, 3, 5, 0]
+    for layout in ("official", "interleaved"):
+        weights = [w if layout == "official" else int8dot_cpu.pack(w, isa) for w, _ in parts]
+        for order in (range(4), (2, 0, 3, 1)):  # rows of x read in any order
+            want = torch.cat([int8dot_cpu.matmul(x[starts[g]:starts[g] + counts[g]], weights[g], parts[g][1], bits, isa, act)
+                              for g in order if counts[g]])
+            got = int8dot_cpu.matmul_groups(x, [starts[g] for g in order], [counts[g] for g in order],
+                                            [weights[g] for g in order], [parts[g][1] for g in order], bits, isa, act)
+            assert got.shape == (9, 24) and torch.equal(got, want), (layout, order)
+        both = int8dot_cpu.matmul_groups(x, [1, 1], [3, 3], weights[:2], [s for _, s in parts[:2]], bits, isa, act)
+        assert torch.equal(both[3:], int8dot_cpu.matmul(x[1:4], weights[1], parts[1][1], bits, isa, act))
+    with pytest.raises(RuntimeError, match="rows beyond x"):
+        int8dot_cpu.matmul_groups(x, [5], [5], weights[:1], [parts[0][1]], bits, isa, act)
+
+
+@needs_kernel
 def test_packing_in_place_goes_tile_by_tile(monkeypatch):
     weight, _ = official(8, 64, 256)
     want = int8dot_cpu.pack(weight, "avx2")

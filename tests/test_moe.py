@@ -75,8 +75,10 @@ def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tin
         calls = []
         for e in range(quantized.num_experts):
             quantized.expert(e).register_forward_pre_hook(lambda m, args, e=e: calls.append(e))
-        got = quantized(hidden, index, weights)
-    assert sorted(calls) == [0, 1, 2, 3, 5, 6, 7]  # each chosen expert once, the others never
+        got = quantized(hidden, index, weights)  # in grouped calls where the integer-dot kernel runs, else one by one
+    ran = set(calls) | {e for e in range(quantized.num_experts)
+                        if all(getattr(quantized.expert(e), name).last_kernel for name in ("gate_proj", "up_proj", "down_proj"))}
+    assert sorted(calls) == sorted(set(calls)) and sorted(ran) == [0, 1, 2, 3, 5, 6, 7]  # each chosen expert once, no other
     with torch.no_grad():
         for row in range(5):  # one token (a decode step) alone: what the batch gave it
             assert torch.allclose(quantized(hidden[row:row + 1], index[row:row + 1], weights[row:row + 1]),
@@ -162,6 +164,44 @@ def test_decoding_makes_each_layers_held_step_once(tiny, monkeypatch):
     assert sorted(map(id, layers_made)) == sorted(map(id, held)) and bool(held) == (version == "glm4-moe-lite")
     if held:  # the dense first layer too: its MLP as the experts' step with no routed experts
         assert all(layer._held[1] is not None for layer in held) and model.config.mlp_layer_types[0] == "dense"
+
+
+@pytest.mark.parametrize("bits,dtype", ((8, torch.bfloat16), (4, torch.bfloat16), (4, torch.float32)))
+def test_a_prompts_tokens_run_every_chosen_expert_in_two_grouped_calls(tiny, bits, dtype):
+    """Over INT experts the tokens of a prompt run every chosen expert on the rows routed to it in two grouped
+    integer-dot calls (all gates and ups, then all downs), no expert's module called, equal bit for bit to the expert
+    by expert loop; a dropped choice (index E) counts for nothing; under autograd the loop runs."""
+    from chatglm_tune import from_pretrained
+    from chatglm_tune.quant import int8dot_cpu
+
+    if not int8dot_cpu.available():
+        pytest.skip("the int8 dot-product kernel cannot run or be built here")
+    version, directory = tiny
+    model = from_pretrained(directory, quantization_bit=bits, dtype=dtype)
+    experts = model.model.layers[1].mlp.experts
+    count, chosen = experts.num_experts, model.config.num_experts_per_tok
+    calls = []
+    for e in range(count):
+        experts.expert(e).register_forward_pre_hook(lambda m, args, e=e: calls.append(e))
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(11, model.config.hidden_size, generator=generator).to(dtype)
+        index = torch.stack([torch.randperm(count, generator=generator)[:chosen] for _ in range(11)])
+        index[4, 0] = count  # dropped
+        weights = torch.rand(11, chosen, generator=generator).to(dtype)
+        with torch.no_grad():
+            calls.clear()
+            grouped = experts(hidden, index, weights)
+            assert calls == []
+            experts._grouped = False  # the loop, expert by expert
+            want = experts(hidden, index, weights)
+            experts._grouped = True
+        assert sorted(set(calls)) == sorted(set(index[index < count].tolist()))
+        assert torch.equal(grouped, want)
+    calls.clear()
+    with torch.enable_grad():
+        experts(hidden.requires_grad_(), index, weights)
+    assert calls
 
 
 def test_the_one_group_router_chooses_as_transformers_router(tiny):

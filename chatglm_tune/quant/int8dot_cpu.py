@@ -658,39 +658,61 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& sca
   return y;
 }
 
-// G products in one call: x float [G, M, K], group g's rows times weight g (w[g], scale[g]: one format and shape,
-// as `mm` takes them) -> [G, M, N] in x's dtype. The activations are quantized once, every group's blocks are
-// split over the threads together: one parallel region for the G small products of a decode step (the chosen
-// experts of a mixture-of-experts layer, the heads of latent attention).
-at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList scale_in, int64_t bits, int64_t isa,
-                    int64_t act_bits) {
-  TORCH_CHECK(x_in.dim() == 3, "int8dot mm_multi: x [G, M, K]");
-  const int64_t G = x_in.size(0), M = x_in.size(1), K = x_in.size(2);
-  TORCH_CHECK(G > 0 && static_cast<int64_t>(w.size()) == G && static_cast<int64_t>(scale_in.size()) == G,
-              "int8dot mm_multi: a weight and a scale per group");
+// Groups of rows of x float [R, K] times one weight each, in one call: group g's rows starts[g] .. starts[g] +
+// counts[g] - 1 times weight g (w[g], scale[g]: one format and shape, as `mm` takes them) -> [sum of counts, N] in
+// x's dtype, the groups' rows one after another. A group's rows may be another's (a gate and an up weight over the
+// same rows). Every row's activations are quantized once and every group's blocks split over the threads together:
+// one parallel region for the products of many small groups (the experts of a mixture-of-experts prefill, each on
+// the rows routed to it; `mm_multi`'s groups of equal rows). Each group's rows come out as `mm` gives them.
+at::Tensor mm_groups(const at::Tensor& x_in, const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                     at::TensorList w, at::TensorList scale_in, int64_t bits, int64_t isa, int64_t act_bits) {
+  TORCH_CHECK(x_in.dim() == 2, "int8dot mm_groups: x [R, K]");
+  const int64_t G = static_cast<int64_t>(w.size()), rows = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(G > 0 && static_cast<int64_t>(scale_in.size()) == G && static_cast<int64_t>(starts.size()) == G &&
+              static_cast<int64_t>(counts.size()) == G, "int8dot mm_groups: a weight, a scale, a start and a count per group");
   check_call(x_in, bits, isa, act_bits);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t N = scale_in[0].numel();
   std::vector<at::Tensor> scales;
   std::vector<Weight> wts;
+  std::vector<int64_t> first_out(G);
+  int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(scale_in[g].numel() == N && w[g].dim() == w[0].dim(), "int8dot mm_multi: groups of one shape");
+    TORCH_CHECK(scale_in[g].numel() == N && w[g].dim() == w[0].dim(), "int8dot mm_groups: groups of one shape");
+    TORCH_CHECK(starts[g] >= 0 && counts[g] >= 0 && starts[g] + counts[g] <= rows, "int8dot mm_groups: rows beyond x");
     scales.push_back(as_float(scale_in[g]));
     wts.push_back(weight_of(w[g], N, bits == 4 ? K / 2 : K));
+    first_out[g] = total;
+    total += counts[g];
   }
   Prepared p;
-  prepare(x.data_ptr<float>(), G * M, K, bits, isa, act_bits == 16, p);
+  prepare(x.data_ptr<float>(), rows, K, bits, isa, act_bits == 16, p);
   const auto fns = block_fns(bits, isa, act_bits == 16, wts[0].il == R);
-  at::Tensor y = at::empty({G, M, N}, x.options());
+  at::Tensor y = at::empty({total, N}, x.options());
   float* py = y.data_ptr<float>();
   const int64_t per = tasks_of(wts[0], N);
   at::parallel_for(0, G * per, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / per;
-      run_task(fns, wts[g], rows_from(p.act, g * M), M, scales[g].data_ptr<float>(), py + g * M * N, N, t % per);
+      if (counts[g] > 0)
+        run_task(fns, wts[g], rows_from(p.act, starts[g]), counts[g], scales[g].data_ptr<float>(),
+                 py + first_out[g] * N, N, t % per);
     }
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// G products in one call: x float [G, M, K], group g's rows times weight g -> [G, M, N] in x's dtype (`mm_groups`
+// with G groups of M rows): one parallel region for the G small products of a decode step (the chosen experts of a
+// mixture-of-experts layer, the heads of latent attention).
+at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList scale_in, int64_t bits, int64_t isa,
+                    int64_t act_bits) {
+  TORCH_CHECK(x_in.dim() == 3, "int8dot mm_multi: x [G, M, K]");
+  const int64_t G = x_in.size(0), M = x_in.size(1), K = x_in.size(2);
+  TORCH_CHECK(G > 0 && static_cast<int64_t>(w.size()) == G, "int8dot mm_multi: a weight and a scale per group");
+  std::vector<int64_t> starts(G), counts(G, M);
+  for (int64_t g = 0; g < G; ++g) starts[g] = g * M;
+  return mm_groups(x_in.reshape({G * M, K}), starts, counts, w, scale_in, bits, isa, act_bits).view({G, M, -1});
 }
 
 }  // namespace
@@ -698,6 +720,8 @@ at::Tensor mm_multi(const at::Tensor& x_in, at::TensorList w, at::TensorList sca
 TORCH_LIBRARY(chatglm_int8dot_cpu, lib) {
   lib.def("mm(Tensor x, Tensor w, Tensor scale, int bits, int isa, int act_bits=8, Tensor? bias=None) -> Tensor", &mm);
   lib.def("mm_multi(Tensor x, Tensor[] w, Tensor[] scale, int bits, int isa, int act_bits=8) -> Tensor", &mm_multi);
+  lib.def("mm_groups(Tensor x, int[] starts, int[] counts, Tensor[] w, Tensor[] scale, int bits, int isa, int act_bits=8) -> Tensor",
+          &mm_groups);
   lib.def("quantize(Tensor x, int act_bits=8) -> (Tensor, Tensor)", &quantize);
   lib.def("isa_supported(int isa) -> bool", &isa_supported);
 }
@@ -827,6 +851,17 @@ def matmul_multi(x: Tensor, weights: list[Tensor], weight_scales: list[Tensor], 
     _build()
     return torch.ops.chatglm_int8dot_cpu.mm_multi(x, [w.contiguous() for w in weights], list(weight_scales), bits, code,
                                                   act_bits(bits, act))
+
+
+def matmul_groups(x2d: Tensor, starts: list[int], counts: list[int], weights: list[Tensor], weight_scales: list[Tensor],
+                  bits: int, isa_name: str | None = None, act: int | None = None) -> Tensor:
+    """Groups of rows in one call: group g's rows `starts[g]` .. `starts[g] + counts[g] - 1` of x2d (in) times
+    dequant(weights[g]).T -> (sum of counts, out) in x's dtype, the groups' rows one after another, each group's as
+    `matmul` computes them (bit for bit); the weights of one format and shape. Groups may share rows."""
+    code = ISAS[isa_name or isa()]
+    _build()
+    return torch.ops.chatglm_int8dot_cpu.mm_groups(x2d, list(starts), list(counts), [w.contiguous() for w in weights],
+                                                   list(weight_scales), bits, code, act_bits(bits, act))
 
 
 def latent_scores(q: Tensor, q_rot: Tensor, keys: Tensor, shared: Tensor) -> Tensor:
