@@ -1,5 +1,5 @@
 """GLM-4.7-Flash at full size on this machine, the toolkit beside llama.cpp on the same weights: INT4 decode and prefill
-speed, load time and peak memory, one run.
+speed, load time and peak memory, the engines taking turns.
 
     python bench/scale/scale.py --version glm47-flash --step write      # the INT4 checkpoint (16 GB, 90 s)
     python bench/peer/flash.py --step gguf                               # the same weights as a q4_0 GGUF
@@ -10,7 +10,8 @@ The checkpoint is bench/scale's (random weights in the layout `quantize.py --bit
 routed expert per-row INT4, embedding and head fp16; `bench/common/scale_versions.py`). `gguf` writes those weights,
 dequantized, through export.py's GGUF writer as llama.cpp's `deepseek2` q4_0 file (its own rule: output.weight
 q8_0, routers f32): the same model, each engine in its own 4-bit format. `measure`, per thread count, each engine in a
-process of its own on a quiet machine:
+process of its own on a quiet machine, the two taking turns `--rounds` times (`measure`; this machine's speed drifts
+by more than the engines differ over minutes, and a turn-taking run lays that drift on both):
 - the toolkit (`from_pretrained(dir, dtype=bf16, quantize_embedding=True)`; `--dtype float32` for fp32 activations:
   INT4 blocks and experts, INT8 embedding and head): load seconds (the page cache warm, as the writer or the previous run left it), prefill of 64 and of 512
   tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt (the
@@ -18,7 +19,8 @@ process of its own on a quiet machine:
 - llama.cpp's own server (`--ctx-size 1024`, one slot, its defaults): seconds from start to /health (the load), the
   prompt and decode timings its /completion reports for the same prompt ids (`cache_prompt` off), peak RSS sampled.
 Prompts are the bench frame's ids (`scale_versions.framed_ids`). `load`: each engine's load alone, one thread, from a
-cold page cache (dropped before each) and then a warm one. Prints a table and ends with one line of JSON;
+cold page cache (dropped before each) and then a warm one. Prints a table (each measure's median over the rounds) and
+the decode ratios (toolkit over llama.cpp, round by round, their median) and ends with one line of JSON;
 results in bench/results/peer-glm47-flash.json.
 """
 
@@ -44,6 +46,7 @@ GGUF = Path(f"/tmp/{VERSION.slug}-q4_0.gguf")
 RESULTS = REPO / "bench" / "results" / "peer-glm47-flash.json"
 PROMPTS, NEW_TOKENS, SEED = (64, 512), 32, 0
 DECODE_RUNS = 3  # decode measured this many times an engine, the median kept (a shared machine's speed drifts)
+ROUNDS = 3  # turns of the two engines a thread count (`measure`)
 GB = 1e9
 
 
@@ -166,15 +169,39 @@ def _complete(server, ids: list[int], n: int) -> dict:
         return json.loads(response.read())["timings"]
 
 
-def measure(threads: list[int], binary: Path | None, dtype: str) -> dict:
-    rows = {}
+def measure(threads: list[int], binary: Path | None, dtype: str, rounds: int) -> dict:
+    """Per thread count, `rounds` rounds of the two engines, each in a process of its own, taking turns (toolkit first
+    in even rounds, llama.cpp first in odd ones): a drift of the machine's speed over minutes falls on both. Each
+    engine's row holds the median of every measure over its rounds (peak RSS: the largest) and the rounds themselves;
+    `decode_ratio_<n>t` is the median over the rounds of the toolkit's decode rate over llama.cpp's in that round."""
+    runs: dict[str, list[dict]] = {}
     for n in threads:
-        child = subprocess.run([sys.executable, __file__, "--child", str(n), "--dtype", dtype], capture_output=True,
-                               text=True, check=True)
-        rows[f"toolkit_{n}t"] = json.loads(child.stdout.strip().splitlines()[-1])
-        if binary is not None:
-            rows[f"llama_{n}t"] = llama_row(binary, n)
+        for turn in range(rounds):
+            engines = ("toolkit", "llama") if turn % 2 == 0 else ("llama", "toolkit")
+            for engine in engines:
+                if engine == "toolkit":
+                    runs.setdefault(f"toolkit_{n}t", []).append(toolkit_row(n, dtype))
+                elif binary is not None:
+                    runs.setdefault(f"llama_{n}t", []).append(llama_row(binary, n))
+    rows = {name: summary(each) for name, each in runs.items()}
+    for n in threads:
+        if f"llama_{n}t" in runs:
+            pairs = zip(runs[f"toolkit_{n}t"], runs[f"llama_{n}t"])
+            rows[f"decode_ratio_{n}t"] = round(statistics.median(t["decode_tok_s"] / l["decode_tok_s"] for t, l in pairs), 3)
     return rows
+
+
+def toolkit_row(threads: int, dtype: str) -> dict:
+    child = subprocess.run([sys.executable, __file__, "--child", str(threads), "--dtype", dtype], capture_output=True,
+                           text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def summary(each: list[dict]) -> dict:
+    """One engine's rounds: the median of each measure (peak RSS the largest), and the rounds as they ran."""
+    row = {key: max(r[key] for r in each) if key == "peak_rss_gb" else round(statistics.median(r[key] for r in each), 3)
+           for key in each[0]}
+    return row | ({"rounds": each} if len(each) > 1 else {})
 
 
 def child_load() -> dict:
@@ -228,6 +255,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the toolkit's activations (default %(default)s; float32 where the CPU lacks bf16 arithmetic)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="turns of the two engines a thread count, medians kept (default %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default %(default)s)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -249,8 +278,9 @@ def main() -> None:
         rows = {**{k: v for k, v in earlier.items() if k != "load"}, "load": load_times(binary)}
         print(table(rows["load"]))
     else:
-        rows = {**measure(args.threads, binary, args.dtype), **({"load": earlier["load"]} if "load" in earlier else {})}
-        print(table({k: v for k, v in rows.items() if k != "load"}))
+        rows = {**measure(args.threads, binary, args.dtype, args.rounds), **({"load": earlier["load"]} if "load" in earlier else {})}
+        print(table({k: v for k, v in rows.items() if isinstance(v, dict) and k != "load"}))
+        print(", ".join(f"{k} {v}" for k, v in rows.items() if k.startswith("decode_ratio")))
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps({"peer-glm47-flash": rows}))
 
