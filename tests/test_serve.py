@@ -280,16 +280,17 @@ def test_api_key(glm4_dir):
 @contextlib.contextmanager
 def held_forwards(model, after: int = 0):
     """Every forward of `model` past the first `after` waits at its start until the `release()` this yields is called
-    (or the block ends)."""
-    gate, seen = threading.Event(), itertools.count()
+    (or the block ends); the Event yielded beside it is set once a forward waits."""
+    gate, holding, seen = threading.Event(), threading.Event(), itertools.count()
 
     def hold(module, inputs):
         if next(seen) >= after:
+            holding.set()
             gate.wait(HANG_S)
 
     handle = model.register_forward_pre_hook(hold)
     try:
-        yield gate.set
+        yield gate.set, holding
     finally:
         gate.set()
         handle.remove()
@@ -307,9 +308,11 @@ def test_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(glm4_dir, mon
         client = s.client()
         # the prompt's forward runs, the next one waits: the request holds its slot (it cannot end by itself) while
         # a second one is refused and while the server hears the client leave
-        with held_forwards(s.model, after=1) as release:
+        with held_forwards(s.model, after=1) as (release, holding):
             stream = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, stream=True)
-            next(iter(stream))  # running: the one slot is taken
+            # running, its second forward held: the one slot is taken (its first token alone may stream nothing: a
+            # byte-level token can be part of a character)
+            assert holding.wait(HANG_S)
             with pytest.raises(openai.RateLimitError) as err:
                 client.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=4)
             assert err.value.status_code == 429
