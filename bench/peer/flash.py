@@ -260,6 +260,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default %(default)s)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child or args.child_load:
         print(json.dumps(child_toolkit(args.child, args.dtype) if args.child else child_load()))
         return
