@@ -116,8 +116,9 @@ class QuantizedExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()
-        if self.grouped_rows_run(hidden_states, counts):
-            return self.grouped_rows(hidden_states, top_k_index, top_k_weights, order, counts)
+        chosen = [e for e, count in enumerate(counts[: self.num_experts]) if count]
+        if self.grouped_rows_run(hidden_states, chosen, counts):
+            return self.grouped_rows(hidden_states, top_k_index, top_k_weights, order, [(e, counts[e]) for e in chosen])
         start = 0
         for expert, count in enumerate(counts[: self.num_experts]):
             if count:
@@ -129,31 +130,29 @@ class QuantizedExperts(nn.Module):
             start += count
         return out
 
-    def grouped_rows_run(self, x: Tensor, counts: list[int]) -> bool:
-        """Whether `grouped_rows` runs these rows (x [T, H], `counts` of (token, choice) pairs an expert): no gradient,
-        on the CPU, and every chosen expert's layers plain INT layers that the integer-dot kernel runs for its count of
-        rows, as their own forwards would."""
+    def grouped_rows_run(self, x: Tensor, chosen: list[int], counts: list[int]) -> bool:
+        """Whether `grouped_rows` runs these rows (x [T, H]; the `chosen` experts; `counts` of (token, choice) pairs an
+        expert): no gradient, on the CPU, and every chosen expert's layers plain INT layers that the integer-dot kernel
+        runs for its count of rows, as their own forwards would."""
         if torch.is_grad_enabled() or x.device.type != "cpu" or not x.is_floating_point():
             return False
         if not getattr(self, "_prepared", False):
             self.prepare_kernels()
-        chosen = [e for e, count in enumerate(counts[: self.num_experts]) if count]
         layers = [getattr(self.expert(e), name) for e in chosen for name in _PROJECTIONS]
         return (self._grouped and bool(chosen) and all(type(layer) is QuantizedLinear for layer in layers)
                 and all(int8dot_cpu.routes(layers[0].bits, counts[e], x.dtype, needs_grad=False) for e in chosen))
 
     def grouped_rows(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, order: Tensor,
-                     counts: list[int]) -> Tensor:
-        """The forward's sum over many tokens (`order`: the (token, choice) pairs grouped by expert, `counts` of each)
-        in two integer-dot calls for all experts (`int8dot_cpu.matmul_groups`: every gate and up, then every down),
+                     chosen: list[tuple[int, int]]) -> Tensor:
+        """The forward's sum over many tokens (`order`: the (token, choice) pairs grouped by expert; `chosen`: each
+        chosen expert with its count of pairs, in expert order) in two integer-dot calls for all experts (`int8dot_cpu.matmul_groups`: every gate and up, then every down),
         each expert on the rows routed to it: what the forward's expert-by-expert loop computes, bit for bit, without
         its 3 calls an expert (a 64-token prompt of GLM-4.7-Flash chooses nearly every expert of each layer)."""
-        chosen = [e for e, count in enumerate(counts[: self.num_experts]) if count]
-        pairs = order[: sum(counts[e] for e in chosen)]  # an index of E (a dropped choice) sorts last
-        tokens = pairs // top_k_index.shape[-1]
-        sizes = [counts[e] for e in chosen]
+        sizes = [count for _, count in chosen]
         starts = [0, *itertools.accumulate(sizes)][:-1]
-        experts = [self.expert(e) for e in chosen]
+        pairs = order[: sum(sizes)]  # an index of E (a dropped choice) sorts last
+        tokens = pairs // top_k_index.shape[-1]
+        experts = [self.expert(e) for e, _ in chosen]
         gates, ups = [expert.gate_proj for expert in experts], [expert.up_proj for expert in experts]
         rows = x[tokens]
         gate_up = _grouped_rows_matmul(rows, starts * 2, sizes * 2, gates + ups).view(2, len(tokens), -1)
@@ -198,10 +197,7 @@ class QuantizedExperts(nn.Module):
         if not (type(self.act_fn) in _SILU and all(type(layer) is QuantizedLinear and layer.grouped_kernel_runs()
                                                       for layer in layers)):
             return None
-        for layer in layers:
-            layer.record_kernel("int8dot")
-        return int8dot_cpu.moe_decoder([layer.weight_for("int8dot") for layer in layers],
-                                       [layer.float_scale() for layer in layers], self.num_experts, router.weight,
+        return int8dot_cpu.moe_decoder(*_int8dot_weights(layers), self.num_experts, router.weight,
                                        router.e_score_correction_bias, router.top_k, router.norm_topk_prob,
                                        float(router.routed_scaling_factor), layers[0].bits)
 
@@ -225,29 +221,28 @@ def dense_decoder(mlp: nn.Module):
                                                                  and layer.grouped_kernel_runs() for layer in layers)
             and len({layer.bits for layer in layers}) == 1):
         return None
+    no_router = torch.empty(0, layers[0].in_features)
+    return int8dot_cpu.moe_decoder(*_int8dot_weights(layers), 0, no_router, torch.empty(0), 0, False, 1.0,
+                                   layers[0].bits)
+
+
+def _int8dot_weights(layers: list[QuantizedLinear]) -> tuple[list[Tensor], list[Tensor]]:
+    """The layers' weights in the integer-dot kernel's layout and their float32 scales, each layer recorded as run by
+    that kernel."""
     for layer in layers:
         layer.record_kernel("int8dot")
-    no_router = torch.empty(0, layers[0].in_features)
-    return int8dot_cpu.moe_decoder([layer.weight_for("int8dot") for layer in layers],
-                                   [layer.float_scale() for layer in layers], 0, no_router, torch.empty(0), 0, False, 1.0,
-                                   layers[0].bits)
+    return [layer.weight_for("int8dot") for layer in layers], [layer.float_scale() for layer in layers]
 
 
 def _grouped_matmul(x: Tensor, layers: list[QuantizedLinear]) -> Tensor:
     """x [G, M, in] group by group times `layers` (one format and shape): [G, M, out]."""
-    for layer in layers:
-        layer.record_kernel("int8dot")
-    return int8dot_cpu.matmul_multi(x, [layer.weight_for("int8dot") for layer in layers],
-                                    [layer.float_scale() for layer in layers], layers[0].bits)
+    return int8dot_cpu.matmul_multi(x, *_int8dot_weights(layers), layers[0].bits)
 
 
 def _grouped_rows_matmul(x: Tensor, starts: list[int], counts: list[int], layers: list[QuantizedLinear]) -> Tensor:
     """Rows `starts[g]` .. `starts[g] + counts[g] - 1` of x [R, in] times `layers[g]` (one format and shape), group
     after group: [sum of counts, out]."""
-    for layer in layers:
-        layer.record_kernel("int8dot")
-    return int8dot_cpu.matmul_groups(x, starts, counts, [layer.weight_for("int8dot") for layer in layers],
-                                     [layer.float_scale() for layer in layers], layers[0].bits)
+    return int8dot_cpu.matmul_groups(x, starts, counts, *_int8dot_weights(layers), layers[0].bits)
 
 
 def quantize_experts(model: nn.Module, bits: int, group_size: int = 0, *, empty_init: bool = False) -> int:
