@@ -1,6 +1,6 @@
 """The continuous-batching engine: every request gets the tokens `generate` gives its prompt alone.
 
-On tiny random models of every version, with and without a P-tuning prefix: requests of different prompt
+On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash with one): requests of different prompt
 lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than the
 batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
 leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
@@ -32,7 +32,8 @@ TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").
 SAMPLINGS = [SamplingOptions(), SamplingOptions(do_sample=True, top_p=0.8, temperature=0.9)]
 
 
-@pytest.fixture(scope="module", params=[(v, p) for v in ("chatglm", "chatglm2", "chatglm3", "glm4") for p in (None, 3)],
+@pytest.fixture(scope="module", params=[(v, p) for v in ("chatglm", "chatglm2", "chatglm3", "glm4") for p in (None, 3)]
+                + [("glm4-moe-lite", 3)],  # GLM-4.7-Flash: each head's prefix in place of zero latents
                 ids=lambda param: f"{param[0]}{'-prefix' if param[1] else ''}")
 def tiny(request, tmp_path_factory):
     name, prefix = request.param

@@ -9,7 +9,8 @@ ship it (`tokenizer.json`, tokenizer_config.json with the chat template):
   < 1e-5) with and without left padding, and transformers' greedy ids;
 - a directory whose weights do not fit the class its config.json names is refused, saying which;
 - P-tuning v2: pre_seq_len 0 is no prefix, a prefix changes the output, save + load gives the same logits; the
-  prefix is transformers' model with it as the first cache entries (GLM-4.7-Flash's: its latent cache's entries);
+  prefix is transformers' model with it as the first cache entries (GLM-4.7-Flash's is each head's keys and values:
+  set to the heads' expansion of cache latents, it is transformers' model with those latents first in its cache);
 - saving writes transformers' form back (transformers loads it; routed experts one by one, as released), INT8 / INT4
   included (the routed experts too);
 - the tokenizer round-trips, and its chat prompts are transformers' `apply_chat_template` on the same
@@ -173,19 +174,40 @@ def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
 
 def test_the_prefix_is_the_first_cache_entries_of_transformers_model(tiny):
     """P-tuning v2 as ChatGLM3 / GLM-4 have it: transformers' own model with the prefix's keys and values as the first
-    `pre_seq_len` cache entries, the mask `[ones(P), mask]`, the real tokens at positions from 0."""
-    _, directory, reference, tokenizer = tiny
+    `pre_seq_len` cache entries, the mask `[ones(P), mask]`, the real tokens at positions from 0. GLM-4.7-Flash's
+    prefix, each head's keys and values, set to what random cache latents expand into: transformers' model with those
+    latents as the first cache entries."""
+    version, directory, reference, tokenizer = tiny
     tuned = from_pretrained(directory, pre_seq_len=4)
     ids, mask, positions = batch(tokenizer, pad=True)
     with torch.no_grad():
         tuned.prefix_encoder.embedding.weight.normal_(0, 1.0)
+        entries = tuned.prefix_key_values(2, torch.float32)
+        if version == "glm4-moe-lite":
+            entries = expanded_latents(tuned, reference, rows=2)
         cache = DynamicCache()
-        for layer, (key, value) in enumerate(tuned.prefix_key_values(2, torch.float32)):
+        for layer, (key, value) in enumerate(entries):
             cache.update(key, value, layer)
         want = reference(ids, attention_mask=torch.cat([torch.ones(2, 4, dtype=mask.dtype), mask], 1),
                          position_ids=positions, cache=cache).logits
         got = tuned(ids, attention_mask=mask).logits
     assert (got - want)[mask.bool()].abs().max() < 1e-5
+
+
+def expanded_latents(tuned, reference, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random latents and shared keys of `tuned`'s pre_seq_len cache entries ([rows, 1, P, *] per layer), `tuned`'s
+    prefix set to each head's expansion of them by transformers' own attention (`expand_kv`)."""
+    config, length = reference.config, tuned.pre_seq_len
+    generator = torch.Generator().manual_seed(3)
+    entries, channels = [], []
+    for layer in reference.model.layers:
+        latent = torch.randn(1, 1, length, config.kv_lora_rank, generator=generator)
+        shared = torch.randn(1, 1, length, config.qk_rope_head_dim, generator=generator)
+        keys, values = layer.self_attn.expand_kv(latent, shared)  # [1, H, P, key], [1, H, P, value]
+        channels += [keys[0].transpose(0, 1).flatten(1), values[0].transpose(0, 1).flatten(1)]
+        entries.append((latent.expand(rows, -1, -1, -1), shared.expand(rows, -1, -1, -1)))
+    tuned.prefix_encoder.embedding.weight.copy_(torch.cat(channels, dim=1))
+    return entries
 
 
 def test_saving_writes_transformers_form_back(tiny, tmp_path):

@@ -369,17 +369,25 @@ def test_serve_answers_a_chat(tiny, tmp_path):
     assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("prefix", (0, 4))
 @pytest.mark.parametrize("bits", (0, 4))
-def test_latent_decode_steps_agree_with_the_expanded_attention(tmp_path_factory, bits):
+def test_latent_decode_steps_agree_with_the_expanded_attention(tmp_path_factory, bits, prefix):
     """GLM-4.7-Flash's decode steps (attention against the cached latents, `kv_b_proj` absorbed) choose what
-    transformers' expanded attention over the whole sequence chooses, float and INT4 (`kv_b_proj` dequantized)."""
+    transformers' expanded attention over the whole sequence chooses, float and INT4 (`kv_b_proj` dequantized), with
+    and without a P-tuning prefix (each head's keys and values; the C++ step, which knows none, stands aside); a row
+    decoded alone after the others left the cache gives that row's logits."""
+    from transformers import DynamicCache
+
     from chatglm_tune import from_pretrained
     from chatglm_tune.decoding.generation import generate
     from chatglm_tune.models.glm.latent_attention import LatentAttention
 
     directory = tiny_model("glm4-moe-lite", tmp_path_factory.mktemp("lite"))
-    model = from_pretrained(directory, quantization_bit=bits or None)
+    model = from_pretrained(directory, quantization_bit=bits or None, pre_seq_len=prefix or None)
     assert all(type(layer.self_attn) is LatentAttention for layer in model.model.layers)
+    if prefix:
+        with torch.no_grad():
+            model.prefix_encoder.embedding.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))
     ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # a left-padded row
@@ -387,4 +395,10 @@ def test_latent_decode_steps_agree_with_the_expanded_attention(tmp_path_factory,
     with torch.no_grad():
         whole = torch.cat([ids, torch.tensor(new)], 1)
         logits = model(whole, attention_mask=torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)).logits
-    assert new == logits[:, 11:-1].argmax(-1).tolist()
+        assert new == logits[:, 11:-1].argmax(-1).tolist()
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, cache=cache)
+        cache.batch_select_indices(torch.tensor([1]))
+        step = model(whole[1:, 12:13], attention_mask=torch.ones(1, 13, dtype=mask.dtype), cache=cache).logits
+    # INT4: the step's keys go through kv_b_proj's key rows re-quantized to INT8 (latent_attention.IntAbsorbed)
+    assert (step[0, -1] - logits[1, 12]).abs().max() < (2e-2 if bits else 1e-4)

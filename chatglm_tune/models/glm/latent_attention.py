@@ -16,6 +16,11 @@ went from 142 to 123 ms). Float weights keep float32 copies (`FloatAbsorbed`), r
 changes; the step's attention runs in float32 (in bf16 its small batched products took 1 ms each on a 2-core AVX-512
 EPYC, most of a GLM-4.7-Flash decode step's attention). A `kv_b_proj` wrapped by a LoRA adapter runs transformers'
 forward.
+
+A P-tuning prefix is each head's own keys and values (`head_prefix`, which the model hands every layer whenever it
+puts the prefix into an empty cache: glm/prefix.py), and the cache's first P latents are zeros in its place:
+transformers' forward finds the heads' prefix where those P entries expand (`expand_kv`), the absorbed step scores it
+per head and adds its values (the zero latents mix in nothing). The held C++ step (latent_layer.py) takes no prefix.
 """
 
 from __future__ import annotations
@@ -35,13 +40,37 @@ ABSORBED_MAX_QUERIES = 8
 class LatentAttention(Glm4MoeLiteAttention):
     """`Glm4MoeLiteAttention` with decode steps against the cached latents (the module docstring)."""
 
+    # A P-tuning prefix: each head's keys [b or 1, H, P, 192 + 64] (not rotated) and values [b or 1, H, P, 256],
+    # in place of the cache's first P latents (zeros); set by the model (its `prefix_key_values`).
+    head_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None, **kwargs):
         if not self.absorbs(hidden_states, cache):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        query, q_rot, latent, k_rot = self.absorbed_query(hidden_states, position_embeddings)
+        q_pass, q_rot, latent, k_rot = self.absorbed_query(hidden_states, position_embeddings)
         latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
-        out = self.absorbed_attention(query, q_rot, latent, k_rot, attention_mask)
+        out = self.absorbed_attention(q_pass, q_rot, latent, k_rot, attention_mask)
         return self.o_proj(out.to(hidden_states.dtype)), None
+
+    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' keys and values of the cached latents, the heads' prefix in place of the first P."""
+        if self.head_prefix is None:
+            return super().expand_kv(kv_nope, k_rot)
+        keys, values = self.prefix_rows(kv_nope.shape[0])
+        p = keys.shape[2]
+        own_keys, own_values = super().expand_kv(kv_nope[:, :, p:], k_rot[:, :, p:])
+        return (torch.cat([keys.to(own_keys.dtype), own_keys], dim=2),
+                torch.cat([values.to(own_values.dtype), own_values], dim=2))
+
+    def prefix_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`head_prefix` for a batch of `rows`: as made, or its first row for each where decoding dropped or joined
+        rows since (no dropout outside training: every row's prefix is the same)."""
+        keys, values = self.head_prefix
+        if keys.shape[0] == rows:
+            return keys, values
+        if self.training:
+            raise ValueError(f"the prefix was made for {keys.shape[0]} rows, this forward has {rows}")
+        return keys[:1].expand(rows, -1, -1, -1), values[:1].expand(rows, -1, -1, -1)
 
     def absorbs(self, hidden_states: torch.Tensor, cache) -> bool:
         """Whether this forward runs against the cached latents (nothing trained, a few queries, a cache)."""
@@ -49,8 +78,8 @@ class LatentAttention(Glm4MoeLiteAttention):
                 and type(self.kv_b_proj) in (nn.Linear, QuantizedLinear) and cache is not None)
 
     def absorbed_query(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """(each head's no-rotary query in the latent space [H, b s, 512], the rotated query [b, H, s, 64]) and what
-        to cache: (the normed latent [b, 1, s, 512], the rotated shared key [b, 1, s, 64])."""
+        """(each head's no-rotary query [b, H, s, 192], the rotated query [b, H, s, 64]) and what to cache: (the
+        normed latent [b, 1, s, 512], the rotated shared key [b, 1, s, 64])."""
         b, s = hidden_states.shape[:2]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -64,10 +93,9 @@ class LatentAttention(Glm4MoeLiteAttention):
         cos, sin = position_embeddings
         rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
         q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
-        query = self._absorbed().keys(q_pass.float().transpose(0, 1).reshape(self.num_heads, b * s, -1))
-        return query, q_rot, latent, k_rot
+        return q_pass, q_rot, latent, k_rot
 
-    def absorbed_attention(self, query: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+    def absorbed_attention(self, q_pass: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                            attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The attention's output before o_proj [b, s, H * 256] from `absorbed_query`'s queries and the whole cache
         (latents [b, 1, L, 512], shared keys [b, 1, L, 64]), in float32: small batched products, which a CPU runs
@@ -75,18 +103,26 @@ class LatentAttention(Glm4MoeLiteAttention):
         heads, b, s = self.num_heads, q_rot.shape[0], q_rot.shape[2]
         keys, shared = latent.float().select(1, 0), k_rot.float().select(1, 0)  # [b, L, 512], [b, L, 64]
         length = keys.shape[1]
+        query = self._absorbed().keys(q_pass.float().transpose(0, 1).reshape(heads, b * s, -1))  # [H, b s, 512]
         query = query.view(heads, b, s, self.kv_lora_rank).transpose(0, 1).reshape(b, heads * s, self.kv_lora_rank)
-        q_rot = q_rot.float().reshape(b, heads * s, -1)
+        rotated = q_rot.float().reshape(b, heads * s, -1)
         if _threaded_products(keys):
-            scores = int8dot_cpu.latent_scores(query, q_rot, keys, shared)
+            scores = int8dot_cpu.latent_scores(query, rotated, keys, shared)
         else:
-            scores = query @ keys.transpose(1, 2) + q_rot @ shared.transpose(1, 2)
-        probs = _masked((scores * self.scaling).view(b, heads, s, length), attention_mask, s).softmax(-1)
-        probs = probs.view(b, heads * s, length)
-        mixed = int8dot_cpu.latent_mix(probs, keys) if _threaded_products(keys) else probs @ keys
+            scores = query @ keys.transpose(1, 2) + rotated @ shared.transpose(1, 2)
+        scores = scores.view(b, heads, s, length)
+        if self.head_prefix is not None:  # each head's own prefix keys in place of the first P (zero) latents
+            prefix_keys, prefix_values = self.prefix_rows(b)
+            prefix_scores = torch.cat([q_pass, q_rot], dim=-1).float() @ prefix_keys.float().transpose(2, 3)
+            scores = torch.cat([prefix_scores, scores[..., prefix_keys.shape[2]:]], dim=-1)
+        probs = _masked(scores * self.scaling, attention_mask, s).softmax(-1)
+        flat = probs.reshape(b, heads * s, length)
+        mixed = int8dot_cpu.latent_mix(flat, keys) if _threaded_products(keys) else flat @ keys
         mixed = mixed.view(b, heads, s, self.kv_lora_rank)
         mixed = mixed.transpose(0, 1).reshape(heads, b * s, self.kv_lora_rank)
         out = self._absorbed().values(mixed).view(heads, b, s, self.v_head_dim).permute(1, 2, 0, 3)  # [b, s, H, 256]
+        if self.head_prefix is not None:  # the zero latents mixed in nothing: the prefix's values
+            out = out + (probs[..., :prefix_keys.shape[2]] @ prefix_values.float()).transpose(1, 2)
         return out.reshape(b, s, -1)
 
     def _absorbed(self) -> FloatAbsorbed | IntAbsorbed:

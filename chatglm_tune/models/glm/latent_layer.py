@@ -8,8 +8,8 @@ paying Python's and nn.Module's cost. `LatentLayer` runs all of it as two calls 
 (full size, INT4, fp32 activations, 2 threads, steps of the two paths interleaved in one process: 169 -> 133 ms a
 step, the scores equal at every step). It is made once from the layer's modules as they stand and made again when a
 layout, a submodule or a parameter changes (`modules.layouts_epoch`, as the experts' step); a step with more than
-one token, gradients, training, a hook on any of the layer's modules, or a module the C++ step does not know (an
-adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts' step with no
+one token, gradients, training, a hook on any of the layer's modules, a P-tuning prefix, or a module the C++ step
+does not know (an adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts' step with no
 routed experts (`experts.dense_decoder`).
 
 `LatentModel`, the model's trunk, decodes a token over the toolkit's own cache (`GrowingCache`) without the layers'
@@ -54,7 +54,8 @@ class LatentLayer(Glm4MoeLiteDecoderLayer):
     def _held_step(self, x: torch.Tensor, cache):
         """The C++ step where it runs this forward, made once and kept while no layout, submodule or parameter
         changed."""
-        if self.training or torch.is_grad_enabled() or cache is None or x.shape[0] * x.shape[1] != 1:
+        if (self.training or torch.is_grad_enabled() or cache is None or x.shape[0] * x.shape[1] != 1
+                or self.self_attn.head_prefix is not None):  # the C++ step knows no prefix
             return None
         held = self.__dict__.get("_held")
         if held is None or held[0] != layouts_epoch():

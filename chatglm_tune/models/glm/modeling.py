@@ -300,7 +300,7 @@ class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
 
 class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
     """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
-    as the first entries of its latent cache; its decode steps attend to the cached latents themselves
+    as each head's first keys and values (zero latents in its place in the cache); its decode steps attend to the cached latents themselves
     (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts as GLM-4.5's do; each
     layer with experts holds its one-token decode step in C++ (`latent_layer.LatentLayer`, the class FSDP wraps)."""
 
@@ -310,6 +310,17 @@ class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
             layer.self_attn.__class__ = LatentAttention
         use_grouped_decode(self)
         use_held_steps(self)
+
+    def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The prefix's cache entries: per layer P zero latents [b, 1, P, kv_lora_rank] and shared keys [b, 1, P,
+        qk_rope_head_dim], whose place each layer's attention gives its heads' own prefix keys and values, handed to
+        it here (`LatentAttention.head_prefix`; glm/prefix.py)."""
+        pairs = super().prefix_key_values(batch_size, dtype)
+        for layer, pair in zip(self.model.layers, pairs):
+            layer.self_attn.head_prefix = pair
+        shape = (batch_size, 1, self.pre_seq_len)
+        zeros = pairs[0][0].new_zeros
+        return [(zeros(*shape, self.config.kv_lora_rank), zeros(*shape, self.config.qk_rope_head_dim)) for _ in pairs]
 
 
 MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix, "glm4_moe": Glm4MoeForCausalLMWithPrefix,

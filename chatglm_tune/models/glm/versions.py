@@ -137,9 +137,11 @@ class ReleasedFormVersion(GLM4Version):
 
     def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): 2 layers of this
-        architecture in transformers' config fields, the tokenizer as the version is released."""
+        architecture in transformers' config fields (overrides by those names, and P-tuning's `pre_seq_len` /
+        `prefix_projection`), the tokenizer as the version is released."""
         from chatglm_tune.models.glm.modeling import model_class
 
+        prefix = {name: config_overrides.pop(name) for name in ("pre_seq_len", "prefix_projection") if name in config_overrides}
         directory = Path(directory)
         if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
             self.train_tokenizer(corpus, directory)
@@ -156,7 +158,7 @@ class ReleasedFormVersion(GLM4Version):
         raw.update(config_overrides)
         if "mlp_layer_types" in raw and "mlp_layer_types" not in config_overrides:  # any depth: a dense first layer
             raw["mlp_layer_types"] = ["dense"] + ["sparse"] * (raw["num_hidden_layers"] - 1)
-        return model_class(self.name)(glm_config(raw, version=self.name)), tokenizer
+        return model_class(self.name)(glm_config(raw, version=self.name, **prefix)), tokenizer
 
 
 _NO_GGML = "chatglm.cpp's {} file is not written here: use --format gguf (llama.cpp, ollama)"
