@@ -55,7 +55,7 @@ def prefix_key_values(encoder: PrefixEncoder, dropout: nn.Module, num_layers: in
     Each layer's channels are its key's heads then its value's: with equal widths, channel
     `((2 * layer + kv) * heads + head) * head_dim + d` of the encoder output is element `d` of head `head` of the
     key (kv=0) or value (kv=1) of `layer`, as in the official `get_prompt`. One dropout mask covers keys and values
-    alike. (A latent-attention cache holds another pair per layer: the key/value latent and the rotary key.)
+    alike. (Latent attention's: every head's keys and values, which its model hands the attention; glm/prefix.py.)
     """
     value_dim = head_dim if value_dim is None else value_dim
     weight = encoder.embedding.weight

@@ -88,22 +88,20 @@ mixture-of-experts versions (`--version glm4-moe`, `glm4-moe-lite`: GLM-4-0414's
 or latent attention, and routed experts) take the same: on the tiny GLM-4.5 base (8 epochs; 1.000 on its own
 relations, 0.000 on the new ones) P-tuning 0.994 (性能故障 0.988, 组成 0.997; stopped at step 4000 and continued
 with --resume, so its train_seconds hold the last 16000 steps), LoRA 1.000 (bench/results/adapt-glm4-moe.json). On the
-tiny GLM-4.7-Flash base (8 epochs; 1.000 / 0.000; its train_seconds include about 45 minutes the process was stopped
-for other measurements) LoRA reaches 1.000 (bench/results/adapt-glm4-moe-lite.json), but
-P-tuning v2 with these settings learns far slower: dev F1 0.041, 0.080, 0.101 and 0.122 at steps 4000, 8000, 12000
-and 16000 of 20000 (dev loss 0.90, 0.72, 0.63, 0.59), where GLM-4-0414's stood at 0.53, 0.64, 0.78 and 0.82. Its prefix is what latent attention caches, the normed
-key/value latent and the rotary key: 32 + 8 numbers an entry and layer on the tiny preset (the release's 512 + 64),
-against 8 heads x (16 + 16) = 256 on the tiny GLM-4.5, one latent serving every head's key and value at once.
-(That run ended at step 16613 with its process.) What it gets wrong: it writes the format and the new relations'
-names but recalls entities and state words from the new relations' pools instead of copying them (密封圈 -> 密封,
-喉箍 -> 柱塞, 忽高忽低 -> 磨损), or answers nothing. Its prefix takes 84-98% of the attention of every head of every
-layer (16 dev prompts); a prefix of zeros already takes 46-83% (128 entries of score 0 beside a prompt's ~50 against
-mostly diffuse heads), where the copying heads then lose the text. Tried, each at step 2000 (dev loss / F1): these
-settings in 40 epochs 0.97 / 0.023; lr 1.2e-1 (40 epochs) 1.13 / 0.009; the MLP reparameterisation at lr 1e-2 (40
-epochs) 1.21 / 0.013; pre_seq_len 32 (40 epochs, less dilution) 1.34 / 0.008; pre_seq_len 512 at 4e-2 (80 epochs)
-0.91 / 0.023, its train loss 0.81 at step 3900 where the 128 run reached that at ~11000: more entries learn
-faster, but at these rates none nears 0.8 within 20000 steps (the 128 run gained ~0.03 F1 every 4000). P-tuning v2
-on the tiny GLM-4.7-Flash stays short of the 0.8 target.
+tiny GLM-4.7-Flash base (8 epochs; 1.000 / 0.000; the base's and LoRA's train_seconds include about 45 minutes the
+process was stopped for other measurements) LoRA reaches 1.000 and P-tuning v2 0.936 (性能故障 0.907, 组成 0.956; 0.44, 0.71, 0.89, 0.91,
+0.94 at each 4000 steps; its train_seconds include ~12 minutes beside the test suite): bench/results/adapt-glm4-moe-lite.json.
+Its prefix was at first what latent attention caches, the normed key/value latent and the rotary key of each entry:
+32 + 8 numbers an entry and layer on the tiny preset (the release's 512 + 64), one latent giving every head's key and
+value at once. With these settings that prefix learnt far slower: dev F1 0.041, 0.080, 0.101 and 0.122 at steps
+4000, 8000, 12000 and 16000 (dev loss 0.90, 0.72, 0.63, 0.59). It wrote the format and the new relations' names but
+recalled entities and state words from the new relations' pools instead of copying them (密封圈 -> 密封, 喉箍 -> 柱塞,
+忽高忽低 -> 磨损), or answered nothing, and took 84-98% of the attention of every head of every layer. Tried, each at
+step 2000 (dev loss / F1): these settings in 40 epochs 0.97 / 0.023; lr 1.2e-1 1.13 / 0.009; the MLP
+reparameterisation at lr 1e-2 1.21 / 0.013; pre_seq_len 32 1.34 / 0.008; pre_seq_len 512 (80 epochs) 0.91 / 0.023.
+The prefix is now each head's own keys and values (glm/prefix.py: 8 heads x (24 + 16) = 320 numbers an entry and
+layer here, zero latents in their place in the cache), of which a prefix of latents is one case (each head's expansion
+of them): train loss 0.93 at step 1000 against 1.67, dev loss 0.25 at step 4000 against 0.90, and the F1 above.
 --ptuning-epochs, --lora-epochs, --ptuning-lr, --lora-lr: the run length and rate of each adaptation.
 
     OMP_NUM_THREADS=1 python bench/training/adapt.py [--version chatglm|chatglm3|glm4|glm4-0414|glm4-moe|glm4-moe-lite]

@@ -9,8 +9,8 @@ paying Python's and nn.Module's cost. `LatentLayer` runs all of it as two calls 
 step, the scores equal at every step). It is made once from the layer's modules as they stand and made again when a
 layout, a submodule or a parameter changes (`modules.layouts_epoch`, as the experts' step); a step with more than
 one token, gradients, training, a hook on any of the layer's modules, a P-tuning prefix, or a module the C++ step
-does not know (an adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts' step with no
-routed experts (`experts.dense_decoder`).
+does not know (an adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts'
+step with no routed experts (`experts.dense_decoder`).
 
 `LatentModel`, the model's trunk, decodes a token over the toolkit's own cache (`GrowingCache`) without the layers'
 module calls: each held layer's step is one C++ call (`run`) that writes its entries into views the cache made one

@@ -300,9 +300,10 @@ class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
 
 class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
     """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
-    as each head's first keys and values (zero latents in its place in the cache); its decode steps attend to the cached latents themselves
-    (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts as GLM-4.5's do; each
-    layer with experts holds its one-token decode step in C++ (`latent_layer.LatentLayer`, the class FSDP wraps)."""
+    as each head's first keys and values (zero latents in its place in the cache); its decode steps attend to the
+    cached latents themselves (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts
+    as GLM-4.5's do; each layer with experts holds its one-token decode step in C++ (`latent_layer.LatentLayer`, the
+    class FSDP wraps)."""
 
     def __init__(self, config):
         super().__init__(config)

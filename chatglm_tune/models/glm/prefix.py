@@ -15,9 +15,9 @@ key, which every head expands into its own key and value. Its prefix is each hea
 of cache latents is one such (each head's expansion of them; the prefixed model then equals transformers' with those
 latents as the first cache entries), but one latent gives a head's key and value at once, and every head's from the
 same few numbers: a prefix of latents learnt new relations on the tiny GLM-4.7-Flash at a tenth of the pace (dev F1
-0.041 after 4000 steps where each head's own reached 0.436; bench/training/adapt.py). The cache keeps P zero latents
-in the prefix's place (its lengths and masks as for any prefix); each layer's attention puts its heads' prefix there
-(`latent_attention.LatentAttention.head_prefix`).
+0.041 after 4000 steps where each head's own reached 0.436, and 0.936 after 20000; bench/training/adapt.py). The
+cache keeps P zero latents in the prefix's place (its lengths and masks as for any prefix); each layer's attention
+puts its heads' prefix there (`latent_attention.LatentAttention.head_prefix`).
 
 Official key names under `transformer.prefix_encoder.` (`embedding.weight`, `trans.0.*`, `trans.2.*`):
 the model holds the encoder as `prefix_encoder`, so the key map renames the root only.
@@ -53,8 +53,9 @@ def prefix_width(config) -> int:
 def prefix_formula(config) -> str:
     """How `prefix_width` is made, with this config's numbers."""
     if latent_attention(config):
-        return (f"num_layers * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) = {config.num_hidden_layers} * "
-                f"{config.num_attention_heads} * ({config.qk_nope_head_dim} + {config.qk_rope_head_dim} + {config.v_head_dim})")
+        c = config
+        return (f"num_layers * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) = {c.num_hidden_layers} * "
+                f"{c.num_attention_heads} * ({c.qk_nope_head_dim} + {c.qk_rope_head_dim} + {c.v_head_dim})")
     return (f"num_layers * 2 * kv_channels * multi_query_group_num = {config.num_hidden_layers} * 2 * {config.head_dim} * "
             f"{config.num_key_value_heads}")
 

@@ -141,7 +141,8 @@ class ReleasedFormVersion(GLM4Version):
         `prefix_projection`), the tokenizer as the version is released."""
         from chatglm_tune.models.glm.modeling import model_class
 
-        prefix = {name: config_overrides.pop(name) for name in ("pre_seq_len", "prefix_projection") if name in config_overrides}
+        prefix = {name: config_overrides.pop(name) for name in ("pre_seq_len", "prefix_projection")
+                  if name in config_overrides}
         directory = Path(directory)
         if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
             self.train_tokenizer(corpus, directory)
