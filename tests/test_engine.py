@@ -1,7 +1,7 @@
 """The continuous-batching engine: every request gets the tokens `generate` gives its prompt alone.
 
-On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash with one): requests of different prompt
-lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than the
+On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash with one): requests of
+different prompt lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than the
 batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
 leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
 step and the others go on unchanged; the queue refuses beyond `max_queue`; a closed engine admits nothing.

@@ -111,18 +111,18 @@ class LatentAttention(Glm4MoeLiteAttention):
         else:
             scores = query @ keys.transpose(1, 2) + rotated @ shared.transpose(1, 2)
         scores = scores.view(b, heads, s, length)
-        if self.head_prefix is not None:  # each head's own prefix keys in place of the first P (zero) latents
-            prefix_keys, prefix_values = self.prefix_rows(b)
-            prefix_scores = torch.cat([q_pass, q_rot], dim=-1).float() @ prefix_keys.float().transpose(2, 3)
-            scores = torch.cat([prefix_scores, scores[..., prefix_keys.shape[2]:]], dim=-1)
+        prefix = None if self.head_prefix is None else self.prefix_rows(b)
+        if prefix is not None:  # each head's own prefix keys in place of the first P (zero) latents
+            prefix_scores = torch.cat([q_pass, q_rot], dim=-1).float() @ prefix[0].float().transpose(2, 3)
+            scores = torch.cat([prefix_scores, scores[..., prefix_scores.shape[-1]:]], dim=-1)
         probs = _masked(scores * self.scaling, attention_mask, s).softmax(-1)
         flat = probs.reshape(b, heads * s, length)
         mixed = int8dot_cpu.latent_mix(flat, keys) if _threaded_products(keys) else flat @ keys
         mixed = mixed.view(b, heads, s, self.kv_lora_rank)
         mixed = mixed.transpose(0, 1).reshape(heads, b * s, self.kv_lora_rank)
         out = self._absorbed().values(mixed).view(heads, b, s, self.v_head_dim).permute(1, 2, 0, 3)  # [b, s, H, 256]
-        if self.head_prefix is not None:  # the zero latents mixed in nothing: the prefix's values
-            out = out + (probs[..., :prefix_keys.shape[2]] @ prefix_values.float()).transpose(1, 2)
+        if prefix is not None:  # the zero latents mixed in nothing: the prefix's values
+            out = out + (probs[..., :prefix_scores.shape[-1]] @ prefix[1].float()).transpose(1, 2)
         return out.reshape(b, s, -1)
 
     def _absorbed(self) -> FloatAbsorbed | IntAbsorbed:
