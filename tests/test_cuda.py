@@ -15,6 +15,9 @@ here (`Version.tiny` on the texts and answers of data/spo_dev.jsonl), against th
 - infer.py `--device cuda` runs a P-tuning and a LoRA run;
 - INT8 / INT4 through the toolkit (`quant.apply.quantize_model` on the GPU: the CPU's integers and scales; the
   loader's `quantization_bit`, with and without `quantize_embedding`): logits and greedy tokens as on the CPU;
+- the weight-only kernels of INT8 / INT4 layers on the GPU (intmm, tinygemm's int4mm) compute the dequantized
+  matmul, and a weight held in tinygemm's layout reads back exactly; compiled decoding (static cache, CUDA graphs)
+  gives the cached loop's tokens, float and INT8 / INT4;
 - bitsandbytes INT8 / NF4 (`quant.apply.to_bitsandbytes`), when bitsandbytes imports: logits near the float
   ones, generation, and a LoRA step on it.
 
@@ -368,7 +371,7 @@ def test_quantize_model_on_the_gpu_holds_the_cpus_integers_and_decodes_as_it(nam
     assert_logits_close(logits_of(gpu, batch, GPU), reference, "float32", f"{name} INT{bits}", tolerance=1e-3)
     gpu.half()
     assert_logits_close(logits_of(gpu, batch, GPU), reference, "float16", f"{name} INT{bits} fp16")
-    assert all(m.weight_scale.dtype == torch.float16 and m.last_kernel == "dequant" for m in mine.values())
+    assert all(m.weight_scale.dtype == torch.float16 and m.last_kernel == "intmm" for m in mine.values())
     threshold = 2 * TOLERANCE["float16"] * reference.std().item()
     ref, margins = greedy_with_margins(cpu, batch, NEW_TOKENS)
     got, _ = greedy_with_margins(gpu, batch, NEW_TOKENS, wide=threshold)
@@ -392,6 +395,69 @@ def test_the_loader_quantizes_onto_the_gpu(name, bits, embedding, bases):
     ref, margins = greedy_with_margins(cpu, batch, NEW_TOKENS)
     got, _ = greedy_with_margins(gpu, batch, NEW_TOKENS, wide=threshold)
     assert_same_where_confident(got, ref, margins, threshold, min_confident=MIN_CONFIDENT["float16"])
+
+
+# ---------------------------------------------------------------------------------------------- weight-only kernels
+
+
+# (bits, group size, x dtype) -> the kernel "auto" runs on the GPU without a gradient, and its error bound relative to
+# float64 (bf16 / fp16 activations and outputs: their rounding; the dequantizing path's own error is of that size)
+KERNEL_CASES = {(8, 0, "bfloat16"): ("intmm", 1e-2), (8, 0, "float16"): ("intmm", 2e-3), (8, 0, "float32"): ("intmm", 1e-5),
+                (4, 0, "bfloat16"): ("int4mm", 1e-2), (4, 0, "float16"): ("intmm", 2e-3), (4, 0, "float32"): ("intmm", 1e-5),
+                (4, 64, "bfloat16"): ("int4mm", 1e-2), (4, 64, "float16"): ("dequant", 2e-3)}
+
+
+@pytest.mark.parametrize("bits, group_size, dtype_name", list(KERNEL_CASES))
+def test_the_weight_only_kernels_compute_the_dequantized_matmul(bits, group_size, dtype_name):
+    """`QuantizedLinear` on the GPU, rows 1, 7 and 40 of x: the kernel "auto" picks, within its dtype's rounding of the
+    float64 product with the dequantized weight; a weight held in tinygemm's layout (int4mm releases the official one)
+    reads back exactly: state_dict, the dequantizing path, and a move to the CPU."""
+    kernel, bound = KERNEL_CASES[bits, group_size, dtype_name]
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(384, 200, bias=True)
+    layer = QuantizedLinear.from_linear(dense, bits, group_size).to(GPU, DTYPES[dtype_name])
+    official = layer.weight.detach().clone()
+    exact = (unpack_int4(official) if bits == 4 else official).double().view(200, -1, group_size or 384)
+    exact = (exact * layer.weight_scale.double().view(200, -1, 1)).view(200, 384)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 384, device=GPU, dtype=DTYPES[dtype_name])
+        with torch.no_grad():
+            y = layer(x)
+        assert layer.last_kernel == kernel and y.dtype == x.dtype and y.shape == (rows, 200)
+        ref = x.double() @ exact.T + layer.bias.double()
+        error = ((y.double() - ref).norm() / ref.norm()).item()
+        assert error < bound, f"{kernel}: relative error {error:.2g} at {rows} rows"
+    if kernel == "int4mm":
+        assert layer.held_layout == "int4mm" and layer.weight.numel() == 0
+        assert torch.equal(layer.state_dict()["weight"], official)
+        layer.kernel = "dequant"
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x).double(), ref, rtol=bound, atol=bound * ref.abs().max().item())
+        assert torch.equal(layer.to("cpu").weight, official.cpu())
+
+
+COMPILED_CASES = {"float32": ("float32", 0), "int8 float32": ("float32", 8), "int4 bfloat16": ("bfloat16", 4)}
+
+
+@pytest.mark.parametrize("case", list(COMPILED_CASES))
+def test_compiled_decoding_on_the_gpu_gives_the_cached_loops_ids(case, bases):
+    """`generate(compiled=True)` on the GPU (a static cache, the steps captured as CUDA graphs; INT8 / INT4 through
+    their weight-only kernels) against the cached loop of the same model, a left-padded batch with a P-tuning
+    prefix: the same tokens up to each row's first margin narrower than twice the dtype's tolerance."""
+    dtype_name, bits = COMPILED_CASES[case]
+    torch.manual_seed(1)
+    model, tokenizer = load("chatglm3", bases("chatglm3"), pre_seq_len=4)
+    model = model.to(GPU, DTYPES[dtype_name])
+    if bits:
+        quantize_model(model, bits, targets=VERSIONS["chatglm3"].quantizable_linears)
+    batch = prompts(tokenizer)
+    threshold = 2 * TOLERANCE[dtype_name] * logits_of(model, batch, GPU).std().item()
+    ref, margins = greedy_with_margins(model, batch, NEW_TOKENS, wide=threshold)
+    got = generate(model, batch["input_ids"].to(GPU), batch["attention_mask"].to(GPU), max_new_tokens=NEW_TOKENS,
+                   eos_token_id=None, compiled=True)
+    assert_same_where_confident(got, ref, margins, threshold, min_confident=MIN_CONFIDENT[dtype_name] if not bits else 0)
+    kernels = {m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    assert kernels == ({"intmm"} if bits == 8 else {"int4mm"} if bits else set()), kernels
 
 
 # ---------------------------------------------------------------------------------------------- bitsandbytes

@@ -253,6 +253,21 @@ def test_kernel_guards_fall_back_instead_of_crashing():
         assert layer.last_kernel == "dequant"
 
 
+@pytest.mark.parametrize("bits, group_size", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_intmm_casts_the_integers_and_scales_the_output(bits, group_size, dtype):
+    """intmm (the GPU's weight-only form, runnable anywhere when forced): the dequantized matmul for INT8 and per-row
+    INT4; group-wise INT4 falls back to dequant. The GPU's tinygemm kernel (int4mm) falls back on the CPU."""
+    layer = make_layer(bits, group_size)
+    x = torch.randn(5, 64, dtype=dtype)
+    for kernel in ("intmm", "int4mm"):
+        layer.kernel = kernel
+        y = layer(x)
+        ran = "intmm" if kernel == "intmm" and (bits == 8 or group_size == 0) else "dequant"
+        assert layer.last_kernel == ran and y.dtype == dtype
+        assert rel_err(y, reference(layer, x)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_misaligned_input_view_is_handled(bits):
     layer = make_layer(bits, 0)

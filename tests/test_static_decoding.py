@@ -18,6 +18,7 @@ from chatglm_tune.loading import from_pretrained
 from chatglm_tune.models import registry
 from chatglm_tune.options import DraftOptions, SamplingOptions
 from chatglm_tune.quant.apply import quantize_model
+from chatglm_tune.quant.modules import QuantizedLinear
 
 NEW = 20
 SAMPLING = SamplingOptions(do_sample=True, top_p=0.9, temperature=0.9)
@@ -99,8 +100,49 @@ def test_compiled_decoding_refuses_speculation_and_quantized_layers(tmp_path):
     with pytest.raises(ValueError, match="do not combine"):
         generate(model, ids, max_new_tokens=2, compiled=True, drafts=DraftOptions())
     quantize_model(model, 4, targets=registry.VERSIONS["chatglm3"].quantizable_linears)
-    with pytest.raises(ValueError, match="compiled decoding runs float weights"):
+    with pytest.raises(ValueError, match=r"compiled decoding runs float weights, or INT8 / INT4 layers on a CUDA GPU; "
+                                         r"model\.layers\.0\.self_attn\.\w+ \(QuantizedLinear, kernel int8dot\)"):
         generate(model, ids, max_new_tokens=2, compiled=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_layers_on_the_compilable_kernel_decode_on_a_static_cache(bits, tmp_path, eager_steps):
+    """INT8 / INT4 layers whose kernel a compiled step can hold (intmm, CUDA's choice; forced here on the CPU) decode on
+    the static cache with the cached loop's ids."""
+    model, tokenizer = tiny("chatglm3", tmp_path, prefix=2)
+    quantize_model(model, bits, targets=registry.VERSIONS["chatglm3"].quantizable_linears)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.kernel = "intmm"
+    assert static_decoding.unsupported(model) is None
+    ids, mask = batch_of(tokenizer, TEXTS[:4])
+    cached, static = both(model, tokenizer, ids, mask, eos_token_id=None)
+    assert static == cached and {layer.last_kernel for layer in layers} == {"intmm"}
+
+
+def test_the_cache_is_held_for_the_next_call_of_its_shape(tmp_path, eager_steps):
+    """The model keeps its last static cache and resets it for the next call of that shape (its tensors stay where a
+    CUDA graph recorded them); two calls interleaved get a cache each, with the same ids."""
+    model, tokenizer = tiny("chatglm3", tmp_path, prefix=2)
+    ids, mask = batch_of(tokenizer, TEXTS[:3])
+    kwargs = dict(max_new_tokens=6, eos_token_id=None, vocab_limit=len(tokenizer), compiled=True)
+    first = generate(model, ids, mask, **kwargs)
+    keys = model.__dict__["_static_cache"]["cache"].layers[0].keys
+    assert generate(model, ids, mask, **kwargs) == first
+    assert model.__dict__["_static_cache"]["cache"].layers[0].keys is keys
+    streams = [generate_steps(model, ids, mask, **kwargs) for _ in range(2)]
+    made = [[[] for _ in range(3)] for _ in streams]
+    for steps in zip(*streams):  # one step of each in turn
+        for out, (rows, tokens) in zip(made, steps):
+            for row, token in zip(rows, tokens):
+                out[row].append(token)
+    assert made == [first, first]
+
+
+def test_compile_options_capture_cuda_graphs_on_a_gpu_only():
+    cuda = static_decoding.compile_options(torch.device("cuda", 0))
+    assert cuda["triton.cudagraphs"] and cuda["coordinate_descent_tuning"]
+    assert static_decoding.compile_options(torch.device("cpu")) == {}
 
 
 def test_the_cache_length_is_rounded_up_to_a_step():

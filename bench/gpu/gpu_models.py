@@ -120,40 +120,104 @@ def prompt(version: str, batch: int, length: int, seed: int = 0, tail_at: int | 
     return ids.to(DEVICE)
 
 
-def toolkit_decoder(model):
-    from chatglm_tune.decoding.generation import generate
+def toolkit_decoder(model, compiled: bool = False):
+    """`run(ids, n)` -> (each row's new ids, when the first new token was out): the toolkit's `generate_steps`,
+    eagerly or `compiled` (a static cache, the steps one compiled function: CUDA graphs on the GPU)."""
+    from chatglm_tune.decoding.generation import generate_steps
 
-    return lambda ids, n: sum(map(len, generate(model, ids, max_new_tokens=n, eos_token_id=None)))
-
-
-def transformers_decoder(twin):
     def run(ids, n):
-        out = twin.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=twin.config.pad_token_id)
-        return (out.shape[1] - ids.shape[1]) * out.shape[0]
+        rows, first = [[] for _ in range(ids.shape[0])], None
+        for live, tokens in generate_steps(model, ids, max_new_tokens=n, eos_token_id=None, compiled=compiled):
+            first = first or time.perf_counter()  # each yield follows a token's copy to the host
+            for row, token in zip(live, tokens):
+                rows[row].append(token)
+        return rows, first
 
     return run
 
 
-def decode(model, run, ids: torch.Tensor, new_tokens: int) -> dict:
-    """Time `run(ids, new_tokens)` (which returns the tokens it generated) on `model`; see the module docstring."""
-    run(ids, new_tokens)  # warm-up of the same shapes: kernels, cuDNN attention plans (one per key length), the allocator
+def transformers_decoder(twin):
+    """`run(ids, n)` -> (each row's new ids, when the second forward started): transformers' `generate`."""
+    def run(ids, n):
+        calls: list[float] = []
+        hook = twin.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
+        try:
+            out = twin.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=twin.config.pad_token_id)
+        finally:
+            hook.remove()
+        return out[:, ids.shape[1]:].tolist(), calls[1]
+
+    return run
+
+
+def decode(run, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Time `run(ids, new_tokens)`; see the module docstring. The row keeps the new ids under "ids"."""
+    run(ids, new_tokens)  # warm-up of the same shapes: kernels, attention plans, compilation, CUDA graphs
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    calls: list[float] = []
-    hook = model.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
-    try:
-        start = time.perf_counter()
-        made = run(ids, new_tokens)
-        torch.cuda.synchronize()
-        end = time.perf_counter()
-    finally:
-        hook.remove()
+    start = time.perf_counter()
+    made, first = run(ids, new_tokens)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
     b = ids.shape[0]
-    assert made == b * new_tokens and len(calls) >= 2, (made, len(calls))
+    assert sum(map(len, made)) == b * new_tokens, [len(row) for row in made]
     return {"what": "decode", "batch": b, "prompt": ids.shape[1], "new_tokens": new_tokens, "seconds": end - start,
-            "tok_s": made / (end - start), "decode_tok_s": b * (new_tokens - 1) / (end - calls[1]),
-            "prefill_s": calls[1] - start, "peak_gb": torch.cuda.max_memory_allocated() / GB}
+            "tok_s": b * new_tokens / (end - start), "decode_tok_s": b * (new_tokens - 1) / (end - first),
+            "prefill_s": first - start, "peak_gb": torch.cuda.max_memory_allocated() / GB, "ids": made}
+
+
+@torch.inference_mode()
+def agreement(model, prompt: torch.Tensor, ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Whether `got` (each row's ids) is `ref`; else the first step where a row leaves it, and `model`'s top-2 logit
+    margin there on that row (ref's prefix): in its logits' standard deviations, how near a tie the parting is."""
+    step = next((t for t in range(len(ref[0])) if any(a[t] != b[t] for a, b in zip(ref, got))), None)
+    if step is None:
+        return {"same_ids": True}
+    rows = [r for r, (a, b) in enumerate(zip(ref, got)) if a[step] != b[step]]
+    seq = torch.cat([prompt[rows[0]], torch.tensor(ref[rows[0]][:step], dtype=prompt.dtype, device=prompt.device)])
+    logits = model(seq[None]).logits[0, -1].float()
+    top = logits.topk(2).values
+    margin = (top[0] - top[1]).item()
+    return {"same_ids": False, "first_diff_step": step, "rows_parting": len(rows), "margin": margin,
+            "margin_std": margin / logits.std().item()}
+
+
+@torch.inference_mode()
+def kernel_error(model, ids: torch.Tensor) -> float:
+    """Relative error (Frobenius) of the logits of `ids` with the INT8 / INT4 layers' own kernels against the
+    dequantizing path (the same integers, dequantized to the compute dtype)."""
+    from chatglm_tune.quant.modules import QuantizedLinear
+
+    layers = {m: m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    fast = model(ids).logits.float()
+    for layer in layers:
+        layer.kernel = "dequant"
+    try:
+        ref = model(ids).logits.float()
+    finally:
+        for layer, kernel in layers.items():
+            layer.kernel = kernel
+    return ((fast - ref).norm() / ref.norm()).item()
+
+
+def copy_bandwidth(gigabytes: float = 2.0, repeats: int = 20) -> float:
+    """The card's device-to-device copy rate, GB/s (bytes read + bytes written), median of `repeats` copies of
+    `gigabytes` of random bytes, timed with CUDA events after a warm-up."""
+    src = torch.randint(0, 256, (int(gigabytes * GB),), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    free()
+    return 2 * gigabytes * GB / statistics.median(times) / GB
 
 
 def train_batch(version: str, batch: int, length: int) -> dict:

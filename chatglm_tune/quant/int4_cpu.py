@@ -1,7 +1,7 @@
 """A batch-1 INT4 matmul for CPUs without AVX-512, reading the official packed INT4 weight as it is.
 
 On an AVX2-only AMD EPYC PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for
-half the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json, shared notes cpu-kernels.md).
+half the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json).
 `matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
 even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
 intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, zero-extend to 8 int32 lanes and XOR

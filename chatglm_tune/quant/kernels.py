@@ -10,7 +10,8 @@ are compute-bound, about 3-4 G weights/s a core (bench/decode/quant.py), so INT4
 - "int8dot" (CPU, INT8 and per-row INT4, AVX2 or AVX-512 VNNI): `int8dot_cpu`, the weight as it is (short rows:
   rearranged once per process into its interleaved layout) times activations quantized once per call (INT4: int8 in blocks of 32, q8_0; INT8:
   int16 in blocks of 64), integer dot products; the first choice at decode;
-- "dequant" (everywhere, CUDA included): dequantize to the activation dtype (in row tiles on CPU) and
+- "intmm" / "int4mm" (CUDA; intmm anywhere when forced): `cuda_matmul`, weight-only kernels that read the integers;
+- "dequant" (everywhere, CUDA's where a gradient flows through x): dequantize to the activation dtype (in row tiles on CPU) and
   run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
 Backward (`QuantizedMatmul`) always gives the input gradient through the dequantized weight, never a
 weight gradient.
@@ -24,12 +25,13 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu
+from chatglm_tune.quant import cpu_matmul, cuda_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import dequantize, unpack_int4
 
 # Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)
-KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "int8dot", "dequant")  # int4cpu: int4_cpu, for AVX2-only CPUs
+# int4cpu: int4_cpu, for AVX2-only CPUs; intmm / int4mm: cuda_matmul, CUDA's weight-only kernels
+KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "int8dot", "intmm", "int4mm", "dequant")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -39,7 +41,7 @@ KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "int8dot", "dequant")  # i
 
 def _aligned_bf16(x2d: Tensor) -> Tensor:
     """bf16, contiguous, 64-byte aligned copy of x when needed: the CPU kernels segfault on rows that
-    start mid-vector (a view offset by one element; cpu-kernels.md)."""
+    start mid-vector (a view offset by one element; measured)."""
     x2d = x2d.to(torch.bfloat16).contiguous()
     return x2d.clone() if x2d.data_ptr() % 64 else x2d
 
@@ -186,6 +188,10 @@ def quantized_matmul(x: Tensor, layer, kernel: str, bias: Tensor | None = None) 
         y = int4_cpu.matmul(x2d, layer.weight_for(kernel), layer.weight_scale)
     elif kernel == "int4pack":
         y = int4pack_mm(x2d, *layer.weight_for(kernel))
+    elif kernel == "intmm":
+        y = cuda_matmul.intmm(x2d, layer.weight_for(kernel), layer.weight_scale, layer.bits)
+    elif kernel == "int4mm":
+        y = cuda_matmul.int4mm(x2d, *layer.weight_for(kernel))
     else:
         y = dequant_mm(x2d, layer)
     y = y.view(*x.shape[:-1], layer.out_features)

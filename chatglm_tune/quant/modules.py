@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from chatglm_tune import heap
-from chatglm_tune.quant import cpu_matmul, int4_cpu, int8dot_cpu
+from chatglm_tune.quant import cpu_matmul, cuda_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import check_format, dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block_rows, int4pack_to_int, int4pack_weight,
                                         quantized_matmul, whole_int4pack_blocks)
@@ -148,7 +148,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out), in x's dtype."""
         kernel = self._choose_kernel(x)
-        self.record_kernel(kernel)
+        if not torch.compiler.is_compiling():  # a compiled step keeps no Python state
+            self.record_kernel(kernel)
         bias = self.bias
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             y = QuantizedMatmul.apply(x, self, kernel)
@@ -158,24 +159,46 @@ class QuantizedLinear(nn.Module):
         return quantized_matmul(x, self, kernel, bias)
 
     def _choose_kernel(self, x: Tensor) -> str:
+        rows = x.numel() // self.in_features
+        return self.kernel_for(x.device, x.dtype, rows, torch.is_grad_enabled() and x.requires_grad)
+
+    def kernel_for(self, device: torch.device, dtype: torch.dtype, rows: int, needs_grad: bool) -> str:
+        """The kernel a call with `rows` rows of x (`dtype`, on `device`) runs."""
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        rows = x.numel() // self.in_features
-        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
-        if not (on_cpu and x.is_floating_point() and rows > 0):
+        if not dtype.is_floating_point or rows == 0:
+            return "dequant"
+        if device.type == "cuda" and self.weight.device.type == "cuda":
+            return self._cuda_kernel(dtype, needs_grad)
+        if not (device.type == "cpu" and self.weight.device.type == "cpu"):
             return "dequant"
         if self.kernel == "auto":
-            needs_grad = torch.is_grad_enabled() and x.requires_grad
-            if int8dot_cpu.routes(self.bits, rows, x.dtype, needs_grad) and self._usable("int8dot"):
+            if int8dot_cpu.routes(self.bits, rows, dtype, needs_grad) and self._usable("int8dot"):
                 return "int8dot"
             fast = "int8pack" if self.bits == 8 else "int4cpu" if self._usable("int4cpu") else "int4pack"
             return fast if self._usable(fast) and rows <= self.max_kernel_rows else "dequant"
         return self.kernel if self._usable(self.kernel) else "dequant"
 
+    def _cuda_kernel(self, dtype: torch.dtype, needs_grad: bool) -> str:
+        """On a CUDA GPU, where no gradient flows through x, the weight-only kernels (`cuda_matmul`): tinygemm for INT4
+        under bf16, else intmm; "dequant" where neither can run the layer."""
+        if needs_grad:
+            return "dequant"
+        if self.kernel != "auto":
+            return self.kernel if self.kernel in ("intmm", "int4mm") and self._usable(self.kernel) else "dequant"
+        if self.bits == 4 and dtype == torch.bfloat16 and self._usable("int4mm"):
+            return "int4mm"
+        return "intmm" if self._usable("intmm") else "dequant"
+
     def _usable(self, kernel: str) -> bool:
-        """Whether `kernel` can run this layer on the CPU (asked only of the kernel being considered, so the C++ kernels'
+        """Whether `kernel` can run this layer (asked only of the kernel being considered, so the C++ kernels'
         builds, once per machine, happen only where they would run, and prefill and training never wait for them)."""
-        if kernel == "int8pack":  # int8pack segfaults for K % 16 != 0 (cpu-kernels.md)
+        if kernel == "intmm":  # INT8, or INT4 of per-row scales
+            return self.bits == 8 or self.group_size == 0
+        if kernel == "int4mm":  # a held layout answers without asking the device (a compiled step traces this)
+            return (self.bits == 4 and cuda_matmul.int4mm_shape(self.in_features, self.out_features, self.group_size)
+                    is not None and (self.held_layout == "int4mm" or cuda_matmul.tinygemm_runs(self.weight.device)))
+        if kernel == "int8pack":  # int8pack segfaults for K % 16 != 0 (measured)
             return self.bits == 8 and self.in_features % 16 == 0
         if kernel == "int4pack":  # needs N % 16 == 0 and scale groups made of 32..256-column kernel groups
             return self.bits == 4 and self.out_features % 16 == 0 and (self.group_size or self.in_features) % 32 == 0
@@ -201,7 +224,7 @@ class QuantizedLinear(nn.Module):
         (int8dot's always, int4pack's where `int4pack_block_rows` knows it: AVX2 and AVX-512): the dequantize path reads its
         integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
-        as_is = kernel not in ("int8dot", "int4pack") or (kernel == "int8dot" and self.shares_weight)
+        as_is = kernel not in ("int8dot", "int4pack", "int4mm") or (kernel == "int8dot" and self.shares_weight)
         if as_is:  # the official weight, back from a layout another kernel left
             self._restore_official_weight()
             return self.weight
@@ -210,6 +233,8 @@ class QuantizedLinear(nn.Module):
             self._restore_official_weight()  # another kernel's layout (a forced kernel), or weights loaded since
             if kernel == "int8dot":
                 data, release = self._int8dot_weight(), True
+            elif kernel == "int4mm":
+                data, release = cuda_matmul.int4mm_weight(self.weight, self.weight_scale), not self.shares_weight
             else:
                 data = int4pack_weight(self.weight, self.weight_scale)
                 block = int4pack_block_rows()
@@ -217,7 +242,7 @@ class QuantizedLinear(nn.Module):
             self._layout = (kernel, None if release else self.weight.data_ptr(), *data)
             _layouts_changed()
             if release:
-                self.weight.data = torch.empty(0, dtype=torch.int8)
+                self.weight.data = torch.empty(0, dtype=torch.int8, device=self.weight.device)
             heap.trim()  # the freed official weight and the repacking temporaries sit among kept tensors
         return self._layout[2] if kernel == "int8dot" else self._layout[2:]
 
@@ -236,6 +261,8 @@ class QuantizedLinear(nn.Module):
         if self.held_layout == "int4pack":
             ints = cpu_matmul.workspace("int4", (stop - start, self.in_features), torch.int8)
             return int4pack_to_int(self._layout[2][start:stop], self.in_features, out=ints), 8
+        if self.held_layout == "int4mm":
+            return self._int4mm_ints()[start:stop], 8
         return int8dot_cpu.unpack(self._layout[2], start, stop, self.weight_row_bytes), self.bits
 
     def float_scale(self) -> Tensor:
@@ -266,10 +293,16 @@ class QuantizedLinear(nn.Module):
         """The official weight, rebuilt (tile by tile for int4pack) from the layout that holds it."""
         if self.held_layout == "int8dot":
             return int8dot_cpu.unpack(self._layout[2], 0, self.out_features, self.weight_row_bytes)
+        if self.held_layout == "int4mm":
+            return pack_int4(self._int4mm_ints())
         packed = self._layout[2]
         step = whole_int4pack_blocks(cpu_matmul.tile_rows(self.in_features))
         tiles = range(0, self.out_features, step)
         return torch.cat([pack_int4(int4pack_to_int(packed[s : s + step], self.in_features)) for s in tiles])
+
+    def _int4mm_ints(self) -> Tensor:
+        """The signed integers [out, in] of a weight held in tinygemm's layout."""
+        return cuda_matmul.int4mm_to_int(self._layout[2], self._layout[3], self.in_features, self.out_features)
 
     def _restore_official_weight(self) -> None:
         if self.held_layout:
@@ -291,7 +324,8 @@ class QuantizedLinear(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs):
         # load_state_dict copies in place (same data_ptr, new values): drop the repacked weight
         if self.held_layout:
-            self.weight.data = torch.empty(self.out_features, self.weight_row_bytes, dtype=torch.int8)
+            self.weight.data = torch.empty(self.out_features, self.weight_row_bytes, dtype=torch.int8,
+                                           device=self.weight.device)
         self._layout = None
         _layouts_changed()
         super()._load_from_state_dict(*args, **kwargs)

@@ -1,0 +1,123 @@
+"""The results of bench/gpu/gpu.py: merged with an earlier run's on the same GPU (`merged`), the headline figures
+(`headline`) and the results page (`markdown`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def agreement_text(row: dict) -> str:
+    if "same_ids" not in row:
+        return ""
+    if row["same_ids"]:
+        return "same ids"
+    return (f"parts at step {row['first_diff_step']} ({row['rows_parting']} row(s); top-2 margin there "
+            f"{row['margin']:.3g} = {row['margin_std']:.3g} std)")
+
+
+def row_key(row: dict) -> tuple:
+    return row["model"], row["precision"], row["impl"], row["what"], row.get("batch")
+
+
+def merged(path: Path, info: dict, tests: dict | None, models: dict, rows: list, settings: dict) -> dict:
+    """This run's results over an earlier run's on the same GPU: its rows replace only the rows of the same model,
+    precision, impl, what and batch (each row keeps the time of its run), its model notes update theirs; the device
+    record and the tests are the latest run's (the tests the earlier run's where this one ran none)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if old.get("device", {}).get("device") != info["device"]:
+        old = {}
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    new = [{**r, "run": r.get("run", when)} for r in rows]
+    keys = {row_key(r) for r in new}
+    kept = [{**r, "run": r.get("run", old.get("when"))} for r in old.get("rows", []) if row_key(r) not in keys]
+    notes = {k: dict(v) for k, v in old.get("models", {}).items()}
+    for name, fresh in models.items():
+        mine = notes.setdefault(name, {})
+        for k, v in fresh.items():  # dicts of precisions: updated, not replaced
+            mine[k] = {**mine[k], **v} if isinstance(v, dict) and isinstance(mine.get(k), dict) else v
+    return {"device": {**old.get("device", {}), **info}, "when": when, "settings": settings,
+            "tests": tests if tests is not None else old.get("tests"), "models": notes, "rows": kept + new}
+
+
+def headline(results: dict) -> dict:
+    """Per model: bf16 decode tok/s at each batch, the toolkit's cached loop and compiled steps against transformers,
+    and the compiled steps' share of the card's copy bandwidth at batch 1 (weight bytes a token reads x tok/s); the
+    LoRA step, toolkit against transformers + peft; each precision's decode at batch 1 (and 32), cached and compiled."""
+    out = {}
+    copy = results["device"].get("copy_gb_s")
+    for name, notes in results["models"].items():
+        rows = [r for r in results["rows"] if r["model"] == name and "error" not in r and "tok_s" in r]
+
+        def pick(precision, impl, what, batch=None, key="tok_s"):
+            hit = [r for r in rows if (r["precision"], r["impl"], r["what"]) == (precision, impl, what)
+                   and (batch is None or r["batch"] == batch)]
+            return round(hit[0][key], 3) if hit else None
+
+        batches = sorted({r["batch"] for r in rows if r["what"] == "decode"})
+        entry = {f"bf16_decode_b{b}_tok_s": {impl: pick("bf16", impl, "decode", b)
+                                             for impl in ("toolkit", "toolkit-compiled", "transformers")} for b in batches}
+        read = notes.get("read_gb_per_token", {}).get("bf16")
+        compiled = pick("bf16", "toolkit-compiled", "decode", 1, key="decode_tok_s")
+        if copy and read and compiled:
+            entry["bf16_compiled_b1_bandwidth_share"] = round(compiled * read / copy, 3)
+        entry["bf16_lora_step_s"] = {"toolkit": pick("bf16", "toolkit", "lora step", key="seconds"),
+                                     "transformers+peft": pick("bf16", "transformers+peft", "lora step", key="seconds")}
+        precisions = sorted({r["precision"] for r in rows})
+        for b in batches:
+            entry[f"decode_b{b}_tok_s"] = {p: {"cached": pick(p, "toolkit", "decode", b),
+                                               "compiled": pick(p, "toolkit-compiled", "decode", b)} for p in precisions}
+        out[name] = entry
+    return out
+
+
+def markdown(results: dict) -> str:
+    info, tests = results["device"], results["tests"] or {}
+    s = results["settings"]
+    copy = f"{info['copy_gb_s']:.0f} GB/s" if info.get("copy_gb_s") else "not measured"
+    lines = [f"# The toolkit on a CUDA GPU: {info['device']}", "",
+             f"GPU: {info['device']} (compute capability {info['capability']}, {info['memory_gb']} GB); torch {info['torch']}, "
+             f"CUDA {info['cuda']}, transformers {info['transformers']}, peft {info['peft']}, bitsandbytes "
+             f"{info['bitsandbytes'] or 'not installed'}. Device-to-device copy (bytes read + written): {copy}. "
+             f"Made by `python bench/gpu/gpu.py` (latest run {results['when']}; each row says its run); GB = 1e9 bytes.", "",
+             f"Tests (`pytest -m cuda tests/test_cuda.py`): {tests.get('summary', 'not run')}", ""]
+    lines += [f"- not passed: `{line}`" for line in tests.get("not_passed", [])]
+    lines += ["", f"Decode: {s['prompt_len']}-token prompt, {s['new_tokens']} greedy tokens, no early stop; tok/s over the "
+              "whole call, decode tok/s of the steps after the first token. impl `toolkit`: the cached loop "
+              "(`generate`); `toolkit-compiled`: `generate(compiled=True)` (static cache, the steps one compiled "
+              "function, CUDA graphs); `transformers`: `GlmForCausalLM.generate`. \"same ids\": the compiled steps' "
+              "ids against the cached loop's at the same batch, or the step where a row first parts and the top-2 "
+              "logit margin there (in standard deviations of that step's logits). Steps: batch "
+              f"{s['train_batch']} x {s['train_len']} tokens (half labelled), AdamW, median of {s['steps']} after a warm-up; "
+              "P-tuning v2 pre_seq_len 128, LoRA r 8 on q/k/v. Peak = `torch.cuda.max_memory_allocated` (weights included). "
+              "Random weights (bench/gpu/gpu_models.py).", ""]
+    for name, notes in results["models"].items():
+        lines += model_section(name, notes, [r for r in results["rows"] if r["model"] == name])
+    return "\n".join(lines)
+
+
+def model_section(name: str, notes: dict, rows: list) -> list[str]:
+    lines = [f"## {name}: {notes['layers']} layers, hidden {notes['hidden']}, {notes['parameters'] / 1e9:.2f} B parameters", ""]
+    if "skipped" in notes:
+        return lines + [f"Skipped: {notes['skipped']}.", ""]
+    lines += [f"Gradient checkpointing: {'on' if notes.get('gradient_checkpointing') else 'off'}. Weights on the GPU: "
+              + ", ".join(f"{p} {gb:.2f} GB" for p, gb in notes.get("weights_gb", {}).items()) + "."]
+    if notes.get("read_gb_per_token"):
+        lines.append("Weight bytes a decode step reads: "
+                     + ", ".join(f"{p} {gb:.2f} GB" for p, gb in notes["read_gb_per_token"].items()) + ".")
+    if notes.get("kernel_vs_dequant_error"):
+        lines.append("Logits of the INT8 / INT4 kernels against the dequantizing path, relative error: "
+                     + ", ".join(f"{p} {e:.2g}" for p, e in notes["kernel_vs_dequant_error"].items() if e is not None) + ".")
+    if notes.get("not_reached"):
+        lines.append(f"Not reached before the run's deadline: {', '.join(notes['not_reached'])}.")
+    lines += ["", "| precision | impl | what | batch | seconds | tok/s | decode tok/s | peak GB | same ids | run |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | | error: {r['error']} | | | | | {r.get('run', '')} |")
+            continue
+        decode = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else ""
+        lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | {r['batch']} | {r['seconds']:.3f} | "
+                     f"{r['tok_s']:.1f} | {decode} | {r['peak_gb']:.2f} | {agreement_text(r)} | {r.get('run', '')} |")
+    return lines + [""]
