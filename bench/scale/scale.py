@@ -60,7 +60,8 @@ included; GB = 1e9 bytes. Every step appends its numbers to the results JSON (`b
 
 Variants (kept beside the as-is numbers, under the step name + a suffix, and shown in their own rows):
 `--quantize-embedding` loads with `quantize_embedding=True` (`+e8`: ChatGLM-6B's tied embedding / head as one
-INT8 copy, the GLM family's untied ones as one INT8 copy each), `--max-kernel-rows N`
+INT8 copy, the GLM family's untied ones as one INT8 copy each), `--train-dtype float32` trains in float32 (`+f32`),
+`--max-kernel-rows N`
 sets `QuantizedLinear.max_kernel_rows`, `--malloc-mmap-threshold B` runs the measuring process with
 glibc's `MALLOC_MMAP_THRESHOLD_=B`. The closing JSON's top level is the toolkit's defaults;
 `with_options` repeats it from the variants with the most options.
@@ -139,6 +140,8 @@ class Bench:
     def variant(self) -> tuple[str, dict | None]:
         """(key suffix, child environment) of the variant options in effect."""
         suffix = "+e8" if self.args.quantize_embedding else ""
+        if self.args.train_dtype == "float32":
+            suffix += "+f32"
         if self.args.max_kernel_rows is not None:
             suffix += f"+kr{self.args.max_kernel_rows}"
         env = None
@@ -168,8 +171,9 @@ class Bench:
         """`measure.run` of `scale_children.py KIND ...` with the variant options in effect."""
         rows = [] if self.args.max_kernel_rows is None else ["--max-kernel-rows", self.args.max_kernel_rows]
         e8 = ["--quantize-embedding"] if self.args.quantize_embedding else []
+        f32 = ["--train-dtype", "float32"] if kind == "train" and self.args.train_dtype == "float32" else []
         return run_python(HERE / "scale_children.py", kind, *extra, "--threads", self.args.threads,
-                          "--budget-s", self.args.budget_s, *rows, *e8, env=env)
+                          "--budget-s", self.args.budget_s, *rows, *e8, *f32, env=env)
 
     def run(self, step: str) -> None:
         if self.not_applicable(step):
@@ -255,6 +259,10 @@ def main(argv=None) -> None:
     p.add_argument("--quantize-embedding", action="store_true",
                    help="infer-*/train-* steps: load with the embedding and head in INT8 (ChatGLM-6B's tied pair as one "
                         "copy); results are kept under '<step>+e8' beside the as-is ones (default: off)")
+    p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="train-* steps: the float weights' and the compute's dtype; float32 (train.py's default, for "
+                        "CPUs without native bf16 matmuls, where a bf16 one is ~100x slower) is kept under "
+                        "'<step>+f32' (default %(default)s)")
     p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "

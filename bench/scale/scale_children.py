@@ -15,7 +15,8 @@ then batch-1 greedy decoding of 32 new tokens after a 64-token prompt (`generati
 start of the first incremental step).
 `train`: one training step (forward with labels, backward, AdamW step) on batch 1 x 256 tokens (128
 prompt tokens ending with the frame's tail, 128 labelled answer tokens ending with its `end`), gradient
-checkpointing on, bf16 compute, the library's defaults for the tuning (`training.DEFAULT_LR`,
+checkpointing on, bf16 compute (`--train-dtype float32`: train.py's default, for CPUs without native bf16 matmuls),
+the library's defaults for the tuning (`training.DEFAULT_LR`,
 `TrainOptions().pre_seq_len` and `prefix_projection` for P-tuning v2, `LoraOptions()` with the version's
 targets for LoRA). A step that would not finish inside `--budget-s` is stopped at the budget: what was
 measured is printed, the rest of the backward extrapolated per layer, and the result says `partial`.
@@ -46,6 +47,7 @@ BITS = {"bf16": 0, "int8": 8, "int4": 4}
 INFER = {"bf16": (0, "source"), "int8-load": (8, "source"), "int8-file": (8, "int8"),
          "int4-load": (4, "source"), "int4-file": (4, "int4")}
 TRAIN = [f"{tuning}-{base}" for tuning in ("ptuning", "lora") for base in BITS]
+TRAIN_DTYPES = ("bfloat16", "float32")  # train: float32 is train.py's default, for CPUs without bf16 matmuls
 
 
 def _prompt(frame: dict, length: int, seed: int) -> torch.Tensor:
@@ -80,15 +82,16 @@ def child_infer(args) -> dict:
     }
 
 
-def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool):
-    """(model to step, its core model, the trainable parameters, the optimizer): as train.py prepares them."""
+def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool, dtype: torch.dtype):
+    """(model to step, its core model, the trainable parameters, the optimizer): as train.py prepares them, its
+    float weights and its compute in `dtype`."""
     from chatglm_tune import from_pretrained, heap
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
     from chatglm_tune.training import set_trainable
 
     defaults = TrainOptions(tuning=tuning)
     extra = {"pre_seq_len": defaults.pre_seq_len, "prefix_projection": defaults.prefix_projection} if tuning == "ptuning" else {}
-    core = from_pretrained(model_dir, dtype=torch.bfloat16, quantization_bit=bits or None,
+    core = from_pretrained(model_dir, dtype=dtype, quantization_bit=bits or None,
                            quantize_embedding=quantize_embedding, **extra)
     core.activation_checkpointing_enable()
     core.enable_input_require_grads()
@@ -115,7 +118,8 @@ def _blocks(core) -> torch.nn.ModuleList:
 def child_train(args) -> dict:
     deadline = time.perf_counter() + args.budget_s
     tuning, base = args.name.split("-")
-    result = {"tuning": tuning, "base": base, "quantize_embedding": args.quantize_embedding, "rss_start_gb": peak_rss() / GB}
+    result = {"tuning": tuning, "base": base, "quantize_embedding": args.quantize_embedding, "dtype": args.train_dtype,
+              "rss_start_gb": peak_rss() / GB}
     marks: dict[str, list[float]] = {"forward": [], "backward": []}
     phase = {"name": "load", "t0": None, "t_fwd": None, "layers": None}
     lock = threading.Lock()
@@ -144,7 +148,8 @@ def child_train(args) -> dict:
 
     threading.Thread(target=watchdog, daemon=True).start()
     start = time.perf_counter()
-    model, core, params, optimizer = _train_model(args.model_dir, tuning, BITS[base], args.quantize_embedding)
+    model, core, params, optimizer = _train_model(args.model_dir, tuning, BITS[base], args.quantize_embedding,
+                                                  getattr(torch, args.train_dtype))
     ids, labels = _train_batch(args.frame)
     layers = _blocks(core)
     # Hooks on a child of each block: they fire in the forward and again in the checkpoint recompute.
@@ -192,6 +197,8 @@ def main(argv=None) -> None:
     p.add_argument("--quantize-embedding", action="store_true", help="load the embedding and head in INT8 "
                    "(quantize_embedding=True; ChatGLM-6B's tied pair as one copy)")
     p.add_argument("--max-kernel-rows", type=int, help="set QuantizedLinear.max_kernel_rows")
+    p.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="bfloat16",
+                   help="train: the float weights' and the compute's dtype (default %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.kind == "bandwidth":

@@ -10,7 +10,7 @@ import os
 from bench.common.scale_versions import DEFAULT_VERSION, BenchVersion
 from bench.scale.scale_children import GB, INFER, TRAIN
 
-VARIANT_LABELS = {"e8": "INT8 embedding"}
+VARIANT_LABELS = {"e8": "INT8 embedding", "f32": "float32 compute"}
 # '+kr64' -> QuantizedLinear.max_kernel_rows = 64 (an existing class setting)
 
 
@@ -96,7 +96,7 @@ def inference_table(results: dict, version: BenchVersion, only: set | None = Non
 
 
 def training_table(results: dict, version: BenchVersion, layers, only: set | None = None) -> list[str]:
-    lines = ["", "## One training step (batch 1 x 256 tokens, 128 labelled; gradient checkpointing; bf16 weights and activations; AdamW)", "",
+    lines = ["", "## One training step (batch 1 x 256 tokens, 128 labelled; gradient checkpointing; bf16 float weights and activations, float32 where the code says so; AdamW)", "",
              "A row stopped at the budget (the 10-minute command limit) shows what was measured before the stop.", "",
              "| step | code | peak RSS GB | target GB | seed GPU GB | load s | forward s | backward s | step s | trainable | load avg |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
