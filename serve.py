@@ -56,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a step at most (default "
                    f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
                    "without AVX-512 VNNI)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS.compiled,
+                   help="decode the running batch in fixed buffers, each step one compiled function (CUDA graphs on a "
+                        "GPU: the step launches once instead of hundreds of kernels); ChatGLM2/3, GLM-4, GLM-4-0414 and "
+                        "GLM-Edge, float or (on a GPU) INT8 / INT4; not with --speculative (default: off; it compiles "
+                        "for each new batch and length bucket, seconds to a minute at first)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS.max_body_mb,
                    help="request bodies over this many MB get HTTP 413 (default %(default)s)")
     p.add_argument("--cors-origin", action="append", default=list(DEFAULTS.cors_origins), metavar="ORIGIN",
@@ -75,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.options = ServingOptions(max_batch=args.max_batch, max_queue=args.max_queue,
                                       prefill_tokens=args.prefill_tokens, host=args.host, port=args.port,
                                       drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None,
-                                      max_body_mb=args.max_body_mb, cors_origins=tuple(args.cors_origin))
+                                      compiled=args.compile, max_body_mb=args.max_body_mb,
+                                      cors_origins=tuple(args.cors_origin))
     except ValueError as err:
         p.error(str(err))
     return args
@@ -103,7 +109,8 @@ def main(argv=None) -> None:
         sys.exit(130)
     heap.heap_large_blocks()  # prefills take again the large blocks the layer before freed (no page faults)
     speculation = "on for greedy requests" if args.options.drafts is not None else "off"
-    print(f"{line}; speculative decoding {speculation}", file=sys.stderr)
+    compiled = "; compiled steps" if args.options.compiled else ""
+    print(f"{line}; speculative decoding {speculation}{compiled}", file=sys.stderr)
     import uvicorn
 
     from chatglm_tune.serve.app import build_app
@@ -112,8 +119,12 @@ def main(argv=None) -> None:
 
     served = args.served_model_name or Path(args.model).resolve().name
     columns = source.columns
-    service = Service(model, tokenizer, served=served, encoding=source.encoding, free_text=columns.active,
-                      options=args.options)
+    try:
+        service = Service(model, tokenizer, served=served, encoding=source.encoding, free_text=columns.active,
+                          options=args.options)
+    except ValueError as err:  # --compile on a model that decodes on a cache of its own
+        print(f"serve.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
     app = build_app(service, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False)
     server = DrainingServer(config, service, args.shutdown_grace)

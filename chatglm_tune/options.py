@@ -432,6 +432,9 @@ class ServingOptions:
     doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve/serve.py).
     drafts: greedy requests decode speculatively (`DraftOptions`: the same tokens, fewer forwards; off by
     default, see `DraftOptions`).
+    compiled: the running batch decodes in fixed buffers, each step one compiled function (`slot_cache`; CUDA
+    graphs on a GPU, where an eager step launches hundreds of kernels); models with a static cache only, and not
+    with drafts. Off by default: on a CPU it compiles for each new shape and gains a small model's Python overhead.
     max_body_mb: a request body over this many MB (2**20 bytes) gets 413 unread: a chat of GLM-4's 128k-token
     context is well under 1 MB of text, and a body is held and parsed whole.
     cors_origins: the browser origins (`https://ui.example`, or "*") whose pages may call the server (CORS
@@ -442,6 +445,7 @@ class ServingOptions:
     max_queue: int | None = 256
     prefill_tokens: int = 512
     drafts: DraftOptions | None = None  # greedy requests check guesses (speculative, serve.py --speculative)
+    compiled: bool = False  # compiled steps on a slot cache (serve.py --compile)
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_mb: float = 8.0
@@ -455,6 +459,8 @@ class ServingOptions:
             problems.append(f"max_queue must be None or an integer >= 0, got {self.max_queue!r}")
         if not (isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1):
             problems.append(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
+        if self.compiled and self.drafts is not None:
+            problems.append("compiled serving and speculative drafts do not combine: ask for one of them")
         if not (isinstance(self.max_body_mb, (int, float)) and self.max_body_mb > 0):
             problems.append(f"max_body_mb must be a number > 0, got {self.max_body_mb!r}")
         if not (isinstance(self.cors_origins, tuple) and all(isinstance(o, str) and o for o in self.cors_origins)):

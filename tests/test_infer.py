@@ -135,7 +135,7 @@ def test_compile_decodes_a_glm_model_as_before_and_refuses_chatglm6b(workdir, tm
     from chatglm_tune.decoding import static_decoding
 
     # the static cache, each step run uncompiled (tests/test_static_decoding.py compiles it for real)
-    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *a: static_decoding._forward(model, *a))
+    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *a: static_decoding.forward_step(model, *a))
     glm = tiny_model("chatglm3", tmp_path / "chatglm3")
     rows = {}
     for name, flags in (("plain", []), ("compiled", ["--compile"])):

@@ -7,6 +7,8 @@ by side in one run; then a soak test of the batching server (bad inputs, abandon
     python bench/serve/serve.py --model DIR --streams 1,16 --requests-per-stream 8 --soak 0
     python bench/serve/serve.py --llama-server PATH  # + llama.cpp's llama-server on the same load (a q4_0 GGUF of it)
     python bench/serve/serve.py --speculative --streams 1,4,16 --no-baseline   # + the batching server with --speculative
+    python bench/serve/serve.py --compile --streams 1,16,32 --soak 0   # + the batching server with --compile
+    python bench/serve/serve.py --device cuda --compile --streams 1,16,64 --max-batch 64 --soak 0  # on a GPU
     python bench/serve/serve.py --full-size        # ChatGLM3-6B at full size, INT4 (bench/peer/peer.py writes it; long)
 
 The random model (built when --model is not given) has its output head zeroed for tokens that render no text
@@ -183,6 +185,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--full-size", action="store_true", help="ChatGLM3-6B at full size, INT4 (+INT8 embedding): written by "
                                                            f"bench/peer/peer.py into {FULL_DIR} when absent (12 GB); long")
     p.add_argument("--full-size-dir", type=Path, default=FULL_DIR, help="--full-size: the checkpoint (default %(default)s)")
+    p.add_argument("--compile", action="store_true", help="also the batching server with --compile (compiled steps on a "
+                   "slot cache: CUDA graphs on a GPU)")
+    p.add_argument("--device", help="the servers' --device (cpu, cuda; default serve.py's own); a GPU's runs skip the "
+                   "CPU floors (--no-floor)")
     p.add_argument("--server-arg", action="append", default=[], help="extra serve.py argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start (default %(default)s)")
     p.add_argument("--out", type=Path, help="results JSON (default bench/results/serve.json; --quick /tmp/serve-quick.json; "
@@ -201,6 +207,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "full": RESULTS / "serve-full.json"}[preset]
     if args.full_size:
         args.server_arg = ["--quantization-bit", "4", "--quantize-embedding", *args.server_arg]
+    if args.device:
+        args.server_arg = ["--device", args.device, *args.server_arg]
+        args.no_floor = args.no_floor or args.device != "cpu"
     return args
 
 
@@ -235,6 +244,7 @@ def run_toolkit_servers(args, model_dir: Path, texts: list[str], log_dir: Path, 
     Returns the soak's result (None without one)."""
     servers = [(f"batch{args.max_batch}", args.max_batch, [])] + ([] if args.no_baseline else [("batch1", 1, [])])
     servers += [(f"batch{args.max_batch}-spec", args.max_batch, ["--speculative"])] if args.speculative else []
+    servers += [(f"batch{args.max_batch}-compiled", args.max_batch, ["--compile"])] if args.compile else []
     soak_result = None
     for name, max_batch, extra in servers:
         server = toolkit_server(name, model_dir, args.threads, max_batch, [*args.server_arg, *extra], log_dir)

@@ -10,7 +10,8 @@ A `request.Request` is a prompt's ids, an answer budget, sampling options, a see
    its own); a request whose prompt is all in hands over its first token and joins the running batch
    (`batch_cache.BatchCache.merge`).
 When rows leave, the pad columns no remaining row uses are cut, so the batch costs what its longest live
-row costs.
+row costs. With `options.compiled` the running batch lives in fixed buffers (`slot_cache.SlotCache`: a slot a
+request, its steps one compiled function on bucketed shapes, CUDA graphs on a GPU) instead.
 
 Exactness: a request's tokens are the ones `generate` gives its prompt alone, up to the float rounding of
 batched matrix products: masked pads weigh exactly 0 and positions come from each row's own tokens
@@ -31,10 +32,13 @@ import torch
 
 from chatglm_tune import heap, openmp
 from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.decoding import static_decoding
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.emitter import Emitter, Row
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, Request
 from chatglm_tune.decoding.scheduler import Scheduler
+from chatglm_tune.decoding import slot_cache
+from chatglm_tune.decoding.slot_cache import SlotCache
 from chatglm_tune.options import ServingOptions
 
 log = logging.getLogger("chatglm_tune.decoding.engine")
@@ -43,6 +47,7 @@ log = logging.getLogger("chatglm_tune.decoding.engine")
 # prompts of 30-48 tokens padded to the longest were a quarter pads, and at ChatGLM3-6B size on a CPU a prefill
 # costs by positions (compute-bound), so a group of near lengths costs less than a padded batch.
 PREFILL_PADDING = 0.1
+WARM_UP_TOKENS = 3  # tokens each warm-up request decodes (`warm_up`): two steps of its batch
 
 
 @dataclass(eq=False)
@@ -67,6 +72,9 @@ class Engine:
         self.special = special
         self.options = options
         self.device = next(model.parameters()).device
+        why = static_decoding.unsupported(model) if options.compiled else None
+        if why:
+            raise ValueError(f"compiled serving: {why}")
         eos = model.config.eos_token_id
         self.scheduler = Scheduler(options)
         self.emitter = Emitter([eos] if isinstance(eos, int) else list(eos), vocab_limit, self.device, options.drafts)
@@ -136,6 +144,16 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="chatglm_tune-engine", daemon=True)
         self._thread.start()
         return self
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """With `options.compiled`: compile the step, and record it on a GPU, for every row bucket before serving
+        (the first request of a new batch size would otherwise wait for it): for each bucket, that many requests of
+        `prompt` decoding a few tokens. Call before `start`."""
+        for rows in slot_cache.row_buckets(self.options.max_batch):
+            for _ in range(rows):
+                self.submit(Request(prompt, WARM_UP_TOKENS, on_token=lambda token: None, on_finish=lambda *_: None))
+            while not self.idle:
+                self.step()
 
     def close(self, timeout: float = 10.0) -> None:
         """Admit nothing more, cancel what waits and runs, and stop the thread (within `timeout` seconds)."""
@@ -254,8 +272,8 @@ class Engine:
             cache.select(_kept(keep, self.device))
             rows = [row for row, k in zip(rows, keep) if k]
         if self._cache is None:
-            self._cache = cache
-        else:
+            self._cache = SlotCache(self.model, self.options.max_batch) if self.options.compiled else cache
+        if self._cache is not cache:
             self._cache.merge(cache)
         self._rows = self._rows + rows
 
@@ -276,8 +294,10 @@ class Engine:
 
     def _keep(self, keep: list[bool]) -> None:
         """Only the rows marked True stay; columns no remaining row uses are cut."""
-        if not any(keep):
-            self._rows, self._cache = [], None
+        if not any(keep):  # a slot cache stays, its tensors where the compiled step's graphs read them
+            self._rows, self._cache = [], self._cache if self.options.compiled else None
+            if self.options.compiled:
+                self._cache.select(_kept(keep, self.device))
             return
         self._cache.select(_kept(keep, self.device))
         self._cache.trim()

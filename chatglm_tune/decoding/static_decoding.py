@@ -73,19 +73,22 @@ def cache_length(prompt_length: int, max_new_tokens: int) -> int:
     return -(-(prompt_length + max_new_tokens) // LENGTH_STEP) * LENGTH_STEP
 
 
-def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+def forward_step(model, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
     return model(tokens, cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
                  logits_to_keep=1).logits[:, -1]
 
 
-def compiled_step(model):
+def compiled_step(model, dynamic: bool | None = None):
     """The model's compiled decode step, made once and kept on the model: (tokens [b, 1], positions [b, 1],
-    mask [b, L], cache) -> the scores of each row's next token [b, V]."""
-    step = model.__dict__.get("_compiled_decode_step")
+    mask [b, L], cache) -> the scores of each row's next token [b, V]. `dynamic`: torch.compile's (None: shapes
+    made symbolic after a second one; True: symbolic from the first, one graph for every batch and length but
+    one row, as the serving engine's steps change both at every join and leave)."""
+    key = "_compiled_decode_step" + {None: "", True: "_dynamic", False: "_static"}[dynamic]
+    step = model.__dict__.get(key)
     if step is None:
         options = compile_options(next(model.parameters()).device)
-        step = torch.compile(lambda *args: _forward(model, *args), options=options)
-        model.__dict__["_compiled_decode_step"] = step
+        step = torch.compile(lambda *args: forward_step(model, *args), options=options, dynamic=dynamic)
+        model.__dict__[key] = step
     return step
 
 
@@ -131,7 +134,7 @@ def _decode(model, cache, ids, mask, columns: int, max_new_tokens: int, sampling
     full = torch.zeros(rows, columns, dtype=torch.long, device=ids.device)
     full[:, :length] = 1 if mask is None else mask
     positions = (full[:, :length].cumsum(dim=1) - 1).clamp(min=0)
-    scores = _forward(model, ids, positions, full, cache)
+    scores = forward_step(model, ids, positions, full, cache)
     positions = positions[:, -1:] + 1
     step = compiled_step(model)
     live, stop_ids = list(range(rows)), set() if stop is None else set(stop.tolist())

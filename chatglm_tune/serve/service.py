@@ -220,6 +220,10 @@ class Service:
         self.stopping = False  # shutting down: new requests get 503 (`server.DrainingServer`)
 
     def start(self) -> "Service":
+        """Start the engine; compiled serving compiles (and on a GPU records) its steps first (`Engine.warm_up`)."""
+        if self.options.compiled:
+            record = SPORecord("warm up", None, source="prompt")
+            self.engine.warm_up(self.format.prompt_ids(self.tokenizer, record, self.encoding)[0])
         self.engine.start()
         return self
 
