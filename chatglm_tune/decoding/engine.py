@@ -32,13 +32,11 @@ import torch
 
 from chatglm_tune import heap, openmp
 from chatglm_tune.batches import SpecialIds, collate_prompts
-from chatglm_tune.decoding import static_decoding
+from chatglm_tune.decoding import slot_cache, static_decoding
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.emitter import Emitter, Row
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, Request
 from chatglm_tune.decoding.scheduler import Scheduler
-from chatglm_tune.decoding import slot_cache
-from chatglm_tune.decoding.slot_cache import SlotCache
 from chatglm_tune.options import ServingOptions
 
 log = logging.getLogger("chatglm_tune.decoding.engine")
@@ -272,7 +270,7 @@ class Engine:
             cache.select(_kept(keep, self.device))
             rows = [row for row, k in zip(rows, keep) if k]
         if self._cache is None:
-            self._cache = SlotCache(self.model, self.options.max_batch) if self.options.compiled else cache
+            self._cache = slot_cache.SlotCache(self.model, self.options.max_batch) if self.options.compiled else cache
         if self._cache is not cache:
             self._cache.merge(cache)
         self._rows = self._rows + rows
@@ -294,10 +292,12 @@ class Engine:
 
     def _keep(self, keep: list[bool]) -> None:
         """Only the rows marked True stay; columns no remaining row uses are cut."""
-        if not any(keep):  # a slot cache stays, its tensors where the compiled step's graphs read them
-            self._rows, self._cache = [], self._cache if self.options.compiled else None
-            if self.options.compiled:
+        if not any(keep):
+            self._rows = []
+            if self.options.compiled:  # the slot cache stays, its tensors where the compiled step's graphs read them
                 self._cache.select(_kept(keep, self.device))
+            else:
+                self._cache = None
             return
         self._cache.select(_kept(keep, self.device))
         self._cache.trim()

@@ -72,8 +72,10 @@ class QuantizedLinear(nn.Module):
     The first int8dot or int4pack call repacks the weight into that kernel's layout and releases the official one
     (`held_layout`; a weight shared with a tied embedding stays as it is).
 
-    `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu" or "dequant"; a forced
-    kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never crashes.
+    `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu", "intmm", "int4mm"
+    or "dequant"; a forced kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never
+    crashes. On a CUDA GPU "auto" runs `cuda_matmul`'s weight-only kernels where no gradient flows through x (tinygemm's
+    int4mm for INT4 under bf16, else intmm), the dequantizing path where one does.
     `last_kernel` records the path that ran. "auto" uses `int8dot_cpu` (activations quantized to int8 blocks for
     INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 where it builds, for decode (at most
     `int8dot_cpu.MAX_ROWS` rows) and, where no gradient flows through x, for prefill where it beats the dequantizing
