@@ -8,6 +8,8 @@ their own, and speculative drafts, are refused with a reason.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_engine import SAMPLINGS, TEXTS, Recorder, prompts_of, run_until_idle
@@ -74,16 +76,25 @@ def test_the_compiled_engine_gives_the_same_tokens(tmp_path):
     assert got == alone and "_compiled_decode_step_dynamic" in model.__dict__
 
 
-def test_warm_up_runs_a_step_at_every_row_bucket(tiny, eager_steps, monkeypatch):
+def test_warm_up_runs_a_step_at_every_row_bucket_on_the_engines_thread(tiny, eager_steps, monkeypatch):
+    """`start(warm_up=...)` returns once the engine's thread has run a step at every row bucket."""
     model, tokenizer = tiny
     seen = []
     step = slot_cache.SlotCache.step
-    monkeypatch.setattr(slot_cache.SlotCache, "step",
-                        lambda self, *a: (seen.append(self._row_bucket(max(self.rows) + 1)), step(self, *a))[1])
+
+    def counted(self, *args):
+        seen.append((self._row_bucket(max(self.rows) + 1), threading.current_thread().name))
+        return step(self, *args)
+
+    monkeypatch.setattr(slot_cache.SlotCache, "step", counted)
     engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
                     options=ServingOptions(max_batch=6, compiled=True))
-    engine.warm_up(prompts_of(tokenizer, 1)[0])
-    assert set(seen) == set(slot_cache.row_buckets(6)) == {1, 2, 4, 6} and engine.idle
+    engine.start(warm_up=prompts_of(tokenizer, 1)[0])
+    try:
+        assert {rows for rows, _ in seen} == set(slot_cache.row_buckets(6)) == {1, 2, 4, 6}
+        assert {thread for _, thread in seen} == {"chatglm_tune-engine"} and engine.unfinished == 0
+    finally:
+        engine.close()
 
 
 def test_models_with_a_cache_of_their_own_and_drafts_are_refused(tmp_path):

@@ -160,7 +160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="a model directory to serve (default: a random --version --size model, built once "
                                                "into /tmp)")
     p.add_argument("--version", default="glm4", choices=("glm4", "chatglm3"), help="random model's version (default %(default)s)")
-    p.add_argument("--size", choices=("mid", "small"), help="random model's size (default mid; --quick: small)")
+    p.add_argument("--size", choices=("mid", "small", "6b"), help="random model's size (default mid; --quick: small; 6b: "
+                   "ChatGLM3-6B's blocks, for a GPU)")
     p.add_argument("--streams", help="concurrent streams per configuration (default 1,4,16,32; --quick 1,4,16; "
                                      "--full-size 1,4,8)")
     p.add_argument("--requests-per-stream", type=int,

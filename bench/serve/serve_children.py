@@ -43,6 +43,9 @@ SIZES = {
                 ffn_hidden_size=2816, seq_length=2048),
     "small": dict(hidden_size=256, num_layers=4, num_attention_heads=4, kv_channels=64, multi_query_group_num=2,
                   ffn_hidden_size=704, seq_length=2048),
+    # ChatGLM3-6B's blocks (its vocabulary is the trained tokenizer's, ~900 ids): for GPUs (24 GB in float32)
+    "6b": dict(hidden_size=4096, num_layers=28, num_attention_heads=32, kv_channels=128, multi_query_group_num=2,
+               ffn_hidden_size=13696, seq_length=8192),
 }
 FLOOR_STEPS = 32
 FLOOR_PROMPT = 16

@@ -134,19 +134,33 @@ class Engine:
     def waiting(self) -> int:
         return len(self.scheduler)
 
-    def start(self) -> "Engine":
+    def start(self, warm_up: list[int] | None = None) -> "Engine":
         """Run `step` on a daemon thread until `close`. The calling thread (the one that loaded the model, as a
         rule) hands its idle OpenMP workers back first, so that the engine's own team spins between parallel regions
-        (`openmp.release_idle_team`)."""
+        (`openmp.release_idle_team`). `warm_up`: a prompt the thread first runs `warm_up` with (compiled serving),
+        returning once that is done (on the engine's thread, where the steps' CUDA graphs are then replayed)."""
         openmp.release_idle_team()
-        self._thread = threading.Thread(target=self._loop, name="chatglm_tune-engine", daemon=True)
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                if warm_up is not None:
+                    self.warm_up(warm_up)
+            except Exception:  # serving goes on: the steps compile at their first use instead
+                log.exception("warming up the compiled steps failed")
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="chatglm_tune-engine", daemon=True)
         self._thread.start()
+        ready.wait()
         return self
 
     def warm_up(self, prompt: list[int]) -> None:
         """With `options.compiled`: compile the step, and record it on a GPU, for every row bucket before serving
         (the first request of a new batch size would otherwise wait for it): for each bucket, that many requests of
-        `prompt` decoding a few tokens. Call before `start`."""
+        `prompt` decoding a few tokens, on the calling thread (`start(warm_up=...)` runs it on the engine's)."""
         for rows in slot_cache.row_buckets(self.options.max_batch):
             for _ in range(rows):
                 self.submit(Request(prompt, WARM_UP_TOKENS, on_token=lambda token: None, on_finish=lambda *_: None))

@@ -221,10 +221,10 @@ class Service:
 
     def start(self) -> "Service":
         """Start the engine; compiled serving compiles (and on a GPU records) its steps first (`Engine.warm_up`)."""
+        prompt = None
         if self.options.compiled:
-            record = SPORecord("warm up", None, source="prompt")
-            self.engine.warm_up(self.format.prompt_ids(self.tokenizer, record, self.encoding)[0])
-        self.engine.start()
+            prompt = self.format.prompt_ids(self.tokenizer, SPORecord("warm up", None, source="prompt"), self.encoding)[0]
+        self.engine.start(warm_up=prompt)
         return self
 
     def mailbox(self) -> Mailbox:
