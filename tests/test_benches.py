@@ -45,6 +45,43 @@ def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
     assert "\n" not in message and message.startswith("bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
 
 
+def test_gpu_results_merge_by_row_and_take_a_gpu_serve_run(tmp_path):
+    """A gpu.py run replaces only the rows it measured (model, precision, impl, what, batch), each row keeping its
+    run's time; serve.py's results on that GPU join as "serve" rows, in the page and the headline."""
+    from bench.gpu import gpu_report
+
+    info = {"device": "GPU X", "capability": "9.0", "memory_gb": 1.0, "torch": "t", "cuda": "c", "transformers": "t",
+            "peft": "p", "bitsandbytes": None, "copy_gb_s": 4000.0}
+    notes = {"m": {"parameters": 1e9, "layers": 2, "hidden": 8, "weights_gb": {"bf16": 2.0}, "read_gb_per_token": {"bf16": 2.0}}}
+    settings = {"prompt_len": 4, "new_tokens": 4, "train_batch": 1, "train_len": 8, "steps": 1}
+
+    def row(impl, batch, tok_s):
+        return {"model": "m", "precision": "bf16", "impl": impl, "what": "decode", "batch": batch, "seconds": 1.0,
+                "tok_s": tok_s, "decode_tok_s": tok_s, "peak_gb": 2.0}
+
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(gpu_report.merged(path, info, None, notes, [row("toolkit", 1, 50.0), row("toolkit", 32, 900.0)],
+                                                 settings)))
+    first = json.loads(path.read_text())["rows"][1]["run"]
+    results = gpu_report.merged(path, info, None, {"m": {"kernel_vs_dequant_error": {"int4": 0.01}}},
+                                [row("toolkit", 1, 60.0), row("toolkit-compiled", 1, 1200.0)], settings)
+    kept = {(r["impl"], r["batch"]): r for r in results["rows"]}
+    assert kept.keys() == {("toolkit", 1), ("toolkit", 32), ("toolkit-compiled", 1)}
+    assert kept["toolkit", 1]["tok_s"] == 60.0 and kept["toolkit", 32]["run"] == first
+    assert results["models"]["m"]["weights_gb"] == {"bf16": 2.0} and "kernel_vs_dequant_error" in results["models"]["m"]
+    path.write_text(json.dumps(results))
+    serve = {"when": "then", "argv": [], "model": {}, "results": [
+        {"server": "batch64-compiled", "streams": 64, "requests": 128, "failed": 0, "tokens": 4096, "wall_s": 1.0,
+         "tokens_per_s": 4096.0, "ttft_p50_ms": 10.0, "ttft_p95_ms": 20.0, "itl_p50_ms": 5.0, "itl_p95_ms": 9.0}]}
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    assert gpu_report.main(["--serve", str(tmp_path / "serve.json"), "--model", "m", "--out", str(tmp_path)]) == 0
+    merged = json.loads(path.read_text())
+    assert merged["headline"]["m"]["serve_tok_s"] == {"batch64-compiled@64": 4096.0}
+    assert merged["headline"]["m"]["bf16_compiled_b1_bandwidth_share"] == round(1200.0 * 2.0 / 4000.0, 3)
+    page = (tmp_path / "gpu.md").read_text()
+    assert "| bf16 | batch64-compiled | 64 | 128 (0) | 4096.0 | 10.0 / 20.0 | 5.0 / 9.0 | then |" in page
+
+
 def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     pytest.importorskip("openai", reason="bench/serve/serve.py drives the server with the openai client")
     out = tmp_path / "serve.json"

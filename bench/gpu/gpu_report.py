@@ -1,11 +1,24 @@
 """The results of bench/gpu/gpu.py: merged with an earlier run's on the same GPU (`merged`), the headline figures
-(`headline`) and the results page (`markdown`)."""
+(`headline`) and the results page (`markdown`); and bench/serve/serve.py's run on that GPU as rows of it:
+
+    python bench/gpu/gpu_report.py --serve SERVE_JSON [--model chatglm3-6b] [--precision bf16] [--out DIR]
+
+reads serve.py's results (its `--device cuda` run) and merges them into DIR/gpu.json and gpu.md (default
+bench/results) as rows `what: "serve"` (impl: the server, batch and streams: the concurrent clients, tok/s, TTFT and
+inter-token percentiles); the device record is the GPU's from the earlier gpu.py run there.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_FIELDS = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p95_later_ms", "itl_p50_ms", "itl_p95_ms", "tpot_p50_ms",
+                "tpot_p95_ms", "requests", "failed", "tokens", "wall_s", "rows_per_step", "steps_per_s")
 
 
 def agreement_text(row: dict) -> str:
@@ -64,6 +77,10 @@ def headline(results: dict) -> dict:
             entry["bf16_compiled_b1_bandwidth_share"] = round(compiled * read / copy, 3)
         entry["bf16_lora_step_s"] = {"toolkit": pick("bf16", "toolkit", "lora step", key="seconds"),
                                      "transformers+peft": pick("bf16", "transformers+peft", "lora step", key="seconds")}
+        served = [r for r in rows if r["what"] == "serve"]
+        if served:
+            entry["serve_tok_s"] = {f"{r['impl']}@{r['streams']}": round(r["tok_s"], 1) for r in served}
+        rows = [r for r in rows if r["what"] != "serve"]
         precisions = sorted({r["precision"] for r in rows})
         for b in batches:
             entry[f"decode_b{b}_tok_s"] = {p: {"cached": pick(p, "toolkit", "decode", b),
@@ -111,13 +128,63 @@ def model_section(name: str, notes: dict, rows: list) -> list[str]:
                      + ", ".join(f"{p} {e:.2g}" for p, e in notes["kernel_vs_dequant_error"].items() if e is not None) + ".")
     if notes.get("not_reached"):
         lines.append(f"Not reached before the run's deadline: {', '.join(notes['not_reached'])}.")
+    served = [r for r in rows if r["what"] == "serve"]
     lines += ["", "| precision | impl | what | batch | seconds | tok/s | decode tok/s | peak GB | same ids | run |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in (r for r in rows if r["what"] != "serve"):
         if "error" in r:
             lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | | error: {r['error']} | | | | | {r.get('run', '')} |")
             continue
         decode = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else ""
         lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | {r['batch']} | {r['seconds']:.3f} | "
                      f"{r['tok_s']:.1f} | {decode} | {r['peak_gb']:.2f} | {agreement_text(r)} | {r.get('run', '')} |")
+    return lines + [""] + (serve_table(served) if served else [])
+
+
+def serve_table(rows: list) -> list[str]:
+    """serve.py on the GPU (`--serve` rows): streaming clients against each server."""
+    lines = ["serve.py on this GPU (bench/serve/serve.py --device cuda; the server named by its --max-batch, "
+             "`-compiled`: --compile):", "",
+             "| precision | server | streams | requests (failed) | tok/s | TTFT p50 / p95 ms | inter-token p50 / p95 ms | run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['precision']} | {r['impl']} | {r['streams']} | {r.get('requests')} ({r.get('failed')}) | "
+                     f"{r['tok_s']:.1f} | {r.get('ttft_p50_ms')} / {r.get('ttft_p95_ms')} | "
+                     f"{r.get('itl_p50_ms')} / {r.get('itl_p95_ms')} | {r.get('run', '')} |")
     return lines + [""]
+
+
+def serve_rows(serve: dict, model: str, precision: str) -> list[dict]:
+    """serve.py's results as gpu.json rows (`what: "serve"`)."""
+    return [{"model": model, "precision": precision, "impl": r["server"], "what": "serve", "batch": r["streams"],
+             "streams": r["streams"], "seconds": r["wall_s"], "tok_s": r["tokens_per_s"],
+             "server_peak_rss_gb": r.get("peak_rss_mb", 0) / 1e3, "run": serve.get("when"),
+             **{k: r[k] for k in SERVE_FIELDS if k in r}} for r in serve["results"] if "tokens_per_s" in r]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", type=Path, required=True, help="bench/serve/serve.py's results JSON of a GPU run")
+    p.add_argument("--model", default="chatglm3-6b", help="the rows' model name (default %(default)s)")
+    p.add_argument("--precision", default="bf16", help="the rows' precision (default %(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where gpu.json is (default %(default)s)")
+    args = p.parse_args(argv)
+    path = args.out / "gpu.json"
+    if not path.exists():
+        p.error(f"{path}: no gpu.json to merge into (run bench/gpu/gpu.py on the GPU first)")
+    if not args.serve.is_file():
+        p.error(f"--serve {args.serve}: no such file")
+    old = json.loads(path.read_text())
+    serve = json.loads(args.serve.read_text())
+    rows = serve_rows(serve, args.model, args.precision)
+    notes = {args.model: {"serve": {"argv": serve.get("argv"), "model": serve.get("model"), "when": serve.get("when")}}}
+    results = merged(path, old["device"], None, notes, rows, old.get("settings", {}))
+    results["headline"] = headline(results)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "gpu.md").write_text(markdown(results) + "\n")
+    print(f"merged {len(rows)} serve rows of {args.serve} into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

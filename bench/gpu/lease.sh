@@ -6,7 +6,8 @@
 #   3. GLM-4-9B bf16 at batch 1;
 #   4. the CUDA tests of the weight-only kernels and compiled decoding, if time is left.
 # `bash bench/gpu/lease.sh serve` (a lease of its own): serve.py on a random model of ChatGLM3-6B's blocks in bf16,
-# 1 / 16 / 64 streaming clients: the batching server, one at a time (--max-batch 1), and --compile.
+# 1 / 16 / 64 streaming clients: the batching server, one at a time (--max-batch 1), and --compile; merged into
+# gpu.json / gpu.md as "serve" rows (bench/gpu/gpu_report.py --serve).
 # Each part starts only inside the run's deadline and saves its rows as it goes (results merged by row into
 # bench/results/gpu.{json,md}). Run from the repository root on the GPU machine:
 #     OUT=/some/folder bash bench/gpu/lease.sh
@@ -25,6 +26,7 @@ if [ "${1:-decode}" = serve ]; then
   python3 bench/serve/serve.py --version chatglm3 --size 6b --device cuda --compile --max-batch 64 --streams 1,16,64 \
     --requests-per-stream 2 --soak 0 --server-arg=--dtype --server-arg=bfloat16 --out "$OUT/serve-gpu.json" \
     > "$OUT/serve.txt" 2>&1; tail -c 6000 "$OUT/serve.txt"
+  cp bench/results/gpu.json "$OUT/" && python3 bench/gpu/gpu_report.py --serve "$OUT/serve-gpu.json" --out "$OUT"
   echo "elapsed $(( $(date +%s) - start )) s"
   exit 0
 fi
