@@ -69,11 +69,24 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, eager_steps, monke
     assert engine._cache.rows == [] and engine._cache.column == 0  # all left: the next rows start at the first column
 
 
-def test_the_compiled_engine_gives_the_same_tokens(tmp_path):
+def test_the_compiled_engine_gives_the_same_tokens(tmp_path, tracing_only, monkeypatch):
+    """Compiled for real: the same tokens, and one graph for every batch and length but one row (a step over a view
+    of a whole buffer, or a mask of other strides, compiled again: the spare column and a contiguous mask)."""
+    monkeypatch.setattr(slot_cache, "COLUMN_STEP", 8)  # steps over growing buffers and changing column buckets
     torch.manual_seed(0)
     model, tokenizer = registry.VERSIONS["chatglm3"].tiny(TEXTS, tmp_path, pre_seq_len=2)
-    got, alone, engine = serve_alone_and_together(model.eval(), tokenizer, 3, max_batch=2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got, alone, engine = serve_alone_and_together(model.eval(), tokenizer, 6, max_batch=4)
     assert got == alone and "_compiled_decode_step_dynamic" in model.__dict__
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # one row, and every other shape
+
+
+@pytest.fixture
+def tracing_only(monkeypatch):
+    """torch.compile's tracing and guards without code generation (backend "eager"): seconds, not tens of them."""
+    compile_ = torch.compile
+    monkeypatch.setattr(static_decoding.torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
 
 
 def test_warm_up_runs_a_step_at_every_row_bucket_on_the_engines_thread(tiny, eager_steps, monkeypatch):

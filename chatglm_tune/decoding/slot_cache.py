@@ -104,7 +104,8 @@ class SlotCache:
         for length in self._lengths:
             length.fill_(self.prefix_len + t)
         run = static_decoding.compiled_step(model, dynamic=True)
-        mask = self.mask[:rows, :columns].contiguous()  # one stride pattern for every shape: no recompilation
+        # a new tensor of standard strides (`contiguous()` keeps a one-row view's): one stride pattern for every shape
+        mask = self.mask[:rows, :columns].clone(memory_format=torch.contiguous_format)
         scores = run(ids, self.positions[:rows, None].clone(), mask, self._view(rows, columns))
         self.positions[live] += 1
         self.column += 1
