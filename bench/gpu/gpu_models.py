@@ -10,12 +10,14 @@ runs its `dequant` path); bitsandbytes LLM.int8() / NF4: `quant.apply.to_bitsand
 
 Prompts: the version's chat frame (`[gMASK] sop <|user|> ... <|assistant|>`, GLM-4: `<sop>`) around random
 ordinary ids, every row of the batch the same length.
-- `decode`: one call of `run(ids, new_tokens)` (the toolkit's `generation.generate` with eos_token_id=None, or
-  transformers' `generate` with min_new_tokens = max_new_tokens: every row the full count), after a warm-up
-  call of the same shapes (a process's first step at each key length builds a cuDNN attention plan: a 2-token
-  warm-up left ChatGLM3-6B's first bf16 call 3x slow on an H200). tok/s = batch x new tokens / the whole call
-  (prefill included); decode tok/s = batch x (new tokens - 1) / (end - start of the second forward): the
-  incremental steps alone.
+- `decode`: one call of `run(ids, new_tokens)` (the toolkit's `generation.generate_steps` with eos_token_id=None,
+  eager or compiled, or transformers' `generate` with min_new_tokens = max_new_tokens: every row the full count),
+  after a warm-up call of the same shapes (a process's first step at each key length builds a cuDNN attention plan:
+  a 2-token warm-up left ChatGLM3-6B's first bf16 call 3x slow on an H200; a compiled step compiles and records its
+  CUDA graphs there). tok/s = batch x new tokens / the whole call (prefill included); decode tok/s = batch x (new
+  tokens - 1) / (end - the first token's arrival: the toolkit's first yield, transformers' second forward): the
+  incremental steps alone. The compiled rows' ids are compared with the cached loop's (`agreement`), and INT8 /
+  INT4 logits with the dequantizing path's (`kernel_error`).
 - `train_step`: forward with labels, backward, AdamW step on a batch of rows (the prompt unlabelled, the
   answer labelled), after one warm-up step; the median of the timed steps. Gradient checkpointing where the
   caller switched it on (full-size models).
