@@ -268,6 +268,31 @@ def test_intmm_casts_the_integers_and_scales_the_output(bits, group_size, dtype)
         assert rel_err(y, reference(layer, x)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("out_features, in_features, group_size", [(27392, 4096, 0), (4096, 13696, 0), (200, 384, 64)])
+def test_int4mm_calls_fit_pytorchs_tinygemm_ops(out_features, in_features, group_size):
+    """The GPU's INT4 kernel (`cuda_matmul`) on fake tensors (shapes and dtypes only, no GPU): the repacked layout is
+    tinygemm's [out/8, in/(16 x tiles), 32, tiles/2] int32 for an official weight (ChatGLM3-6B's MLP shapes; GLM's
+    13696 columns take 128-column groups), the product [rows, out] in the activations' dtype, and the integers read
+    back [out, in] int8."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from chatglm_tune.quant import cuda_matmul
+
+    with FakeTensorMode():
+        weight = torch.empty(out_features, in_features // 2, dtype=torch.int8)
+        scale = torch.empty((out_features, in_features // group_size) if group_size else (out_features,), dtype=torch.float16)
+        packed, gs, scale_and_zeros, row_scale = cuda_matmul.int4mm_weight(weight, scale)
+        gs_expected, tiles = cuda_matmul.int4mm_shape(in_features, out_features, group_size)
+        assert gs == gs_expected and packed.dtype == torch.int32
+        assert packed.shape == (out_features // 8, in_features // (16 * tiles), 32, tiles // 2)
+        assert scale_and_zeros.shape == (in_features // gs, out_features, 2) and (row_scale is None) == bool(group_size)
+        y = cuda_matmul.int4mm(torch.empty(3, in_features, dtype=torch.float16), packed, gs, scale_and_zeros, row_scale)
+        assert y.shape == (3, out_features) and y.dtype == torch.float16
+        ints = cuda_matmul.int4mm_to_int(packed, gs, in_features, out_features)
+        assert ints.shape == (out_features, in_features) and ints.dtype == torch.int8
+    assert cuda_matmul.int4mm_shape(384, 12, 0) is None and cuda_matmul.int4mm_shape(200, 16, 0) is None
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_misaligned_input_view_is_handled(bits):
     layer = make_layer(bits, 0)
