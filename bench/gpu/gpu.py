@@ -160,8 +160,6 @@ def bench_model(name: str, args, rows: list, notes: dict, save) -> None:
                 measure(rows, {**hf, "what": "decode"}, G.decode, G.transformers_decoder(twin), ids, args.new_tokens)
         if not args.skip_train:
             training_rows(rows, base, model, twin, batch, args.steps, ckpt)
-        for row in rows:
-            row.pop("ids", None)
         del model, twin
         save()
 
@@ -174,14 +172,17 @@ def decode_rows(rows: list, toolkit: dict, model, prompts: dict, args, save) -> 
     for ids in prompts.values():
         save()
         eager = measure(rows, {**toolkit, "what": "decode"}, G.decode, G.toolkit_decoder(model), ids, args.new_tokens)
-        if not args.compiled or time.monotonic() > args.stop_at:
-            continue
-        compiled = {**toolkit, "impl": "toolkit-compiled", "what": "decode"}
-        row = measure(rows, compiled, G.decode, G.toolkit_decoder(model, compiled=True), ids, args.new_tokens)
+        row = None
+        if args.compiled and time.monotonic() <= args.stop_at:
+            compiled = {**toolkit, "impl": "toolkit-compiled", "what": "decode"}
+            row = measure(rows, compiled, G.decode, G.toolkit_decoder(model, compiled=True), ids, args.new_tokens)
         if row is not None and eager is not None:
             row.update(attempt(rows, {**compiled, "what": "agreement"}, G.agreement, model, ids, eager["ids"], row["ids"])
                        or {})
             print(f"{'':12} compiled ids against the cached loop's: {agreement_text(row)}", flush=True)
+        for done in (eager, row):  # the ids served the comparison: not kept in the results
+            if done is not None:
+                done.pop("ids")
 
 
 def training_rows(rows: list, base: dict, model, twin, batch: dict, steps: int, ckpt: bool) -> None:

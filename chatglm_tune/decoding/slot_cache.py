@@ -57,7 +57,8 @@ class SlotCache:
     def merge(self, other: BatchCache) -> None:
         """`other`'s rows (a prefilled `BatchCache`) after these, each in a free slot."""
         n, width = other.mask.shape
-        free = [s for s in range(self.slots) if s not in set(self.rows)][:n]
+        taken = set(self.rows)
+        free = [s for s in range(self.slots) if s not in taken][:n]
         if len(free) < n:
             raise ValueError(f"{n} rows join a batch of {len(self.rows)} with {self.slots} slots")
         if self.mask is None:

@@ -78,16 +78,16 @@ def forward_step(model, tokens: torch.Tensor, positions: torch.Tensor, mask: tor
                  logits_to_keep=1).logits[:, -1]
 
 
-def compiled_step(model, dynamic: bool | None = None):
+def compiled_step(model, dynamic: bool = False):
     """The model's compiled decode step, made once and kept on the model: (tokens [b, 1], positions [b, 1],
-    mask [b, L], cache) -> the scores of each row's next token [b, V]. `dynamic`: torch.compile's (None: shapes
-    made symbolic after a second one; True: symbolic from the first, one graph for every batch and length but
-    one row, as the serving engine's steps change both at every join and leave)."""
-    key = "_compiled_decode_step" + {None: "", True: "_dynamic", False: "_static"}[dynamic]
+    mask [b, L], cache) -> the scores of each row's next token [b, V]. Shapes are made symbolic after a second one,
+    or (`dynamic`) from the first: one graph for every batch and length but one row, as the serving engine's steps
+    change both at every join and leave."""
+    key = "_compiled_decode_step" + ("_dynamic" if dynamic else "")
     step = model.__dict__.get(key)
     if step is None:
         options = compile_options(next(model.parameters()).device)
-        step = torch.compile(lambda *args: forward_step(model, *args), options=options, dynamic=dynamic)
+        step = torch.compile(lambda *args: forward_step(model, *args), options=options, dynamic=True if dynamic else None)
         model.__dict__[key] = step
     return step
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from chatglm_tune.quant.format import unpack_int4
 
-INT4MM_GROUPS = (256, 128, 64, 32)  # the kernel's group sizes, largest first (fewest scale reads)
+INT4MM_GROUPS = (256, 128, 64, 32)  # tinygemm's group sizes (CPU's int4pack too), largest first: fewest scale reads
 INT4MM_INNER_K_TILES = (8, 4, 2)  # the layout's inner k tiles (16 columns each), largest first
 INT4MM_ROWS = 8  # the layout's output rows come in blocks of this many
 INT4MM_CAPABILITY = (8, 0)  # tinygemm needs bf16 tensor cores (Ampere or newer)
@@ -70,15 +70,23 @@ def int4mm_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 4096) -
         u = (unpack_int4(weight[start : start + tile_rows]) + 8).view(torch.uint8)  # [rows, in] in [1, 15]
         parts.append(torch.ops.aten._convert_weight_to_int4pack((u[:, 0::2] << 4) | u[:, 1::2], tiles))
     packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if scale.shape[1] == 1:
-        held = (packed, gs, unit_scales(in_features // gs, out_features, weight.device), scale.view(-1).float())
-    else:
-        scales = scale.repeat_interleave(group_len // gs, dim=1).t()  # (in/gs, out)
-        held = (packed, gs, torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16).contiguous(), None)
+    held = (packed, gs, *tinygemm_scales(scale, in_features, gs))
     for t in held:
         if isinstance(t, Tensor):
             torch._dynamo.mark_static_address(t)
     return held
+
+
+def tinygemm_scales(scale: Tensor, in_features: int, gs: int) -> tuple[Tensor, Tensor | None]:
+    """(scale_and_zeros bf16 (in/gs, out, 2), row_scale float32 [out] or None) of official scales `scale` (out, G) for
+    tinygemm's kernels (CUDA's, and the CPU's int4pack, which share the convention): per-row scales (G = 1) kept
+    apart for the output, the kernel's own scales the shared ones (`unit_scales`); group-wise ones expressed as
+    kernel groups of `gs` columns, rounded to bf16."""
+    out_features, groups = scale.shape
+    if groups == 1:
+        return unit_scales(in_features // gs, out_features, scale.device), scale.view(-1).float()
+    scales = scale.repeat_interleave(in_features // groups // gs, dim=1).t()  # (in/gs, out)
+    return torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16).contiguous(), None
 
 
 @functools.cache

@@ -28,8 +28,6 @@ from torch import Tensor
 from chatglm_tune.quant import cpu_matmul, cuda_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import dequantize, unpack_int4
 
-# Group sizes that `_weight_int4pack_mm_for_cpu` accepts, largest first (fewest scale reads).
-INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 # int4cpu: int4_cpu, for AVX2-only CPUs; intmm / int4mm: cuda_matmul, CUDA's weight-only kernels
 KERNELS = ("auto", "int8pack", "int4pack", "int4cpu", "int8dot", "intmm", "int4mm", "dequant")
 
@@ -61,7 +59,7 @@ def int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) 
     Group-wise scales go into scale_and_zeros (rounded to bf16, the kernel's dtype), row_scale None.
     Per-row scales (the official format) are constant along a row, so they are applied to the output
     instead: row_scale is the fp16 scale as fp32 [out], and scale_and_zeros the unit scales that every
-    layer of that shape shares (`_unit_scales`); one (in/gs, out, 2) tensor per layer would be 4 bytes per
+    layer of that shape shares (`cuda_matmul.tinygemm_scales`); one (in/gs, out, 2) tensor per layer would be 4 bytes per
     group and row, 0.16 GB at GLM-4-9B. Built `tile_rows` rows at a time (a multiple of the kernel's
     row blocks, so the bytes equal a whole-matrix conversion): no full-size int32 temporary; 128 rows
     are 8 MB of int32 at ChatGLM-6B's widest layer (1024 rows added ~0.15 GB to the peak RSS of a load).
@@ -69,22 +67,12 @@ def int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) 
     out_features, in_features = weight.shape[0], weight.shape[1] * 2
     scale = weight_scale.view(out_features, -1)  # (out, G)
     group_len = in_features // scale.shape[1]
-    gs = next(g for g in INT4_KERNEL_GROUPS if group_len % g == 0)
+    gs = next(g for g in cuda_matmul.INT4MM_GROUPS if group_len % g == 0)  # tinygemm's, the CPU's too
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     for start in range(0, out_features, tile_rows):
         q = unpack_int4(weight[start : start + tile_rows])  # (rows, in) in [-7, 7]
         packed[start : start + tile_rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
-    if scale.shape[1] == 1:
-        return packed, gs, _unit_scales(in_features // gs, out_features), scale.view(out_features).float()
-    scales = scale.repeat_interleave(group_len // gs, dim=1).t()  # (in/gs, out)
-    scale_and_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).to(torch.bfloat16)
-    return packed, gs, scale_and_zeros.contiguous(), None
-
-
-@functools.cache
-def _unit_scales(groups: int, out_features: int) -> Tensor:
-    """The kernel's (groups, out, 2) bf16 scale_and_zeros of scale 1 and zero 0: one tensor per shape, shared."""
-    return torch.stack((torch.ones(groups, out_features), torch.zeros(groups, out_features)), dim=-1).to(torch.bfloat16)
+    return packed, gs, *cuda_matmul.tinygemm_scales(scale, in_features, gs)
 
 
 def int4pack_mm(x2d: Tensor, packed: Tensor, gs: int, scale_and_zeros: Tensor, row_scale: Tensor | None) -> Tensor:
