@@ -380,3 +380,31 @@ def test_full_size_speculative_bench_replays_the_pattern_it_recorded(tmp_path):
     assert all(r["plain_tok_s"] > 0 and r["speculative_tok_s"] > 0 for r in (one, two))
     assert summary["llama"]["skipped"].startswith("no ") and "gguf-q4_0" in summary["llama"]["skipped"]
     assert "| 2 | " in out.with_suffix(".md").read_text(encoding="utf-8")  # the batch-2 row of the table
+
+
+def test_fewrow_benches_time_both_sides_on_the_same_work(tmp_path):
+    """bench/kernels/fewrow.py --quick and bench/decode/fewrow_decode.py on a tiny GLM-4: both sides timed, the kernel's
+    products within float rounding of float64, both sides' greedy tokens compared."""
+    from chatglm_tune.quant import fewrow_cpu
+    from serving import tiny_model
+
+    if not fewrow_cpu.available():
+        pytest.skip("the few-row kernel needs x86-64 with AVX2 and FMA")
+    done = subprocess.run([sys.executable, "bench/kernels/fewrow.py", "--quick", "--threads", "1", "--out", str(tmp_path / "k.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["fewrow"]["rows"]
+    assert {(r["dtype"], r["rows"]) for r in rows} >= {("float32", 1), ("float32", 32), ("bfloat16", 9)}
+    assert all(r["pytorch_ms"] > 0 and r["fewrow_ms"] > 0 for r in rows)
+    assert all(r["max_abs_error"] < 1e-3 for r in rows if r["dtype"] == "float32")
+    directory = tiny_model("glm4", tmp_path / "tiny")
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, "bench/decode/fewrow_decode.py", "--model", str(directory), "--threads", "1",
+                           "--steps", "2", "--reps", "1", "--rounds", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])["fewrow_decode"]
+    assert result == json.loads(out.read_text(encoding="utf-8"))["fewrow_decode"]
+    for side in ("pytorch", "fewrow"):
+        assert set(result[side]["step_ms"]) == {"1", "8"} and set(result[side]["check_ms"]) == {"1", "2", "4", "8"}
+    assert set(result["same_tokens"]) == {"1", "8"}

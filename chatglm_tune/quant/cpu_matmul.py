@@ -5,12 +5,13 @@ for the input gradient `grad @ W` of a backward pass, against 40-60 GFLOP/s in f
 (measured by bench/scale/scale.py on an AMD EPYC). `linear` runs such matmuls in fp32 instead, on row tiles
 of the weight upcast on the fly (a full fp32 copy never exists), and returns bf16: faster by 4x
 forward and by two orders of magnitude backward, and more exact. It applies to inputs of at least
-`MIN_ROWS` rows (prefill, training); decoding (a few rows) keeps the bf16 GEMV, which is bound by
-memory bandwidth and reads half the bytes. Under `torch.autocast("cpu", dtype=torch.bfloat16)` the
+`MIN_ROWS` rows (prefill, training); decoding (a few rows, no gradient) reads the bf16 weight as it is, in
+`fewrow_cpu`'s kernel, which takes fp32 products of a few rows too. Under `torch.autocast("cpu", dtype=torch.bfloat16)` the
 same matmuls likewise run in fp32 and return bf16, as autocast would. `scaled_dot_product_attention`
 does the same for attention over at least `MIN_ROWS` queries: PyTorch's bf16 flash-attention backward
 there is about 8x slower than its fp32 one (3.4 s against 0.4 s in a mid-size P-tuning step). On CPUs
-with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions.
+with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions (but for the
+few-row fp32 products, `fewrow_cpu`'s on every CPU).
 
 `tiled_mm` and `tiled_mm_grad` are the tile loops that these fp32 matmuls and the dequantizing matmuls
 of `kernels` share: weight tiles and partial products go to reusable per-thread buffers
@@ -28,6 +29,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from chatglm_tune.quant import fewrow_cpu
 
 MIN_ROWS = 33  # as QuantizedLinear.max_kernel_rows + 1: the GEMV side of the same measured crossover
 # Weight elements upcast or dequantized at a time: 8 MB of fp32 (512 rows at ChatGLM-6B's 4096 columns,
@@ -52,7 +55,10 @@ def slow_bf16(x: Tensor) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)`, in fp32 where a bf16 GEMM would be slow (module docstring)."""
+    """`F.linear(x, weight, bias)`: a few rows by `fewrow_cpu` where it runs them (fp32, or bf16 without native bf16
+    GEMMs), in fp32 where a bf16 GEMM would be slow (module docstring)."""
+    if fewrow_cpu.routes(x, weight) and (x.dtype == torch.float32 or not native_bf16_gemm()):
+        return fewrow_cpu.matmul(x, weight, bias)
     if slow_bf16(x):
         if x.dtype == weight.dtype == torch.bfloat16:
             return _Fp32TiledLinear.apply(x, weight, bias)
@@ -175,3 +181,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def adopt(module: nn.Module) -> nn.Module:
+    """`module` with every plain `nn.Linear` in it made a `Linear` (the same parameters, this forward)."""
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = Linear
+    return module

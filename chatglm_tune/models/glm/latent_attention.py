@@ -30,7 +30,7 @@ from torch import nn
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (Glm4MoeLiteAttention, apply_rotary_pos_emb,
                                                                       apply_rotary_pos_emb_interleave)
 
-from chatglm_tune.quant import int8dot_cpu
+from chatglm_tune.quant import cpu_matmul, int8dot_cpu
 from chatglm_tune.quant.format import dequantize, quantize_weight
 from chatglm_tune.quant.modules import QuantizedLinear
 
@@ -75,7 +75,7 @@ class LatentAttention(Glm4MoeLiteAttention):
     def absorbs(self, hidden_states: torch.Tensor, cache) -> bool:
         """Whether this forward runs against the cached latents (nothing trained, a few queries, a cache)."""
         return (not self.training and not torch.is_grad_enabled() and hidden_states.shape[1] <= ABSORBED_MAX_QUERIES
-                and type(self.kv_b_proj) in (nn.Linear, QuantizedLinear) and cache is not None)
+                and type(self.kv_b_proj) in (nn.Linear, cpu_matmul.Linear, QuantizedLinear) and cache is not None)
 
     def absorbed_query(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
         """(each head's no-rotary query [b, H, s, 192], the rotated query [b, H, s, 64]) and what to cache: (the

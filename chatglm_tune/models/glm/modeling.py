@@ -62,6 +62,7 @@ from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENC
                                              to_transformers)
 from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, not_a_model, only_prefix_weights,
                                  prefix_key_values, seed_cache)
+from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import quantize_embedding as int8_embedding_and_head
 from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding
 from chatglm_tune.quant.experts import quantize_experts
@@ -114,6 +115,7 @@ class PrefixModel(Chat):
             # PrefixCache while checkpointing (see prefix.PrefixCache), never a cache they write.
             layer._can_checkpoint_with_cache = True
         heap.trim_after_each(self.model.layers)
+        cpu_matmul.adopt(self)  # the toolkit's CPU products (few rows; bf16 without native bf16 GEMMs)
 
     @property
     def pre_seq_len(self) -> int:

@@ -27,6 +27,7 @@ Initialisation is PyTorch's default, as in the official code.
 from __future__ import annotations
 
 from chatglm_tune.prefix import PrefixEncoder
+from chatglm_tune.quant import cpu_matmul
 
 
 def cache_entry(config) -> tuple[int, int, int]:
@@ -63,4 +64,5 @@ def prefix_formula(config) -> str:
 def prefix_encoder(config) -> PrefixEncoder:
     """The encoder of this family: its projection starts from an embedding of width W (ChatGLM-6B's from hidden)."""
     width = prefix_width(config)
-    return PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection), embedding_dim=width)
+    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection), embedding_dim=width)
+    return cpu_matmul.adopt(encoder)  # as the model's own Linears

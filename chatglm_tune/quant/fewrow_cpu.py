@@ -1,0 +1,71 @@
+"""Few-row float matmuls on CPU: `x @ W.T (+ b)` for up to `MAX_ROWS` rows of x, fp32 or bf16 weights read once.
+
+A decode step multiplies one row per sequence by every weight; a speculative check a few rows; a small batch a
+few more. PyTorch sends fp32 products to MKL, which on an AMD EPYC (AVX2, 2 threads) reads an fp32 weight at
+14-18 GB/s in its GEMV and packs the whole weight first at 2 or more rows: 5632x1024 took 1.47 ms at 1 row, 3.59
+at 2 and 6.00 at 9; 27392x4096 24.7, 49.4 and 145 ms. bf16 without native bf16 GEMMs is no better (ChatGLM3-6B's
+head, 65024x4096: 29.4 ms at 1 row, 53.8 at 2, 232 at 9). This kernel (fewrow_cpu.cpp, AVX2 + FMA) streams 4
+weight rows side by side and multiplies each 8-column piece with up to 3 rows of x before the next, so the weight
+comes from memory once for every row of x: on the same CPU 1.15 / 1.44 / 1.86 ms, 12.0 / 16.8 / 26.7 ms and
+19.5 / 21.6 / 48.6 ms (bench/kernels/fewrow.py, bench/results/fewrow.md: faster at every shape and row count
+measured, up to 32 rows, but for a 3 MB bf16 weight at 1 row, 0.88x). A mid-size GLM-4 in fp32 decodes a step 1.5x
+faster at batch 1 and 1.8x at batch 8, and checks 4 speculative guesses in 1.4x a step instead of 2.6x
+(bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md).
+
+The arithmetic of a row of x does not depend on the other rows: each output is one fp32 accumulator over K in steps
+of 8 columns (a fused multiply-add each), summed across its 8 lanes, plus the last K % 8 columns in order, then the
+bias. So a row gives the same bits alone, in a batch or among a speculative check's rows: a check's Linears give
+each position what plain decoding's would (its attention over several positions may still round otherwise). Against PyTorch's product the difference is float rounding
+(relative ~1e-6 in fp32); bf16 inputs are multiplied in fp32 and the result rounded once to bf16.
+
+`cpu_matmul.linear` (the forward of the models' Linears) sends a product here where `routes` says so: no gradient
+flows through it, x and W on the CPU in fp32 (or bf16 where the CPU has no native bf16 GEMM), W contiguous, at most
+MAX_ROWS rows, not inside a torch.compile'd graph; the rest stays with PyTorch. Built at first use like the other
+CPU kernels (`inline_build`); where it cannot be built, or the CPU lacks AVX2 / FMA, `available()` is False and
+PyTorch's products run as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from chatglm_tune.quant import inline_build
+
+# Rows of x up to which the kernel runs (bench/kernels/fewrow.py): on the AVX2 EPYC it led PyTorch's fp32 product at
+# every shape measured, 1.5-2.8x at 32 rows; beyond, PyTorch's GEMM reuses each weight tile from cache for many rows,
+# which this kernel, 3 rows at a time, does not.
+MAX_ROWS = 32
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs on this machine (x86-64 with AVX2 and FMA, built)."""
+    if not inline_build.x86():
+        return False
+    source = (Path(__file__).parent / "fewrow_cpu.cpp").read_text()
+    if not inline_build.build("chatglm_fewrow_cpu", source, [], "the few-row float matmul kernel",
+                              "float matmuls keep PyTorch's kernels"):
+        return False
+    return bool(torch.ops.chatglm_fewrow_cpu.supported())
+
+
+def routes(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x @ weight.T` goes to `matmul` (module docstring); cheap checks first, the build last."""
+    if torch.compiler.is_compiling():
+        return False
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return (0 < rows <= MAX_ROWS and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dtype == weight.dtype and x.dtype in DTYPES and weight.dim() == 2 and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and available())
+
+
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` by the kernel (check `routes` first): x [..., K], weight [N, K] -> [..., N]."""
+    y = torch.ops.chatglm_fewrow_cpu.mm(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
