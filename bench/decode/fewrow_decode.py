@@ -1,10 +1,10 @@
 """Benchmark: float decoding on CPU with the models' few-row products in PyTorch's kernels against `fewrow_cpu`'s, side
-by side in one run: decode steps at batch 1 and 8, and forwards checking k speculative guesses.
+by side in one run: decode steps at batch 1 to 32, and forwards checking k speculative guesses.
 
     python bench/decode/fewrow_decode.py                    # the serve bench's random mid-size GLM-4 (built once)
     python bench/decode/fewrow_decode.py --model DIR --dtype bfloat16 --threads 2
 
-Each side after the same prompts (the first records of data/spo_dev.jsonl, left-padded at batch 8): the median ms of
+Each side after the same prompts (the first records of data/spo_dev.jsonl, left-padded): the median ms of
 a decode step over `--steps` greedy steps, and of a forward checking k = 1, 2, 4, 8 guesses at batch 1 (k + 1 rows:
 what speculative decoding trades against a step), over interleaved `--rounds` (the sides alternate which goes
 first). PyTorch's side is the same code with `fewrow_cpu.routes` answering no. Also whether the two sides' greedy
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
 from chatglm_tune.quant import fewrow_cpu  # noqa: E402
 
-BATCHES = (1, 8)
+BATCHES = (1, 8, 16, 32)  # 32: fewrow_cpu.MAX_ROWS
 GUESSES = (1, 2, 4, 8)
 SIDES = ("pytorch", "fewrow")
 

@@ -8,9 +8,9 @@ head, 65024x4096: 29.4 ms at 1 row, 53.8 at 2, 232 at 9). This kernel (fewrow_cp
 weight rows side by side and multiplies each 8-column piece with up to 3 rows of x before the next, so the weight
 comes from memory once for every row of x: on the same CPU 1.15 / 1.44 / 1.86 ms, 12.0 / 16.8 / 26.7 ms and
 19.5 / 21.6 / 48.6 ms (bench/kernels/fewrow.py, bench/results/fewrow.md: faster at every shape and row count
-measured, up to 32 rows, but for a 3 MB bf16 weight at 1 row, 0.88x). A mid-size GLM-4 in fp32 decodes a step 1.5x
-faster at batch 1 and 1.8x at batch 8, and checks 4 speculative guesses in 1.4x a step instead of 2.6x
-(bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md).
+measured, up to 32 rows, but for a 3 MB bf16 weight at 1 row, 0.88x). A mid-size GLM-4 in fp32 decodes a step 1.45x
+faster at batch 1, 1.9x at 8, 1.6x at 16 and 1.3x at 32, and checks 4 speculative guesses in 1.8x a step instead
+of 2.9x (bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md).
 
 The arithmetic of a row of x does not depend on the other rows: each output is one fp32 accumulator over K in steps
 of 8 columns (a fused multiply-add each), summed across its 8 lanes, plus the last K % 8 columns in order, then the
