@@ -90,3 +90,16 @@ def test_glm_models_build_their_linears_as_the_toolkits():
     model = load_glm(Path(__file__).parent / "fixtures" / "glm4-tiny", pre_seq_len=4, prefix_projection=True)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is cpu_matmul.Linear for m in linears)
+
+
+def test_a_compiled_graph_calls_it_without_a_break():
+    x, w, b = operands(64, 48, 3, torch.float32)
+
+    def step(x):
+        return torch.relu(cpu_matmul.linear(x, w, b))
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(step)(x)
+        assert explained.graph_count == 1 and not explained.break_reasons
+        assert any("chatglm_fewrow_cpu" in str(node.target) for node in explained.graphs[0].graph.nodes)
+        assert torch.equal(torch.compile(step, backend="eager")(x), step(x))

@@ -170,14 +170,17 @@ def decode(run, ids: torch.Tensor, new_tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def agreement(model, prompt: torch.Tensor, ref: list[list[int]], got: list[list[int]]) -> dict:
+def agreement(model, prompt: torch.Tensor, ref: list[list[int]], got: list[list[int]],
+              mask: torch.Tensor | None = None) -> dict:
     """Whether `got` (each row's ids) is `ref`; else the first step where a row leaves it, and `model`'s top-2 logit
-    margin there on that row (ref's prefix): in its logits' standard deviations, how near a tie the parting is."""
+    margin there on that row (ref's prefix, the prompt's pads left out by `mask`): in its logits' standard
+    deviations, how near a tie the parting is."""
     step = next((t for t in range(len(ref[0])) if any(a[t] != b[t] for a, b in zip(ref, got))), None)
     if step is None:
         return {"same_ids": True}
     rows = [r for r, (a, b) in enumerate(zip(ref, got)) if a[step] != b[step]]
-    seq = torch.cat([prompt[rows[0]], torch.tensor(ref[rows[0]][:step], dtype=prompt.dtype, device=prompt.device)])
+    row = prompt[rows[0]] if mask is None else prompt[rows[0]][mask[rows[0]].bool()]
+    seq = torch.cat([row, torch.tensor(ref[rows[0]][:step], dtype=prompt.dtype, device=prompt.device)])
     logits = model(seq[None]).logits[0, -1].float()
     top = logits.topk(2).values
     margin = (top[0] - top[1]).item()

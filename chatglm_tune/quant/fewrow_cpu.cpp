@@ -96,6 +96,8 @@ bool supported() {
 }  // namespace
 
 TORCH_LIBRARY(chatglm_fewrow_cpu, lib) {
-  lib.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor", &mm);
+  lib.def("mm(Tensor x, Tensor w, Tensor? bias) -> Tensor");  // a CPU kernel: fewrow_cpu.py registers its shapes
   lib.def("supported() -> bool", &supported);
 }
+
+TORCH_LIBRARY_IMPL(chatglm_fewrow_cpu, CPU, lib) { lib.impl("mm", &mm); }

@@ -20,14 +20,13 @@ each position what plain decoding's would (its attention over several positions 
 
 `cpu_matmul.linear` (the forward of the models' Linears) sends a product here where `routes` says so: no gradient
 flows through it, x and W on the CPU in fp32 (or bf16 where the CPU has no native bf16 GEMM), W contiguous, at most
-MAX_ROWS rows, not inside a torch.compile'd graph; the rest stays with PyTorch. Built at first use like the other
-CPU kernels (`inline_build`); where it cannot be built, or the CPU lacks AVX2 / FMA, `available()` is False and
-PyTorch's products run as before.
+MAX_ROWS rows; the rest stays with PyTorch. A torch.compile'd graph calls it too (its output's shape is registered)
+where it was built before the tracing. Built at first use like the other CPU kernels (`inline_build`); where it
+cannot be built, or the CPU lacks AVX2 / FMA, `available()` is False and PyTorch's products run as before.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -42,27 +41,41 @@ MAX_ROWS = 32
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
+_built: list[bool] = []  # [whether the kernel runs], once `available` has asked (read as it is while compiling)
+
+
 def available() -> bool:
-    """Whether the kernel runs on this machine (x86-64 with AVX2 and FMA, built)."""
+    """Whether the kernel runs on this machine (x86-64 with AVX2 and FMA, built), asked once."""
+    if not _built:
+        _built.append(_build())
+    return _built[0]
+
+
+def _build() -> bool:
     if not inline_build.x86():
         return False
     source = (Path(__file__).parent / "fewrow_cpu.cpp").read_text()
     if not inline_build.build("chatglm_fewrow_cpu", source, [], "the few-row float matmul kernel",
                               "float matmuls keep PyTorch's kernels"):
         return False
-    return bool(torch.ops.chatglm_fewrow_cpu.supported())
+    if not torch.ops.chatglm_fewrow_cpu.supported():
+        return False
+
+    @torch.library.register_fake("chatglm_fewrow_cpu::mm")
+    def _(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:  # its shape and dtype, for torch.compile's graphs
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    return True
 
 
 def routes(x: Tensor, weight: Tensor) -> bool:
-    """Whether `x @ weight.T` goes to `matmul` (module docstring); cheap checks first, the build last."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether `x @ weight.T` goes to `matmul` (module docstring); cheap checks first, the build last. Inside a
+    torch.compile'd graph (CPU compiled decoding) the graph calls the kernel where it was built before tracing."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     return (0 < rows <= MAX_ROWS and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype == weight.dtype and x.dtype in DTYPES and weight.dim() == 2 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and available())
+            and (bool(_built) and _built[0] if torch.compiler.is_compiling() else available()))
 
 
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
