@@ -68,6 +68,13 @@ def prefix_key_values(encoder: PrefixEncoder, dropout: nn.Module, num_layers: in
     return [(keys[layer], values[layer]) for layer in range(num_layers)]
 
 
+def cache_empty(cache: Cache) -> bool:
+    """Whether nothing is cached yet, so the prefix goes in first. A compiled forward (the static-cache decode step,
+    `decoding.static_decoding`) only ever follows an eager prefill, and a static cache's length is a tensor whose
+    test would split its graph: it is never empty there."""
+    return not torch.compiler.is_compiling() and cache.get_seq_length() == 0
+
+
 def seed_cache(cache: Cache, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
     """`cache` (empty) with the prefix as the first `pre_seq_len` entries of every layer."""
     if cache.get_seq_length() != 0:

@@ -65,6 +65,8 @@ def test_routes_only_few_float_rows_without_a_gradient():
     assert not fewrow_cpu.routes(x.half(), w.half())
     assert not fewrow_cpu.routes(x, w.bfloat16())
     assert not fewrow_cpu.routes(x, w.t().contiguous().t())  # a transposed view
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fewrow_cpu.routes(x, w)  # autocast's product is bf16
     assert not fewrow_cpu.routes(x.requires_grad_(), w)  # training
     with torch.no_grad():
         assert fewrow_cpu.routes(x, w.requires_grad_())

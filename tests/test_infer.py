@@ -129,7 +129,7 @@ def test_speculative_decoding_changes_no_row(workdir, tmp_path, capsys):
     assert one["drafted"] <= one["forwards"] * 4  # at most one guess a row a forward, 4 rows
 
 
-def test_compile_decodes_a_glm_model_as_before_and_refuses_chatglm6b(workdir, tmp_path, capsys, monkeypatch):
+def test_compile_decodes_as_before_and_refuses_the_cpus_integer_kernels(workdir, tmp_path, capsys, monkeypatch):
     from serving import tiny_model
 
     from chatglm_tune.decoding import static_decoding
@@ -144,9 +144,12 @@ def test_compile_decodes_a_glm_model_as_before_and_refuses_chatglm6b(workdir, tm
         rows[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
     assert "decode steps compiled on a static cache" in capsys.readouterr().err
     assert rows["compiled"] == rows["plain"] and len(rows["plain"]) == N_RECORDS
-    with pytest.raises(SystemExit) as stop:  # ChatGLM-6B keeps its own cache form
-        run_infer(workdir, tmp_path / "refused.jsonl", "--compile")
-    assert stop.value.code == 2 and "infer.py: error: --compile: compiled decoding needs" in capsys.readouterr().err
+    chatglm6b = {name: run_infer(workdir, tmp_path / f"6b-{name}.jsonl", "--batch-size", 3, *flags)
+                 for name, flags in (("plain", []), ("compiled", ["--compile"]))}
+    assert chatglm6b["compiled"] == chatglm6b["plain"]  # its 2D positions and both-ways prompts on a static cache
+    with pytest.raises(SystemExit) as stop:  # the CPU's INT4 kernel chooses its work in C++ at every call
+        run_infer(workdir, tmp_path / "refused.jsonl", "--compile", "--quantization-bit", 4)
+    assert stop.value.code == 2 and "infer.py: error: --compile: compiled decoding runs float weights" in capsys.readouterr().err
     assert not (tmp_path / "refused.jsonl").exists()
 
 

@@ -110,10 +110,10 @@ def test_warm_up_runs_a_step_at_every_row_bucket_on_the_engines_thread(tiny, eag
         engine.close()
 
 
-def test_models_with_a_cache_of_their_own_and_drafts_are_refused(tmp_path):
+def test_chatglm6b_and_drafts_are_refused(tmp_path):
     torch.manual_seed(0)
     model, tokenizer = registry.VERSIONS["chatglm"].tiny(TEXTS, tmp_path)
-    with pytest.raises(ValueError, match="compiled serving: compiled decoding needs a model that decodes on a static cache"):
+    with pytest.raises(ValueError, match="compiled serving: ChatGLMForConditionalGeneration carries two positions a row"):
         Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=ServingOptions(compiled=True))
     with pytest.raises(ValueError, match="compiled serving and speculative drafts do not combine"):
         ServingOptions(compiled=True, drafts=DraftOptions())

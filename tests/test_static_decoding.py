@@ -1,6 +1,6 @@
-"""Decoding on a static cache with a compiled step gives the ids of the cached loop: every version that has one,
-with a P-tuning prefix, left-padded rows that stop at different steps, greedy and seeded sampling. The versions
-whose cache is their own refuse it, saying so.
+"""Decoding on a static cache with a compiled step gives the ids of the cached loop: every version that has one
+(ChatGLM-6B's 2D positions and both-ways prompts included), with a P-tuning prefix, left-padded rows that stop at
+different steps, greedy and seeded sampling. The versions whose cache is their own (the MoE GLMs) refuse it, saying so.
 
 Compiling takes tens of seconds on two cores, so the static cache is checked for every version with the step run
 eagerly (the same function), and compiled for real on one version, prefixed, batched and sampled.
@@ -70,11 +70,24 @@ def test_a_static_cache_gives_the_cached_loops_ids(name, tmp_path, eager_steps):
     assert static == cached
 
 
-def test_a_prefixed_model_on_a_static_cache(tmp_path, eager_steps):
-    model, tokenizer = tiny("glm4", tmp_path, prefix=3)
+@pytest.mark.parametrize("name", ["glm4", "chatglm"])
+def test_a_prefixed_model_on_a_static_cache(name, tmp_path, eager_steps):
+    model, tokenizer = tiny(name, tmp_path, prefix=3)
     ids, mask = batch_of(tokenizer, TEXTS[:4])
     cached, static = both(model, tokenizer, ids, mask, eos_token_id=None)
     assert static == cached
+
+
+def test_chatglm6b_rotary_tables_compile_to_the_same_angles():
+    """Its fp16 `inv_freq`, rounded inside a compiled graph, would lose the rounding (inductor keeps the fp32
+    intermediate): every angle moves. Made once, eagerly, it is a constant of the graph."""
+    from chatglm_tune.models.chatglm6b.modeling import rotary_tables
+
+    positions = torch.stack([torch.full((1, 40), 7), torch.arange(40)[None]], dim=1)  # [1, 2, 40]
+    eager = rotary_tables(positions, 32, torch.float32)
+    compiled = torch.compile(rotary_tables)(positions, 32, torch.float32)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
 
 
 def test_the_compiled_step_gives_the_cached_loops_ids(tmp_path):

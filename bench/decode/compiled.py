@@ -1,7 +1,7 @@
 """Benchmark: decoding with each step one compiled forward over a static KV cache (`generate(..., compiled=True)`,
 infer.py --compile) against the cached loop (`generate`), side by side in one run.
 
-    python bench/decode/compiled.py                              # tiny, small and mid random GLM-4 and ChatGLM3, batch 1 and 8
+    python bench/decode/compiled.py                              # tiny, small and mid GLM-4, ChatGLM3, ChatGLM-6B; batch 1, 8
     python bench/decode/compiled.py --sizes mid --versions glm4 --batch-sizes 1 --threads 1
 
 Random models (the versions' tiny presets, and the serve bench's small and mid sizes: `serve_children.SIZES`), fp32,
@@ -38,7 +38,11 @@ def build(version: str, size: str, directory: Path):
 
     texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()[:200]]
     torch.manual_seed(0)
-    model, _ = registry.VERSIONS[version].tiny(texts, directory, **({} if size == "tiny" else SIZES[size]))
+    shape = {} if size == "tiny" else dict(SIZES[size])
+    if version == "chatglm" and shape:  # ChatGLM-6B's names: every head its own keys, the MLP's width
+        shape = {"hidden_size": shape["hidden_size"], "num_layers": shape["num_layers"],
+                 "num_attention_heads": shape["num_attention_heads"], "inner_hidden_size": shape["ffn_hidden_size"]}
+    model, _ = registry.VERSIONS[version].tiny(texts, directory, **shape)
     return model.eval()
 
 
@@ -51,6 +55,8 @@ def prompts(model, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     for row, n in enumerate(lengths):
         ids[row, width - n:] = torch.randint(100, model.config.vocab_size - 100, (n,), generator=g)
         mask[row, width - n:] = 1
+    if getattr(model.config, "gmask_token_id", None) is not None:  # ChatGLM-6B: a prompt ends with [gMASK] <sop>
+        ids[:, -2:] = torch.tensor([model.config.gmask_token_id, model.config.bos_token_id])
     return ids, mask
 
 
@@ -96,7 +102,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--versions", default="glm4,chatglm3", help="comma-separated (default %(default)s)")
+    p.add_argument("--versions", default="glm4,chatglm3,chatglm", help="comma-separated (default %(default)s)")
     p.add_argument("--sizes", default="tiny,small,mid", help="comma-separated: tiny, small, mid (default %(default)s)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens a row (default %(default)s)")

@@ -1,7 +1,7 @@
 """Benchmark: float matmuls of a few rows of x on CPU, PyTorch's `F.linear` against `chatglm_tune.quant.fewrow_cpu`.
 
     python bench/kernels/fewrow.py                    # 2 threads, fp32 and bf16, the shapes below
-    python bench/kernels/fewrow.py --quick            # a smoke run: one small shape, few rounds
+    python bench/kernels/fewrow.py --quick            # a smoke run: one small shape from cache, few rounds
 
 Shapes: the mid-size GLM-4 the serve and speculative benches build (hidden 1024), and ChatGLM3-6B's block Linears and
 head. Rows of x: a decode step (1), a speculative check of k guesses (k + 1 rows), small batches. Both candidates
@@ -39,11 +39,11 @@ ROWS = {torch.float32: (1, 2, 3, 5, 9, 16, 32), torch.bfloat16: (1, 2, 5, 9)}
 STREAM_BYTES = 256 << 20  # weight bytes a candidate rotates over
 
 
-def measure(n: int, k: int, dtype: torch.dtype, rows: tuple[int, ...], rounds: int) -> list[dict]:
+def measure(n: int, k: int, dtype: torch.dtype, rows: tuple[int, ...], rounds: int, stream_bytes: int) -> list[dict]:
     """One row per count of x's rows: each candidate's median ms a call."""
     g = torch.Generator().manual_seed(n * k)
     size = n * k * dtype.itemsize
-    copies = max(2, -(-STREAM_BYTES // size))
+    copies = max(2, -(-stream_bytes // size))
     weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies)]
     out = []
     for m in rows:
@@ -86,12 +86,12 @@ def main() -> None:
     if not fewrow_cpu.available():
         sys.exit("the few-row kernel cannot run or be built here (x86-64 with AVX2 and FMA, and a C++ compiler)")
     torch.set_num_threads(args.threads)
-    shapes, rounds = (QUICK_SHAPES, 2) if args.quick else (SHAPES, args.rounds)
+    shapes, rounds, stream = (QUICK_SHAPES, 2, 0) if args.quick else (SHAPES, args.rounds, STREAM_BYTES)
     rows = []
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for n, k, _ in shapes:
-            rows += measure(n, k, dtype, ROWS[dtype], rounds)
+            rows += measure(n, k, dtype, ROWS[dtype], rounds, stream)
     names = {(n, k): layer for n, k, layer in shapes}
     on = machine(args.threads)
     page = (f"# Few-row float matmuls: PyTorch against fewrow_cpu\n\n{made_by('bench/kernels/fewrow.py', on)}; "

@@ -32,7 +32,7 @@ import torch
 
 from chatglm_tune import heap, openmp
 from chatglm_tune.batches import SpecialIds, collate_prompts
-from chatglm_tune.decoding import slot_cache, static_decoding
+from chatglm_tune.decoding import slot_cache
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.emitter import Emitter, Row
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, Request
@@ -70,7 +70,7 @@ class Engine:
         self.special = special
         self.options = options
         self.device = next(model.parameters()).device
-        why = static_decoding.unsupported(model) if options.compiled else None
+        why = slot_cache.unsupported(model) if options.compiled else None
         if why:
             raise ValueError(f"compiled serving: {why}")
         eos = model.config.eos_token_id

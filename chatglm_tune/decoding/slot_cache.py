@@ -16,8 +16,8 @@ When `column` reaches C, the columns no live row uses any more (left by rows tha
 shifted left; where none can be cut the buffers grow by a quarter (new tensors: the graphs are recorded again). A
 prompt longer than `column` shifts the live part right to make room before it.
 Positions and masks are each row's own, as in `BatchCache`, so a row's tokens are the ones `generate` gives its
-prompt alone, up to the float rounding of batched products; the models whose cache is their own (ChatGLM-6B, the
-MoE GLMs) are not served this way (`static_decoding.unsupported`).
+prompt alone, up to the float rounding of batched products. The MoE GLMs, whose cache is their own, and ChatGLM-6B,
+whose rows carry two positions and whose prompts attend both ways, are not served this way (`unsupported`).
 """
 
 from __future__ import annotations
@@ -202,6 +202,14 @@ class SlotCache:
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
+
+
+def unsupported(model) -> str | None:
+    """Why compiled serving cannot hold `model`, or None: `static_decoding.unsupported`'s reasons, and ChatGLM-6B's
+    two positions a row (the slots keep one)."""
+    if hasattr(model, "next_positions"):
+        return f"{type(model).__name__} carries two positions a row (ChatGLM-6B), the slots one: it is served eagerly"
+    return static_decoding.unsupported(model)
 
 
 def row_buckets(slots: int) -> list[int]:

@@ -1,16 +1,17 @@
 """Decoding over a static (preallocated) KV cache, each step through one compiled function (`torch.compile`).
 
 `generate(..., compiled=True)` decodes here on models whose class says `static_cache = True` (their attention
-reads transformers' cache and masks: ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge) with float weights, or INT8 / INT4
-layers whose kernel a compiled graph can hold (CUDA's weight-only kernels; `unsupported` says why another model
-cannot). The prompt goes through the model as it is (eager); every step after runs one compiled forward, whose
-shapes never change within a call, so it is compiled once and replayed:
+reads transformers' cache and masks: ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge) with float weights, or
+INT8 / INT4 layers whose kernel a compiled graph can hold (CUDA's weight-only kernels; `unsupported` says why
+another model cannot). The prompt goes through the model as it is (eager); every step after runs one compiled
+forward, whose shapes never change within a call, so it is compiled once and replayed:
 - the cache is transformers' `StaticCache` of `pre_seq_len + L` columns (the P-tuning prefix first, put there by
   the model at the prefill), L the prompt plus the answer budget rounded up to `LENGTH_STEP`, so that batches of
   other lengths reuse the compiled step (after a second shape `torch.compile` makes the lengths symbolic); the model
   holds the cache of its last shape and resets it for the next call of that shape (`held_cache`);
 - the pad mask [rows, L] covers the prompt (left pads 0), then each step sets its column; positions are each
-  row's own count of real tokens, as the models derive them from the mask;
+  row's own count of real tokens, as the models derive them from the mask (ChatGLM-6B: its 2D positions, the
+  prompt's from `prompt_positions`, each step's `next_positions`);
 - a finished row stays in the batch to the end (its tokens are dropped, its generator never read again), where the
   cached loop lets it leave: a fixed batch costs the finished rows' share of each step, and saves a recompilation.
 On a CUDA GPU the step is captured as CUDA graphs and replayed with one launch (`compile_options`), where an eager
@@ -133,9 +134,12 @@ def _decode(model, cache, ids, mask, columns: int, max_new_tokens: int, sampling
     rows, length = ids.shape
     full = torch.zeros(rows, columns, dtype=torch.long, device=ids.device)
     full[:, :length] = 1 if mask is None else mask
-    positions = (full[:, :length].cumsum(dim=1) - 1).clamp(min=0)
+    positions = model.prompt_positions(ids, mask if mask is not None and not bool(mask.all()) else None)
+    if positions is None:  # each row's own count of real tokens
+        positions = (full[:, :length].cumsum(dim=1) - 1).clamp(min=0)
     scores = forward_step(model, ids, positions, full, cache)
-    positions = positions[:, -1:] + 1
+    following = getattr(model, "next_positions", lambda last: last + 1)  # ChatGLM-6B: its 2D positions' next
+    positions = following(positions[..., -1:])
     step = compiled_step(model)
     live, stop_ids = list(range(rows)), set() if stop is None else set(stop.tolist())
     for n in range(max_new_tokens):
@@ -149,4 +153,4 @@ def _decode(model, cache, ids, mask, columns: int, max_new_tokens: int, sampling
             break
         full[:, length + n] = 1
         scores = step(tokens[:, None], positions, full, cache)
-        positions = positions + 1
+        positions = following(positions)

@@ -6,8 +6,9 @@ for the input gradient `grad @ W` of a backward pass, against 40-60 GFLOP/s in f
 of the weight upcast on the fly (a full fp32 copy never exists), and returns bf16: faster by 4x
 forward and by two orders of magnitude backward, and more exact. It applies to inputs of at least
 `MIN_ROWS` rows (prefill, training); decoding (a few rows, no gradient) reads the bf16 weight as it is, in
-`fewrow_cpu`'s kernel, which takes fp32 products of a few rows too. Under `torch.autocast("cpu", dtype=torch.bfloat16)` the
-same matmuls likewise run in fp32 and return bf16, as autocast would. `scaled_dot_product_attention`
+`fewrow_cpu`'s kernel, which takes fp32 products of a few rows too. Under
+`torch.autocast("cpu", dtype=torch.bfloat16)` the same matmuls likewise run in fp32 and return bf16, as autocast
+would. `scaled_dot_product_attention`
 does the same for attention over at least `MIN_ROWS` queries: PyTorch's bf16 flash-attention backward
 there is about 8x slower than its fp32 one (3.4 s against 0.4 s in a mid-size P-tuning step). On CPUs
 with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions (but for the

@@ -5,8 +5,6 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include <cstring>
-
 namespace {
 
 constexpr int RN = 4;        // weight rows a pass streams side by side

@@ -15,14 +15,16 @@ of 2.9x (bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md).
 The arithmetic of a row of x does not depend on the other rows: each output is one fp32 accumulator over K in steps
 of 8 columns (a fused multiply-add each), summed across its 8 lanes, plus the last K % 8 columns in order, then the
 bias. So a row gives the same bits alone, in a batch or among a speculative check's rows: a check's Linears give
-each position what plain decoding's would (its attention over several positions may still round otherwise). Against PyTorch's product the difference is float rounding
-(relative ~1e-6 in fp32); bf16 inputs are multiplied in fp32 and the result rounded once to bf16.
+each position what plain decoding's would (its attention over several positions may still round otherwise).
+Against PyTorch's product the difference is float rounding (relative ~1e-6 in fp32); bf16 inputs are multiplied
+in fp32 and the result rounded once to bf16.
 
 `cpu_matmul.linear` (the forward of the models' Linears) sends a product here where `routes` says so: no gradient
-flows through it, x and W on the CPU in fp32 (or bf16 where the CPU has no native bf16 GEMM), W contiguous, at most
-MAX_ROWS rows; the rest stays with PyTorch. A torch.compile'd graph calls it too (its output's shape is registered)
-where it was built before the tracing. Built at first use like the other CPU kernels (`inline_build`); where it
-cannot be built, or the CPU lacks AVX2 / FMA, `available()` is False and PyTorch's products run as before.
+flows through it, no CPU autocast is on (it would change the product's dtype), x and W on the CPU in fp32 (or bf16
+where the CPU has no native bf16 GEMM), W contiguous, at most MAX_ROWS rows; the rest stays with PyTorch. A
+torch.compile'd graph calls it too (its output's shape is registered) where it was built before the tracing. Built
+at first use like the other CPU kernels (`inline_build`); where it cannot be built, or the CPU lacks AVX2 / FMA,
+`available()` is False and PyTorch's products run as before.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def routes(x: Tensor, weight: Tensor) -> bool:
     return (0 < rows <= MAX_ROWS and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype == weight.dtype and x.dtype in DTYPES and weight.dim() == 2 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.is_autocast_enabled("cpu")
             and (bool(_built) and _built[0] if torch.compiler.is_compiling() else available()))
 
 

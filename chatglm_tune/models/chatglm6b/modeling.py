@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -40,8 +40,8 @@ from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
                                                   ChatGLMConfig)
 from chatglm_tune.models.chatglm6b.positions import build_position_ids, context_lengths, glm_mask, packed_inputs
-from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, check_prefix_shapes, check_prefix_version,
-                                 not_a_model, only_prefix_weights, prefix_key_values, seed_cache)
+from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, cache_empty, check_prefix_shapes,
+                                 check_prefix_version, not_a_model, only_prefix_weights, prefix_key_values, seed_cache)
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import QuantizeOnLoad, quantize_model, refuse_int8_embedding
 from chatglm_tune.quant.cpu_matmul import Linear
@@ -67,12 +67,26 @@ def rotary_tables(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype)
     bf16 this avoids bf16 position counters, which cannot count past 256 exactly).
     """
     rot = head_dim // 2  # dims rotated by one position channel
-    inv_freq = (1.0 / (10000 ** (torch.arange(0, rot, 2, device=position_ids.device).float() / rot))).half()
+    inv_freq = _inv_freq(rot, position_ids.device)
     table_dtype = torch.float16 if dtype == torch.float16 else torch.float32
     angles = position_ids.to(table_dtype)[..., None] * inv_freq.to(table_dtype)  # [b, 2, s, rot/2]
     angles = torch.cat([angles, angles], dim=-1)  # [b, 2, s, rot]
     angles = torch.cat([angles[:, 0], angles[:, 1]], dim=-1)  # [b, s, head_dim]
     return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
+
+
+_INV_FREQ: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _inv_freq(rot: int, device: torch.device) -> torch.Tensor:
+    """The official fp16 `inv_freq` of `rot` rotated dims, made once per size and device (eagerly: a prompt's forward
+    precedes every compiled decode step). Made inside a compiled graph, its rounding to fp16 would be fused away
+    (inductor keeps a cast's intermediate in fp32), moving every angle: 0.07 in a tiny model's logits."""
+    key = (rot, str(device))
+    if key not in _INV_FREQ:
+        with torch.inference_mode(False):  # a normal tensor, whatever mode the first forward ran in
+            _INV_FREQ[key] = (1.0 / (10000 ** (torch.arange(0, rot, 2, device=device).float() / rot))).half()
+    return _INV_FREQ[key]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -191,7 +205,7 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
         n_prefix = cfg.pre_seq_len or 0
-        if n_prefix and (cache is None or cache.get_seq_length() == 0):
+        if n_prefix and (cache is None or cache_empty(cache)):
             prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg.num_layers, cfg.num_attention_heads,
                                        cfg.head_dim, b, x.dtype)
             if cache is None and not use_cache:  # a training forward: the prefix, and nothing kept
@@ -210,11 +224,32 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
                     "prompt); use model.generate or chatglm_tune.generate, which track them"
                 )
             position_ids = _glm_positions(cfg, input_ids, pad_mask)
-        allowed = self._sdpa_mask(input_ids, attention_mask, pad_mask, past, n_prefix)
+        if isinstance(cache, StaticCache):
+            allowed = self._static_mask(input_ids, pad_mask, n_prefix)
+        else:
+            allowed = self._sdpa_mask(input_ids, attention_mask, pad_mask, past, n_prefix)
         cos, sin = rotary_tables(position_ids, cfg.head_dim, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, allowed, cache)
         return self.final_layernorm(x), (cache if use_cache else None)
+
+    def _static_mask(self, input_ids, pad_mask, n_prefix: int):
+        """Boolean SDPA mask [b, 1, s, n_prefix + L] over a static cache of L columns past the prefix
+        (`decoding.static_decoding`): `pad_mask` [b, L] marks the real tokens cached and those this forward writes.
+        A prompt (the first forward) attends as `glm_mask` has it; a step attends to every marked column."""
+        if pad_mask is None:
+            raise ValueError("a static cache needs the pad mask [b, L] over all its columns (1 = a real token)")
+        b, s = input_ids.shape
+        width = pad_mask.shape[1]
+        if s == 1:
+            allowed = pad_mask.bool()[:, None, None, :]
+        else:
+            c = context_lengths(input_ids, self.config.bos_token_id)
+            own_key = torch.arange(s, device=pad_mask.device)[:, None] == torch.arange(width, device=pad_mask.device)
+            allowed = ~glm_mask(c, s, width, past_length=0, pad_mask=pad_mask) | own_key  # pad rows see themselves
+        if n_prefix:
+            allowed = torch.cat([allowed.new_ones(b, 1, s, n_prefix), allowed.expand(b, 1, s, width)], dim=-1)
+        return allowed
 
     def _sdpa_mask(self, input_ids, attention_mask, pad_mask, past: int, n_prefix: int):
         """Boolean SDPA mask [b, 1, s, n_prefix + past + s], True = may attend; None when all may."""
@@ -247,6 +282,7 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
     """ChatGLM-6B with its tied LM head, loss, KV cache and generation hooks."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.word_embeddings.weight"}
+    static_cache = True  # decodes on transformers' StaticCache too (decoding.static_decoding; `_static_mask`)
 
     def __init__(self, config: ChatGLMConfig):
         super().__init__(config)

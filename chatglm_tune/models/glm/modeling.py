@@ -60,8 +60,8 @@ from chatglm_tune.models.glm.moe_layer import use_grouped_decode
 from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
-from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, check_prefix_shapes, not_a_model, only_prefix_weights,
-                                 prefix_key_values, seed_cache)
+from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, cache_empty, check_prefix_shapes, not_a_model,
+                                 only_prefix_weights, prefix_key_values, seed_cache)
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import quantize_embedding as int8_embedding_and_head
 from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding
@@ -173,7 +173,7 @@ class PrefixModel(Chat):
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
         p = self.pre_seq_len
-        if p and (cache is None or _empty(cache)):
+        if p and (cache is None or cache_empty(cache)):
             dtype = self.model.norm.weight.dtype  # the compute dtype (RMSNorm weights are never quantized)
             pairs = self.prefix_key_values(b, dtype)
             if cache is None:
@@ -268,13 +268,6 @@ class PrefixModel(Chat):
         if any(v is not None for v in unused.values()):
             raise TypeError(f"save_pretrained does not support: {', '.join(sorted(unused))}")
         save_official(self, save_directory, state_dict=state_dict, dtype=dtype, max_shard_bytes=max_shard_bytes)
-
-
-def _empty(cache: Cache) -> bool:
-    """Whether nothing is cached yet, so the prefix goes in first. A compiled forward (the static-cache decode step,
-    `decoding.static_decoding`) only ever follows an eager prefill, and a static cache's length is a tensor whose
-    test would split its graph: it is never empty there."""
-    return not torch.compiler.is_compiling() and cache.get_seq_length() == 0
 
 
 class GlmForCausalLMWithPrefix(PrefixModel, GlmForCausalLM):
