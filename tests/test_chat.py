@@ -314,6 +314,21 @@ def test_stream_chat_grows_to_what_chat_returns(tiny, version):
     assert streamed[-1] == chat(model, tokenizer, "你好", max_length=40, sampling=sampling, seed=6)
 
 
+@pytest.mark.parametrize("version", ["chatglm", "glm4"])
+def test_chat_on_a_static_cache_answers_the_same(tiny, version, monkeypatch):
+    """chat() / stream_chat() with `compiled` (each step run uncompiled here: tests/test_static_decoding.py compiles)."""
+    from chatglm_tune.decoding import static_decoding
+
+    steps = []
+    monkeypatch.setattr(static_decoding, "compiled_step",
+                        lambda model: lambda *a: steps.append(1) or static_decoding.forward_step(model, *a))
+    model, tokenizer = tiny[version]
+    kwargs = dict(max_length=60, seed=5)
+    plain = model.chat(tokenizer, "水泵漏油", **kwargs)
+    assert model.chat(tokenizer, "水泵漏油", compiled=True, **kwargs) == plain and steps
+    assert list(model.stream_chat(tokenizer, "水泵漏油", compiled=True, **kwargs))[-1] == plain
+
+
 @pytest.mark.parametrize("version", ALL)
 def test_stream_chat_runs_one_cached_step_a_token(tiny, version):
     model, tokenizer = tiny[version]

@@ -69,6 +69,16 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, eager_steps, monke
     assert engine._cache.rows == [] and engine._cache.column == 0  # all left: the next rows start at the first column
 
 
+@pytest.mark.parametrize("name", ["glm4-moe", "glm4-moe-lite"])
+def test_the_moe_glms_serve_on_slots_as_generate_alone(name, tmp_path, eager_steps, monkeypatch):
+    """Their experts and GLM-4.7-Flash's latent cache (the latents and shared keys as the layers' keys and values)."""
+    torch.manual_seed(0)
+    model, tokenizer = registry.VERSIONS[name].tiny(TEXTS, tmp_path)
+    monkeypatch.setattr(slot_cache, "COLUMN_STEP", 8)
+    got, alone, engine = serve_alone_and_together(model.eval(), tokenizer, 7, max_batch=4)
+    assert got == alone and isinstance(engine._cache, slot_cache.SlotCache)
+
+
 def test_the_compiled_engine_gives_the_same_tokens(tmp_path, tracing_only, monkeypatch):
     """Compiled for real: the same tokens, and one graph for every batch and length but one row (a step over a view
     of a whole buffer, or a mask of other strides, compiled again: the spare column and a contiguous mask)."""

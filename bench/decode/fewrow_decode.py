@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
 from chatglm_tune.quant import fewrow_cpu  # noqa: E402
 
-BATCHES = (1, 8, 16, 32)  # 32: fewrow_cpu.MAX_ROWS
+BATCHES = (1, 8, 16, 32)  # the default batch sizes (32: fewrow_cpu.MAX_ROWS)
 GUESSES = (1, 2, 4, 8)
 SIDES = ("pytorch", "fewrow")
 
@@ -100,11 +100,11 @@ def check(model, prompt: list[int], k: int, reps: int) -> float:
 
 def measure(model, ids: list[list[int]], args) -> dict:
     """{side: {"step_ms": {batch: ms}, "check_ms": {k: ms}, "tokens": {batch: ids}}} over alternated rounds."""
-    runs = {name: {"step": {b: [] for b in BATCHES}, "check": {k: [] for k in GUESSES}, "tokens": {}} for name in SIDES}
+    runs = {name: {"step": {b: [] for b in args.batches}, "check": {k: [] for k in GUESSES}, "tokens": {}} for name in SIDES}
     for r in range(args.rounds):
         for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
             with side(name):
-                for b in BATCHES:
+                for b in args.batches:
                     took, tokens = steps(model, ids[:b], args.steps)
                     runs[name]["step"][b].append(took)
                     runs[name]["tokens"][b] = tokens
@@ -114,7 +114,7 @@ def measure(model, ids: list[list[int]], args) -> dict:
     for name, run in runs.items():
         out[name] = {"step_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in run["step"].items()},
                      "check_ms": {k: round(1e3 * statistics.median(v), 3) for k, v in run["check"].items()}}
-    out["same_tokens"] = {b: runs["pytorch"]["tokens"][b] == runs["fewrow"]["tokens"][b] for b in BATCHES}
+    out["same_tokens"] = {b: runs["pytorch"]["tokens"][b] == runs["fewrow"]["tokens"][b] for b in args.batches}
     return out
 
 
@@ -124,7 +124,7 @@ def page(result: dict, on: dict) -> str:
              f"{made_by('bench/decode/fewrow_decode.py', on)}; {result['loaded']}.\n",
              "| forward | PyTorch ms | fewrow ms | speedup | x a batch-1 step (PyTorch, fewrow) |", "|---|---|---|---|---|"]
     base = {"pytorch": p["step_ms"][1], "fewrow": f["step_ms"][1]}
-    for b in BATCHES:
+    for b in p["step_ms"]:
         lines.append(f"| decode step, batch {b} | {p['step_ms'][b]} | {f['step_ms'][b]} | "
                      f"{p['step_ms'][b] / f['step_ms'][b]:.2f}x | {p['step_ms'][b] / base['pytorch']:.2f}, "
                      f"{f['step_ms'][b] / base['fewrow']:.2f} |")
@@ -141,18 +141,21 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a model or run directory (default: the serve bench's random mid GLM-4)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                        help="comma-separated batch sizes, 1 always among them (default %(default)s)")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch and round")
     parser.add_argument("--reps", type=int, default=5, help="checking forwards timed per k and round")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per side (median kept)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fewrow-decode.json")
     args = parser.parse_args()
+    args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})  # batch 1: what the rest is set against
     if not fewrow_cpu.available():
         sys.exit("the few-row kernel cannot run or be built here (x86-64 with AVX2 and FMA, and a C++ compiler)")
     if args.model is None:
         from bench.serve.serve import prepare_model
 
         args.model, _ = prepare_model(argparse.Namespace(full_size=False, model=None, version="glm4", size="mid"))
-    model, line, ids = prompts(args.model, max(BATCHES), args.dtype, args.threads)
+    model, line, ids = prompts(args.model, max(args.batches), args.dtype, args.threads)
     result = {"model": str(args.model), "loaded": line, **measure(model, ids, args)}
     on = machine(args.threads)
     text = page(result, on)

@@ -140,6 +140,7 @@ def chat(
     max_length: int | None = None,
     sampling: SamplingOptions | None = None,
     seed: int | None = None,
+    compiled: bool = False,
 ) -> tuple:
     """The official `model.chat(tokenizer, query, history)` of the tokenizer's version: (response, history).
 
@@ -147,11 +148,12 @@ def chat(
     `history + [(query, response)]`, `role` only "user". ChatGLM3 / GLM-4: history is role messages
     (`ROLES`; pairs are converted), the query is a message of `role` ("observation" for a tool's result),
     the answer `history + [query message, assistant message(s)]` (a response is text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
-    tokens; it and `sampling` default to the version's official values (`chat_defaults`).
+    tokens; it and `sampling` default to the version's official values (`chat_defaults`). `compiled`: the steps after
+    the prompt compiled on a static cache (`generate`'s), the same answer.
     """
     turn = prepare_turn(tokenizer, query, history, role, max_length, sampling)
     new_ids = generate(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling, seed=seed,
-                       eos_token_id=turn.stop, vocab_limit=len(tokenizer))[0]
+                       eos_token_id=turn.stop, vocab_limit=len(tokenizer), compiled=compiled)[0]
     return turn.result(turn.texts(new_ids))
 
 
@@ -165,21 +167,22 @@ def stream_chat(
     max_length: int | None = None,
     sampling: SamplingOptions | None = None,
     seed: int | None = None,
+    compiled: bool = False,
 ) -> Iterator[tuple]:
     """The official `model.stream_chat`: yields (response so far, history as `chat` would return it) while
     the answer grows, one KV-cached step a token (`generate_steps`), the last one `chat`'s result (same
     arguments, same seed). A step whose text ends in U+FFFD (a character whose bytes have not all come)
     or whose response is still empty yields nothing, and neither does one that changes nothing; the
-    final answer is always yielded. Arguments are checked here, before the first step."""
+    final answer is always yielded. Arguments are checked here, before the first step. `compiled`: as `chat`'s."""
     turn = prepare_turn(tokenizer, query, history, role, max_length, sampling)
-    return _stream(model, turn, seed)
+    return _stream(model, turn, seed, compiled)
 
 
-def _stream(model, turn: Turn, seed: int | None) -> Iterator[tuple]:
+def _stream(model, turn: Turn, seed: int | None, compiled: bool) -> Iterator[tuple]:
     ids: list[int] = []
     last = None
     for _, tokens in generate_steps(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling,
-                                    seed=seed, eos_token_id=turn.stop, vocab_limit=len(turn.tokenizer)):
+                                    seed=seed, eos_token_id=turn.stop, vocab_limit=len(turn.tokenizer), compiled=compiled):
         ids.append(tokens[0])
         texts = turn.texts(ids)
         if texts[-1].endswith("\ufffd"):
@@ -201,23 +204,25 @@ class Chat:
 
     def chat(self, tokenizer, query: str, history=None, role: str = "user", *, max_length: int | None = None,
              num_beams: int = 1, do_sample: bool | None = None, top_p: float | None = None,
-             temperature: float | None = None, top_k: int | None = None, logits_processor=None, seed: int | None = None):
+             temperature: float | None = None, top_k: int | None = None, logits_processor=None, seed: int | None = None,
+             compiled: bool = False):
         """(response, history): see `chat`."""
         sampling = _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k,
                                   num_beams=num_beams, logits_processor=logits_processor)
-        return chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling, seed=seed)
+        return chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling, seed=seed,
+                    compiled=compiled)
 
     def stream_chat(self, tokenizer, query: str, history=None, role: str = "user", past_key_values=None, *,
                     max_length: int | None = None, do_sample: bool | None = None, top_p: float | None = None,
                     temperature: float | None = None, top_k: int | None = None, logits_processor=None,
-                    return_past_key_values: bool = False, seed: int | None = None):
+                    return_past_key_values: bool = False, seed: int | None = None, compiled: bool = False):
         """Yields (response so far, history): see `stream_chat`."""
         if past_key_values is not None or return_past_key_values:
             raise ValueError("past_key_values / return_past_key_values are not supported: pass the history, the "
                              "prompt is built from it")
         sampling = _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k, logits_processor=logits_processor)
         return stream_chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling,
-                           seed=seed)
+                           seed=seed, compiled=compiled)
 
 
 def _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k, *, num_beams: int = 1,

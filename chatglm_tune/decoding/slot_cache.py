@@ -16,8 +16,8 @@ When `column` reaches C, the columns no live row uses any more (left by rows tha
 shifted left; where none can be cut the buffers grow by a quarter (new tensors: the graphs are recorded again). A
 prompt longer than `column` shifts the live part right to make room before it.
 Positions and masks are each row's own, as in `BatchCache`, so a row's tokens are the ones `generate` gives its
-prompt alone, up to the float rounding of batched products. The MoE GLMs, whose cache is their own, and ChatGLM-6B,
-whose rows carry two positions and whose prompts attend both ways, are not served this way (`unsupported`).
+prompt alone, up to the float rounding of batched products. ChatGLM-6B, whose rows carry two positions and whose
+prompts attend both ways, is not served this way (`unsupported`).
 """
 
 from __future__ import annotations

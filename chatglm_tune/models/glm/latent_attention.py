@@ -127,11 +127,15 @@ class LatentAttention(Glm4MoeLiteAttention):
 
     def _absorbed(self) -> FloatAbsorbed | IntAbsorbed:
         """`kv_b_proj` split for the absorbed products, made again when its weight changed: from INT8 / INT4 weights
-        where the integer-dot kernel runs (`IntAbsorbed`), else in float32 (`FloatAbsorbed`)."""
+        where the integer-dot kernel runs (`IntAbsorbed`), else in float32 (`FloatAbsorbed`). A compiled decode step
+        (`decoding.static_decoding`, after an eager prompt that made it) takes the one held: no weight changes while
+        it decodes, and the check would split its graph."""
+        held = getattr(self, "_absorbed_cache", None)
+        if held is not None and torch.compiler.is_compiling():
+            return held[1]
         layer = self.kv_b_proj
         weight = layer.weight
         key = (weight.data_ptr(), weight._version, getattr(layer, "held_layout", None))
-        held = getattr(self, "_absorbed_cache", None)
         if held is None or held[0] != key:
             shape = (self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
             if IntAbsorbed.usable(layer, shape, self.qk_nope_head_dim):
@@ -215,8 +219,9 @@ def _float_weight(layer: nn.Module) -> torch.Tensor:
 def _threaded_products(keys: torch.Tensor) -> bool:
     """Whether the step's two products run on `int8dot_cpu`'s threaded kernels (a CPU where it is built: what the held
     C++ step runs, so both give the same bits), else PyTorch's batched matmul, which runs them on one thread at a
-    decode step's sizes (2 threads, 20 rows over 104 cached latents: 157 against 77 us a layer)."""
-    return keys.device.type == "cpu" and int8dot_cpu.available()
+    decode step's sizes (2 threads, 20 rows over 104 cached latents: 157 against 77 us a layer), and which a
+    compiled step (`decoding.static_decoding`) traces."""
+    return not torch.compiler.is_compiling() and keys.device.type == "cpu" and int8dot_cpu.available()
 
 
 def _masked(scores: torch.Tensor, mask: torch.Tensor | None, queries: int) -> torch.Tensor:

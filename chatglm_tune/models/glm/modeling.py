@@ -288,6 +288,8 @@ class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
     with the P-tuning v2 prefix; over INT experts a decode step runs each layer's experts in two grouped kernel calls
     (`moe_layer`)."""
 
+    static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
+
     def __init__(self, config):
         super().__init__(config)
         use_grouped_decode(self)
@@ -299,6 +301,8 @@ class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
     cached latents themselves (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts
     as GLM-4.5's do; each layer with experts holds its one-token decode step in C++ (`latent_layer.LatentLayer`, the
     class FSDP wraps)."""
+
+    static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
 
     def __init__(self, config):
         super().__init__(config)
