@@ -4,8 +4,9 @@
 reads transformers' cache and masks: every version) with float weights, or INT8 / INT4 layers whose kernel a
 compiled graph can hold (CUDA's weight-only kernels; `unsupported` says why another model cannot: the CPU's integer
 kernels, INT experts). The MoE GLMs' float experts are picked by transformers' loop over the experts hit (a
-`nonzero` whose size depends on the data): their compiled step runs as several graphs, split there. The prompt goes through the model as it is (eager); every step after runs one compiled
-forward, whose shapes never change within a call, so it is compiled once and replayed:
+`nonzero` whose size depends on the data): their compiled step runs as several graphs, split there. The prompt goes
+through the model as it is (eager); every step after runs one compiled forward, whose shapes never change within a
+call, so it is compiled once and replayed:
 - the cache is transformers' `StaticCache` of `pre_seq_len + L` columns (the P-tuning prefix first, put there by
   the model at the prefill), L the prompt plus the answer budget rounded up to `LENGTH_STEP`, so that batches of
   other lengths reuse the compiled step (after a second shape `torch.compile` makes the lengths symbolic); the model
