@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "without AVX-512 VNNI)")
     p.add_argument("--compile", action="store_true", help="decode on a static KV cache, each step one compiled forward "
                    "(torch.compile: the same output with less Python overhead a step; compiling takes seconds to a minute "
-                   "once; float ChatGLM2/3, GLM-4, GLM-4-0414 and GLM-Edge models; not with --speculative)")
+                   "once; every version in float, INT8 / INT4 on a CUDA GPU; not with --speculative)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")

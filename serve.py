@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "without AVX-512 VNNI)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS.compiled,
                    help="decode the running batch in fixed buffers, each step one compiled function (CUDA graphs on a "
-                        "GPU: the step launches once instead of hundreds of kernels); ChatGLM2/3, GLM-4, GLM-4-0414 and "
-                        "GLM-Edge, float or (on a GPU) INT8 / INT4; not with --speculative (default: off; it compiles "
+                        "GPU: the step launches once instead of hundreds of kernels); every version but ChatGLM-6B, "
+                        "float or (on a GPU) INT8 / INT4; not with --speculative (default: off; it compiles "
                         "for each new batch and length bucket, seconds to a minute at first)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS.max_body_mb,
                    help="request bodies over this many MB get HTTP 413 (default %(default)s)")
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     try:
         service = Service(model, tokenizer, served=served, encoding=source.encoding, free_text=columns.active,
                           options=args.options)
-    except ValueError as err:  # --compile on a model that decodes on a cache of its own
+    except ValueError as err:  # --compile on a model compiled serving cannot hold (`slot_cache.unsupported`)
         print(f"serve.py: error: {err}", file=sys.stderr)
         sys.exit(2)
     app = build_app(service, api_key=args.api_key)

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
 from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
+from chatglm_tune.batches import SpecialIds, collate_prompts  # noqa: E402
 from chatglm_tune.quant import fewrow_cpu  # noqa: E402
 
 BATCHES = (1, 8, 16, 32)  # the default batch sizes (32: fewrow_cpu.MAX_ROWS)
@@ -57,23 +58,16 @@ def prompts(model_dir: Path, batch: int, dtype: str, threads: int):
                                                         note=lambda _: None)
     records, _ = read_records(ROOT / "data" / "spo_dev.jsonl", columns=source.columns)
     ids = [tokenizer.prompt_format.prompt_ids(tokenizer, r, source.encoding)[0] for r in records[:batch]]
-    return model, line, ids
-
-
-def left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, ids))
-    tokens = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
-    return tokens, mask
+    return model, line, ids, SpecialIds.of(tokenizer)
 
 
 @torch.inference_mode()
-def steps(model, ids: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+def steps(model, ids: list[list[int]], special, n: int) -> tuple[float, list[list[int]]]:
     """(median seconds of a decode step, each row's greedy tokens) over `n` steps after the prompts."""
     from chatglm_tune.decoding.batch_cache import BatchCache
 
-    tokens, mask = left_padded(ids, 0)
-    cache, scores = BatchCache.prefill(model, tokens, mask)
+    batch = collate_prompts(ids, special)  # left-padded
+    cache, scores = BatchCache.prefill(model, batch["input_ids"], batch["attention_mask"])
     chosen, times = [scores.argmax(-1)], []
     for _ in range(n):
         began = time.perf_counter()
@@ -98,14 +92,14 @@ def check(model, prompt: list[int], k: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(model, ids: list[list[int]], args) -> dict:
+def measure(model, ids: list[list[int]], special, args) -> dict:
     """{side: {"step_ms": {batch: ms}, "check_ms": {k: ms}, "tokens": {batch: ids}}} over alternated rounds."""
     runs = {name: {"step": {b: [] for b in args.batches}, "check": {k: [] for k in GUESSES}, "tokens": {}} for name in SIDES}
     for r in range(args.rounds):
         for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
             with side(name):
                 for b in args.batches:
-                    took, tokens = steps(model, ids[:b], args.steps)
+                    took, tokens = steps(model, ids[:b], special, args.steps)
                     runs[name]["step"][b].append(took)
                     runs[name]["tokens"][b] = tokens
                 for k in GUESSES:
@@ -155,8 +149,8 @@ def main() -> None:
         from bench.serve.serve import prepare_model
 
         args.model, _ = prepare_model(argparse.Namespace(full_size=False, model=None, version="glm4", size="mid"))
-    model, line, ids = prompts(args.model, max(args.batches), args.dtype, args.threads)
-    result = {"model": str(args.model), "loaded": line, **measure(model, ids, args)}
+    model, line, ids, special = prompts(args.model, max(args.batches), args.dtype, args.threads)
+    result = {"model": str(args.model), "loaded": line, **measure(model, ids, special, args)}
     on = machine(args.threads)
     text = page(result, on)
     print("\n" + text)
