@@ -1,4 +1,4 @@
-"""chatglm_tune: fine-tune ChatGLM (6B, ChatGLM2/3, GLM-4) with P-tuning v2 or LoRA, run it in half, INT8 and INT4.
+"""chatglm_tune: fine-tune ChatGLM / GLM (ChatGLM-6B to GLM-4.7-Flash) with P-tuning v2, LoRA or fully; run them in half, INT8 and INT4.
 
 `chatglm_tune.from_pretrained(dir)` / `chatglm_tune.load_tokenizer(dir)` load any version.
 
@@ -21,7 +21,7 @@ _PUBLIC = {
     "ChatGLMForConditionalGeneration": ".models.chatglm6b.modeling",
     "ChatGLMModel": ".models.chatglm6b.modeling",
     "ChatGLMTokenizer": ".models.chatglm6b.tokenizer",
-    "generate": ".generation",
+    "generate": ".decoding.generation",
     "from_pretrained": ".loading",
     "load_tokenizer": ".models.registry",
 }

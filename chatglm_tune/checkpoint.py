@@ -8,7 +8,7 @@ with `torch.load(weights_only=True, mmap=True)`: no pickle code runs.
 The model is built on the meta device and every tensor is assigned as it is read, one shard at a time,
 cast to the compute dtype, so loading peaks near one copy of the weights. A caller may hand each tensor
 to a placement function of its own first (`place`): quantizing while loading
-(`quantization.QuantizeOnLoad`) turns each block Linear weight into INT8/INT4 as soon as it is read, a
+(`quant.apply.QuantizeOnLoad`) turns each block Linear weight into INT8/INT4 as soon as it is read, a
 few rows at a time, without ever holding a whole float weight, let alone the whole model.
 
 Memory: both file types are read through a private memory map (torch's `mmap=True`, safetensors' own),

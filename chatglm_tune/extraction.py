@@ -1,7 +1,7 @@
 """Triple extraction over SPO records: prompts in, rows and scores out (what `infer.py` does, as a library).
 
 - `extract`: records -> output rows, in input order. Prompts are built as in training
-  (`data.prompt_ids`); the records are taken `SORT_WINDOW_BATCHES * batch_size` at a time in input
+  (`batches.prompt_ids`); the records are taken `SORT_WINDOW_BATCHES * batch_size` at a time in input
   order, sorted by prompt length (longest first) inside that window to cut padding, decoded in
   left-padded batches, and released as soon as every earlier record is done. So rows come out batch
   by batch, in input order, and a killed run has written a prefix of the input.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 
 def raise_problems(problems: list[str], prefix: str = "") -> None:
@@ -279,6 +280,17 @@ def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -
         if threads is not None:
             return threads, origin
     return None, "torch's default"
+
+
+# Where the C++ CPU kernels are built and kept (`quant.inline_build`): this variable's folder, else the user's cache.
+KERNEL_CACHE_ENV = "CHATGLM_TUNE_KERNELS"
+
+
+def kernel_cache() -> Path:
+    """The kernel cache folder: $CHATGLM_TUNE_KERNELS, else $XDG_CACHE_HOME/chatglm_tune/kernels (~/.cache/...)."""
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "chatglm_tune" / "kernels"
 
 
 def tiny_demo(preset: str) -> dict:

@@ -6,6 +6,8 @@
     glm4       GLM-4-9B          models/glm
     glm4-0414  GLM-4-0414        models/glm         transformers' Glm4ForCausalLM (a norm after attention and MLP)
     glm-edge   GLM-Edge          models/glm         transformers' GlmForCausalLM, its own chat template
+    glm4-moe   GLM-4.5/4.6/4.7   models/glm         transformers' Glm4MoeForCausalLM (routed experts), its chat template
+    glm4-moe-lite  GLM-4.7-Flash models/glm         transformers' Glm4MoeLiteForCausalLM (latent attention, experts)
 
 A config.json is read by each family's `detect` in turn (all of them say `model_type: chatglm`; the
 fields tell them apart); a tokenizer directory first by its tokenizer_config.json class

@@ -33,9 +33,9 @@ Rows of the weight are split over PyTorch's intra-op threads by `at::parallel_fo
 this extension too: it is built with `-fopenmp` (without it the same code compiles and runs on one thread:
 the kernel was 1.9x slower at 2 threads, and INT4 decoded at 0.54x INT8 on an AVX2-level run of a Xeon).
 
-The kernel is compiled once per machine at first use (`torch.utils.cpp_extension.load_inline`, about
-20-40 s; cached under ~/.cache/torch_extensions) with the same compiler torch.compile's C++ backend
-needs. Where it cannot be built (no compiler, no ninja), `available()` is False (with one warning)
+The kernel is compiled once per machine and torch install at first use (`inline_build`: 10-40 s, kept in the
+kernel cache) with the same compiler torch.compile's C++ backend needs. Where it cannot be built (no
+compiler), `available()` is False (with one warning)
 and QuantizedLinear keeps PyTorch's int4pack kernel.
 
 Where `int8dot_cpu` (int8 dot products on activations quantized to int8 blocks) builds, QuantizedLinear routes

@@ -60,8 +60,8 @@ The decode steps the GLM mixture-of-experts models hold in C++ (`moe_decoder`, `
 float32 products (`latent_scores`, `latent_mix`) are C++ of their own, int8dot_steps.cpp, built into the same library
 after this kernel.
 
-Built once per machine at first use (`torch.utils.cpp_extension.load_inline`, cached under
-~/.cache/torch_extensions). Where it cannot be built (no compiler, no ninja) `available()` is False with one
+Built once per machine and torch install at first use (`inline_build`, kept in the kernel cache). Where it
+cannot be built (no compiler) `available()` is False with one
 warning; on CPUs without AVX2 (or not x86-64) it is False without a build; either way QuantizedLinear keeps
 the kernels it used before.
 """
