@@ -11,19 +11,20 @@ exported: P-tuning runs (their prefix is a KV cache that no engine takes) and IN
 float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture),
 GLM-4-0414 (`glm4`), GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-4.7-Flash (`deepseek2`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory
 this process may write (checked before any weight is read); the export is written in `.OUT_DIR.partial` beside
-it and renamed to OUT_DIR when complete: an error, Ctrl-C or SIGTERM removes it, OUT_DIR is left as it was and the
-same command runs again. GGUF and GGML need the `export` extra (`pip install -e ".[export]"`: gguf-py).
+it and renamed to OUT_DIR when complete: an error, Ctrl-C, SIGTERM or SIGUSR1 removes it (exit 130 / 143 / 138 for the
+signals), OUT_DIR is left as it was and the same command runs again; run again on a finished OUT_DIR, it says so and
+exits 0. GGUF and GGML need the `export` extra (`pip install -e ".[export]"`: gguf-py).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
 
-from chatglm_tune.options import EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES, choose_threads
+from chatglm_tune.options import (EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES, THREADS_PER_CPU,
+                                  choose_threads, threads_problem)
 
 INSTALL_EXPORT = 'pip install -e ".[export]"'
 
@@ -41,15 +42,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("auto", *LOAD_DTYPES), default="auto",
                    help="dtype the model is loaded (and merged) in; auto = as stored (default %(default)s)")
     p.add_argument("--name", help="the model's name in the GGUF file and the ollama Modelfile (default: OUT_DIR's name)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else torch's)")
+    p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
+                   "OMP_NUM_THREADS when set, else torch's)")
     args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    if threads_problem(args.threads):
+        p.error(threads_problem(args.threads))
     return args
 
 
-def check_args(args) -> None:
-    """ValueError naming every problem found before any weight is read."""
+def made(args) -> dict:
+    """What this command's output records of it (`destination.made_by`)."""
+    from chatglm_tune.export.destination import made_by
+
+    return made_by("export.py", [args.model_dir, args.lora], format=args.format, type=args.type, dtype=args.dtype,
+                   name=args.name, model_dir=str(args.model_dir.resolve()),
+                   lora=str(args.lora.resolve()) if args.lora else None)
+
+
+def check_args(args) -> bool:
+    """ValueError naming every problem found before any weight is read; True where OUT_DIR already holds this
+    command's finished export."""
     from chatglm_tune.export.destination import check_destination
 
     problems = []
@@ -62,12 +74,14 @@ def check_args(args) -> None:
             import gguf  # noqa: F401
         except ImportError:
             problems.append(f"--format {args.format} needs the gguf package (gguf-py): {INSTALL_EXPORT}")
+    done = False
     try:
-        check_destination(args.out_dir)
+        done = check_destination(args.out_dir, made(args))
     except ValueError as err:
         problems.append(str(err))
     if problems:
         raise ValueError("; ".join(problems))
+    return done
 
 
 def export(args, threads: int | None = None) -> tuple[list[Path], object]:
@@ -80,7 +94,7 @@ def export(args, threads: int | None = None) -> tuple[list[Path], object]:
 
     if threads:
         torch.set_num_threads(threads)
-    with writing_into(args.out_dir) as partial:  # made before any weight is read
+    with writing_into(args.out_dir, made(args)) as partial:  # made before any weight is read
         source = open_export(args.model_dir, lora=args.lora, dtype=args.dtype, form=args.format)
         written = write(args, source, partial)
     return [args.out_dir / path.relative_to(partial) for path in written], source
@@ -114,7 +128,8 @@ def write(args, source, out: Path) -> list[Path]:
             from chatglm_tune.export.ollama import modelfile
 
             path = out / f"{name}-{kind}.gguf"
-            text = modelfile(source.version.format, path.name, source.run_prompt, source.sampling)  # first: it may refuse
+            # first: it may refuse; the tokenizer's format follows its chat template's form (GLM-4.7's: 4.7's)
+            text = modelfile(source.tokenizer.prompt_format, path.name, source.run_prompt, source.sampling)
             write_gguf(path, source.config, source.tokenizer, source.tensors, kind, name=name,
                        chat_template=source.gguf_chat_template, sampling=source.sampling, progress=progress)
             (out / "Modelfile").write_text(text, encoding="utf-8")
@@ -151,27 +166,25 @@ def how_to_run(args, files: list[Path], version) -> str:
     return f"run it:  chatglm.cpp's  ./build/bin/main -m {files[0]} -i   (Python: chatglm_cpp.Pipeline('{files[0]}'))"
 
 
-def interrupt(signum, frame) -> None:
-    """SIGTERM as Ctrl-C: the export in progress is removed on the way out."""
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> None:
+    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
+
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        check_args(args)
-        threads, threads_origin = choose_threads(args.threads, None, "")
-        start = time.perf_counter()
-        files, source = export(args, threads)
+        with signals_stop():  # SIGTERM and SIGUSR1 as Ctrl-C: the export in progress is removed on the way out
+            if check_args(args):
+                print(f"export.py: {args.out_dir} already holds this export of {args.model_dir}: nothing to do")
+                return
+            threads, threads_origin = choose_threads(args.threads, None, "")
+            start = time.perf_counter()
+            files, source = export(args, threads)
     except (ValueError, FileNotFoundError) as err:  # CheckpointError, RunDirectoryError, ExportError are ValueErrors
         print(f"export.py: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"export.py: interrupted; what was written is removed ({args.out_dir} is as it was)", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    except KeyboardInterrupt as interrupt:
+        print(f"export.py: interrupted by {signal_name(interrupt)}; what was written is removed ({args.out_dir} is as "
+              "it was)", file=sys.stderr)
+        sys.exit(exit_status(interrupt))
     seconds = time.perf_counter() - start
     import torch
 

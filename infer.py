@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_DRAFTS, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, ExtractionSettings,
+    BAD_RECORD_MODES, DEFAULT_DRAFTS, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, THREADS_PER_CPU, ExtractionSettings,
+    threads_problem,
 )
 
 DEFAULT_SETTINGS = ExtractionSettings()
@@ -72,11 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
                    help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else what the "
-                   "train.py run used, else torch's)")
+    p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
+                   "OMP_NUM_THREADS when set, else what the train.py run used, else torch's)")
     args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    if threads_problem(args.threads):
+        p.error(threads_problem(args.threads))
     if args.output is not None:
         if args.output.is_dir():
             p.error(f"--output {args.output} is a directory: name a .jsonl file to write")
@@ -107,9 +108,15 @@ def settings_from(args) -> ExtractionSettings:
 
 
 def load(args, source, settings):
-    """(model, tokenizer) of `source` on the asked device, dtype and quantization."""
+    """(model, tokenizer) of `source` on the asked device, dtype and quantization; ValueError first where
+    --max-new-tokens outruns the model's context."""
     from chatglm_tune import loading
+    from chatglm_tune.checkpoint import read_config_file
 
+    context = loading.context_length(read_config_file(source.base))
+    if context and settings.max_new_tokens and settings.max_new_tokens > context:
+        raise ValueError(f"--max-new-tokens must be at most the model's context of {context} tokens ({source.base}), "
+                         f"got {settings.max_new_tokens}")
     model, tokenizer, line = loading.load_for_inference(
         source, device=args.device, dtype=args.dtype, threads=args.threads, quantization_bit=args.quantization_bit,
         quantize_embedding=args.quantize_embedding, note=lambda text: print(f"infer.py: note: {text}", file=sys.stderr))
@@ -154,8 +161,9 @@ def run_file(args, settings, source) -> None:
 
     from tqdm import tqdm
 
-    from chatglm_tune import extraction
+    from chatglm_tune import extraction, rundir
     from chatglm_tune.checkpoint import atomic_write
+    from chatglm_tune.stopping import Stopped, signal_name
     from chatglm_tune.decoding.speculative import DecodeStats
     from chatglm_tune.records import read_records
 
@@ -164,9 +172,12 @@ def run_file(args, settings, source) -> None:
         settings = replace(settings, free_text=True)
     if bad.total:
         print(bad.summary(), file=sys.stderr)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     identity = source.identity(args.quantization_bit, args.quantize_embedding)
-    rows = extraction.rows_to_resume(args.output, records, identity, resume=args.resume)
+    try:  # the output's folder and the record of its model, before the model loads
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        rows = extraction.rows_to_resume(args.output, records, identity, resume=args.resume)
+    except OSError as err:  # under a file, in a read-only folder
+        raise rundir.cannot_create(args.output, err) from None
     start = len(rows)
     if start:
         print(f"resuming after {start} of {len(records)} records", file=sys.stderr)
@@ -182,10 +193,10 @@ def run_file(args, settings, source) -> None:
                         rows.extend(ready)
                     tokens += sum(r["new_tokens"] for r in ready)
                     bar.update(len(ready))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as interrupt:
                 bar.close()
-                raise KeyboardInterrupt(f"after {len(rows)} of {len(records)} records (in {args.output}); the same "
-                                        "command with --resume continues from there") from None
+                raise Stopped(signal_name(interrupt), f"after {len(rows)} of {len(records)} records (in {args.output}); "
+                              "the same command with --resume continues from there") from None
     summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began,
                                     stats=stats)
     summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
@@ -205,25 +216,29 @@ def columns_of(args, source):
 
 
 def main(argv=None) -> None:
+    """Extract; SIGTERM and SIGUSR1 stop it as Ctrl-C does (the rows written stay; exit 128 + the signal's number)."""
     from dataclasses import replace
+
+    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
 
     args = parse_args(argv)
     try:
-        from chatglm_tune import loading
+        with signals_stop():
+            from chatglm_tune import loading
 
-        source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
-        # the prompt and budget it was trained with; free-text answers are not parsed as triples
-        settings = replace(settings_from(args), encoding=source.encoding, free_text=columns_of(args, source).active)
-        if args.text is not None:
-            run_text(args, settings, source)
-        else:
-            run_file(args, settings, source)
+            source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
+            # the prompt and budget it was trained with; free-text answers are not parsed as triples
+            settings = replace(settings_from(args), encoding=source.encoding, free_text=columns_of(args, source).active)
+            if args.text is not None:
+                run_text(args, settings, source)
+            else:
+                run_file(args, settings, source)
     except (ValueError, FileNotFoundError) as err:  # bad input, settings or model directory; RecordError included
         print(f"infer.py: error: {err}", file=sys.stderr)
         sys.exit(2)  # as argparse's usage errors and train.py's
     except KeyboardInterrupt as interrupt:
-        print(f"infer.py: interrupted {interrupt}".rstrip(), file=sys.stderr)
-        sys.exit(130)
+        print(f"infer.py: interrupted by {signal_name(interrupt)} {getattr(interrupt, 'where', '')}".rstrip(), file=sys.stderr)
+        sys.exit(exit_status(interrupt))
 
 
 if __name__ == "__main__":

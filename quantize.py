@@ -12,6 +12,10 @@ safetensors and the tokenizer; a run's OUT_DIR also gets its run_args.json, so i
 the run's prompt and answer budget. A P-tuning run's prefix is kept (in float32) inside OUT_DIR; a
 LoRA adapter is merged into the float base first. Without an adapter the block Linears are quantized
 one by one while the checkpoint loads: peak memory stays near one copy of the source weights.
+
+OUT_DIR is written as `.OUT_DIR.partial` beside it and renamed into place when complete: an error, Ctrl-C, SIGTERM
+or SIGUSR1 removes it (exit 130 / 143 / 138 for the signals), a SIGKILL's is removed by the next run, and the same
+command run again on a finished OUT_DIR says so and exits 0.
 """
 
 from __future__ import annotations
@@ -38,9 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_args(args, source) -> None:
-    """ValueError naming every problem found before any weight is read."""
+def made(args) -> dict:
+    """What this command's output records of it (`destination.made_by`)."""
+    from chatglm_tune.export.destination import made_by
+
+    return made_by("quantize.py", [args.model_dir, args.lora], bits=args.bits, group_size=args.group_size,
+                   dtype=args.dtype, model_dir=str(args.model_dir.resolve()),
+                   lora=str(args.lora.resolve()) if args.lora else None)
+
+
+def check_args(args, source) -> bool:
+    """ValueError naming every problem found before any weight is read; True where OUT_DIR already holds this
+    command's finished output."""
     import json
+
+    from chatglm_tune.export.destination import check_destination
 
     config = json.loads((source.base / "config.json").read_text())
     problems = []
@@ -55,40 +71,58 @@ def check_args(args, source) -> None:
         bad = [f"{k}={v}" for k, v in widths.items() if not v or v % args.group_size]
         if bad:
             problems.append(f"--group-size {args.group_size} must divide the Linears' input widths ({', '.join(bad)})")
-    if args.out_dir.exists() and (not args.out_dir.is_dir() or any(args.out_dir.iterdir())):
-        problems.append(f"{args.out_dir} exists and is not an empty directory: choose a new output directory")
+    try:
+        done = check_destination(args.out_dir, made(args))
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ValueError("; ".join(problems))
+    return done
 
 
 def quantize(args, source) -> None:
     """Load `source` quantized (an adapter merged first), write it with its tokenizer and the run's settings."""
     from chatglm_tune import loading, rundir
+    from chatglm_tune.export.destination import writing_into
 
-    model = loading.load_model(source, dtype=args.dtype, quantization_bit=args.bits, group_size=args.group_size,
-                              quantize_embedding=False)
-    model.save_pretrained(args.out_dir)
-    if source.tokenizer_dir is not None:
-        loading.load_tokenizer(source).save_pretrained(args.out_dir)
-    rundir.write_run_args(args.out_dir, loading.derived_run_args(source, quantization_bit=args.bits))
+    with writing_into(args.out_dir, made(args)) as partial:  # whole or not at all
+        model = loading.load_model(source, dtype=args.dtype, quantization_bit=args.bits, group_size=args.group_size,
+                                   quantize_embedding=False)
+        tokenizer = loading.load_tokenizer(source) if source.tokenizer_dir is not None else None
+        try:
+            model.save_pretrained(partial)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial)
+            rundir.write_run_args(partial, loading.derived_run_args(source, quantization_bit=args.bits))
+        except OSError as err:  # the file system refuses it (full, gone read-only)
+            raise rundir.cannot_create(args.out_dir, err) from None
 
 
 def main(argv=None) -> None:
+    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
+
     args = parse_args(argv)
     try:
-        from chatglm_tune import loading
-        from chatglm_tune.checkpoint import weight_files
+        with signals_stop():
+            from chatglm_tune import loading
+            from chatglm_tune.checkpoint import weight_files
 
-        source = loading.resolve_run(args.model_dir, lora=args.lora)
-        check_args(args, source)
-        start = time.perf_counter()
-        quantize(args, source)
-        seconds = time.perf_counter() - start
-        before = sum(f.stat().st_size for f in weight_files(source.base))
-        after = sum(f.stat().st_size for f in weight_files(args.out_dir))
+            source = loading.resolve_run(args.model_dir, lora=args.lora)
+            if check_args(args, source):
+                print(f"quantize.py: {args.out_dir} already holds this quantization of {args.model_dir}: nothing to do")
+                return
+            start = time.perf_counter()
+            quantize(args, source)
+            seconds = time.perf_counter() - start
     except (ValueError, FileNotFoundError) as err:  # CheckpointError and RunDirectoryError are ValueErrors
         print(f"quantize.py: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as interrupt:
+        print(f"quantize.py: interrupted by {signal_name(interrupt)}; what was written is removed ({args.out_dir} is "
+              "as it was)", file=sys.stderr)
+        sys.exit(exit_status(interrupt))
+    before = sum(f.stat().st_size for f in weight_files(source.base))
+    after = sum(f.stat().st_size for f in weight_files(args.out_dir))
     fmt = f"INT{args.bits}" + (f", group {args.group_size}" if args.group_size else ", per-row scales")
     print(f"{source.describe()} -> {args.out_dir} ({fmt}): {before / 1e6:,.1f} MB -> {after / 1e6:,.1f} MB on disk "
           f"({after / before:.2f}x) in {seconds:.1f} s")

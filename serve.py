@@ -19,7 +19,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from chatglm_tune.options import DEFAULT_DRAFTS, LOAD_DTYPES, QUANTIZATION_BITS, ServingOptions
+from chatglm_tune.options import (DEFAULT_DRAFTS, LOAD_DTYPES, MAX_BATCH_LIMIT, QUANTIZATION_BITS, THREADS_PER_CPU,
+                                  ServingOptions, threads_problem)
 
 DEFAULTS = ServingOptions()
 SHUTDOWN_GRACE_S = 5.0
@@ -39,11 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hold the embedding and output head in INT8 (default: as the run trained)")
     p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"), help="compute dtype (default: float32 on CPU, float16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (default %(default)s)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS, else the run's, else torch's)")
+    p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
+                   "OMP_NUM_THREADS, else the run's, else torch's)")
     p.add_argument("--host", default=DEFAULTS.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=DEFAULTS.port, help="port to listen on, 0 = any free one (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
-                   help="requests decoded together at most; 1 serves one at a time (default %(default)s)")
+                   help=f"requests decoded together at most (up to {MAX_BATCH_LIMIT}); 1 serves one at a time "
+                        "(default %(default)s)")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
                    help="requests waiting beyond the batch at most; more get HTTP 429 (default %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=DEFAULTS.prefill_tokens,
@@ -72,8 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "then those still running end with an error (a stream: an error event, then [DONE]); a "
                         "second signal ends the grace at once (default %(default)s)")
     args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    if threads_problem(args.threads):
+        p.error(threads_problem(args.threads))
     if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
         p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
     try:

@@ -9,10 +9,11 @@ r"""Fine-tune ChatGLM on SPO extraction data: P-tuning v2, LoRA or full fine-tun
 import argparse
 import importlib.util
 import sys
+from pathlib import Path
 
 from chatglm_tune.options import (
     BAD_RECORD_MODES, COMPILE_BACKEND, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
-    TINY_DEMO, TINY_DEMO_STEPS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
+    THREADS_PER_CPU, TINY_DEMO, TINY_DEMO_STEPS, TINY_MAX_LAYERS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
     DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -41,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       f"{' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version and a tokenizer trained on the train file in that "
       "version's format; with --tuning full and no other flag, "
       f"the demo settings {TINY_DEMO} and step budgets {TINY_DEMO_STEPS})")
-    g("--tiny-layers", type=int, help="with a tiny preset: decoder layers of the random model (default: the preset's). "
+    g("--tiny-layers", type=int, help=f"with a tiny preset: decoder layers of the random model, at most {TINY_MAX_LAYERS} "
+      "(default: the preset's). "
       "A deeper one copies arguments better: 3 layers of tiny ChatGLM3 wrote the shipped tool set's calls exactly "
       "where its 2 plateaued below 0.8")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")
@@ -50,11 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       "while loading (ChatGLM-6B's tied pair as one copy; ptuning and lora only; default: no)")
     g = p.add_argument_group("tuning").add_argument
     g("--tuning", choices=TUNINGS, default=D.tuning, help="what to train (default %(default)s)")
-    g("--pre-seq-len", type=int, help=f"P-tuning v2 prefix length (ptuning only; default {D.pre_seq_len})")
+    g("--pre-seq-len", type=int, help=f"P-tuning v2 prefix length, at most the model's context (ptuning only; default "
+      f"{D.pre_seq_len})")
     g("--prefix-projection", action=argparse.BooleanOptionalAction,
       help="P-tuning v2 with the two-layer MLP reparameterisation (ptuning only; default off, as the official scripts; "
            "with it use a lower --lr: at 2e-2 it diverged on bench/training/adapt.py's tiny GLM-4 base)")
-    g("--lora-r", type=int, help=f"LoRA rank (lora only; default {L.r})")
+    g("--lora-r", type=int, help=f"LoRA rank, at most the model's hidden size (lora only; default {L.r})")
     g("--lora-alpha", type=int, help=f"LoRA alpha (lora only; default {L.alpha})")
     g("--lora-dropout", type=float, help=f"LoRA dropout (lora only; default {L.dropout})")
     g("--lora-target", nargs="+", help="Linears that get adapters (default: the attention projections of the version: "
@@ -82,7 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("evaluation and saving").add_argument
     g("--output-dir", required=True, help="the run directory (a model directory infer.py --model can run); must be "
       "new or empty unless --resume or --overwrite")
-    g("--resume", action="store_true", help="continue the stopped run in --output-dir")
+    g("--resume", nargs="?", const=True, default=False, choices=("auto",), help="continue the stopped run in "
+      "--output-dir; --resume auto: continue it where its state is there, start it where the directory is new or empty "
+      "(or holds only this run's start), say so and exit 0 where it has finished, refuse another run's directory: "
+      "what a requeued job runs")
     g("--overwrite", action="store_true", help="replace the run in --output-dir (never the base model)")
     g("--eval-every", type=int, help=f"evaluate and checkpoint every N steps (default: {EVALUATIONS} times over the run)")
     g("--save-every", type=int, help="also save the resumable state every N steps (default: at evaluations)")
@@ -95,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g("--compile", nargs="?", const=COMPILE_BACKEND, metavar="BACKEND", help="torch.compile each decoder layer with "
       f"BACKEND (default when given: {COMPILE_BACKEND}; meant for GPUs: on a CPU the tiny models trained no faster; "
       "default: off)")
-    g("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS when set, else the tiny demo's "
+    g("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: OMP_NUM_THREADS when "
+      "set, else the tiny demo's "
       f"{TINY_DEMO['threads']}, else torch's)")
     return p.parse_args(argv)
 
@@ -130,11 +137,12 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
     """(the run's options, where its thread count came from); tuning a train.py run, its prompt and
     lengths are the defaults (the base learned that format). Every problem of the flags in one error."""
     demo = tiny_demo(args.model) if args.model in TINY_PRESETS and args.tuning == "full" else {}
-    threads, threads_origin = choose_threads(args.threads, demo.get("threads"), "the tiny demo's")
     problems = misplaced_flags(args)
-    if args.threads is not None and args.threads < 1:
-        problems.append(f"--threads must be >= 1, got {args.threads}")
-        threads = None  # reported once
+    try:
+        threads, threads_origin = choose_threads(args.threads, demo.get("threads"), "the tiny demo's")
+    except ValueError as err:  # --threads or OMP_NUM_THREADS out of bounds
+        problems.append(str(err))
+        threads, threads_origin = None, "torch's default"  # reported once
     columns = part(problems, DataColumns, prompt=args.prompt_column, response=args.response_column, history=args.history_column)
     if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
         base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}
@@ -194,33 +202,81 @@ def read_data(args, columns: DataColumns):
 
 
 def main(argv=None) -> int:
+    """Check, train, report. SIGTERM and SIGUSR1 stop a run as Ctrl-C does (`stopping`): the state of the last
+    finished step is saved and the exit status is 128 + the signal's number (130, 143, 138)."""
+    import os
+
+    from chatglm_tune.stopping import signals_stop
+
     args = parse_args(argv)
-    try:  # what can be checked before the model code is imported
-        from chatglm_tune import rundir
-
-        base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
-        rundir.prepare_output_dir(args.output_dir, base=base, resume=args.resume, overwrite=args.overwrite)
-        options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
-        train_records, dev_records, bad_records = read_data(args, options.columns)
-        options = own_instructions(args, options, train_records)
-        record = rundir.run_record(args.model, options, args.train_file, args.dev_file)
-        if args.resume:  # before anything is loaded or written
-            rundir.check_resume(args.output_dir, record)
-    except (ValueError, FileNotFoundError) as e:  # RecordError and RunDirectoryError included
-        return fail(e)
-    except KeyboardInterrupt:
-        return interrupted("before training started; nothing was written")
-    try:
-        return run(args, options, threads_origin, record, train_records, dev_records, bad_records)
-    except KeyboardInterrupt as e:
-        step = getattr(e, "step", None)
-        if step is None:
-            return interrupted("before the first step; nothing to resume")
-        return interrupted(f"after step {step}: its state is saved in {args.output_dir}; the same command with "
-                           "--resume continues from there")
+    with signals_stop(deferred=int(os.environ.get("WORLD_SIZE", "1")) > 1) as stop:  # every process stops at one step
+        try:
+            checked = check(args)
+        except (ValueError, FileNotFoundError) as e:  # RecordError and RunDirectoryError included
+            return fail(e)
+        except KeyboardInterrupt as e:
+            return interrupted(e, "before training started; nothing was written")
+        if checked is None:
+            return 0
+        try:
+            return run(args, *checked, stop=stop)
+        except KeyboardInterrupt as e:
+            step = getattr(e, "step", None)
+            if step is None:
+                return interrupted(e, "before the first step; nothing to resume")
+            return interrupted(e, f"after step {step}: its state is saved in {args.output_dir}; the same command with "
+                               f"--resume continues from there:\n  {continue_command(argv)}")
 
 
-def run(args, options, threads_origin, record, train_records, dev_records, bad_records) -> int:
+def check(args):
+    """(options, threads' origin, run record, train, dev and bad records) of a run to start or continue, checked before
+    anything is loaded; None where `--resume auto` finds the run finished. The new run's directory is recorded."""
+    import os
+
+    from chatglm_tune import rundir
+
+    base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
+    rundir.prepare_output_dir(args.output_dir, base=base, resume=bool(args.resume), overwrite=args.overwrite)
+    options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
+    train_records, dev_records, bad_records = read_data(args, options.columns)
+    options = own_instructions(args, options, train_records)
+    from chatglm_tune.training import check_fit  # here: the flags and data are checked without its imports
+
+    check_fit(args.model, base, options, [*train_records, *dev_records])  # nothing is written yet
+    record = rundir.run_record(args.model, options, args.train_file, args.dev_file)
+    if args.resume == "auto":
+        mode = rundir.auto_resume(args.output_dir, record)
+        if mode == "finished":
+            print(f"train.py: the run in {args.output_dir} has finished ({rundir.final_summary(args.output_dir)['step']} "
+                  "steps): nothing to do")
+            return None
+        print(f"train.py: --resume auto: {AUTO_SAYS[mode]} in {args.output_dir}", file=sys.stderr)
+        args.resume = mode == "resume"
+    if args.resume:  # before anything is loaded or written
+        rundir.check_resume(args.output_dir, record)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        rundir.discard_unstarted(args.output_dir)  # a restart: what this run's killed start wrote
+        args.made_output_dir = not Path(args.output_dir).exists()
+        rundir.record_start(args.output_dir, record)
+    return options, threads_origin, record, train_records, dev_records, bad_records
+
+
+AUTO_SAYS = {"fresh": "starting the run", "restart": "starting again the run that saved no state",
+             "resume": "continuing the run"}
+
+
+def continue_command(argv) -> str:
+    """The command line that continues this run: this one, with --resume auto."""
+    import shlex
+
+    given = list(sys.argv[1:] if argv is None else map(str, argv))
+    if "--resume" in given:
+        at = given.index("--resume")
+        given[at:at + 1 + (given[at + 1:at + 2] == ["auto"])] = []
+    return shlex.join([sys.executable, sys.argv[0] if argv is None else "train.py", *given, "--resume", "auto"])
+
+
+def run(args, options, threads_origin, record, train_records, dev_records, bad_records, *, stop=None) -> int:
     """Load, train, and say where the model is."""
     import torch
 
@@ -236,10 +292,10 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
                   "easily: prefer float32 or bfloat16", file=sys.stderr)
         heap.mmap_large_blocks(model)
         summary = train(model, tokenizer, train_records, dev_records, args.output_dir, options,
-                        record=record, resume=args.resume, bad_records=bad_records)
-    except BaseException as e:  # also Ctrl-C, a library's assertion: what a run that never recorded itself wrote goes
+                        record=record, resume=args.resume, bad_records=bad_records, stop=stop)
+    except BaseException as e:  # also Ctrl-C, a library's assertion: what a new run that saved no state wrote goes
         if not args.resume:
-            rundir.discard_unrecorded(args.output_dir)
+            rundir.discard_unstarted(args.output_dir, made=getattr(args, "made_output_dir", False))
         if isinstance(e, (ValueError, FileNotFoundError, TrainingError)):
             return fail(e)
         raise
@@ -248,9 +304,12 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
     return 0
 
 
-def interrupted(what: str) -> int:
-    print(f"train.py: interrupted {what}", file=sys.stderr)
-    return 130
+def interrupted(interrupt: KeyboardInterrupt, what: str) -> int:
+    """Say where the run stopped; its exit status (128 + the signal's number)."""
+    from chatglm_tune.stopping import exit_status, signal_name
+
+    print(f"train.py: interrupted by {signal_name(interrupt)} {what}", file=sys.stderr)
+    return exit_status(interrupt)
 
 
 def fail(error: Exception) -> int:

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from chatglm_tune.dialogues import ToolCall
+from chatglm_tune.dialogues import ToolCall, Turn
 from chatglm_tune.options import EncodingOptions, SamplingOptions
 from chatglm_tune.records import SPORecord
 
@@ -150,6 +150,10 @@ class PromptFormat:
         if record.dialogue is not None and record.history is None and self.chat_in_pairs:
             raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns (its chat "
                              "is (query, response) pairs): such conversations train ChatGLM3-6B, GLM-4 and later")
+
+    def check_turn(self, turn: Turn) -> None:
+        """ValueError for a conversation turn (`dialogues.Turn`) the version has no form for, saying why (a role-message
+        version without a tool form: a system turn's tools, a call, an observation); here every turn passes."""
 
     def decode_answer(self, tokenizer, new_ids: list[int]) -> str:
         """The text of generated ids, without the stop id that ended them."""

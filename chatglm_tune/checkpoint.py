@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from chatglm_tune import heap
+from chatglm_tune import crashpoints, heap, leftovers
 
 IGNORED_KEYS = re.compile(r"(^lm_head\.weight$)|(\.rotary_emb\.inv_freq$)")  # tied head; recomputed buffer
 PREFIX_KEY = "transformer.prefix_encoder."
@@ -77,10 +77,21 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"{path}: several weight files and no model*.safetensors or pytorch_model*.bin; pass the file itself")
 
 
+def open_safetensors(file: str | os.PathLike, device: str = "cpu"):
+    """safetensors' reader of `file` (`safe_open`, a context manager too). CheckpointError naming the file where it is
+    truncated or not a safetensors file at all: its header does not parse, or describes more bytes than the file
+    holds (safetensors' own error names no file)."""
+    try:
+        return safe_open(str(file), framework="pt", device=device)
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: truncated or not a safetensors file ({e}): download it again, or save it "
+                              "again from its source") from None
+
+
 def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) of one weight file, read lazily; torch files with weights_only=True."""
     if file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
         return
@@ -333,14 +344,17 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: str | os.PathLike
 
 
 def atomic_write(path: Path, write) -> None:
-    """Call `write(tmp_path)` then rename onto `path`: a crash leaves the old file intact. The file gets
-    the permissions a plain `open` would give it (`follow_umask`)."""
+    """Call `write(tmp_path)` then rename onto `path`: a crash leaves the old file intact, and the temporary file of
+    a writer killed outright is removed by the next write of `path` (`leftovers`). The file gets the permissions a
+    plain `open` would give it (`follow_umask`)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    leftovers.remove_abandoned(path.parent, f".{path.name}.")  # what a writer killed outright left
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=leftovers.owned_prefix(f".{path.name}."), suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
         follow_umask(Path(tmp))
+        crashpoints.reached("atomic-write")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -74,6 +74,7 @@ class Turn:
     loss: bool = False
     tools: tuple | None = None  # a GLM-4 system turn's tool list, rendered by the chat template
     call: ToolCall | None = None  # an assistant turn that calls a tool: which, with what
+    where: str = field(default="", compare=False)  # the record's field it was read from (`messages[0].tools`)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def from_conversations(raw: dict) -> Dialogue:
     tools = raw.get("tools")
     names = _declared(tools, "tools", lambda tool: tool.get("name")) if tools is not None else None
     value = _turn_list(raw["conversations"], "conversations")
-    turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False))] if tools is not None else []
+    turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False), where="tools")] if tools is not None else []
     for i, item in enumerate(value):
         where = f"conversations[{i}]"
         turn = _object(item, where)
@@ -139,7 +140,7 @@ def from_conversations(raw: dict) -> Dialogue:
             raise DialogueError("system_turn", "a system turn comes first, once (before any user turn)", f"{where}.role")
         if role not in ("system", "user", "assistant"):
             raise DialogueError("bad_role", f"expected system, user, assistant or tool, got {role!r}", f"{where}.role")
-        turns.append(Turn(role, _string(turn, "content", where), loss=_loss(turn, role, where)))
+        turns.append(Turn(role, _string(turn, "content", where), loss=_loss(turn, role, where), where=where))
     return _checked(Dialogue(tuple(turns), "conversations"))
 
 
@@ -158,14 +159,15 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
         code = tool_call_code(parameters)
     except ValueError as err:
         raise DialogueError("bad_arguments", str(err), f"{where}.parameters") from None
-    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where), call=ToolCall(name, parameters))
+    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where), call=ToolCall(name, parameters),
+                where=f"{where}.name")
     if "observation" not in turn:
         if last:
             return [call]
         raise DialogueError("missing_field", "a tool turn before the last holds the tool's result", f"{where}.observation")
     result = turn["observation"]
     result = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
-    return [call, Turn("observation", result)]
+    return [call, Turn("observation", result, where=f"{where}.observation")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def from_messages(raw: dict) -> Dialogue:
         tools = None
         if "tools" in message:
             tools = tuple(_without_null_parameters(message["tools"], f"{where}.tools"))
-            names |= _declared(list(tools), f"{where}.tools", lambda tool: (tool.get("function") or {}).get("name"))
+            names |= _declared(list(tools), f"{where}.tools", lambda tool: _object_field(tool.get("function"), "name"))
         content = _string(message, "content", where)
         metadata = _string(message, "metadata", where) if "metadata" in message else ""
         call = _call(metadata, content, names, where) if role == "assistant" else None
@@ -195,7 +197,9 @@ def from_messages(raw: dict) -> Dialogue:
             raise DialogueError("observation_without_call", "an observation follows an assistant message that calls a "
                                 "tool (its metadata names the tool, or its content is {\"name\", \"arguments\"})",
                                 f"{where}.role")
-        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools, call))
+        field_of = next((f"{where}.{key}" for key, used in (("tools", tools is not None), ("metadata", metadata),
+                                                               ("role", role == "observation"), ("content", call)) if used), where)
+        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools, call, where=field_of))
     return _checked(Dialogue(tuple(turns), "messages"))
 
 
@@ -230,6 +234,11 @@ def _call(metadata: str, content: str, names: set, where: str) -> ToolCall | Non
     return ToolCall(metadata, arguments)
 
 
+def _object_field(value: object, key: str) -> object:
+    """`value[key]` where `value` is an object holding it, else None (a tool definition of any shape is read)."""
+    return value.get(key) if isinstance(value, dict) else None
+
+
 def _undeclared(name: str, names: set, where: str) -> DialogueError:
     declared = f"declared: {sorted(names)}"
     return DialogueError("undeclared_tool", f"calls {name!r}, which no system message declares ({declared})", where)
@@ -241,8 +250,7 @@ def _without_null_parameters(tools: object, where: str) -> list:
         raise DialogueError("not_list", "expected a list of tools", where)
     out = []
     for tool in tools:
-        properties = (((tool.get("function") or {}).get("parameters") or {}).get("properties")
-                      if isinstance(tool, dict) else None)
+        properties = _object_field(_object_field(_object_field(tool, "function"), "parameters"), "properties")
         if isinstance(properties, dict):
             function = tool["function"]
             parameters = {**function["parameters"], "properties": {k: v for k, v in properties.items() if v is not None}}

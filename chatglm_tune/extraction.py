@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from chatglm_tune import crashpoints
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.callmetrics import gold_call
 from chatglm_tune.checkpoint import atomic_write
@@ -168,6 +169,7 @@ def _completed_rows(output: Path, records: Sequence[SPORecord]) -> list[dict]:
 def append_rows(f, rows: list[dict]) -> None:
     """Write rows as JSON lines and push them to disk (a killed run keeps every row it wrote)."""
     if rows:
+        crashpoints.reached("append")
         f.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         f.flush()
         os.fsync(f.fileno())

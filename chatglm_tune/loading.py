@@ -160,6 +160,17 @@ def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str 
     return model, tokenizer, line
 
 
+# The context length's field, by version: ChatGLM-6B's, ChatGLM2/3 and GLM-4's, transformers' (GLM-4-0414 and later)
+CONTEXT_FIELDS = ("max_sequence_length", "seq_length", "max_position_embeddings")
+
+
+def context_length(config) -> int | None:
+    """Prompt + answer tokens a model was built for, from its config (a loaded one, or config.json's dict); None where
+    it names none."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    return next((int(get(name)) for name in CONTEXT_FIELDS if get(name)), None)
+
+
 def load_tokenizer(source: ModelSource):
     if source.tokenizer_dir is None:
         places = ", ".join(map(str, dict.fromkeys(d for d in (source.prefix_dir, source.lora_dir, source.base) if d)))
@@ -233,11 +244,13 @@ def load_adapted(source: ModelSource, *, dtype=None, torch_dtype=None, device="c
 
 def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size: int = 0, base: Path | None = None):
     """`model` with the LoRA adapter in `lora_dir` folded into its weights, then (bits 4/8) its block
-    Linears quantized. On a base stored quantized the adapter cannot be merged: it runs beside the
+    Linears and its routed experts' 3D weights quantized, as loading a float checkpoint with `bits`
+    quantizes them. On a base stored quantized the adapter cannot be merged: it runs beside the
     integer weights (and `bits` must be the stored ones)."""
     from chatglm_tune.lora import load_lora, merge_lora
-    from chatglm_tune.quant.format import check_bits
     from chatglm_tune.quant.apply import quantize_model
+    from chatglm_tune.quant.experts import quantize_experts
+    from chatglm_tune.quant.format import check_bits
 
     stored = model.config.quantization_bit
     check_bits(stored, bits, base or "the base")
@@ -248,8 +261,11 @@ def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size:
     if stored:
         return model
     model = merge_lora(model)
-    targets = registry.of_config(model.config).quantizable_linears
-    return quantize_model(model, bits, group_size, targets=targets) if bits else model
+    if not bits:
+        return model
+    quantize_model(model, bits, group_size, targets=registry.of_config(model.config).quantizable_linears)
+    quantize_experts(model, bits, group_size)  # a mixture-of-experts model's fused experts: no Linears to swap
+    return model
 
 
 def derived_run_args(source: ModelSource, **changes) -> dict:

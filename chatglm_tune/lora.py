@@ -18,11 +18,10 @@ from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora.layer import Linear as LoraLinear
-from safetensors import safe_open
 from torch import nn
 from transformers import GlmConfig
 
-from chatglm_tune.checkpoint import CheckpointError, iter_tensors
+from chatglm_tune.checkpoint import CheckpointError, iter_tensors, open_safetensors
 from chatglm_tune.models.glm.weights import adapter_targets, adapter_to_transformers, is_official_adapter, qkv_rows
 from chatglm_tune.options import LoraOptions
 from chatglm_tune.quant.modules import QuantizedLinear
@@ -65,10 +64,32 @@ def _quiet_peft():
         yield
 
 
-def apply_lora(model: nn.Module, options: LoraOptions = LoraOptions()) -> PeftModel:
-    """Freeze `model` and add trainable LoRA adapters on `options.target` Linears (which must be given)."""
+def apply_lora(model: nn.Module, options: LoraOptions = LoraOptions(), *, title: str = "the") -> PeftModel:
+    """Freeze `model` and add trainable LoRA adapters on `options.target` Linears (which must be given, and each
+    match something: `check_targets`; `title` names the model's version there)."""
+    check_targets(model, options.target, title)
     with _quiet_peft():
         return get_peft_model(model, peft_config(options))
+
+
+def check_targets(model: nn.Module, targets, title: str = "the") -> None:
+    """ValueError naming each of `targets` that matches nothing in `model` as peft matches them (a module's name, or
+    under `experts.` a weight's, or the end of one after a dot), and listing the names that do: the leaf names of its
+    Linears and its routed experts' 3D weights. peft itself refuses only targets of which none matches: one beside
+    others that match would train nothing, with at most a warning."""
+    modules = [name for name, _ in model.named_modules()]
+    weights = [name for name, _ in model.named_parameters()]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t)
+                                             for name in (weights if t.startswith(EXPERT_WEIGHTS) else modules))]
+    if not missing:
+        return
+    linears = dict.fromkeys(name.rpartition(".")[2] for name, module in model.named_modules()
+                            if isinstance(module, (nn.Linear, QuantizedLinear)))
+    experts = dict.fromkeys(EXPERT_WEIGHTS + name.rpartition(".")[2] for name, weight in model.named_parameters()
+                            if weight.dim() == 3 and name.rpartition(".")[0].endswith(EXPERT_WEIGHTS.rstrip(".")))
+    raise ValueError(f"--lora-target {' '.join(missing)}: match{'es' * (len(missing) == 1)} nothing in {title} model; "
+                     f"its targets are the Linears {' '.join(linears)}"
+                     + (f" and the routed experts' weights {' '.join(experts)}" if experts else ""))
 
 
 def load_lora(model: nn.Module, adapter_dir, *, trainable: bool = False) -> PeftModel:
@@ -97,7 +118,7 @@ def adapter_weights(adapter_dir) -> Path:
 
 def _keys(file: Path) -> list[str]:
     if file.suffix == ".safetensors":  # the header only
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             return list(f.keys())
     return [key for key, _ in iter_tensors(file)]  # weights-only, memory-mapped: nothing is read yet
 

@@ -196,13 +196,16 @@ class TrainOptions:
                      "tiny_layers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tiny_layers is not None and self.tiny_layers > TINY_MAX_LAYERS:
+            problems.append(f"tiny_layers must be at most {TINY_MAX_LAYERS} (a tiny model's depth), got {self.tiny_layers}")
         if self.compile is not None and not self.compile.strip():
             problems.append("compile names a torch.compile backend (e.g. inductor), got an empty string")
         if self.patience < 0:
             problems.append(f"patience must be >= 0 (0 = no early stopping), got {self.patience}")
-        for name in ("save_every", "threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every is not None and self.save_every < 1:
+            problems.append(f"save_every must be >= 1, got {self.save_every}")
+        if threads_problem(self.threads, "threads"):
+            problems.append(threads_problem(self.threads, "threads"))
         if not 0 <= self.warmup_ratio < 1:
             problems.append(f"warmup_ratio is a share of the steps, in [0, 1), got {self.warmup_ratio}")
         for name in ("lr", "weight_decay", "max_grad_norm"):
@@ -260,10 +263,33 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # --model NAME: a random tiny model of that version
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4", "tiny-glm4-0414": "glm4-0414",
                 "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47-flash": "glm4-moe-lite"}
+TINY_MAX_LAYERS = 64  # --tiny-layers at most: the presets have 2 or 3; a billion asked for memory that never was
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
                    "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}  # budget_steps of each preset
+
+
+# Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and
+# each costs memory (`--threads 1000000000` had libgomp ask for 216 GB).
+THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """The most torch CPU threads `--threads` or OMP_NUM_THREADS may ask for: THREADS_PER_CPU times the CPUs."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def threads_problem(threads: int | None, origin: str = "--threads") -> str | None:
+    """Why a thread count given by `origin` cannot be used (below 1, or above `max_threads()`); None when it can."""
+    if threads is None:
+        return None
+    if threads < 1:
+        return f"{origin} must be >= 1, got {threads}"
+    if threads > max_threads():
+        return (f"{origin} must be at most {max_threads()} ({THREADS_PER_CPU} x the {os.cpu_count() or 1} CPUs of this "
+                f"machine), got {threads}")
+    return None
 
 
 def threads_from_environment() -> int | None:
@@ -275,9 +301,13 @@ def threads_from_environment() -> int | None:
 def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -> tuple[int | None, str]:
     """(torch CPU threads, where the number came from): `--threads`, else OMP_NUM_THREADS (what the user set
     in the environment wins over a preset or a run's record), else `fallback` (named `fallback_name`), else
-    torch's default (None)."""
+    torch's default (None). ValueError (`threads_problem`) for a flag or an environment out of bounds; a run's
+    recorded count was checked where it ran."""
     for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"), (fallback, fallback_name)):
         if threads is not None:
+            problem = threads_problem(threads, origin) if origin in ("--threads", "OMP_NUM_THREADS") else None
+            if problem:
+                raise ValueError(problem)
             return threads, origin
     return None, "torch's default"
 
@@ -432,6 +462,11 @@ class ExtractionSettings:
         return self.max_new_tokens or self.encoding.answer_budget
 
 
+# serve.py --max-batch at most: far above the rows a decoding step gains from, and the compiled slot cache holds a
+# key and value buffer for every one of them.
+MAX_BATCH_LIMIT = 4096
+
+
 @dataclass(frozen=True)
 class ServingOptions:
     """How serve.py batches (`engine.Engine`) and where it listens; the one place for its defaults.
@@ -453,7 +488,7 @@ class ServingOptions:
     headers); none: no CORS headers, as before.
     """
 
-    max_batch: int = 32
+    max_batch: int = 32  # at most MAX_BATCH_LIMIT
     max_queue: int | None = 256
     prefill_tokens: int = 512
     drafts: DraftOptions | None = None  # greedy requests check guesses (speculative, serve.py --speculative)
@@ -465,8 +500,10 @@ class ServingOptions:
 
     def __post_init__(self):
         problems = []
-        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
-            problems.append(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if not (isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH_LIMIT):
+            problems.append(f"max_batch must be an integer in [1, {MAX_BATCH_LIMIT}], got {self.max_batch!r}")
+        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
+            problems.append(f"port must be an integer in [0, 65535] (0: any free one), got {self.port!r}")
         if self.max_queue is not None and not (isinstance(self.max_queue, int) and self.max_queue >= 0):
             problems.append(f"max_queue must be None or an integer >= 0, got {self.max_queue!r}")
         if not (isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1):

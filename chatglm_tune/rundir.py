@@ -19,11 +19,13 @@ job; `require_model_dir` refuses a P-tuning or LoRA run as the base to tune: it 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
+from chatglm_tune import crashpoints
 from chatglm_tune.checkpoint import atomic_write, follow_umask
 from chatglm_tune.models import registry
 
@@ -86,21 +88,68 @@ def check_resume(output_dir: Path, record: dict) -> dict:
     RESUMABLE_CHANGES; else an error naming each difference (the directory is left as it is)."""
     saved = read_run_args(output_dir)
     if saved is None or state_dir(output_dir) is None:
-        raise RunDirectoryError(f"{output_dir}: nothing to resume (no {RUN_ARGS} or {STATE_DIR}/)")
-    differences = []
+        raise RunDirectoryError(f"{output_dir}: nothing to resume (no {RUN_ARGS} or {STATE_DIR}/): --resume auto "
+                                "starts a run where there is none yet")
+    changed = differences(saved, record)
+    if changed:
+        raise RunDirectoryError(f"--resume would change the stopped run in {output_dir}: " + "; ".join(changed)
+                                + ". Resume with the run's own data and options, or train into a new --output-dir")
+    return saved
+
+
+def differences(saved: dict, record: dict) -> list[str]:
+    """What `record` changes of the recorded run `saved`, RESUMABLE_CHANGES aside: a line each."""
+    changed = []
     for key, value in record.items():
         if key in RESUMABLE_CHANGES or (key == "data" and key not in saved):  # runs recorded before data was
             continue
         if key == "data":
-            differences += [f"--{name}-file: the run used {_describe_file(saved['data'].get(name))}, now "
-                            f"{_describe_file(value[name])}" for name in ("train", "dev")
-                            if _file_key(saved["data"].get(name)) != _file_key(value[name])]
+            changed += [f"--{name}-file: the run used {_describe_file(saved['data'].get(name))}, now "
+                        f"{_describe_file(value[name])}" for name in ("train", "dev")
+                        if _file_key(saved["data"].get(name)) != _file_key(value[name])]
         elif saved.get(key) != value:
-            differences.append(f"{key}: the run used {saved.get(key)!r}, now {value!r}")
-    if differences:
-        raise RunDirectoryError(f"--resume would change the stopped run in {output_dir}: " + "; ".join(differences)
-                                + ". Resume with the run's own data and options, or train into a new --output-dir")
-    return saved
+            changed.append(f"{key}: the run used {saved.get(key)!r}, now {value!r}")
+    return changed
+
+
+# How long a run trains: a finished run given a longer budget goes on (a resumable change).
+BUDGET_KEYS = ("epochs", "max_steps", "budget_steps")
+
+
+def auto_resume(output_dir: Path, record: dict) -> str:
+    """What `--resume auto` does in `output_dir` for the run `record`: "fresh" (nothing there yet), "restart" (this
+    run recorded itself but saved no state: it starts again in place), "resume" (its state is there), "finished" (it
+    ended, with this budget). RunDirectoryError where the directory holds something else, or another run (naming
+    each setting that differs)."""
+    output_dir = Path(output_dir)
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return "fresh"
+    saved = read_run_args(output_dir)
+    if saved is None:
+        raise RunDirectoryError(f"--resume auto: {output_dir} is not empty and holds no train.py run (no {RUN_ARGS}): "
+                                "choose a new --output-dir")
+    changed = differences(saved, record)
+    if changed:
+        raise RunDirectoryError(f"--resume auto: {output_dir} holds another run: " + "; ".join(changed)
+                                + ". Train into a new --output-dir, or give that run's data and options")
+    if final_summary(output_dir) is not None and all(saved.get(k) == record.get(k) for k in BUDGET_KEYS):
+        return "finished"
+    return "resume" if state_dir(output_dir) is not None else "restart"
+
+
+def final_summary(output_dir: Path) -> dict | None:
+    """The summary a finished run wrote last in its metrics.jsonl, else None."""
+    log = Path(output_dir) / "metrics.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines() if log.exists() else []
+    last = json.loads(lines[-1]) if lines and lines[-1].strip().endswith("}") else {}
+    return last.get("final")
+
+
+def record_start(output_dir: Path, record: dict) -> None:
+    """A new run's directory with its run_args.json, before anything else is written there: whatever a killed start
+    leaves then names its run (`auto_resume`)."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    write_run_args(output_dir, record)
 
 
 def _file_key(identity: dict | None):
@@ -117,6 +166,8 @@ def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, ove
     output_dir = Path(output_dir)
     if base is not None and output_dir.resolve() == Path(base).resolve():
         raise RunDirectoryError(f"--output-dir {output_dir} is the base model being tuned: choose another directory")
+    if not output_dir.exists():
+        check_creatable(output_dir)
     if resume or not output_dir.exists():
         return
     if not output_dir.is_dir():
@@ -134,13 +185,51 @@ def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, ove
     _empty(output_dir)
 
 
-def discard_unrecorded(output_dir: Path) -> None:
-    """After a run that failed before it recorded itself (no run_args.json): the files it wrote (a tiny model's
-    tokenizer) go, so that the same command, fixed, runs again. `prepare_output_dir` let the run into an empty
-    directory only, so they are all its own."""
+def check_creatable(path: Path) -> None:
+    """RunDirectoryError `cannot create PATH: why` unless directory `path` (absent) can be made, before anything is
+    read or written for it: the nearest existing path above it must be a directory in which a directory can be made.
+    That is tried (a directory made there and removed at once), as a permission check alone passes for root, and
+    file systems such as /proc take no new directory from anyone."""
+    path = Path(os.path.abspath(path))
+    first = path  # the topmost directory to make
+    while not first.parent.exists():  # a path under a file does not exist either: the walk stops at the file
+        first = first.parent
+    above = first.parent
+    if not above.is_dir():
+        raise RunDirectoryError(f"cannot create {path}: {above} is not a directory")
+    try:
+        first.mkdir()
+    except FileExistsError:  # made meanwhile (another process of the same launch)
+        return
+    except OSError as err:
+        raise cannot_create(path, err) from None
+    first.rmdir()
+
+
+def cannot_create(path: Path, err: OSError) -> RunDirectoryError:
+    """The error for `path` (a directory or a file to write) whose making failed with `err`: `cannot create PATH: why`,
+    naming the nearest existing path above it where that is a file, or not writable."""
+    above = Path(os.path.abspath(path)).parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        why = f"{above} is not a directory"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"{above} is not writable ({err.strerror})"
+    else:  # ENOENT from /proc, ENOSPC, ...
+        why = f"{above} takes no new entry ({err.strerror})"
+    return RunDirectoryError(f"cannot create {path}: {why}")
+
+
+def discard_unstarted(output_dir: Path, *, made: bool = False) -> None:
+    """After a new run that failed or was stopped before it saved any state: the files it wrote (its run_args.json, a
+    tiny model's tokenizer, a log) go, and the directory too where the run `made` it, so that the same command,
+    fixed, runs again. `prepare_output_dir` let the run into an empty directory only, so they are all its own."""
     output_dir = Path(output_dir)
-    if output_dir.is_dir() and read_run_args(output_dir) is None:
+    if output_dir.is_dir() and state_dir(output_dir) is None:
         _empty(output_dir)
+        if made:
+            output_dir.rmdir()
 
 
 def _empty(directory: Path) -> None:
@@ -158,6 +247,7 @@ def publish(write, directory: Path) -> None:
     write(tmp)
     follow_umask(tmp)
     for file in sorted(tmp.iterdir()):
+        crashpoints.reached("publish")
         os.replace(file, directory / file.name)
     tmp.rmdir()
 
@@ -190,8 +280,20 @@ def replace_dir(write, target: Path) -> None:
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(target, old)
+        crashpoints.reached("replace-dir")
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_leftovers(run: Path) -> None:
+    """What a run killed while publishing or saving left (`publish`, `replace_dir`): half-published files, a
+    half-written state, and a replaced state once its successor is in place."""
+    run = Path(run)
+    leftovers = [run / ".publishing", run / f".{STATE_DIR}.tmp"]
+    if (run / STATE_DIR).is_dir():
+        leftovers.append(run / f".{STATE_DIR}.old")
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def has_trained_model(run: Path) -> bool:

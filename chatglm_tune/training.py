@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import signal
 import time
 from dataclasses import replace
 from functools import partial
@@ -24,13 +26,16 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from chatglm_tune import rundir
+from chatglm_tune import crashpoints, rundir
 from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_prompts, collate_train, pack,
                                   prompt_ids)
+from chatglm_tune.checkpoint import open_safetensors, read_config_file
 from chatglm_tune.decoding.generation import generate
+from chatglm_tune.loading import context_length
 from chatglm_tune.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry
-from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions
+from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions, raise_problems
+from chatglm_tune.stopping import Stopped, StopRequest, signal_name
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -77,11 +82,12 @@ def _check_launch(accelerator) -> None:
                             "(DDP over gloo, e.g. configs/ddp.yaml)")
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the loop, after the state of the last finished step (`step`) was saved for --resume."""
+class TrainingInterrupted(Stopped):
+    """Ctrl-C, SIGTERM or SIGUSR1 (`signal_name`) during the loop, after the state of the last finished step (`step`)
+    was saved for --resume."""
 
-    def __init__(self, step: int):
-        super().__init__(f"interrupted after step {step}")
+    def __init__(self, step: int, signal_name: str = "SIGINT"):
+        super().__init__(signal_name, f"after step {step}")
         self.step = step
 
 
@@ -130,6 +136,41 @@ def _schedule_factor(kind: str, warmup: int, total: int, step: int) -> float:
         return max(0.0, float(total - step) / float(max(1, total - warmup)))
     progress = float(step - warmup) / float(max(1, total - warmup))
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def check_fit(model_arg: str, base: Path | None, options: TrainOptions, records) -> None:
+    """ValueError, before anything is loaded or written, where the run cannot go on `model_arg` (a tiny preset, or the
+    model directory `base`): a record whose turns the version's prompt format has no form for (`check_turns`), a
+    P-tuning prefix longer than the model's context (config.json's), or a LoRA rank above its hidden size (an adapter's
+    rank is at most the width of the Linears it adapts; `--lora-r 1000000000` asked for half a terabyte)."""
+    version = registry.VERSIONS[TINY_PRESETS[model_arg]] if model_arg in TINY_PRESETS else registry.of_directory(base)
+    for record in records:
+        check_turns(version.format, record)
+    if base is None:
+        return
+    config = read_config_file(base)
+    problems = []
+    context = context_length(config)
+    if options.tuning == "ptuning" and context and options.pre_seq_len > context:
+        problems.append(f"--pre-seq-len must be at most the model's context of {context} tokens ({base}), got "
+                        f"{options.pre_seq_len}")
+    hidden = config.get("hidden_size")
+    if options.tuning == "lora" and hidden and options.lora.r > hidden:
+        problems.append(f"--lora-r must be at most the model's hidden size {hidden} ({base}): a rank past the width of "
+                        f"the Linears it adapts adds nothing; got {options.lora.r}")
+    raise_problems(problems)
+
+
+def check_turns(prompt_format, record) -> None:
+    """ValueError naming the record's file, line and field where `prompt_format` has no form for its conversation
+    (`PromptFormat.check_pairs`: a version that chats in pairs; `check_turn`: tools, calls, observations where the
+    version has no tool form), found without a tokenizer."""
+    prompt_format.check_pairs(record)
+    for turn in record.dialogue.turns if record.dialogue is not None else ():
+        try:
+            prompt_format.check_turn(turn)
+        except ValueError as err:
+            raise ValueError(f"{record.source}, field {turn.where!r}: {err}") from None
 
 
 def prepare_model(model_arg: str, train_records, output_dir: Path, options: TrainOptions):
@@ -184,7 +225,8 @@ def set_trainable(model, options: TrainOptions):
     if options.tuning == "lora":  # on the version's attention projections unless told otherwise
         from chatglm_tune.lora import apply_lora  # here: peft takes ~4 s to import, which other runs never need
 
-        return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets))
+        return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets),
+                          title=f"the {version.title}")
     model.requires_grad_(options.tuning == "full")
     if options.tuning == "ptuning":
         version.prefix_encoder(model).requires_grad_(True)
@@ -192,12 +234,13 @@ def set_trainable(model, options: TrainOptions):
 
 
 def train(model, tokenizer, train_records, dev_records, output_dir, options: TrainOptions, *,
-          record: dict, resume: bool = False, bad_records: dict | None = None) -> dict:
+          record: dict, resume: bool = False, bad_records: dict | None = None, stop: StopRequest | None = None) -> dict:
     """Run the loop; returns the final summary (also in metrics.jsonl). See the module docstring.
 
     `record`: the run's `run_args.json` (`rundir.run_record`); with `resume`, checked against the stopped
-    run's (`rundir.check_resume`). Ctrl-C saves the state of the last finished step and raises
-    `TrainingInterrupted`."""
+    run's (`rundir.check_resume`). Ctrl-C (or another stop signal, `stopping`) saves the state of the last finished
+    step and raises `TrainingInterrupted`. `stop`: the deferred signals of a run on several processes, read after
+    each optimizer step by all of them, so that every process stops after the same step whichever got the signal."""
     output_dir = Path(output_dir)
     if not train_records:
         raise TrainingError("no training records: nothing to train on")
@@ -227,14 +270,16 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     if options.tensorboard:
         accelerator.init_trackers("tensorboard")
     started = time.time()
-    finished = dict(progress)  # the progress of the last finished optimizer step, kept up by _loop
+    finished: dict = {}  # the progress of the last finished optimizer step, kept up by _loop
+    _finish(finished, progress, output_dir / "metrics.jsonl")
     try:
         _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
-              total_steps, steps_per_epoch, output_dir, finished)
-    except KeyboardInterrupt:  # save what the finished steps learned; a step under way is done again on --resume
-        if finished.get("state_step") != finished["step"]:
-            _save_state(accelerator, output_dir, finished)
-        raise TrainingInterrupted(finished["step"]) from None
+              total_steps, steps_per_epoch, output_dir, finished, stop)
+    except KeyboardInterrupt as interrupt:  # save what the finished steps learned; a step under way is done again
+        if progress.get("state_step") != finished["step"]:  # not saved since that step ended
+            _set_rng_states(finished.pop("rng"))  # as they were when that step ended
+            _save_state(accelerator, output_dir, finished, log_bytes=finished["log_bytes"])
+        raise TrainingInterrupted(finished["step"], signal_name(interrupt)) from None
     summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
@@ -263,13 +308,17 @@ def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLo
 
 
 def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
-          total_steps, steps_per_epoch, output_dir, finished: dict) -> None:
+          total_steps, steps_per_epoch, output_dir, finished: dict, stop: StopRequest | None = None) -> None:
     """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save.
-    `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves)."""
+    `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves), with the RNG
+    states of that moment (`_finish`)."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
+    after_step = partial(_after_step, accelerator, model, tokenizer, dev_records, options, progress, log, output_dir)
     with tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train") as bar:
         eval_due = options.eval_every or max(1, total_steps // EVALUATIONS)
-        window = []  # micro-batch losses since the last log line
+        window = [torch.tensor(x, device=accelerator.device) for x in progress.get("window", [])]  # losses since the last log
+        if progress.get("eval_pending") and after_step(bar):  # stopped during the evaluation of its last step
+            return
         model.train()
         while progress["step"] < total_steps and not progress.get("stopped_early"):
             batches = loader
@@ -291,7 +340,6 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
                 if not accelerator.sync_gradients:
                     continue
                 progress["step"] += 1
-                finished.update(progress)
                 step = progress["step"]
                 bar.update(1)
                 if step % options.log_every == 0 or step == total_steps:
@@ -300,22 +348,75 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
                     lr = scheduler.get_last_lr()[0]
                     bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
                     log.write({"step": step, "epoch": progress["epoch"], "loss": mean, "lr": lr})
-                if step % eval_due == 0 or step == total_steps:
-                    _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
-                    model.train()
-                    if dev_records and options.patience and progress["since_best"] >= options.patience:
-                        bar.write(f"step {step}: no better dev checkpoint in {options.patience} evaluations, stopping early")
-                        progress["stopped_early"] = True
-                        break
-                elif options.save_every and step % options.save_every == 0:
-                    _save_state(accelerator, output_dir, progress)
-                finished.update(progress)
+                progress.update(window=list(window), eval_pending=step % eval_due == 0 or step == total_steps)
+                _finish(finished, progress, log.path)
+                crashpoints.reached("train-step")
+                if after_step(bar):
+                    break
+                _finish(finished, progress, log.path)
+                _stop_if_asked(accelerator, stop)
                 if step >= total_steps:
                     break
             else:
                 progress["epoch"] += 1
                 progress["batches_in_epoch"] = 0
-                finished.update(progress)
+                _finish(finished, progress, log.path)
+
+
+def _after_step(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar) -> bool:
+    """The evaluation due after the step `progress` stands at (`eval_pending`), or the save due; True where the run
+    stops early."""
+    if progress.get("eval_pending"):
+        _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
+        model.train()
+        if progress.get("stopped_early"):
+            bar.write(f"step {progress['step']}: no better dev checkpoint in {options.patience} evaluations, stopping early")
+            return True
+    elif options.save_every and progress["step"] % options.save_every == 0:
+        _save_state(accelerator, output_dir, progress)
+    return False
+
+
+def _finish(finished: dict, progress: dict, log: Path) -> None:
+    """`finished` := `progress` as it stands, with the RNG states and the log's length of now: what a stop saves
+    (dropout's random numbers drawn by a step under way then are drawn again by the resumed run, and the lines it
+    logged are logged again)."""
+    finished.update(progress, rng=_rng_states(), log_bytes=log.stat().st_size if log.exists() else 0)
+
+
+def _rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        states["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+
+
+def _stop_if_asked(accelerator, stop: StopRequest | None) -> None:
+    """Raise `Stopped` on every process once any of them has received a deferred stop signal (a collective: called by
+    all processes after the same step)."""
+    if stop is None:
+        return
+    number = torch.tensor([int(getattr(signal, stop.signal_name)) if stop.signal_name else 0], device=accelerator.device)
+    number = int(accelerator.gather(number).max().item())
+    if number:
+        raise Stopped(signal.Signals(number).name)
 
 
 def _start_run(accelerator, output_dir: Path, run_args: dict, dataset, bad_records) -> None:
@@ -412,32 +513,40 @@ def _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, p
         progress["since_best"] = 0 if improved else progress["since_best"] + 1
         if improved:
             progress["best_f1"], progress["best_loss"] = f1, loss
+        progress["stopped_early"] = bool(options.patience and progress["since_best"] >= options.patience)
         log.write({"step": progress["step"], "epoch": progress["epoch"], "eval": scores})
         if accelerator.is_local_main_process:  # on its own line above the progress bar
             bar.write(f"step {progress['step']}: dev loss {scores['dev_loss']:.4f}, {describe_scores(scores)}")
     if improved and accelerator.is_main_process:
         rundir.save_trained(unwrapped, tokenizer, output_dir, options.tuning)
+    progress["eval_pending"] = False
     _save_state(accelerator, output_dir, progress)
 
 
-def _save_state(accelerator, output_dir, progress) -> None:
-    progress["state_step"] = progress["step"]
+def _save_state(accelerator, output_dir, progress, log_bytes: int | None = None) -> None:
+    """accelerate's state and `progress` in `state/`, swapped in whole, then `progress["state_step"]` set. It records
+    how long metrics.jsonl was (`log_bytes`, else its length now), so that a resumed run's log continues from there (no
+    line logged twice, no torn last line)."""
+    log = Path(output_dir) / "metrics.jsonl"
+    log_bytes = log_bytes if log_bytes is not None else log.stat().st_size if log.exists() else 0
+    saved = {**{k: v for k, v in progress.items() if k != "rng"}, "window": [float(x) for x in progress.get("window", [])],
+             "state_step": progress["step"], "log_bytes": log_bytes}
 
     def write(tmp):
         accelerator.save_state(str(tmp))
         if accelerator.is_main_process:
-            (Path(tmp) / "progress.json").write_text(json.dumps(progress))
+            (Path(tmp) / "progress.json").write_text(json.dumps(saved))
 
     if accelerator.num_processes == 1:
         rundir.replace_dir(write, output_dir / rundir.STATE_DIR)
-        return
-    # Several processes write one state directory; the main process swaps it in once all are done.
-    tmp = output_dir / f".{rundir.STATE_DIR}.tmp"
-    write(tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        rundir.replace_dir(lambda t: tmp.rename(t), output_dir / rundir.STATE_DIR)
-    accelerator.wait_for_everyone()
+    else:  # several processes write one state directory; the main process swaps it in once all are done
+        tmp = output_dir / f".{rundir.STATE_DIR}.tmp"
+        write(tmp)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            rundir.replace_dir(lambda t: tmp.rename(t), output_dir / rundir.STATE_DIR)
+        accelerator.wait_for_everyone()
+    progress["state_step"] = progress["step"]
 
 
 def is_better(f1: float, loss: float, best_f1: float | None, best_loss: float | None) -> bool:
@@ -461,11 +570,10 @@ def _keep_only_trainable_in_state(accelerator) -> None:
             weights[i] = {k: v for k, v in state.items() if k in keep}
 
     def load(models, input_dir) -> None:
-        from safetensors.torch import load_file
-
         for i, model in enumerate(models):
             file = Path(input_dir) / (f"model_{i}.safetensors" if i else "model.safetensors")
-            state = load_file(file, device=str(next(model.parameters()).device))
+            with open_safetensors(file, device=str(next(model.parameters()).device)) as f:
+                state = {key: f.get_tensor(key) for key in f.keys()}
             if set(state) != trainable_names(model):
                 raise TrainingError(f"{file} does not hold this run's trainable weights: the model was built otherwise")
             model.load_state_dict(state, strict=False)
@@ -477,9 +585,16 @@ def _keep_only_trainable_in_state(accelerator) -> None:
 
 def _resume(accelerator, output_dir, record) -> dict:
     rundir.check_resume(output_dir, record)
+    if accelerator.is_main_process:
+        rundir.remove_leftovers(output_dir)
+    accelerator.wait_for_everyone()
     state = rundir.state_dir(output_dir)
     accelerator.load_state(str(state))
     progress = {"best_loss": None, "since_best": 0, **json.loads((state / "progress.json").read_text())}
+    log = Path(output_dir) / "metrics.jsonl"
+    if accelerator.is_main_process and "log_bytes" in progress and log.exists() and log.stat().st_size > progress["log_bytes"]:
+        with open(log, "r+b") as f:  # what was logged after the state was saved is logged again from here
+            f.truncate(progress["log_bytes"])
     accelerator.print(f"resuming {output_dir} at step {progress['step']} (epoch {progress['epoch']})")
     return progress
 
@@ -507,6 +622,7 @@ class _Log:
     def write(self, entry: dict) -> None:
         if not self.accelerator.is_main_process:
             return
+        crashpoints.reached("log")
         with open(self.path, "a") as f:
             f.write(json.dumps(entry, ensure_ascii=False) + "\n")
         if "loss" in entry:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from commands import HANG_S, ROOT, cli, ok, side_by_side, wait_until
+from serving import tiny_model
 from test_first_hour import tree_bytes
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -199,7 +200,7 @@ def test_ctrl_c_in_training_saves_the_state_and_says_how_to_resume(data, tmp_pat
     done = interrupt_when([ROOT / "train.py", *args, "--max-steps", 2000], lambda: logged_steps(run) >= 3,
                           "train.py logging its third step")
     assert done.returncode == 130 and "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
-    match = re.search(r"train\.py: interrupted after step (\d+): its state is saved in .*--resume", done.stderr)
+    match = re.search(r"train\.py: interrupted by SIGINT after step (\d+): its state is saved in .*--resume", done.stderr)
     assert match, done.stderr[-2000:]
     assert json.loads((run / "state" / "progress.json").read_text())["step"] == int(match.group(1)) >= 3
     code, out, _ = train_here(*args, "--max-steps", int(match.group(1)) + 2, "--resume", capsys=capsys)  # a run may be shortened
@@ -223,7 +224,7 @@ def test_ctrl_c_in_infer_keeps_the_rows_and_says_how_to_resume(runs, data, tmp_p
     done = interrupt_when(["-c", held], lambda: lines() >= 2, "infer.py writing its second row")
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-2000:]
     kept = lines()
-    assert f"interrupted after {kept} of 24 records" in done.stderr and "--resume" in done.stderr
+    assert f"interrupted by SIGINT after {kept} of 24 records" in done.stderr and "--resume" in done.stderr
     code, _, _ = infer_here(*args, "--resume", capsys=capsys)
     assert code == 0 and lines() == 24
 
@@ -365,3 +366,132 @@ def test_records_with_their_own_instruction_get_no_other_and_conversations_are_f
     assert code == 0 and len(rows) == 6 and all(row["triples"] is None for row in rows)
     summary = json.loads((tmp_path / "p.jsonl.summary.json").read_text())
     assert "rouge-l" in summary["scores"]
+
+
+# Sizes past what the model or the machine holds, weights cut short, output paths that cannot be made, records and
+# LoRA targets the version has no place for: one line naming what is wrong, exit 2, nothing written
+
+FIXTURE = ROOT / "tests" / "fixtures" / "glm4-tiny"  # its config.json: a context of 256 tokens, hidden size 128
+
+
+def usage_error(parse, argv: list, capsys) -> str:
+    """The one-line error of a command line's `parse_args` that refuses `argv` (exit 2)."""
+    with pytest.raises(SystemExit) as stop:
+        parse([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_sizes_past_what_the_model_holds_are_refused_naming_the_bound(data, tmp_path, capsys):
+    run = ["--model", FIXTURE, "--train-file", data / "a.jsonl", "--output-dir", tmp_path / "r", "--max-steps", 1]
+    for flags, message in ((["--tuning", "ptuning", "--pre-seq-len", 10**9], "--pre-seq-len must be at most the model's "
+                            f"context of 256 tokens ({FIXTURE}), got 1000000000"),  # was 2 TB asked of the allocator
+                           (["--tuning", "lora", "--lora-r", 10**9], "--lora-r must be at most the model's hidden size 128")):
+        code, _, err = train_here(*run, *flags, capsys=capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+    code, _, err = infer_here("--model", FIXTURE, "--text", "你好", "--max-new-tokens", 10**9, capsys=capsys)
+    assert code == 2 and "--max-new-tokens must be at most the model's context of 256 tokens" in err
+
+
+def test_threads_and_sizes_past_the_machine_are_refused_naming_the_bound(data, tmp_path, capsys):
+    import export as export_cli
+    import infer as infer_cli
+    import serve as serve_cli
+    import train as train_cli
+    from chatglm_tune.options import TrainOptions
+
+    # a billion threads: libgomp aborted the process asking for 216 GB, so the flags are only parsed here
+    bound = f"--threads must be at most {4 * (os.cpu_count() or 1)} (4 x the "
+    for parse, argv in ((infer_cli.parse_args, ["--model", FIXTURE, "--text", "你好"]), (serve_cli.parse_args, ["--model", FIXTURE]),
+                        (export_cli.parse_args, [FIXTURE, tmp_path / "e"])):
+        assert bound in usage_error(parse, [*argv, "--threads", 10**9], capsys)
+    args = train_cli.parse_args([str(a) for a in ["--model", "tiny", "--tuning", "full", "--train-file", data / "a.jsonl",
+                                                  "--output-dir", tmp_path / "r", "--threads", 10**9]])
+    with pytest.raises(ValueError, match=bound.replace("(", r"\(")):
+        train_cli.options_from(args, {})
+    with pytest.raises(ValueError, match="tiny_layers must be at most 64"):
+        TrainOptions(tuning="full", tiny_layers=10**9)
+    err = usage_error(serve_cli.parse_args, ["--model", FIXTURE, "--max-batch", 10**9, "--port", 70000], capsys)
+    assert "max_batch must be an integer in [1, 4096], got 1000000000" in err and "port must be an integer in [0, 65535]" in err
+
+
+def test_a_truncated_safetensors_file_is_named_by_every_command(data, tmp_path, capsys):
+    import export as export_cli
+    import quantize as quantize_cli
+    import serve as serve_cli
+
+    model = tiny_model("glm4", tmp_path / "model")
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # a download cut short
+    said = f"{weights}: truncated or not a safetensors file ("
+
+    def exit_error(main, argv: list) -> str:
+        with pytest.raises(SystemExit) as stop:
+            main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2, err
+        return err
+
+    code, _, train_err = train_here("--model", model, "--tuning", "lora", "--train-file", data / "a.jsonl", "--max-steps", 1,
+                                    "--output-dir", tmp_path / "r", capsys=capsys)
+    code_infer, _, infer_err = infer_here("--model", model, "--text", "你好", capsys=capsys)
+    errors = {"train.py": train_err, "infer.py": infer_err,
+              "quantize.py": exit_error(quantize_cli.main, ["--bits", 8, model, tmp_path / "q"]),
+              "export.py": exit_error(export_cli.main, [model, tmp_path / "e"]),
+              "serve.py": exit_error(serve_cli.main, ["--model", model])}
+    assert code == code_infer == 2
+    for script, err in errors.items():
+        assert err.strip().splitlines() == [f"{script}: error: {err.strip().partition(': error: ')[2]}"], err
+        assert said in err and "download it again" in err, (script, err)
+    assert not any(p.exists() for p in (tmp_path / "q", tmp_path / "e")) and not any((tmp_path / "r").glob("*"))
+
+
+def test_an_output_path_under_a_file_cannot_be_created_and_says_so(data, tmp_path, capsys):
+    import quantize as quantize_cli
+
+    blocker = tmp_path / "a-file"  # a path under a regular file: refused even to root
+    blocker.write_text("")
+    said = f"cannot create {blocker / 'out'}: {blocker} is not a directory"
+    code, _, err = train_here("--model", "tiny", "--tuning", "full", "--train-file", data / "a.jsonl", "--max-steps", 1,
+                              "--output-dir", blocker / "out", capsys=capsys)
+    assert code == 2 and err.strip() == f"train.py: error: {said}"
+    code, _, err = infer_here("--model", FIXTURE, "--input", data / "a.jsonl", "--output", blocker / "out", capsys=capsys)
+    assert code == 2 and err.strip() == f"infer.py: error: {said}"
+    with pytest.raises(SystemExit) as stop:
+        quantize_cli.main(["--bits", "8", str(FIXTURE), str(blocker / "out")])
+    assert stop.value.code == 2 and capsys.readouterr().err.strip() == f"quantize.py: error: {said}"
+    assert blocker.read_text() == ""
+
+
+def test_a_lora_target_that_matches_nothing_is_refused_beside_ones_that_match(data, tmp_path, capsys):
+    """GLM-4.5's attention names on GLM-4.7-Flash, whose attention is latent (q_a_proj ...): peft trained the experts
+    alone, with a warning at most, where a list of which nothing matches is refused."""
+    model = tiny_model("glm4-moe-lite", tmp_path / "model")
+    code, _, err = train_here("--model", model, "--tuning", "lora", "--lora-target", "q_proj", "experts.gate_up_proj",
+                              "experts.down_proj", "--lora-dropout", 0, "--train-file", data / "a.jsonl", *SMALL,
+                              "--max-steps", 1, "--threads", 1, "--output-dir", tmp_path / "r", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--lora-target q_proj: matches nothing in the GLM-4.7-Flash model" in err
+    assert "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj" in err and "experts.gate_up_proj experts.down_proj" in err
+    assert not (tmp_path / "r").exists()
+
+
+def _presets_refusing_tools() -> list[str]:
+    from chatglm_tune.models.registry import VERSIONS
+    from chatglm_tune.options import TINY_PRESETS
+
+    return [preset for preset, name in TINY_PRESETS.items() if getattr(VERSIONS[name].format, "tool_refusal", None)]
+
+
+@pytest.mark.parametrize("preset", _presets_refusing_tools())
+def test_tool_records_a_version_cannot_train_are_refused_naming_file_line_and_field(preset, tmp_path, capsys):
+    records = tmp_path / "tools.jsonl"
+    records.write_text("".join((ROOT / "data" / "tools_glm4_train.jsonl").read_text(encoding="utf-8").splitlines(True)[:2]),
+                       encoding="utf-8")
+    code, _, err = train_here("--model", preset, "--tuning", "full", "--train-file", records, "--max-steps", 1,
+                              "--threads", 1, "--output-dir", tmp_path / "r", capsys=capsys)
+    assert code == 2 and err.strip().splitlines() == [err.strip()], err
+    assert err.startswith(f"train.py: error: {records}:1, field 'messages[0].tools': ") and "tool" in err.partition("tools': ")[2]
+    assert not (tmp_path / "r").exists()  # refused before the tiny model's tokenizer was written there

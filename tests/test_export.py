@@ -313,7 +313,7 @@ TOOL_BODIES = [  # OpenAI request bodies: tools and a question; round trips (a c
                   {"role": "tool", "content": "晴"}], "tools": [WEATHER]},
     {"messages": [{"role": "user", "content": "天气"}, {"role": "assistant", "content": "我查一下",
                                                       "tool_calls": [tool_call({"city": "北京"}), tool_call({"city": "上海"})]},
-                  {"role": "tool", "content": "晴"}, {"role": "tool", "content": "雨"}]},
+                  {"role": "tool", "content": "晴"}, {"role": "tool", "content": "雨"}], "tools": [WEATHER]},
 ]
 
 
@@ -681,7 +681,12 @@ def test_an_interrupted_hf_export_leaves_nothing_and_runs_again(models, tmp_path
     assert err.strip().splitlines()[-1].startswith("export.py: interrupted"), err  # after the progress bar
     assert list(destination.rglob("*")) == [], list(destination.rglob("*"))  # no file, hidden or not, no directory
     assert export(models["glm4"], out, "--format", "hf") == 0  # a rerun writes it whole
-    assert (out / "model.safetensors").is_file() and not [f for f in out.iterdir() if f.name.startswith(".")]
+    assert (out / "model.safetensors").is_file()
+    assert [f.name for f in out.iterdir() if f.name.startswith(".")] == [".made_by.json"]  # what and how it was made
+    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    assert export(models["glm4"], out, "--format", "hf") == 0  # again (a requeued job): finished, nothing to do
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
+    assert export(models["glm4"], out, "--format", "gguf") == 2  # another export: refused, naming what differs
 
 
 # ----------------------------------------------------------------------------------------------

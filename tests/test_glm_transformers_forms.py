@@ -6,7 +6,8 @@ Each test model is a tiny random model built and saved by transformers itself (`
 weights (ones would hide a missing or misplaced norm), and a small byte-level BPE tokenizer written as these models
 ship it (`tokenizer.json`, tokenizer_config.json with the chat template):
 - the toolkit loads the directory as the right version and class, and gives transformers' logits (fp32, max |diff|
-  < 1e-5) with and without left padding, and transformers' greedy ids;
+  < 1e-5) with and without left padding, and transformers' greedy ids; GLM-4.7-Flash's left-padded prompt of few
+  tokens (attention against the cached latents) is finite, each row's logits those of the row alone;
 - a directory whose weights do not fit the class its config.json names is refused, saying which;
 - P-tuning v2: pre_seq_len 0 is no prefix, a prefix changes the output, save + load gives the same logits; the
   prefix is transformers' model with it as the first cache entries (GLM-4.7-Flash's is each head's keys and values:
@@ -14,7 +15,11 @@ ship it (`tokenizer.json`, tokenizer_config.json with the chat template):
 - saving writes transformers' form back (transformers loads it; routed experts one by one, as released), INT8 / INT4
   included (the routed experts too);
 - the tokenizer round-trips, and its chat prompts are transformers' `apply_chat_template` on the same
-  `tokenizer.json`; a training row is the template's conversation with the record's text as data.
+  `tokenizer.json`; a training row is the template's conversation with the record's text as data;
+- a `glm4_moe` directory renders the form of the template it ships: GLM-4.5's, or GLM-4.7's (GLM-4.7 is GLM-4.5's
+  architecture with GLM-4.7-Flash's template form), in training, prompts and the ollama template; without
+  config.json both forms are `glm4-moe` (the template does not tell GLM-4.7 from GLM-4.7-Flash); a tool call with
+  null arguments raises in both forms, as the releases' templates do.
 """
 
 import json
@@ -22,6 +27,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from jinja2 import TemplateError
 from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeLiteConfig,
                           Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
 
@@ -29,8 +35,11 @@ from chatglm_tune import from_pretrained
 from chatglm_tune.batches import encode_record, prompt_ids
 from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.decoding.generation import generate
+from chatglm_tune.export.ollama import modelfile
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, train_released_bpe
+from chatglm_tune.models.glm.latent_attention import ABSORBED_MAX_QUERIES
+from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE
 from chatglm_tune.models.glm.modeling import (Glm4ForCausalLMWithPrefix, Glm4MoeForCausalLMWithPrefix,
                                               Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix)
 from chatglm_tune.quant.experts import QuantizedExperts
@@ -114,6 +123,30 @@ def test_greedy_ids_equal_transformers(tiny):
                                     pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:].tolist()
     assert new == [row[: len(mine)] for row, mine in zip(theirs, new)]
     assert all(len(mine) == 12 or mine[-1] in stops for mine in new)
+
+
+@pytest.mark.parametrize("tiny", ["glm4-moe-lite"], indirect=True)
+def test_latent_attention_left_padded_short_batch_is_each_row_alone(tiny):
+    """GLM-4.7-Flash on 3 rows left-padded to 7 tokens (2, 1 and 0 pads), a prompt short enough for the attention
+    against the cached latents (`ABSORBED_MAX_QUERIES`) and, without a cache, transformers' forward: finite logits,
+    each row's real positions those of the row alone and transformers' own model's on the same weights."""
+    _, directory, reference, tokenizer = tiny
+    ours = from_pretrained(directory)
+    ids = torch.randint(0, tokenizer.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    pads = (2, 1, 0)
+    for row, pad in enumerate(pads):
+        ids[row, :pad], mask[row, :pad] = tokenizer.pad_token_id, 0
+    assert ids.shape[1] <= ABSORBED_MAX_QUERIES
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        alone = [ours(ids[row:row + 1, pad:]).logits[0] for row, pad in enumerate(pads)]
+        for use_cache in (True, False):
+            got = ours(ids, attention_mask=mask, use_cache=use_cache).logits
+            assert torch.isfinite(got).all(), use_cache
+            assert (got - want)[mask.bool()].abs().max() < 1e-5, use_cache
+            for row, pad in enumerate(pads):
+                assert (got[row, pad:] - alone[row]).abs().max() < 1e-5, (use_cache, row)
 
 
 def test_detection_names_each_kind_of_directory(tiny, tmp_path):
@@ -270,3 +303,80 @@ def test_training_rows_are_the_templates_conversation(tiny):
     assert_record_text_is_data(tokenizer, version, version)
     short = prompt_ids(SPORecord("水泵漏油。" * 20, None), tokenizer, EncodingOptions(prompt="", max_src_len=24))
     assert len(short) <= 24 and short[-1] == prompt[-1]  # a long text loses its end, the template keeps its own
+
+
+# The mixture-of-experts releases' two template forms: (template, the non-thinking prompt of a text {}, the text an
+# answer follows in a training row)
+MOE_FORMS = {"GLM-4.5": (GLM4_MOE_TEMPLATE, "[gMASK]<sop><|user|>\n{}/nothink<|assistant|>\n<think></think>", "\n"),
+             "GLM-4.7": (GLM4_MOE_LITE_TEMPLATE, "[gMASK]<sop><|user|>{}<|assistant|></think>", "")}
+
+
+def moe_directory(directory, template: str, model_type: str | None = "glm4_moe"):
+    """A small tokenizer of the mixture-of-experts releases' (`train_released_bpe`) shipping `template`, beside a
+    config.json of `model_type` (None: none)."""
+    train_released_bpe(CORPUS, directory, "glm4-moe")
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}, ensure_ascii=False),
+                                                     encoding="utf-8")
+    if model_type:
+        (directory / "config.json").write_text(json.dumps({"model_type": model_type}), encoding="utf-8")
+    return directory
+
+
+@pytest.mark.parametrize("release", MOE_FORMS)
+def test_a_glm4_moe_directory_renders_the_form_of_its_template(release, tmp_path):
+    """GLM-4.7 ships GLM-4.7-Flash's template form under `model_type: glm4_moe`: its directory trains and answers on
+    that form's prompts (content right after the role token, `</think>` with thinking off), is titled GLM-4.7 and
+    exports that form's ollama template; a directory of GLM-4.5's form keeps GLM-4.5's."""
+    template, prompt_text, lead = MOE_FORMS[release]
+    directory = moe_directory(tmp_path, template)
+    version = registry.of_directory(directory)
+    tokenizer = version.load_tokenizer(directory)  # as a run's model loads its tokenizer
+    assert version.name == "glm4-moe" and tokenizer.prompt_format.name == "glm4-moe"
+    fast = PreTrainedTokenizerFast.from_pretrained(directory)
+    record = SPORecord("水泵漏油。", None, response="水泵_部件故障_漏油")
+    user = {"role": "user", "content": record.text}
+    prompt = prompt_ids(record, tokenizer, NO_INSTRUCTION)  # what infer.py answers
+    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False,
+                                              enable_thinking=False)
+    assert tokenizer.decode(prompt, spaces_between_special_tokens=False) == prompt_text.format(record.text)
+    row = encode_record(record, tokenizer, NO_INSTRUCTION)
+    conversation = fast.apply_chat_template([user, {"role": "assistant", "content": record.response}], tokenize=True,
+                                            return_dict=False, enable_thinking=False)
+    assert list(row.input_ids) == conversation + [tokenizer.get_command("<|user|>")]
+    assert tokenizer.decode(list(row.input_ids[len(prompt):-1])) == lead + record.response
+    assert tokenizer.prompt_format.title == release
+    ollama = modelfile(tokenizer.prompt_format, "x.gguf").split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert ollama.endswith("<|assistant|>" + prompt_text.rpartition("<|assistant|>")[2])
+    assert ("/nothink" in ollama) == (release == "GLM-4.5")
+
+
+def test_a_tokenizer_directory_without_config_json_is_glm4_moe_in_either_form(tmp_path):
+    """Without config.json the template does not tell GLM-4.7 from GLM-4.7-Flash: a tokenizer of either form is
+    `glm4-moe`, rendering its template's form; config.json's model_type names GLM-4.7-Flash."""
+    for release, (template, prompt_text, _) in MOE_FORMS.items():
+        directory = moe_directory(tmp_path / release, template, model_type=None)
+        assert registry.detect_tokenizer(directory) == "glm4-moe", release
+        tokenizer = registry.load_tokenizer(directory)
+        prompt = tokenizer.prompt_format.chat_ids(tokenizer, [{"role": "user", "content": "q"}])
+        assert tokenizer.prompt_format.title == release
+        assert tokenizer.decode(prompt, spaces_between_special_tokens=False) == prompt_text.format("q")
+    (directory / "config.json").write_text(json.dumps({"model_type": "glm4_moe_lite"}), encoding="utf-8")
+    assert registry.detect_tokenizer(directory) == "glm4-moe-lite"
+
+
+def test_a_tool_call_with_null_arguments_raises_as_the_releases_templates_do(tmp_path):
+    """GLM-4.5's template as released reads a call's arguments with `.items()`: null arguments raise (GLM-4.6's
+    writes an empty call instead), as they do in GLM-4.7's form; `{}` writes the call with no argument pairs."""
+    fast = PreTrainedTokenizerFast.from_pretrained(moe_directory(tmp_path, GLM4_MOE_TEMPLATE, model_type=None))
+
+    def render(template: str, arguments) -> str:
+        call = {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        return fast.apply_chat_template(messages, chat_template=template, tokenize=False)
+
+    for template, empty_call in ((GLM4_MOE_TEMPLATE, "\n<tool_call>get_weather\n</tool_call>"),
+                                 (GLM4_MOE_LITE_TEMPLATE, "<tool_call>get_weather</tool_call>")):
+        with pytest.raises(TemplateError, match="items"):
+            render(template, None)
+        assert render(template, {}).rstrip("\n").endswith(empty_call)

@@ -1,7 +1,8 @@
 """What the mixture-of-experts versions (GLM-4.5 / 4.6 / 4.7: `glm4-moe`; GLM-4.7-Flash: `glm4-moe-lite`) add to the
-versions before them: LoRA on the routed experts' 3D weights through train.py (trained, saved, read back, merged),
-INT8 / INT4 experts that run only the experts a token is routed to, equal to the float experts quantized the same way,
-and serve.py answering a chat on a tiny model.
+versions before them: LoRA on the routed experts' 3D weights through train.py (trained, saved, read back, merged;
+quantize.py merges it and stores every expert in INT8 / INT4, as for a float model, and infer.py runs that), INT8 /
+INT4 experts that run only the experts a token is routed to, equal to the float experts quantized the same way, and
+serve.py answering a chat on a tiny model.
 
 transformers' equality (logits, greedy ids, the prefix as the first cache entries, saving) is in
 test_glm_transformers_forms.py; the tiny presets end to end in test_tiny_released_forms.py.
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import quantize
 from chatglm_tune import loading
 from chatglm_tune.lora import load_lora
 from chatglm_tune.quant.experts import QuantizedExperts, quantize_experts
@@ -32,27 +34,74 @@ def tiny(request, tmp_path_factory):
     return request.param, tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_lora_on_the_routed_experts_trains_saves_and_merges(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def expert_lora(tiny, tmp_path_factory):
+    """A 3-step train.py LoRA run on the tiny model, its adapters on the attention output (`o_proj`) and the routed
+    experts' 3D weights."""
     version, directory = tiny
-    data = tmp_path / "data.jsonl"
+    root = tmp_path_factory.mktemp(f"{version}-lora")
+    data = root / "data.jsonl"
     data.write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:8]) + "\n", encoding="utf-8")
     in_process("train.py", "--model", directory, "--tuning", "lora", "--lora-target", "o_proj", *EXPERT_TARGETS, "--lora-dropout", 0,
                "--train-file", data, "--max-src-len", 64, "--max-len", 96, "--batch-size", 4, "--threads", 1,
-               "--max-steps", 3, "--lr", "5e-2", "--output-dir", tmp_path / "lora")
-    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+               "--max-steps", 3, "--lr", "5e-2", "--output-dir", root / "lora")
+    return root / "lora"
+
+
+def chat_ids(tokenizer) -> torch.Tensor:
+    return torch.tensor([tokenizer.prompt_format.chat_ids(tokenizer, [{"role": "user", "content": "水泵漏油。"}])])
+
+
+def test_lora_on_the_routed_experts_trains_saves_and_merges(tiny, expert_lora):
+    version, directory = tiny
+    config = json.loads((expert_lora / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == sorted(EXPERT_TARGETS) and config["target_modules"] == ["o_proj"]
-    with safe_open(tmp_path / "lora" / "adapter_model.safetensors", "pt") as f:
+    with safe_open(expert_lora / "adapter_model.safetensors", "pt") as f:
         experts = [k for k in f.keys() if ".mlp.experts." in k]
         assert experts and all(f.get_tensor(k).abs().sum() > 0 for k in experts)  # trained, not zero
-    merged, tokenizer = loading.load_run(loading.resolve_run(tmp_path / "lora"))  # the adapter folded into the base
+    merged, tokenizer = loading.load_run(loading.resolve_run(expert_lora))  # the adapter folded into the base
     base, _ = loading.load_run(loading.resolve_run(directory))
-    ids = torch.tensor([tokenizer.prompt_format.chat_ids(tokenizer, [{"role": "user", "content": "水泵漏油。"}])])
+    ids = chat_ids(tokenizer)
     with torch.no_grad():
         plain = base(ids).logits
-        adapted = load_lora(base, tmp_path / "lora")(ids).logits  # peft's adapters beside the weights
+        adapted = load_lora(base, expert_lora)(ids).logits  # peft's adapters beside the weights
         assert (adapted - plain).abs().max() > 1e-4  # the adapters change the answer
         assert (merged(ids).logits - adapted).abs().max() < 1e-5
     assert isinstance(merged.model.layers[1].mlp.experts.gate_up_proj, nn.Parameter)  # folded back into the 3D weight
+
+
+def stored_layout(directory) -> dict[str, tuple[str, list[int]]]:
+    """{key: (dtype, shape)} of the tensors in a directory's model.safetensors."""
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_quantize_py_merges_an_expert_lora_run_into_int_experts_that_infer_py_runs(tiny, expert_lora, tmp_path, bits):
+    """quantize.py on a LoRA run (adapters on attention and on the routed experts): the adapter merged into the float
+    base, then the tensors a float model directory quantizes to (every routed expert INT8 / packed INT4 with its
+    scales, as the attention and the shared expert); infer.py runs the result, whose logits are the float merged
+    model's within the quantization error."""
+    version, directory = tiny
+    quantize.main([f"--bits={bits}", str(expert_lora), str(tmp_path / "lora")])
+    quantize.main([f"--bits={bits}", str(directory), str(tmp_path / "float-model")])
+    layout, full = stored_layout(tmp_path / "lora"), stored_layout(tmp_path / "float-model")
+    assert {k for k in layout.keys() | full.keys() if layout.get(k) != full.get(k)} == set()
+    inner = json.loads((directory / "config.json").read_text())["moe_intermediate_size"]
+    down = "model.layers.1.mlp.experts.7.down_proj"
+    assert layout[down + ".weight"][0] == "I8" and layout[down + ".weight"][1][1] * 8 // bits == inner
+    assert layout[down + ".weight_scale"][0] == "F16"
+    quantized, tokenizer = loading.load_run(loading.resolve_run(tmp_path / "lora"))
+    merged, _ = loading.load_run(loading.resolve_run(expert_lora))
+    base, _ = loading.load_run(loading.resolve_run(directory))
+    assert isinstance(quantized.model.layers[1].mlp.experts, QuantizedExperts)
+    ids = chat_ids(tokenizer)
+    with torch.no_grad():
+        got, want, plain = quantized(ids).logits, merged(ids).logits, base(ids).logits
+    # measured: INT8 0.0024-0.0025, INT4 0.043-0.045 from the merged model; the adapter moves it 1.3 from the base
+    assert (got - want).norm() < {8: 0.01, 4: 0.1}[bits] * want.norm() < (plain - want).norm()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.7
+    in_process("infer.py", "--model", tmp_path / "lora", "--text", "水泵漏油。", "--max-new-tokens", 4, "--threads", 1)
 
 
 @pytest.mark.parametrize("bits", (8, 4))

@@ -450,7 +450,12 @@ def test_cli_errors_are_clear_messages_with_exit_code_2(capsys, h128, tmp_path):
     assert "must divide" in cli_error(capsys, "--bits", 4, "--group-size", 48, h128, out)
     assert "--bits 4 only" in cli_error(capsys, "--bits", 8, "--group-size", 32, h128, out)
     assert ">= 0" in cli_error(capsys, "--bits", 4, "--group-size", -32, h128, out)
-    assert "not an empty directory" in cli_error(capsys, "--bits", 4, h128, tmp_path / "int4")
+    assert "output with other bits" in cli_error(capsys, "--bits", 8, h128, tmp_path / "int4")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert "not an empty directory" in cli_error(capsys, "--bits", 4, h128, tmp_path / "other")
+    run_quantize("--bits", 4, h128, tmp_path / "int4")  # the same command again: finished, nothing to do
+    assert "already holds this quantization" in capsys.readouterr().out
     assert "adapter_config.json" in cli_error(capsys, "--bits", 8, "--lora", tmp_path, h128, out)
     assert "invalid choice" in cli_error(capsys, "--bits", 3, h128, out)
     assert not out.exists()

@@ -153,6 +153,54 @@ def test_versions_without_tool_calls_refuse_them(version, models):
         assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def call_of(name: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": '{"city": "北京"}'}}
+
+
+ASKED = {"role": "user", "content": "北京天气"}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "晴"}
+REFUSED_TOOL_USE = [  # (version, messages, tools, the parameter named, the code: training's reason)
+    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_time")]}, RESULT], [WEATHER],
+     "messages[1].tool_calls[0].function.name", "undeclared_tool"),
+    ("chatglm3", [ASKED, {"role": "assistant", "content": "", "tool_calls": [call_of("get_weather")]}, RESULT], None,
+     "messages[1].tool_calls[0].function.name", "undeclared_tool"),
+    ("chatglm3", [ASKED], [WEATHER, {"type": "function", "function": {"parameters": {}}}], "tools[1]", "bad_tool"),
+    ("chatglm3", [ASKED, RESULT], [WEATHER], "messages[1].role", "observation_without_call"),
+    ("chatglm3", [ASKED, {"role": "assistant", "content": "好"}, RESULT, ASKED], [WEATHER], "messages[2].role",
+     "observation_without_call"),
+    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_weather")]}, RESULT, RESULT],
+     [WEATHER], "messages[3].role", "observation_without_call"),  # two results of one call
+    ("glm4-moe", [ASKED, {"role": "assistant", "content": "好"}, RESULT], None, "messages[2].role", None),
+]
+
+
+@pytest.mark.parametrize("version, messages, tools, param, code", REFUSED_TOOL_USE,
+                         ids=[f"{case[0]}-{case[3]}-{case[4]}" for case in REFUSED_TOOL_USE])
+def test_tool_use_that_training_refuses_is_400_naming_the_parameter(version, messages, tools, param, code, models):
+    """The rules conversation records with tools are trained under hold for a served chat: a call to a tool the
+    request does not declare, a tool without a name, a tool's result that answers no call (ChatGLM3, GLM-4: parallel
+    calls answered in turn pass);
+    a tool's result at all where the version has no tool form (GLM-4.5, whose `tools` and `tool_calls` are refused
+    too). 400 naming the request's parameter, with the reason training gives (as the code, or the same message)."""
+    from chatglm_tune import loading
+    from chatglm_tune.dialogues import Turn
+    from chatglm_tune.serve.protocol import ApiError, parse_call
+    from chatglm_tune.serve.service import Service
+
+    model, tokenizer = loading.load_run(loading.resolve_run(models(version)))
+    service = Service(model, tokenizer, served="tiny")
+    body = {"messages": messages, **({"tools": tools} if tools else {})}
+    with pytest.raises(ApiError) as err:
+        service.chat_turn(parse_call(body, kind="chat", served="tiny", defaults=service.chat_sampling))
+    assert (err.value.status, err.value.param) == (400, param), err.value.body()
+    if code is not None:
+        assert err.value.code == code, err.value.body()
+    else:  # what training says of an observation turn of this version
+        with pytest.raises(ValueError) as trained:
+            tokenizer.prompt_format.turn_ids(tokenizer, Turn("observation", "晴"))
+        assert err.value.message == f"{param}: {trained.value}"
+
+
 # ----------------------------------------------------------------------------------------------
 # A non-streaming client that leaves
 
@@ -265,6 +313,55 @@ def test_fields_that_change_the_answer_are_refused_naming_them(models):
         assert reply.choices[0].finish_reason in ("stop", "length")
         done = client.completions.create(model="tiny", prompt="你好", max_tokens=2, echo=False, suffix=None)
         assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_seed_a_generator_cannot_take_is_400_naming_seed():
+    """A seed is what `torch.Generator.manual_seed` takes, -2**63 to 2**64 - 1: beyond, a 400 naming `seed` and the
+    range (streamed or not), never a request left to fail in the engine."""
+    import torch
+
+    from chatglm_tune.serve.protocol import ApiError, parse_call
+
+    for seed in (10 ** 30, 2 ** 64 + 5, -2 ** 63 - 1):
+        for stream in (False, True):
+            with pytest.raises(ApiError) as err:
+                parse_call({"prompt": "制动钳", "max_tokens": 3, "seed": seed, "stream": stream}, kind="completion",
+                           served="tiny", defaults=GREEDY)
+            assert (err.value.status, err.value.param) == (400, "seed") and str(2 ** 64 - 1) in err.value.message
+    for seed in (2 ** 64 - 1, -2 ** 63, 0):
+        call = parse_call({"prompt": "制动钳", "seed": seed}, kind="completion", served="tiny", defaults=GREEDY)
+        torch.Generator().manual_seed(call.seed)
+
+
+def test_a_request_whose_decoding_raises_is_answered_with_an_error(models, monkeypatch):
+    """A request the engine fails on while admitting it (its generator raises: a 500 naming the error) or on its first
+    token (its sampling raises: the stream ends with an error event) is answered; the server serves on."""
+    with serving(models("glm4")) as s:
+        emitter = s.service.engine.emitter
+        row, emit = emitter.row, emitter.emit
+
+        def failing_row(request):
+            if request.seed == 7:
+                raise ValueError("Overflow when unpacking long long")
+            return row(request)
+
+        def failing_emit(rows, scores):
+            if any(r.request.seed == 8 for r in rows):
+                raise RuntimeError("a broken sampler")
+            return emit(rows, scores)
+
+        monkeypatch.setattr(emitter, "row", failing_row)
+        monkeypatch.setattr(emitter, "emit", failing_emit)
+        client = s.client()
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="tiny", prompt="制动钳", max_tokens=3, seed=7)
+        assert "Overflow when unpacking long long" in err.value.body["message"]
+        with open_stream(s.url, {"prompt": "制动钳", "max_tokens": 3, "seed": 8}) as response:
+            events = events_of(response, [])
+        assert events[-1] == "[DONE]" and "a broken sampler" in json.loads(events[-2])["error"]["message"], events
+        done = client.completions.create(model="tiny", prompt="制动钳", max_tokens=3, seed=9)
+        assert done.choices[0].finish_reason in ("stop", "length")
+        assert s.service.engine.unfinished == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,10 +493,12 @@ def test_developer_is_system_and_a_tool_glm4_cannot_write_is_named(models, monke
             client.chat.completions.create(model="tiny", max_tokens=2, messages=[
                 {"role": role, "content": "你是助手。"}, {"role": "user", "content": "你好"}])
         assert prompts.ids[0] == prompts.ids[1]
-        with pytest.raises(openai.BadRequestError) as err:  # the tiny GLM-4 tokenizer's template: function tools only
-            client.chat.completions.create(model="tiny", max_tokens=2, tools=[{"type": "python"}],
-                                           messages=[{"role": "user", "content": "你好"}])
-        assert err.value.body["param"] == "tools" and "tool" in err.value.body["message"]
+        # the tiny GLM-4 tokenizer's template: function tools only; a tool without a name: as training refuses it
+        for tool, param in (({"type": "python", "name": "run"}, "tools"), ({"type": "python"}, "tools[0]")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", max_tokens=2, tools=[tool],
+                                               messages=[{"role": "user", "content": "你好"}])
+            assert err.value.body["param"] == param and "tool" in err.value.body["message"], err.value.body
 
 
 def test_max_draft_caps_the_guesses_of_a_speculative_server(capsys):

@@ -89,7 +89,7 @@ def test_tiny_layers_sets_the_depth_of_a_preset_and_is_refused_for_a_model_direc
         TrainOptions(tuning="full", tiny_layers=0)
 
 
-def test_a_run_that_breaks_before_it_records_itself_leaves_its_directory_empty(records, train_file, tmp_path,
+def test_a_run_that_breaks_before_it_saves_a_state_leaves_its_directory_as_it_found_it(records, train_file, tmp_path,
                                                                               monkeypatch):
     """An error train.py does not expect (here DeepSpeed's assertion on a batch size, as several CPU processes
     under a DeepSpeed config raise it) still takes back the tiny model's tokenizer it wrote, so the same command
@@ -101,6 +101,11 @@ def test_a_run_that_breaks_before_it_records_itself_leaves_its_directory_empty(r
 
     monkeypatch.setattr(training, "train", broken)
     out = tmp_path / "run"
+    with pytest.raises(AssertionError, match="batch related"):
+        train_cli.main(["--model", "tiny-chatglm3", "--tuning", "full", "--train-file", str(train_file),
+                        "--output-dir", str(out), "--max-steps", "1"])
+    assert not out.exists()  # the run made it, and takes it back
+    out.mkdir()  # one that was there empty stays, empty
     with pytest.raises(AssertionError, match="batch related"):
         train_cli.main(["--model", "tiny-chatglm3", "--tuning", "full", "--train-file", str(train_file),
                         "--output-dir", str(out), "--max-steps", "1"])

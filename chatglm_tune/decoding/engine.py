@@ -22,7 +22,6 @@ in one forward (speculative decoding: the same tokens, fewer steps; sampled requ
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatglm_tune import heap, openmp
+from chatglm_tune import crashpoints, heap, openmp
 from chatglm_tune.batches import SpecialIds, collate_prompts
 from chatglm_tune.decoding import slot_cache
 from chatglm_tune.decoding.batch_cache import BatchCache
@@ -79,6 +78,7 @@ class Engine:
         self._rows: list[Row] = []  # the running batch's rows, in the order of its cache's
         self._cache: BatchCache | None = None
         self._partial: _Partial | None = None
+        self._taken: list[Request] = []  # out of the queue this step, being prefilled (a step that raises ends them)
         # ChatGLM-6B's prompts attend both ways (its model gives prompt positions; the others derive them from
         # the mask and attend causally): None until the first prompt over the prefill budget asks
         self._prompts_attend_both_ways: bool | None = None
@@ -92,11 +92,17 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue `request`; QueueFull when the batch is full and `max_queue` requests wait beyond it already,
-        EngineClosed while shutting down."""
+        EngineClosed while shutting down. Its `on_finish` runs once: a later end (a failed step ending every
+        request it held, one that had just finished included) is not handed over."""
         finish = request.on_finish
+        ended = False
 
         def finished(reason: str, error: str | None) -> None:
+            nonlocal ended
             with self._count_lock:
+                if ended:
+                    return
+                ended = True
                 self._unfinished -= 1
             finish(reason, error)
 
@@ -193,23 +199,29 @@ class Engine:
                 except Exception as err:  # a failed forward (out of memory, a broken layer): fail its requests, go on
                     log.exception("a decoding step failed: its requests end with an error")
                     self._fail_all(f"{type(err).__name__}: {err}")
+                finally:
+                    self._taken = []
 
     @torch.inference_mode()
     def step(self) -> None:
         """Drop cancelled requests, run one step of the running batch, prefill newcomers (or a chunk)."""
+        crashpoints.reached("engine-step")
         self._drop_cancelled()
         if self._rows:
             self._decode()
         if self._partial is None:
             request = self.scheduler.take_long_prompt(self._room(), self._attends_both_ways)
             if request is not None:
+                self._taken = [request]
                 self._partial = _Partial(request, BatchCache.empty(self.model, self.device))
         if self._partial is not None:
+            self._taken = [self._partial.request]
             self._prefill_chunk(self._partial)
         else:
-            admitted = self.scheduler.admit(self._room())
-            if admitted:
-                self._prefill(admitted)
+            self._taken = self.scheduler.admit(self._room())
+            if self._taken:
+                self._prefill(self._taken)
+        self._taken = []
 
     def _room(self) -> int:
         return self.options.max_batch - self.running - (self._partial is not None)
@@ -247,9 +259,13 @@ class Engine:
         for group in padding_groups(requests):
             batch = collate_prompts([list(r.prompt) for r in group], self.special)
             ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-            prefilled = self._guarded(group, functools.partial(BatchCache.prefill, self.model, ids, mask))
+
+            def prefill(group=group, ids=ids, mask=mask):  # the rows first: a request they refuse fails its group alone
+                return [self.emitter.row(r) for r in group], *BatchCache.prefill(self.model, ids, mask)
+
+            prefilled = self._guarded(group, prefill)
             if prefilled is not None:
-                self._join([self.emitter.row(r) for r in group], *prefilled)
+                self._join(*prefilled)
 
     def _prefill_chunk(self, partial: _Partial) -> None:
         prompt = partial.request.prompt
@@ -318,10 +334,14 @@ class Engine:
         self._rows = [row for row, k in zip(self._rows, keep) if k]
 
     def _fail_all(self, message: str) -> None:
-        """A step raised: every running request ends with FINISH_ERROR; the engine goes on empty."""
+        """A step raised: the requests it held end with FINISH_ERROR (the running ones, and the ones it was
+        prefilling: taken from the queue, or the next chunk of a long prompt); the queue waits on."""
         rows, self._rows, self._cache = self._rows, [], None
-        for row in rows:
-            row.request.on_finish(FINISH_ERROR, message)
+        taken, self._taken = self._taken, []
+        if self._partial is not None and self._partial.request in taken:
+            self._partial = None
+        for request in dict.fromkeys([row.request for row in rows] + taken):  # one that finished already is not
+            request.on_finish(FINISH_ERROR, message)  # told again (`submit`)
 
 
 def padding_groups(requests: list[Request], padding: float = PREFILL_PADDING) -> list[list[Request]]:

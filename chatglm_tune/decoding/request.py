@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from chatglm_tune.decoding.sampling import SEED_MAX, SEED_MIN
 from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -31,3 +32,5 @@ class Request:
             raise ValueError("a request needs a prompt of at least one token")
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed!r}")

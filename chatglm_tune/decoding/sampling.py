@@ -33,6 +33,9 @@ import torch
 
 from chatglm_tune.options import SamplingOptions
 
+# The seeds `torch.Generator.manual_seed` takes: a 64-bit integer, signed or not (a negative one is read modulo 2**64).
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1
+
 
 def guard_invalid_scores(scores: torch.Tensor, fallback_id: int) -> torch.Tensor:
     """[b, V] -> [b, V]: rows with any NaN/+-inf become 0 at `fallback_id` and -inf elsewhere."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
+from chatglm_tune import crashpoints
 from chatglm_tune.export.gguf_file import encode, stored_type
 
 GGML_TYPES = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> the matrices' ggml type
@@ -79,6 +80,7 @@ def write_ggml(out: Path, model_type: int, config: dict, tensor: Callable, token
                 f.write(struct.pack("i" * (2 + t.dim()), t.dim(), *t.shape, int(ttype)))
                 f.seek((f.tell() + 15) // 16 * 16)
                 f.write(encode(t, ttype).tobytes())
+                crashpoints.reached("export-tensor")
                 progress(done, len(keys))
         os.replace(tmp, out)
     finally:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from chatglm_tune import crashpoints
 from chatglm_tune.export.answering import engine_fields, template_defaults
 from chatglm_tune.export.gguf_moe import LATENT_ATTENTION, MOE_ARCHES, GgufTensor, moe_hyperparameters, moe_layout
 from chatglm_tune.export.gguf_vocab import add_vocab
@@ -207,6 +208,7 @@ def write_gguf(path: Path, config, tokenizer, tensors, kind: str, *, name: str =
         progress(0, len(plan))
         for done, tensor in enumerate(plan, 1):
             writer.write_tensor_data(encode_tensor(tensor, tensor_type(tensor.name, tensor.shape, kind)))
+            crashpoints.reached("export-tensor")
             progress(done, len(plan))
         writer.close()
         os.replace(tmp, path)

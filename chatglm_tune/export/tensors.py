@@ -21,9 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from chatglm_tune.checkpoint import CheckpointError, iter_tensors, weight_files
+from chatglm_tune.checkpoint import CheckpointError, iter_tensors, open_safetensors, weight_files
 from chatglm_tune.export.gguf_moe import moe_arch, moe_layout
 from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS
 from chatglm_tune.models.glm.weights import IGNORED, gguf_name, to_official
@@ -62,7 +61,7 @@ class CheckpointTensors:
         out = []
         for file in self.files:
             if file.suffix == ".safetensors":
-                with safe_open(str(file), framework="pt") as f:
+                with open_safetensors(file) as f:
                     found = [(key, tuple(f.get_slice(key).get_shape())) for key in f.keys() if not IGNORED.match(key)]
             else:  # a weights-only torch file, memory-mapped: its tensors are not read here
                 found = [(key, tuple(t.shape)) for key, t in iter_tensors(file) if not IGNORED.match(key)]
@@ -79,7 +78,7 @@ class CheckpointTensors:
         if file.suffix != ".safetensors":
             return next(t for k, t in iter_tensors(file) if k == key)
         if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt")
+            self._open[file] = open_safetensors(file)
         return self._open[file].get_tensor(key)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,6 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
+from chatglm_tune import leftovers
 from chatglm_tune.options import kernel_cache
 
 SAY_AFTER_S = 3.0  # a wait for another process's build is named after this long, and again every SAY_EVERY_S
@@ -85,8 +86,8 @@ def _compile_into_place(name: str, source: str, cflags: list[str], library: Path
     """The compiler's library, built in a private folder beside `library` and renamed into place."""
     from torch.utils import cpp_extension
 
-    _remove_abandoned_builds(library.parent)
-    private = Path(tempfile.mkdtemp(prefix=f"{BUILD_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=library.parent))
+    leftovers.remove_abandoned(library.parent, BUILD_PREFIX)
+    private = Path(tempfile.mkdtemp(prefix=leftovers.owned_prefix(BUILD_PREFIX), dir=library.parent))
     try:
         (private / f"{name}.cpp").write_text(source, encoding="utf-8")
         links = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
@@ -98,25 +99,6 @@ def _compile_into_place(name: str, source: str, cflags: list[str], library: Path
         os.replace(private / library.name, library)
     finally:
         shutil.rmtree(private, ignore_errors=True)
-
-
-def _remove_abandoned_builds(folder: Path) -> None:
-    """The temporary folders of builds on this host whose process has ended (killed mid-build)."""
-    host = socket.gethostname()
-    for leftover in folder.glob(f"{BUILD_PREFIX}{host}-*"):
-        pid = leftover.name.removeprefix(f"{BUILD_PREFIX}{host}-").split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -168,7 +150,7 @@ def _say_if_taken_over(lock, what: str) -> None:
     this process builds in its place (the library is not in place, or no build would be under way)."""
     lock.seek(0)
     holder = lock.read().split()
-    if len(holder) == 2 and holder[0] == socket.gethostname() and holder[1].isdigit() and not _alive(int(holder[1])):
+    if len(holder) == 2 and holder[0] == socket.gethostname() and holder[1].isdigit() and not leftovers.alive(int(holder[1])):
         print(f"chatglm_tune: the build of {what} by process {holder[1]} ended before it finished; "
               "building it in this process", file=sys.stderr, flush=True)
 

@@ -212,7 +212,7 @@ async def _drain(stream, budget: int) -> None:
 def _json(body: bytes):
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, and a number of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
 
 

@@ -7,12 +7,13 @@ answer, at any value but their default: `n` and `best_of` != 1, `logprobs`, `top
 `frequency_penalty`, `logit_bias`, `response_format` other than text, completions' `echo` and `suffix`
 (and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
-  `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed`, `stop`
+  `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
+  2**64 - 1: a 64-bit seed, signed or not), `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`;
 - chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
   an assistant's `tool_calls`,
-  its content then null or text), `tools` (ChatGLM3 / GLM-4), `tool_choice` ("auto", "none", "required",
-  a named function);
+  its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
+  them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function);
 - completions: `prompt` (one string, or a list of one);
 - extract: `texts` (a list of strings, or `text`); `stream` and `stop` are refused (rows come whole, ended by
   the model).
@@ -22,11 +23,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from chatglm_tune.decoding.sampling import SEED_MAX, SEED_MIN
+from chatglm_tune.dialogues import DialogueError, from_messages
 from chatglm_tune.options import SamplingOptions
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -91,8 +95,9 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         raise bad(max_name, f"must be an integer >= 1, got {max_tokens!r}")
     sampling = _sampling(body, defaults)
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad("seed", f"must be an integer, got {seed!r}")
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise bad("seed", f"must be an integer from {SEED_MIN} to {SEED_MAX} (-2**63 to 2**64 - 1, what a random "
+                          f"generator is seeded with), got {seed!r:.80}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", f"must be true or false, got {stream!r}")
@@ -248,6 +253,78 @@ def _tool_choice(value) -> tuple[str, str | None]:
         return "function", function["name"]
     raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
                              f"got {value!r:.80}")
+
+
+def check_tool_use(messages: Sequence[dict], tools: list | None) -> None:
+    """A chat's tools, tool calls and tool results (`_messages`' messages, the request's `tools`) under the rules
+    fine-tuning data follows: `dialogues.from_messages` reads them as GLM-4's record (`_tool_record`). So every tool
+    names itself, every call names a declared tool, and each tool result answers a call made before it. A break is
+    a 400 naming the request's parameter (`tools[j]`, `messages[i].tool_calls[j].function.name`,
+    `messages[i].role`, ...), its message and code the rule's (`DialogueError`). A chat with no tools, calls or
+    results is not checked."""
+    if not tools and not any(m["role"] == "tool" or "tool_calls" in m or "tools" in m for m in messages):
+        return
+    record, origins = _tool_record(messages, tools)
+    try:
+        from_messages({"messages": record})
+    except DialogueError as err:
+        param = _request_param(err.field, origins)
+        raise ApiError(400, f"{param}: {err}", param=param, code=err.reason) from None
+
+
+def _tool_record(messages: Sequence[dict], tools: list | None) -> tuple[list[dict], list[str]]:
+    """(GLM-4's record messages of a chat, the request parameter each comes from): the tools a first system
+    message's (each as `{"type": "function", "function": ...}`; a system message's own tools too), each of an
+    assistant's calls a message whose metadata names the tool and whose content is its arguments, a `tool` message
+    an observation. An assistant's calls wait for their results: each `tool` message comes right after the first
+    call not yet answered (parallel calls, answered in turn, are a call and its result each, as training data
+    writes them); calls left unanswered come before the next other message."""
+    record, origins, waiting = [], [], []  # waiting: (a call's message, its parameter), not answered yet
+
+    def add(message: dict, origin: str) -> None:
+        record.append(message)
+        origins.append(origin)
+
+    if tools:
+        add({"role": "system", "content": "", "tools": [_function(tool) for tool in tools]}, "tools")
+    for i, message in enumerate(messages):
+        if message["role"] == "tool" and waiting:
+            add(*waiting.pop(0))
+        elif message["role"] != "tool":
+            for call in waiting:
+                add(*call)
+            waiting = []
+        calls = message.get("tool_calls", [])
+        if not calls or message["content"]:
+            own = message.get("tools") if message["role"] == "system" else None
+            own = [_function(tool) for tool in own] if isinstance(own, list) else own
+            role = "observation" if message["role"] == "tool" else message["role"]
+            add({"role": role, "content": message["content"], **({"tools": own} if own is not None else {})},
+                f"messages[{i}]")
+        waiting += [({"role": "assistant", "metadata": call["name"],
+                      "content": json.dumps(call["arguments"], ensure_ascii=False)}, f"messages[{i}].tool_calls[{j}]")
+                    for j, call in enumerate(calls)]
+    for call in waiting:
+        add(*call)
+    return record, origins
+
+
+def _function(tool):
+    """A tool as GLM-4 declares one, `{"type": "function", "function": ...}` (ChatGLM3's are the function alone)."""
+    return tool if not isinstance(tool, Mapping) or "function" in tool else {"type": "function", "function": tool}
+
+
+def _request_param(field: str, origins: list[str]) -> str:
+    """The request's parameter of a field of `check_tool_use`'s record (`messages[k].metadata`, ...)."""
+    match = re.fullmatch(r"messages\[(\d+)\](.*)", field)
+    if match is None:
+        return "messages"  # the conversation as a whole
+    origin, rest = origins[int(match[1])], match[2]
+    if origin == "tools":
+        return "tools" + rest.removeprefix(".tools")
+    if ".tool_calls[" in origin:
+        return origin + {".metadata": ".function.name", ".content": ".function.arguments"}.get(rest, rest)
+    return origin + rest
 
 
 def _prompt(value) -> str:

@@ -36,10 +36,11 @@ from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
+from chatglm_tune.dialogues import Turn as DialogueTurn
 from chatglm_tune.extraction import make_row
 from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
 from chatglm_tune.records import SPORecord
-from chatglm_tune.serve.protocol import ApiError, Call, bad, require_fitting
+from chatglm_tune.serve.protocol import ApiError, Call, bad, check_tool_use, require_fitting
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 _GONE = object()  # put in a ticket's queue when its client has gone
@@ -255,8 +256,11 @@ class Service:
             param = "tools" if call.tools else "tool_choice"
             raise bad(param, f"{self.format.title} has no tool calls here")
         *history, last = messages
-        if not self.format.tool_calls:
+        if self.format.tool_calls:
+            check_tool_use(call.messages, call.tools)  # the rules of fine-tuning data
+        else:
             self._no_tool_calls(history)
+            self._no_tool_results(call.messages)
         if self.format.chat_in_pairs:
             history, last = self._fold_system(history, last)
             pairs = self._pairs(history)
@@ -325,6 +329,16 @@ class Service:
         for i, message in enumerate(history):
             if "tool_calls" in message:
                 raise bad(f"messages[{i}].tool_calls", f"{self.format.title} has no tool calls here")
+
+    def _no_tool_results(self, messages) -> None:
+        """A tool's result (a `tool` or `observation` message) where the version has no tool form: 400 with the reason
+        its training refuses one for (`PromptFormat.check_turn`); the versions that chat in pairs refuse its role."""
+        for i, message in enumerate(messages):
+            if message["role"] in ("tool", "observation"):
+                try:
+                    self.format.check_turn(DialogueTurn("observation", message["content"]))
+                except ValueError as err:
+                    raise bad(f"messages[{i}].role", str(err)) from None
 
     def _role_messages(self, history: list[dict]) -> list[dict]:
         """ChatGLM3 / GLM-4 history: OpenAI's `tool` role as `observation`; an assistant's tool calls as the messages

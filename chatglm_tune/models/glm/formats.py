@@ -7,9 +7,9 @@ GLM-4.7-Flash: one family, seven ways to talk to it.
     GLM-4-0414   its chat template: [gMASK] <sop> <|user|> \\n prompt + text <|assistant|> \\n | answer <|user|>
     GLM-Edge     its chat template: <|user|> \\n prompt + text <|assistant|> | \\n answer <|user|>
     GLM-4.5      its chat template, thinking off: [gMASK] <sop> <|user|> \\n prompt + text /nothink <|assistant|>
-                 \\n <think> </think> | \\n answer <|user|>
+                 \\n <think> </think> | \\n answer <|user|>   (GLM-4.6's too)
     GLM-4.7-Flash its chat template, thinking off: [gMASK] <sop> <|user|> prompt + text <|assistant|> </think> |
-                 answer <|user|>
+                 answer <|user|>   (GLM-4.7's too: GLM-4.5's architecture, GLM-4.7-Flash's template form)
 
 Labels start at `|`. A history (earlier turns) comes before the query: ChatGLM2 as its official rounds,
 ChatGLM3 and GLM-4 as user / assistant messages. ChatGLM3 encodes "\\n" and the text after a role token
@@ -406,12 +406,17 @@ class TemplateFormat(GLM4Format):
             ids = encode(kept)
         return ids, kept != record.text
 
-    def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
-        """GLM-4's per-message rendering; a system turn's tools as the template's `tools` (its block, then the
-        system message where it has text). Without a tool form, tools, calls and observations are refused."""
+    def check_turn(self, turn: Turn) -> None:
+        """Without a tool form (`tool_refusal`): ValueError for a system turn's tools, a call and an observation."""
         if self.tool_refusal and (turn.metadata or turn.tools or turn.role == "observation"):
             raise ValueError(f"{self.title}: {self.tool_refusal}; conversation records with tools train ChatGLM3-6B, "
                              "GLM-4-9B and GLM-4-0414")
+
+    def turn_ids(self, tokenizer, turn: Turn) -> list[int]:
+        """GLM-4's per-message rendering; a system turn's tools as the template's `tools` (its block, then the
+        system message where it has text). Without a tool form, tools, calls and observations are refused
+        (`check_turn`)."""
+        self.check_turn(turn)
         if not turn.tools:
             return super().turn_ids(tokenizer, turn)
         system = [{"role": "system", "content": turn.content}] if turn.content else []
@@ -522,7 +527,10 @@ GLM4_MOE = TemplateFormat("glm4-moe", "GLM-4.5", "[gMASK]<sop>" + _GO_LOOP + "<|
                           + "{{ if eq $m.Role \"assistant\" }}<think></think>\n{{ end }}" + _GO_CONTENT
                           + "{{ if eq $m.Role \"user\" }}/nothink{{ end }}{{ end }}<|assistant|>\n<think></think>",
                           _NO_XML_TOOLS, _THINKING_OFF)
-GLM4_MOE_LITE = TemplateFormat("glm4-moe-lite", "GLM-4.7-Flash", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>"
-                               + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}" + _GO_CONTENT
-                               + "{{ end }}<|assistant|></think>", _NO_XML_TOOLS, _THINKING_OFF)
+_GLM47_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>" + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}"
+                 + _GO_CONTENT + "{{ end }}<|assistant|></think>")
+GLM4_MOE_LITE = TemplateFormat("glm4-moe-lite", "GLM-4.7-Flash", _GLM47_OLLAMA, _NO_XML_TOOLS, _THINKING_OFF)
+# GLM-4.7: `glm4-moe` (GLM-4.5's architecture) with GLM-4.7-Flash's template form: the format of a `glm4-moe`
+# tokenizer whose chat template has that form (`moe_templates.glm47_form`).
+GLM47 = TemplateFormat("glm4-moe", "GLM-4.7", _GLM47_OLLAMA, _NO_XML_TOOLS, _THINKING_OFF)
 FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE)}  # by name

@@ -42,8 +42,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM_EDGE
-from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS
+from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM47, GLM_EDGE
+from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
 from chatglm_tune.tokenizing import require_left_padding, vocabulary_path, word_runs
@@ -334,15 +334,24 @@ def _unmark(text: str) -> str:
     return text.replace(DATA_OPEN, "").replace(DATA_CLOSE, "")
 
 
+class _MoeFormat:
+    """`GLM4MoeTokenizer.prompt_format`: GLM-4.7's (`formats.GLM47`) for a tokenizer whose chat template has GLM-4.7's
+    form (`moe_templates.glm47_form`), read at each use; else, and on the class, GLM-4.5's."""
+
+    def __get__(self, tokenizer, owner=None):
+        return GLM47 if tokenizer is not None and glm47_form(getattr(tokenizer, "chat_template", None)) else GLM4_MOE
+
+
 class GLM4MoeTokenizer(GLM4Tokenizer):
     """GLM-4.5 / 4.6 / 4.7's tokenizer: GLM-4's BPE, its special tokens and the thinking and tool tokens after them
-    (`moe_templates.MOE_SPECIALS`), in a `tokenizer.json`; its own chat template."""
+    (`moe_templates.MOE_SPECIALS`), in a `tokenizer.json`; its own chat template, GLM-4.5's form (GLM-4.5, 4.6) or
+    GLM-4.7's (GLM-4.7), which its prompt format follows (`_MoeFormat`)."""
 
-    prompt_format = GLM4_MOE
+    prompt_format = _MoeFormat()
 
 
 class GLM4MoeLiteTokenizer(GLM4Tokenizer):
-    """GLM-4.7-Flash's tokenizer: as GLM-4.5's, with GLM-4.7's chat template."""
+    """GLM-4.7-Flash's tokenizer: as GLM-4.5's, with GLM-4.7's chat template form."""
 
     prompt_format = GLM4_MOE_LITE
 

@@ -9,7 +9,8 @@ L = 100, 47 layers: 22 G multiply-adds, many times what the rest of the step cos
 which reads each cached latent once and never expands it. `LatentAttention` runs that form where nothing is trained
 and a forward has few queries (`ABSORBED_MAX_QUERIES`: decode steps, a speculative step's guesses), transformers'
 own forward otherwise (prefill, training), so the cache, the P-tuning prefix in it and the parameters are
-transformers' own. Over INT8 / INT4 weights W_UV is `kv_b_proj`'s own value rows and W_UK^T its key rows transposed
+transformers' own. A query that sees no key (a left pad's, in a padded prompt of few tokens) gets zero weights and a
+zero output, as SDPA gives it in transformers' forward (`_softmax`). Over INT8 / INT4 weights W_UV is `kv_b_proj`'s own value rows and W_UK^T its key rows transposed
 and quantized to INT8, every head in one grouped call of the integer-dot kernel (`IntAbsorbed`; a GLM-4.7-Flash layer
 reads 3.3 MB for them a step, against 18.4 MB of float32 copies: 0.71 GB less a token, and a decode step at 2 threads
 went from 142 to 123 ms). Float weights keep float32 copies (`FloatAbsorbed`), remade when `kv_b_proj`'s weight
@@ -115,7 +116,7 @@ class LatentAttention(Glm4MoeLiteAttention):
         if prefix is not None:  # each head's own prefix keys in place of the first P (zero) latents
             prefix_scores = torch.cat([q_pass, q_rot], dim=-1).float() @ prefix[0].float().transpose(2, 3)
             scores = torch.cat([prefix_scores, scores[..., prefix_scores.shape[-1]:]], dim=-1)
-        probs = _masked(scores * self.scaling, attention_mask, s).softmax(-1)
+        probs = _softmax(_masked(scores * self.scaling, attention_mask, s))
         flat = probs.reshape(b, heads * s, length)
         mixed = int8dot_cpu.latent_mix(flat, keys) if _threaded_products(keys) else flat @ keys
         mixed = mixed.view(b, heads, s, self.kv_lora_rank)
@@ -222,6 +223,15 @@ def _threaded_products(keys: torch.Tensor) -> bool:
     decode step's sizes (2 threads, 20 rows over 104 cached latents: 157 against 77 us a layer), and which a
     compiled step (`decoding.static_decoding`) traces."""
     return not torch.compiler.is_compiling() and keys.device.type == "cpu" and int8dot_cpu.available()
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """The attention weights of masked `scores` [b, H, s, L]: their softmax over the keys, and zeros for a query that
+    sees no key (a left pad's query in a padded prompt: its scores all -inf, whose softmax is NaN). Such a query's
+    output is then zero, as PyTorch's SDPA gives it in transformers' forward; a NaN there would reach every token of
+    its row through the next layer's products (0 x NaN). The other queries' weights are the softmax's own bits."""
+    probs = scores.softmax(-1)
+    return probs.masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
 
 
 def _masked(scores: torch.Tensor, mask: torch.Tensor | None, queries: int) -> torch.Tensor:

@@ -1,13 +1,24 @@
-"""The chat templates GLM-4.5 / 4.6 / 4.7 (`glm4-moe`) and GLM-4.7-Flash (`glm4-moe-lite`) are released with, as
-their tokenizer_config.json holds them: the tiny tokenizers of these versions ship them unchanged, so that prompts
-are rendered as the released models' are.
+"""The two chat template forms of the mixture-of-experts GLMs, as their released directories hold them
+(chat_template.jinja or tokenizer_config.json's `chat_template`):
 
-Both begin with `[gMASK]<sop>`, write the tools they are given as a system block in XML form, think inside
-`<think>...</think>` unless `enable_thinking` is false, and write a tool call as `<tool_call>name` with
-`<arg_key>` / `<arg_value>` pairs. GLM-4.5's puts "\\n" after each role token, appends `/nothink` to a user
-message when thinking is off and ends that prompt with `<|assistant|>\\n<think></think>`; GLM-4.7-Flash's writes
-content right after the role token and ends a non-thinking prompt with `<|assistant|></think>`. What the two share is
-written once below; each template is its parts in order.
+- GLM-4.5's form (`GLM4_MOE_TEMPLATE`, GLM-4.5's template as released): GLM-4.5 and GLM-4.6 ship it
+  (`model_type: glm4_moe`). It puts "\\n" after each role token, appends `/nothink` to a user message when
+  thinking is off, writes an empty think block as "\\n<think></think>" and ends a non-thinking prompt with
+  `<|assistant|>\\n<think></think>` (a thinking one with `<|assistant|>`). GLM-4.5's raises on a tool call whose
+  `arguments` is null (it loops over their items), where GLM-4.6's writes the call with no arguments
+  (`tc.arguments or {}`).
+- GLM-4.7's form (`GLM4_MOE_LITE_TEMPLATE`, GLM-4.7-Flash's template as released): GLM-4.7 (`model_type:
+  glm4_moe`, GLM-4.5's architecture) and GLM-4.7-Flash (`glm4_moe_lite`) ship it. It writes content right after
+  the role token, writes an empty think block as `</think>` alone, keeps past reasoning where `clear_thinking` is
+  false, and ends a prompt with `<|assistant|><think>` (thinking) or `<|assistant|></think>` (not); a call with
+  null `arguments` raises.
+
+So the form a directory's template has tells GLM-4.5 / 4.6 from GLM-4.7, never GLM-4.7 from GLM-4.7-Flash
+(`glm47_form`). The tiny presets ship one each, unchanged: `tiny-glm4-moe` GLM-4.5's, `tiny-glm47-flash`
+GLM-4.7's. Both forms begin with `[gMASK]<sop>`, write the tools they are given as a system block in XML form,
+think inside `<think>...</think>` unless `enable_thinking` is false, and write a tool call as `<tool_call>name`
+with `<arg_key>` / `<arg_value>` pairs. What the two share is written once below; each template is its parts in
+order.
 """
 
 from __future__ import annotations
@@ -91,7 +102,7 @@ _GLM45_MESSAGES = r"""{% for m in messages %}
     {%- set tc = tc.function %}
 {%- endif %}
 {{ '\n<tool_call>' + tc.name }}
-{% set _args = tc.arguments or {} %}
+{% set _args = tc.arguments %}
 {% for k, v in _args.items() %}
 <arg_key>{{ k }}</arg_key>
 <arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
@@ -175,6 +186,16 @@ _GLM47_MESSAGES = r"""{% for m in messages %}
 
 GLM4_MOE_TEMPLATE = _TOOLS_INTRO + _GLM45_CALL_FORMAT + _TEXT_AND_LAST_USER + _GLM45_MESSAGES
 GLM4_MOE_LITE_TEMPLATE = _TOOLS_INTRO + _GLM47_CALL_FORMAT + _TEXT_AND_LAST_USER + _GLM47_MESSAGES
+# What only GLM-4.5's form writes: its empty think block after a newline (in the template, a Jinja string's "\n").
+_GLM45_EMPTY_THINK = "\\n<think></think>"
+
+
+def glm47_form(template) -> bool:
+    """True for a chat template of GLM-4.7's form: the XML tool calls of both forms (`<arg_key>`), without GLM-4.5's
+    "\\n<think></think>"; False for GLM-4.5's form, any other template and none (None, or transformers' dict of
+    named templates)."""
+    return isinstance(template, str) and "<arg_key>" in template and _GLM45_EMPTY_THINK not in template
+
 
 # The special tokens these releases add after GLM-4's (`glm4_tokenizer.OFFICIAL_SPECIALS`), in their order.
 MOE_SPECIALS = ("<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",

@@ -182,16 +182,23 @@ TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chat
 
 
 def _tokenizer_json_version(directory: Path) -> str:
-    """GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 or GLM-4.7-Flash for a tokenizer.json with GLM-4's special tokens: the
-    config.json beside it where there is one (`detect_version`), else the chat template (GLM-Edge's starts with no
-    `[gMASK]<sop>`; GLM-4.5's non-thinking prompt ends `<think></think>` after a newline, GLM-4.7-Flash's at once)."""
+    """GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 or GLM-4.7-Flash for a tokenizer.json with GLM-4's special
+    tokens: the config.json beside it where there is one (`detect_version`: its model_type tells `glm4_moe` from
+    `glm4_moe_lite`), else the chat template (GLM-Edge's starts with no `[gMASK]<sop>`; the mixture-of-experts
+    releases' write `<arg_key>` tool calls).
+
+    Without config.json the template does not tell GLM-4.7 from GLM-4.7-Flash: both ship GLM-4.7's form
+    (`moe_templates`). Such a directory is read as `glm4-moe`, as one of GLM-4.5's form is: its tokenizer renders
+    prompts through the directory's template either way, in GLM-4.7's form for this one (`GLM4MoeTokenizer`). A
+    GLM-4.7-Flash tokenizer directory is told apart by the config.json beside it, or by a tokenizer_config.json that
+    names the toolkit's class (`GLM4MoeLiteTokenizer`, which a saved tokenizer writes)."""
     raw = _read_json(directory / "config.json")
     version = detect_version(raw, directory) if raw else None
     if version in ("glm4", "glm4-0414", "glm-edge", "glm4-moe", "glm4-moe-lite"):
         return version
     template = chat_template_of(directory) or ""
     if "<arg_key>" in template:
-        return "glm4-moe" if "\\n<think></think>" in template else "glm4-moe-lite"
+        return "glm4-moe"
     return "glm-edge" if template and GLM4_PROMPT_START not in template else "glm4"
 
 
