@@ -37,6 +37,16 @@ def owner(name: str, prefix: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def remove_abandoned_writes(folder: Path) -> list[Path]:
+    """Remove the temporary files of `checkpoint.atomic_write` in `folder` (`.<name>.<host>-<pid>-<random>.tmp`)
+    whose process on this host has ended; the paths removed. A folder holding only those holds nothing."""
+    removed = []
+    for entry in Path(folder).glob(f".*.{socket.gethostname()}-*.tmp") if Path(folder).is_dir() else ():
+        name = entry.name[: entry.name.rindex(f".{socket.gethostname()}-") + 1]
+        removed += remove_abandoned(folder, name) if entry.exists() else []
+    return removed
+
+
 def remove_abandoned(folder: Path, prefix: str) -> list[Path]:
     """Remove the entries of `folder` named by `owned_prefix(prefix)` for a process of this host that has ended;
     the paths removed."""

@@ -25,13 +25,14 @@ import os
 import shutil
 from pathlib import Path
 
-from chatglm_tune import crashpoints
+from chatglm_tune import crashpoints, leftovers
 from chatglm_tune.checkpoint import atomic_write, follow_umask
 from chatglm_tune.models import registry
 
 RUN_ARGS = "run_args.json"
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_DIR = "state"
+SHARED_STATE_TMP = f".{STATE_DIR}.parts.tmp"  # the state all processes of a run write before it is swapped in
 CONFIG = "config.json"
 
 
@@ -122,6 +123,7 @@ def auto_resume(output_dir: Path, record: dict) -> str:
     ended, with this budget). RunDirectoryError where the directory holds something else, or another run (naming
     each setting that differs)."""
     output_dir = Path(output_dir)
+    leftovers.remove_abandoned_writes(output_dir)  # a start killed while it recorded itself
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return "fresh"
     saved = read_run_args(output_dir)
@@ -172,6 +174,7 @@ def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, ove
         return
     if not output_dir.is_dir():
         raise RunDirectoryError(f"--output-dir {output_dir} exists and is not a directory")
+    leftovers.remove_abandoned_writes(output_dir)
     if not any(output_dir.iterdir()):
         return
     if not overwrite:
@@ -289,7 +292,7 @@ def remove_leftovers(run: Path) -> None:
     """What a run killed while publishing or saving left (`publish`, `replace_dir`): half-published files, a
     half-written state, and a replaced state once its successor is in place."""
     run = Path(run)
-    leftovers = [run / ".publishing", run / f".{STATE_DIR}.tmp"]
+    leftovers = [run / ".publishing", run / f".{STATE_DIR}.tmp", run / SHARED_STATE_TMP]
     if (run / STATE_DIR).is_dir():
         leftovers.append(run / f".{STATE_DIR}.old")
     for path in leftovers:

@@ -3,9 +3,11 @@ preemption) and SIGUSR1 (SLURM's `--signal=USR1@<seconds>` warning before the li
 
 Within `signals_stop()`, each of the three raises `Stopped` (a KeyboardInterrupt naming the signal) where the
 program is, as Python's own Ctrl-C does: a command's Ctrl-C handling (atomic writes, saved state, a message) then
-serves all three. With `deferred=True` (every process of a distributed run must stop at the same step) a signal only
-records itself in the returned `StopRequest`, which the program reads at its safe points; a second signal while one
-waits raises at once (a user who presses Ctrl-C twice means it). The handlers before the block come back after it.
+serves all three. While the returned `StopRequest` is `deferring` (from the start with `deferred=True`: every
+process of a distributed run must stop at the same step; or where the program sets it around work that must not be
+cut, a training step) a signal only records itself there, and the program reads it at its safe points; a second
+signal while one waits raises at once (a user who presses Ctrl-C twice means it). The handlers before the block come
+back after it.
 
 A command interrupted this way exits with 128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1:
 `exit_status`), the shell's convention for "ended by that signal", which job schedulers read as interrupted.
@@ -33,9 +35,10 @@ class Stopped(KeyboardInterrupt):
 
 @dataclass
 class StopRequest:
-    """The signal a deferred block received (None: none yet)."""
+    """The signal received while deferring (None: none yet), and whether signals are deferred now."""
 
     signal_name: str | None = None
+    deferring: bool = False
 
 
 def signal_name(interrupt: BaseException) -> str:
@@ -53,14 +56,14 @@ def exit_status(interrupt: BaseException | str) -> int:
 def signals_stop(*, deferred: bool = False) -> Iterator[StopRequest]:
     """SIGINT, SIGTERM and SIGUSR1 as Ctrl-C within the block (module docstring); off the main thread (where Python
     takes no handlers) the block runs as it is."""
-    request = StopRequest()
+    request = StopRequest(deferring=deferred)
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
 
     def handle(signum, frame) -> None:
         name = signal.Signals(signum).name
-        if deferred and request.signal_name is None:
+        if request.deferring and request.signal_name is None:
             request.signal_name = name
             return
         raise Stopped(name)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
 import time
 from dataclasses import replace
@@ -70,6 +69,12 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. a non-finite loss); the last good checkpoint stays in place."""
 
 
+def _has_accelerator() -> bool:
+    """Whether torch sees a GPU (or another accelerator) here."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def _check_launch(accelerator) -> None:
     """TrainingError where `accelerate launch` started several processes that accelerate does not join into one
     run: DeepSpeed on CPUs, for which it has no backend (DeepSpeed then sees every rank and accelerate one, and
@@ -78,8 +83,8 @@ def _check_launch(accelerator) -> None:
     if launched > accelerator.num_processes:
         raise TrainingError(f"{launched} processes were launched, but accelerate runs each alone "
                             f"({accelerator.distributed_type.value} on {accelerator.device.type}): DeepSpeed on CPUs "
-                            "runs in one process (--num_processes 1); several CPU processes train with --cpu "
-                            "(DDP over gloo, e.g. configs/ddp.yaml)")
+                            "runs in one process (--num_processes 1); several CPU processes train with configs/ddp.yaml or "
+                            "--multi_gpu --num_processes N (DDP over gloo; accelerate's --cpu starts one process)")
 
 
 class TrainingInterrupted(Stopped):
@@ -239,14 +244,17 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
 
     `record`: the run's `run_args.json` (`rundir.run_record`); with `resume`, checked against the stopped
     run's (`rundir.check_resume`). Ctrl-C (or another stop signal, `stopping`) saves the state of the last finished
-    step and raises `TrainingInterrupted`. `stop`: the deferred signals of a run on several processes, read after
-    each optimizer step by all of them, so that every process stops after the same step whichever got the signal."""
+    step and raises `TrainingInterrupted`. `stop` (`stopping.signals_stop`'s): one process defers a signal that comes
+    during a step to the step's end; several processes defer every signal and read them together after each step, so
+    that all stop after the same step whichever got the signal."""
     output_dir = Path(output_dir)
     if not train_records:
         raise TrainingError("no training records: nothing to train on")
     accelerator = Accelerator(
         mixed_precision=options.mixed_precision, gradient_accumulation_steps=options.accumulation,
         log_with="tensorboard" if options.tensorboard else None, project_dir=str(output_dir),
+        cpu=not _has_accelerator(),  # on a machine of CPUs only, several launched processes join over gloo (MULTI_CPU)
+        step_scheduler_with_optimizer=False,  # one schedule step an optimizer step (accelerate's: one a process)
     )
     _check_launch(accelerator)
     set_seed(options.seed)
@@ -276,8 +284,9 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
         _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
               total_steps, steps_per_epoch, output_dir, finished, stop)
     except KeyboardInterrupt as interrupt:  # save what the finished steps learned; a step under way is done again
+        if finished["updating"]:  # a second signal cut a step in its weight update: the last saved state stands
+            raise TrainingInterrupted(progress.get("state_step", 0), signal_name(interrupt)) from None
         if progress.get("state_step") != finished["step"]:  # not saved since that step ended
-            _set_rng_states(finished.pop("rng"))  # as they were when that step ended
             _save_state(accelerator, output_dir, finished, log_bytes=finished["log_bytes"])
         raise TrainingInterrupted(finished["step"], signal_name(interrupt)) from None
     summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
@@ -310,8 +319,7 @@ def _train_loader(dataset, special: SpecialIds, options: TrainOptions) -> DataLo
 def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, dev_records, options, progress,
           total_steps, steps_per_epoch, output_dir, finished: dict, stop: StopRequest | None = None) -> None:
     """Optimizer steps until `total_steps`: log the mean loss of each logging window, evaluate, save.
-    `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves), with the RNG
-    states of that moment (`_finish`)."""
+    `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves)."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
     after_step = partial(_after_step, accelerator, model, tokenizer, dev_records, options, progress, log, output_dir)
     with tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train") as bar:
@@ -326,17 +334,21 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
                 batches = accelerator.skip_first_batches(loader, progress["batches_in_epoch"])
             batches.set_epoch(progress["epoch"])  # accelerate's loaders pass it on to the sampler
             for batch in batches:
+                _step_under_way(accelerator, stop)
                 with accelerator.accumulate(model):
                     loss = model(**batch).loss
                     _check_finite(accelerator, loss, progress, output_dir)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and options.max_grad_norm:
                         accelerator.clip_grad_norm_(params, options.max_grad_norm)
+                    finished["updating"] = accelerator.sync_gradients  # the weights change: the step is not undone
                     optimizer.step()
-                    scheduler.step()
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # fp16 overflow
+                        scheduler.step()
                     optimizer.zero_grad()
                 progress["batches_in_epoch"] += 1
                 window.append(loss.detach())
+                crashpoints.reached("micro-batch")
                 if not accelerator.sync_gradients:
                     continue
                 progress["step"] += 1
@@ -351,10 +363,11 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
                 progress.update(window=list(window), eval_pending=step % eval_due == 0 or step == total_steps)
                 _finish(finished, progress, log.path)
                 crashpoints.reached("train-step")
+                _stop_if_asked(accelerator, stop)
                 if after_step(bar):
                     break
                 _finish(finished, progress, log.path)
-                _stop_if_asked(accelerator, stop)
+                _stop_if_asked(accelerator, stop, collective=True)
                 if step >= total_steps:
                     break
             else:
@@ -378,40 +391,31 @@ def _after_step(accelerator, model, tokenizer, dev_records, options, progress, l
 
 
 def _finish(finished: dict, progress: dict, log: Path) -> None:
-    """`finished` := `progress` as it stands, with the RNG states and the log's length of now: what a stop saves
-    (dropout's random numbers drawn by a step under way then are drawn again by the resumed run, and the lines it
-    logged are logged again)."""
-    finished.update(progress, rng=_rng_states(), log_bytes=log.stat().st_size if log.exists() else 0)
+    """`finished` := `progress` as it stands after a step, with the log's length then: what a stop saves (the lines
+    logged after it are logged again by the resumed run)."""
+    finished.update(progress, log_bytes=log.stat().st_size if log.exists() else 0, updating=False)
 
 
-def _rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        states["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return states
+def _step_under_way(accelerator, stop: StopRequest | None) -> None:
+    """A micro-batch begins: on one process, a stop signal now waits for the step's end (`_stop_if_asked`), so that
+    no step is cut between its weight update and its count."""
+    if stop is not None and accelerator.num_processes == 1:
+        stop.deferring = True
 
 
-def _set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states:
-        import numpy
-
-        numpy.random.set_state(states["numpy"])
-
-
-def _stop_if_asked(accelerator, stop: StopRequest | None) -> None:
-    """Raise `Stopped` on every process once any of them has received a deferred stop signal (a collective: called by
-    all processes after the same step)."""
+def _stop_if_asked(accelerator, stop: StopRequest | None, *, collective: bool = False) -> None:
+    """At a step's end: raise `Stopped` where a stop signal came meanwhile, and take signals as they come until the
+    next step begins (one process). Several processes check only where `collective` (after the step's evaluation):
+    then all of them raise once any has received one, after the same step."""
     if stop is None:
+        return
+    if accelerator.num_processes == 1:
+        stop.deferring = False
+        if stop.signal_name:
+            name, stop.signal_name = stop.signal_name, None
+            raise Stopped(name)
+        return
+    if not collective:
         return
     number = torch.tensor([int(getattr(signal, stop.signal_name)) if stop.signal_name else 0], device=accelerator.device)
     number = int(accelerator.gather(number).max().item())
@@ -529,7 +533,7 @@ def _save_state(accelerator, output_dir, progress, log_bytes: int | None = None)
     line logged twice, no torn last line)."""
     log = Path(output_dir) / "metrics.jsonl"
     log_bytes = log_bytes if log_bytes is not None else log.stat().st_size if log.exists() else 0
-    saved = {**{k: v for k, v in progress.items() if k != "rng"}, "window": [float(x) for x in progress.get("window", [])],
+    saved = {**{k: v for k, v in progress.items() if k != "updating"}, "window": [float(x) for x in progress.get("window", [])],
              "state_step": progress["step"], "log_bytes": log_bytes}
 
     def write(tmp):
@@ -540,7 +544,7 @@ def _save_state(accelerator, output_dir, progress, log_bytes: int | None = None)
     if accelerator.num_processes == 1:
         rundir.replace_dir(write, output_dir / rundir.STATE_DIR)
     else:  # several processes write one state directory; the main process swaps it in once all are done
-        tmp = output_dir / f".{rundir.STATE_DIR}.tmp"
+        tmp = output_dir / rundir.SHARED_STATE_TMP  # not replace_dir's own temporary name
         write(tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:

@@ -49,3 +49,12 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary_one(tmp_path)
 def test_names_of_another_host_or_prefix_are_not_owned(tmp_path):
     assert leftovers.owner(leftovers.owned_prefix(".x.") + "abc", ".x.") == os.getpid()
     assert leftovers.owner(".x.otherhost-1-abc", ".x.") is None and leftovers.owner(".y.host-1-abc", ".x.") is None
+
+
+def test_a_folder_holding_only_a_killed_writers_temporary_files_is_empty_again(tmp_path):
+    dead = leftovers.owned_prefix(".run_args.json.").replace(f"-{os.getpid()}-", f"-{ended_pid()}-")
+    (tmp_path / f"{dead}abc.tmp").write_text("{")
+    live = tmp_path / f"{leftovers.owned_prefix('.x.json.')}abc.tmp"
+    live.write_text("{")
+    assert [p.name for p in leftovers.remove_abandoned_writes(tmp_path)] == [f"{dead}abc.tmp"]
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]

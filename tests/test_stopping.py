@@ -37,3 +37,12 @@ def test_deferred_records_the_first_signal_and_raises_at_the_second():
 def test_pythons_own_ctrl_c_is_sigint():
     assert signal_name(KeyboardInterrupt()) == "SIGINT" and exit_status(KeyboardInterrupt()) == 130
     assert exit_status("SIGTERM") == 143 and exit_status("SIGUSR1") == 138
+
+
+def test_a_crash_point_is_parsed_with_its_rank_and_a_bad_one_is_named():
+    from chatglm_tune import crashpoints
+
+    assert crashpoints.parse(crashpoints.spell("train-step", 2, "SIGTERM", 1)) == ("train-step", 2, "SIGTERM", 1)
+    assert crashpoints.parse("append#3:SIGKILL") == ("append", 3, "SIGKILL", None)
+    with pytest.raises(ValueError, match="CHATGLM_TUNE_CRASH_AT='append#0:SIGKILL'"):
+        crashpoints.parse("append#0:SIGKILL")

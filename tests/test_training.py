@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import train as train_cli
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, loading, rundir
+from serving import free_port
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, crashpoints, loading, rundir
 from chatglm_tune.batches import SpecialIds, collate_train, encode_record
 from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 from chatglm_tune.records import read_records
@@ -277,21 +278,34 @@ def test_non_finite_loss_stops_with_a_clear_message(base_dir, train_file, tmp_pa
     assert "the loss became" in capsys.readouterr().err
 
 
-def test_two_processes_follow_the_single_process_loss_curve(base_dir, train_file, tmp_path):
+def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on_sigterm(base_dir, train_file, tmp_path):
+    """Two CPU processes (DDP over gloo) follow one process's loss curve; SIGTERM to one of them (here the second:
+    its peer never got it) stops both after the same step, its state saved once, and --resume then ends where the
+    uninterrupted run did, loss for loss and weight for weight."""
     common = ["--model", str(base_dir), "--train-file", str(train_file), "--tuning", "full", "--max-steps", "4",
               "--log-every", "1", "--lr", "1e-3", "--max-grad-norm", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train.py")]
-    subprocess.run(launch + common + ["--batch-size", "4", "--output-dir", str(tmp_path / "two")], env=env, check=True,
-                   cwd=REPO, capture_output=True)
+    # DDP over gloo on the CPU: accelerate's "--cpu" would start one process whatever --num_processes says
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+              str(REPO / "train.py")]
+    two = [*common, "--batch-size", "4"]
+    subprocess.run(launch + two + ["--output-dir", str(tmp_path / "two")], env=env, check=True, cwd=REPO, capture_output=True)
     subprocess.run([sys.executable, str(REPO / "train.py")] + common + ["--batch-size", "8", "--output-dir", str(tmp_path / "one")],
                    env=env, check=True, cwd=REPO, capture_output=True)
-    two = _losses([json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()])
-    one = _losses([json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()])
-    assert len(one) == len(two) == 4
+    two_log, one_log = _entries(tmp_path / "two"), _entries(tmp_path / "one")
+    assert len(_losses(one_log)) == len(_losses(two_log)) == 4
     # DDP averages the two halves' mean losses, one process the mean over all labelled tokens: close, not equal.
-    assert all(abs(a - b) < 0.05 * a for a, b in zip(one, two)), (one, two)
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(_losses(one_log), _losses(two_log))), (one_log, two_log)
+
+    stopped = tmp_path / "stopped"
+    done = subprocess.run(launch + two + ["--output-dir", str(stopped)], cwd=REPO, capture_output=True, text=True,
+                          env=env | {crashpoints.AT_ENV: crashpoints.spell("train-step", 2, "SIGTERM", rank=1)})
+    assert done.returncode != 0 and "interrupted by SIGTERM after step 2: its state is saved" in done.stderr, done.stderr[-3000:]
+    assert json.loads((stopped / "state" / "progress.json").read_text())["step"] == 2
+    subprocess.run(launch + two + ["--output-dir", str(stopped), "--resume"], env=env, check=True, cwd=REPO, capture_output=True)
+    assert [{k: v for k, v in e.items() if k != "final" or "seconds" not in v} for e in _entries(stopped)][:-1] == two_log[:-1]
+    assert (stopped / "model.safetensors").read_bytes() == (tmp_path / "two" / "model.safetensors").read_bytes()
 
 
 # ----------------------------------------------------------------------------------------------

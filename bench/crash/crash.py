@@ -39,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.crash.crash_commands import HANG_S, ROOT, Command, commands, prepare, quiet_env, trained  # noqa: E402
 from chatglm_tune.crashpoints import AT_ENV, LOG_ENV, spell  # noqa: E402
-from chatglm_tune.options import KERNEL_CACHE_ENV  # noqa: E402
+from chatglm_tune.leftovers import alive, owner  # noqa: E402
+from chatglm_tune.options import KERNEL_CACHE_ENV, kernel_cache  # noqa: E402
+from chatglm_tune.quant import inline_build  # noqa: E402
 
 SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
 RESULTS = ROOT / "bench" / "results"
@@ -65,10 +67,13 @@ class Kill:
     where: str  # the crash point ("append#2"), the delay ("1.234"), or "" for a build
 
 
-def leftovers(*folders: Path) -> list[str]:
-    """Temporary files and folders under `folders`."""
-    return sorted(str(p) for folder in folders if folder.exists() for p in folder.rglob("*")
-                  if any(mark in p.name for mark in TEMPORARY))
+def leftovers(work: Path, cache: Path) -> list[str]:
+    """Temporary files and folders under `work`, and kernel builds in `cache` whose process has ended (a cache shared
+    with other processes may hold their builds under way)."""
+    found = [p for p in work.rglob("*") if any(mark in p.name for mark in TEMPORARY)] if work.exists() else []
+    builds = cache.glob(f"*/{inline_build.BUILD_PREFIX}*") if cache.exists() else []
+    found += [p for p in builds if not alive(owner(p.name, inline_build.BUILD_PREFIX) or 0)]
+    return sorted(map(str, found))
 
 
 def run_to_end(argv: list[str], env: dict, log: Path) -> tuple[int | None, float]:
@@ -84,11 +89,11 @@ def run_to_end(argv: list[str], env: dict, log: Path) -> tuple[int | None, float
             return None, time.monotonic() - start
 
 
-def reference(command: Command, root: Path, cache: Path) -> Reference:
+def reference(command: Command, root: Path, cache: Path | None) -> Reference:
     """An uninterrupted run of `command`: its output, duration and the crash points it passed."""
     work = Path(tempfile.mkdtemp(prefix=f"{command.name}-reference-", dir=root))
     moments = work.parent / f"{work.name}.moments"
-    code, seconds = run_to_end(command.first(work), quiet_env(**{LOG_ENV: str(moments), KERNEL_CACHE_ENV: str(cache)}),
+    code, seconds = run_to_end(command.first(work), quiet_env(**{LOG_ENV: str(moments)}, **cache_env(cache)),
                                root / f"{work.name}.log")
     if code != 0:
         raise RuntimeError(f"{command.name}'s uninterrupted run failed ({code}): see {root / (work.name + '.log')}")
@@ -138,11 +143,17 @@ def _signal_at(proc: subprocess.Popen, kill: Kill, cache: Path) -> None:
         pass
 
 
-def one_kill(command: Command, kill: Kill, ref: Reference, root: Path, warm_cache: Path) -> dict:
-    """Kill `command` at `kill`'s moment, run it again to its end, and compare: one row of the table."""
+def cache_env(cache: Path | None) -> dict:
+    """The environment that points the kernels at `cache` (None: the user's own)."""
+    return {} if cache is None else {KERNEL_CACHE_ENV: str(cache)}
+
+
+def one_kill(command: Command, kill: Kill, ref: Reference, root: Path, warm_cache: Path | None) -> dict:
+    """Kill `command` at `kill`'s moment, run it again to its end, and compare: one row of the table. `warm_cache`: the
+    kernel cache of the runs that do not start on an empty one (None: the user's)."""
     work = Path(tempfile.mkdtemp(prefix=f"{command.name}-", dir=root))
     cache = Path(tempfile.mkdtemp(prefix="kernels-", dir=root)) if kill.kind == "build" else warm_cache
-    env = quiet_env(**{KERNEL_CACHE_ENV: str(cache)})
+    env = quiet_env(**cache_env(cache))
     log = root / f"{work.name}.log"
     at = {AT_ENV: spell(*kill.where.rsplit("#", 1)[:1], int(kill.where.rsplit("#", 1)[1]), kill.signal)} \
         if kill.kind == "point" else {}
@@ -159,13 +170,13 @@ def one_kill(command: Command, kill: Kill, ref: Reference, root: Path, warm_cach
     again, _ = run_to_end(command.again(work), env, log)
     row.update(hang=row["hang"] or again is None, rerun_exit=again, failed=again != 0)
     row["differs"] = not row["failed"] and command.output(work) != ref.output
-    row["leftovers"] = leftovers(work, cache)
+    row["leftovers"] = leftovers(work, cache or kernel_cache())
     if not (row["hang"] or row["failed"] or row["differs"] or row["leftovers"]):
         shutil.rmtree(work, ignore_errors=True)
         log.unlink(missing_ok=True)
     else:
         row["log"] = str(log)
-    if cache != warm_cache:
+    if kill.kind == "build":
         shutil.rmtree(cache, ignore_errors=True)
     return row
 
