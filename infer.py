@@ -155,17 +155,12 @@ def run_text(args, settings, source) -> None:
 
 
 def run_file(args, settings, source) -> None:
-    import json
-    import time
-    from dataclasses import asdict, replace
+    """Extract every record of --input into --output (one process), or this process's share of them (several:
+    `shards`), then the summary of the whole."""
+    from dataclasses import replace
 
-    from tqdm import tqdm
-
-    from chatglm_tune import extraction, rundir
-    from chatglm_tune.checkpoint import atomic_write
-    from chatglm_tune.stopping import Stopped, signal_name
-    from chatglm_tune.decoding.speculative import DecodeStats
     from chatglm_tune.records import read_records
+    from chatglm_tune.shards import World
 
     records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=columns_of(args, source))
     if any(record.response is not None for record in records):  # conversations: free-text gold answers
@@ -173,17 +168,35 @@ def run_file(args, settings, source) -> None:
     if bad.total:
         print(bad.summary(), file=sys.stderr)
     identity = source.identity(args.quantization_bit, args.quantize_embedding)
+    world = World.from_environment()
+    if world.size > 1:
+        return run_share(args, settings, source, records, bad, identity, world)
+    rows, counts = extract_into(args, args.output, records, identity, settings, source)
+    write_summary(args, rows, records, counts, identity, bad, settings)
+
+
+def extract_into(args, output: Path, records, identity: str, settings, source) -> tuple[list[dict], dict]:
+    """(every row of `output`, this run's counts): the records not in it yet extracted and appended as they come
+    (`--resume` continues a file; the model loads only where a record is left)."""
+    import time
+
+    from tqdm import tqdm
+
+    from chatglm_tune import extraction, rundir
+    from chatglm_tune.decoding.speculative import DecodeStats
+    from chatglm_tune.stopping import Stopped, signal_name
+
     try:  # the output's folder and the record of its model, before the model loads
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        rows = extraction.rows_to_resume(args.output, records, identity, resume=args.resume)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        rows = extraction.rows_to_resume(output, records, identity, resume=args.resume)
     except OSError as err:  # under a file, in a read-only folder
-        raise rundir.cannot_create(args.output, err) from None
+        raise rundir.cannot_create(output, err) from None
     start = len(rows)
     if start:
         print(f"resuming after {start} of {len(records)} records", file=sys.stderr)
     model, tokenizer = load(args, source, settings) if start < len(records) else (None, None)
     began, tokens, stats = time.perf_counter(), 0, DecodeStats()
-    with open(args.output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
+    with open(output, "a", encoding="utf-8") as f, tqdm(total=len(records) - start, unit="rec", file=sys.stderr) as bar:
         if model is not None:
             try:
                 for ready in extraction.extract(model, tokenizer, records, settings, start=start, stats=stats):
@@ -195,10 +208,58 @@ def run_file(args, settings, source) -> None:
                     bar.update(len(ready))
             except KeyboardInterrupt as interrupt:
                 bar.close()
-                raise Stopped(signal_name(interrupt), f"after {len(rows)} of {len(records)} records (in {args.output}); "
+                raise Stopped(signal_name(interrupt), f"after {len(rows)} of {len(records)} records (in {output}); "
                               "the same command with --resume continues from there") from None
-    summary = extraction.summarize(rows, records, new_rows=len(rows) - start, new_tokens=tokens, seconds=time.perf_counter() - began,
-                                    stats=stats)
+    return rows, {"new_rows": len(rows) - start, "new_tokens": tokens, "seconds": time.perf_counter() - began,
+                  "stats": stats}
+
+
+def run_share(args, settings, source, records, bad, identity: str, world) -> None:
+    """This process's share of the records into its part file; the last process to finish merges the parts and writes
+    the summary of the whole (`shards`)."""
+    from chatglm_tune import extraction, shards
+
+    others = shards.parts_of_another_launch(args.output, world)
+    if others:
+        raise ValueError(f"{others[0]} is a part of a run over another number of processes: resume it with as many "
+                         "processes, or choose another --output")
+    if args.output.exists() and args.output.stat().st_size:
+        if not args.resume:
+            raise ValueError(f"{args.output} exists: pass --resume to continue it, or remove it")
+        if len(extraction.rows_to_resume(args.output, records, identity, resume=True)) == len(records):
+            print(f"infer.py: {args.output} holds every record already: nothing to do", file=sys.stderr)
+            return
+    if args.device == "auto":  # one GPU a process where there are GPUs (LOCAL_RANK: its place on this machine)
+        import os
+
+        import torch
+
+        if torch.cuda.is_available():
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', world.rank)) % torch.cuda.device_count()}"
+    part = world.part(args.output)
+    _, counts = extract_into(args, part, world.share(records), identity, settings, source)
+    shards.mark_done(part, {k: v for k, v in counts.items() if k != "stats"})
+    merged = shards.merge_if_last(args.output, world, len(records), identity)
+    if merged is None:
+        print(f"infer.py: process {world.rank} of {world.size} wrote its share ({part}); the last one to finish merges",
+              file=sys.stderr)
+        return
+    rows, parts = merged
+    total = {"new_rows": sum(c["new_rows"] for c in parts), "new_tokens": sum(c["new_tokens"] for c in parts),
+             "seconds": max(c["seconds"] for c in parts), "stats": None, "processes": world.size}
+    write_summary(args, rows, records, total, identity, bad, settings)
+
+
+def write_summary(args, rows, records, counts: dict, identity: str, bad, settings) -> None:
+    """`<output>.summary.json` (written whole) and its lines on the screen."""
+    import json
+    from dataclasses import asdict
+
+    from chatglm_tune import extraction
+    from chatglm_tune.checkpoint import atomic_write
+
+    summary = extraction.summarize(rows, records, new_rows=counts["new_rows"], new_tokens=counts["new_tokens"],
+                                   seconds=counts["seconds"], stats=counts["stats"], processes=counts.get("processes", 1))
     summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
                    settings=asdict(settings))
     path = args.output.with_name(args.output.name + ".summary.json")

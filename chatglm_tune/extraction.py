@@ -176,12 +176,13 @@ def append_rows(f, rows: list[dict]) -> None:
 
 
 def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: int, new_tokens: int, seconds: float,
-              stats: DecodeStats | None = None) -> dict:
-    """The run summary: scores over every row, throughput of this run's rows (and, where it guessed,
-    speculative decoding's tokens a forward and acceptance)."""
+              stats: DecodeStats | None = None, processes: int = 1) -> dict:
+    """The run summary: scores over every row, throughput of this run's rows on its `processes` (and, where it
+    guessed, speculative decoding's tokens a forward and acceptance)."""
     summary = {
         "records": len(rows),
         "this_run": {
+            "processes": processes,
             "records": new_rows,
             "new_tokens": new_tokens,
             "seconds": round(seconds, 3),
@@ -203,7 +204,9 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
 def format_summary(summary: dict) -> str:
     """A few human-readable lines of `summarize`'s result."""
     scores, run = summary["scores"], summary["this_run"]
-    lines = [f"records: {summary['records']} ({run['records']} this run), cut at max_new_tokens: {summary['stopped_at_length']}",
+    shared = f", {run['processes']} processes" if run.get("processes", 1) > 1 else ""
+    lines = [f"records: {summary['records']} ({run['records']} this run{shared}), cut at max_new_tokens: "
+             f"{summary['stopped_at_length']}",
              describe_scores(scores)]
     if summary.get("texts_truncated"):
         max_src_len = summary.get("settings", {}).get("encoding", {}).get("max_src_len", "max_src_len")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
 SHARED = {"options", "heap", "openmp", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
+UPPER = {"training", "extraction", "shards", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
 
