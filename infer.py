@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, DEFAULT_DRAFTS, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, THREADS_PER_CPU, ExtractionSettings,
+    BAD_RECORD_MODES, DEFAULT_DRAFTS, DEFAULT_SAMPLING, LOAD_DTYPES, QUANTIZATION_BITS, SPECULATION, SPECULATION_MODES,
+    THREADS_PER_CPU, ExtractionSettings,
     threads_problem,
 )
 
@@ -46,10 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help=f"with --do-sample: > 0, or 0 for greedy (default {DEFAULT_SAMPLING.temperature})")
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
-    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULT_SETTINGS.drafts is not None,
+    p.add_argument("--speculative", nargs="?", const="on", choices=SPECULATION_MODES, default=SPECULATION,
                    help="greedy decoding guesses each row's next tokens from its own text and earlier answers and checks "
                         "them in one forward: the same output in fewer forwards, faster where a forward of a few tokens "
-                        "costs about one token's (default: off; sampling decodes plainly)")
+                        "costs about one token's; on: every step guesses; auto: a step guesses where guessing has been "
+                        "faster at its number of rows, as measured during the run (default %(default)s; --speculative "
+                        "alone: on; sampling decodes plainly)")
+    p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off", help="--speculative off")
     p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a forward at most (default "
                    f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
                    "without AVX-512 VNNI)")
@@ -84,10 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.input is not None and args.output.resolve() == args.input.resolve():
             p.error(f"--output {args.output} is the --input file: name another file to write")
     given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
-    if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
+    if args.max_draft is not None and (args.max_draft < 1 or args.speculative == "off"):
         p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
-    if args.compile and args.speculative:
+    if args.compile and args.speculative == "on":
         p.error("--compile and --speculative do not combine: choose one")
+    if args.compile:  # compiled steps take no guesses
+        args.speculative = "off"
     if given and not args.do_sample:
         p.error(f"{', '.join(given)} apply only with --do-sample")
     if args.input is not None and args.output is None:
@@ -98,12 +104,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def settings_from(args) -> ExtractionSettings:
+    from dataclasses import replace
+
     from chatglm_tune.options import SamplingOptions
 
     chosen = {k: getattr(args, k) for k in ("top_p", "temperature", "top_k") if getattr(args, k) is not None}
     return ExtractionSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               sampling=SamplingOptions(do_sample=args.do_sample, **chosen), seed=args.seed,
-                              drafts=DEFAULT_DRAFTS.capped(args.max_draft) if args.speculative else None,
+                              drafts=None if args.speculative == "off" else
+                              replace(DEFAULT_DRAFTS.capped(args.max_draft), auto=args.speculative == "auto"),
                               compiled=args.compile)
 
 
@@ -137,7 +146,8 @@ def speculation_line(settings) -> str:
         return "speculative decoding off"
     if not settings.sampling.greedy:
         return "speculative decoding off (sampling decodes plainly)"
-    return f"speculative decoding on (prompt lookup, up to {drafts.max_draft} guessed tokens checked a forward)"
+    when = "auto: steps guess where guessing has been faster at their number of rows" if drafts.auto else "on"
+    return f"speculative decoding {when} (prompt lookup, up to {drafts.max_draft} guessed tokens checked a forward)"
 
 
 def run_text(args, settings, source) -> None:

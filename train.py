@@ -285,6 +285,13 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
     from chatglm_tune.training import TrainingError, prepare_model, train
 
     try:
+        if not torch.cuda.is_available():  # a default fitted to the cores free (the record keeps the preset's)
+            from dataclasses import replace
+
+            from chatglm_tune import cores
+
+            threads, threads_origin = cores.fitted(options.threads, threads_origin)
+            options = replace(options, threads=threads)
         model, tokenizer = prepare_model(args.model, train_records, args.output_dir, options)
         print(f"threads: {torch.get_num_threads()} ({threads_origin})")
         if options.dtype == "float16" and not torch.cuda.is_available():

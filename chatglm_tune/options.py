@@ -298,6 +298,9 @@ def threads_from_environment() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+GIVEN_THREADS = ("--threads", "OMP_NUM_THREADS")  # thread counts the user gave: taken as they are, never fitted
+
+
 def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -> tuple[int | None, str]:
     """(torch CPU threads, where the number came from): `--threads`, else OMP_NUM_THREADS (what the user set
     in the environment wins over a preset or a run's record), else `fallback` (named `fallback_name`), else
@@ -305,7 +308,7 @@ def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -
     recorded count was checked where it ran."""
     for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"), (fallback, fallback_name)):
         if threads is not None:
-            problem = threads_problem(threads, origin) if origin in ("--threads", "OMP_NUM_THREADS") else None
+            problem = threads_problem(threads, origin) if origin in GIVEN_THREADS else None
             if problem:
                 raise ValueError(problem)
             return threads, origin
@@ -411,6 +414,7 @@ class DraftOptions:
     ngram_max: int = 4
     ngram_min: int = 1
     pool_answers: int = 256
+    auto: bool = False  # each step guesses only where guessing has been faster at its number of rows (`adaptive`)
 
     def __post_init__(self):
         problems = []
@@ -432,6 +436,10 @@ class DraftOptions:
 
 
 DEFAULT_DRAFTS = DraftOptions()
+# infer.py --speculative: "on" (every greedy step guesses), "auto" (a step guesses where guessing has been faster at
+# its number of live rows: measured while the run goes, `decoding.adaptive`), "off"
+SPECULATION_MODES = ("auto", "on", "off")
+SPECULATION = "auto"
 
 
 @dataclass(frozen=True)
@@ -508,6 +516,8 @@ class ServingOptions:
             problems.append(f"max_queue must be None or an integer >= 0, got {self.max_queue!r}")
         if not (isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1):
             problems.append(f"prefill_tokens must be an integer >= 1, got {self.prefill_tokens!r}")
+        if self.drafts is not None and self.drafts.auto:
+            problems.append("drafts: the server's speculation is on or off (auto is infer.py's)")
         if self.compiled and self.drafts is not None:
             problems.append("compiled serving and speculative drafts do not combine: ask for one of them")
         if not (isinstance(self.max_body_mb, (int, float)) and self.max_body_mb > 0):

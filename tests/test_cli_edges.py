@@ -19,6 +19,8 @@ import pytest
 import torch
 from commands import HANG_S, ROOT, cli, ok, side_by_side, wait_until
 from serving import tiny_model
+
+from chatglm_tune import cores
 from test_first_hour import tree_bytes
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -84,8 +86,9 @@ def test_threads_flag_beats_the_environment_and_the_preset_applies_without_eithe
     code, out, _ = train_here(*args, "--threads", 1, "--output-dir", tmp_path / "f", capsys=capsys)
     assert code == 0 and re.search(r"^threads: 1 \(--threads\)$", out, re.M)
     monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(cores, "busy_elsewhere", lambda: 0.0)  # a quiet machine: the preset's 2 threads
     code, out, _ = train_here(*args, "--output-dir", tmp_path / "p", capsys=capsys)
-    assert code == 0 and re.search(r"^threads: 2 \(the tiny demo's\)$", out, re.M)
+    assert code == 0 and re.search(r"^threads: 2 \(the tiny demo's; \d+ cores usable\)$", out, re.M), out
 
 
 def test_infer_takes_omp_num_threads_over_the_run_s_threads(runs, capsys, monkeypatch):
@@ -98,8 +101,12 @@ def test_infer_takes_omp_num_threads_over_the_run_s_threads(runs, capsys, monkey
         code, _, err = infer_here("--model", run, "--text", "一辆车。", capsys=capsys)
         assert code == 0 and "1 threads (OMP_NUM_THREADS)" in err
         monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(cores, "busy_elsewhere", lambda: 0.0)  # a quiet machine: the run's 2 threads
         code, _, err = infer_here("--model", run, "--text", "一辆车。", capsys=capsys)
-        assert code == 0 and "2 threads (the run's)" in err
+        assert code == 0 and "2 threads (the run's; " in err
+        monkeypatch.setattr(cores, "busy_elsewhere", lambda: 1.0)  # a core kept busy by other work: one thread
+        code, _, err = infer_here("--model", run, "--text", "一辆车。", capsys=capsys)
+        assert code == 0 and "1 threads (the run's 2, capped at the cores free: 2 cores usable, 1 kept busy" in err
     finally:
         args["threads"] = 1
         (run / "run_args.json").write_text(json.dumps(args))

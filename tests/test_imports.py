@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "openmp", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
+SHARED = {"options", "heap", "openmp", "cores", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
 UPPER = {"training", "extraction", "shards", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
          "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}

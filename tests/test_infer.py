@@ -110,10 +110,14 @@ def test_rows_do_not_depend_on_batch_size(workdir, tmp_path):
 
 
 def test_speculative_decoding_changes_no_row(workdir, tmp_path, capsys):
-    plain = run_infer(workdir, tmp_path / "plain.jsonl", "--batch-size", 4)
-    assert "speculative decoding off" in capsys.readouterr().err  # the default
+    plain = run_infer(workdir, tmp_path / "plain.jsonl", "--batch-size", 4, "--no-speculative")
+    assert "speculative decoding off" in capsys.readouterr().err
     summary = json.loads((tmp_path / "plain.jsonl.summary.json").read_text(encoding="utf-8"))
     assert "speculative" not in summary["this_run"] and summary["settings"]["drafts"] is None
+    auto = run_infer(workdir, tmp_path / "auto.jsonl", "--batch-size", 4)  # the default: steps of both kinds
+    assert "speculative decoding auto: steps guess where guessing has been faster" in capsys.readouterr().err
+    assert auto == plain
+    assert json.loads((tmp_path / "auto.jsonl.summary.json").read_text(encoding="utf-8"))["settings"]["drafts"]["auto"]
     fast = run_infer(workdir, tmp_path / "fast.jsonl", "--batch-size", 4, "--speculative")
     captured = capsys.readouterr()
     assert "speculative decoding on" in captured.err and "speculative decoding:" in captured.out
@@ -153,7 +157,7 @@ def test_compile_decodes_as_before_and_refuses_the_cpus_integer_kernels(workdir,
     assert not (tmp_path / "refused.jsonl").exists()
 
 
-@pytest.mark.parametrize("flags, message", [(["--max-draft", "2"], "--max-draft applies only with --speculative"),
+@pytest.mark.parametrize("flags, message", [(["--no-speculative", "--max-draft", "2"], "--max-draft applies only with --speculative"),
                                             (["--compile", "--speculative"], "--compile and --speculative do not combine"),
                                             (["--speculative", "--max-draft", "0"], "--max-draft must be >= 1, got 0")])
 def test_max_draft_needs_speculation_and_a_positive_count(workdir, tmp_path, capsys, flags, message):

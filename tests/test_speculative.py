@@ -10,6 +10,7 @@ oracle drafter (the plain answer's next tokens) shows a forward taking k + 1 tok
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -127,6 +128,9 @@ def test_greedy_ids_equal_with_and_without_speculation(tiny):
     stats = DecodeStats()
     plain, fast = both(model, tokenizer, ids, mask, stop, stats)
     assert fast == plain
+    auto = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=stop, vocab_limit=len(tokenizer),
+                    drafts=dataclasses.replace(DRAFTS, auto=True))  # steps of both kinds: the same ids
+    assert auto == plain
     assert len({len(row) for row in plain}) > 1  # rows stopped at different steps
     assert stats.forwards and stats.drafted
     for i in range(2):  # batch 1
@@ -201,3 +205,25 @@ def test_quantized_and_lora_models_too(name, adapt, tmp_path):
     ids, mask = batch_of(tokenizer, TEXTS[12:17])
     plain, fast = both(model, tokenizer, ids, mask, a_stop_id_in_mid_answer(model, tokenizer, ids, mask))
     assert fast == plain
+
+
+def test_auto_speculation_tries_both_kinds_then_takes_the_faster_and_tries_the_other_again():
+    from chatglm_tune.decoding.adaptive import EXPLORE_EVERY, WARM_UP, SpeculationChooser, bucket
+
+    chooser = SpeculationChooser()
+    kinds = []
+    for _ in range(2 * WARM_UP):
+        kinds.append(chooser.speculate(1))
+        chooser.record(1, kinds[-1], seconds=0.010 if kinds[-1] else 0.004, tokens=3 if kinds[-1] else 1)
+    assert kinds == [False, True] * WARM_UP  # plain first, then in turn
+    taken = [chooser.speculate(1) for _ in range(EXPLORE_EVERY)]  # 3.3 ms a token guessing, 4 ms plain
+    assert taken == [True] * (EXPLORE_EVERY - 1) + [False]
+    chooser.record(1, False, seconds=0.004, tokens=1)  # the try confirms the choice: the next comes twice as late
+    taken = [chooser.speculate(1) for _ in range(2 * EXPLORE_EVERY)]
+    assert taken == [True] * (2 * EXPLORE_EVERY - 1) + [False]
+    chooser.record(1, False, seconds=0.004, tokens=1)
+    assert chooser.speculate(8) is False  # another bucket starts over
+    for _ in range(10):  # guessing gets slow at one row: plain from then on
+        chooser.record(1, True, seconds=0.050, tokens=2)
+    assert chooser.speculate(1) is False
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]

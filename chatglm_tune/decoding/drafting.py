@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from chatglm_tune.decoding.adaptive import SpeculationChooser
 from chatglm_tune.options import DraftOptions
 
 
@@ -91,6 +92,7 @@ class Drafter:
 
     def __init__(self, options: DraftOptions):
         self.options = options
+        self.chooser = SpeculationChooser() if options.auto else None  # which steps guess (`adaptive`), kept over calls
         self.pool = AnswerPool(options.pool_answers, options.ngram_max) if options.pool_answers else None
         self._lengths: dict[int, int] = {}
 

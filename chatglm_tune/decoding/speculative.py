@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chatglm_tune.decoding.adaptive import timed
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens
@@ -78,11 +79,16 @@ def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, st
         if len(going) < len(live):
             batch.select(torch.tensor(going, device=ids.device))
             live = [live[i] for i in going]
+        speculate = drafter.chooser is None or drafter.chooser.speculate(len(live))
         guesses = [drafter.draft(r, history[r], prompt_lengths[r], max_new_tokens - (len(history[r]) - prompt_lengths[r]) - 1)
-                   for r in live]
-        emitted = _step(model, batch, [history[r][-1] for r in live], guesses, stop, fallback, vocab_limit)
+                   if speculate else [] for r in live]
+        emitted, seconds = timed(lambda: _step(model, batch, [history[r][-1] for r in live], guesses, stop, fallback,
+                                               vocab_limit))
+        if drafter.chooser is not None:
+            drafter.chooser.record(len(live), speculate, seconds, sum(map(len, emitted)))
         for r, guess, out in zip(live, guesses, emitted):
-            drafter.update(r, len(guess), len(out) - 1)
+            if speculate:
+                drafter.update(r, len(guess), len(out) - 1)
             stats.drafted += len(guess)
             stats.accepted += len(out) - 1
             stats.tokens += len(out)
