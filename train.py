@@ -8,6 +8,7 @@ r"""Fine-tune ChatGLM on SPO extraction data: P-tuning v2, LoRA or full fine-tun
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -204,7 +205,6 @@ def read_data(args, columns: DataColumns):
 def main(argv=None) -> int:
     """Check, train, report. SIGTERM and SIGUSR1 stop a run as Ctrl-C does (`stopping`): the state of the last
     finished step is saved and the exit status is 128 + the signal's number (130, 143, 138)."""
-    import os
 
     from chatglm_tune.stopping import signals_stop
 
@@ -231,8 +231,6 @@ def main(argv=None) -> int:
 def check(args):
     """(options, threads' origin, run record, train, dev and bad records) of a run to start or continue, checked before
     anything is loaded; None where `--resume auto` finds the run finished. The new run's directory is recorded."""
-    import os
-
     from chatglm_tune import rundir
 
     base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
@@ -325,4 +323,9 @@ def fail(error: Exception) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a distributed run ends without destructors (`training._keep`)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

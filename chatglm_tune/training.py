@@ -265,6 +265,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
     total_steps = options.total_steps(steps_per_epoch)
     optimizer, scheduler = optimizer_and_schedule(params, options, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    _keep(accelerator, model)
     _keep_only_trainable_in_state(accelerator)
 
     if resume:
@@ -288,6 +289,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
             raise TrainingInterrupted(progress.get("state_step", 0), signal_name(interrupt)) from None
         if progress.get("state_step") != finished["step"]:  # not saved since that step ended
             _save_state(accelerator, output_dir, finished, log_bytes=finished["log_bytes"])
+        _leave(accelerator)
         raise TrainingInterrupted(finished["step"], signal_name(interrupt)) from None
     summary = {"step": progress["step"], "best_f1": progress["best_f1"], "best_dev_loss": progress["best_loss"],
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
@@ -297,6 +299,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
 
         plot_curves(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
     accelerator.end_training()
+    _leave(accelerator)
     return summary
 
 
@@ -401,6 +404,24 @@ def _step_under_way(accelerator, stop: StopRequest | None) -> None:
     no step is cut between its weight update and its count."""
     if stop is not None and accelerator.num_processes == 1:
         stop.deferring = True
+
+
+_KEPT: list = []  # (accelerator, DDP model) of each distributed run of this process: never freed (`_keep`)
+
+
+def _keep(accelerator, model) -> None:
+    """Several processes: the accelerator and its DDP model are kept to the end of the process, which train.py ends
+    without running destructors. Freeing a DDP model's reducer joins a gloo thread that may be waiting for the
+    interpreter lock its freer holds: the process would hang at the end of a finished run."""
+    if accelerator.num_processes > 1:
+        _KEPT.append((accelerator, model))
+
+
+def _leave(accelerator) -> None:
+    """Several processes: all wait for each other and take their process group down together."""
+    if accelerator.num_processes > 1 and torch.distributed.is_initialized():  # end_training may have taken it down
+        accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 def _stop_if_asked(accelerator, stop: StopRequest | None, *, collective: bool = False) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train as train_cli
+from commands import HANG_S
 from serving import free_port
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, crashpoints, loading, rundir
 from chatglm_tune.batches import SpecialIds, collate_train, encode_record
@@ -290,9 +291,10 @@ def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on
               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
               str(REPO / "train.py")]
     two = [*common, "--batch-size", "4"]
-    subprocess.run(launch + two + ["--output-dir", str(tmp_path / "two")], env=env, check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch + two + ["--output-dir", str(tmp_path / "two")], env=env, check=True, cwd=REPO, capture_output=True,
+                   timeout=HANG_S)
     subprocess.run([sys.executable, str(REPO / "train.py")] + common + ["--batch-size", "8", "--output-dir", str(tmp_path / "one")],
-                   env=env, check=True, cwd=REPO, capture_output=True)
+                   env=env, check=True, cwd=REPO, capture_output=True, timeout=HANG_S)
     two_log, one_log = _entries(tmp_path / "two"), _entries(tmp_path / "one")
     assert len(_losses(one_log)) == len(_losses(two_log)) == 4
     # DDP averages the two halves' mean losses, one process the mean over all labelled tokens: close, not equal.
@@ -300,10 +302,12 @@ def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on
 
     stopped = tmp_path / "stopped"
     done = subprocess.run(launch + two + ["--output-dir", str(stopped)], cwd=REPO, capture_output=True, text=True,
-                          env=env | {crashpoints.AT_ENV: crashpoints.spell("train-step", 2, "SIGTERM", rank=1)})
+                          env=env | {crashpoints.AT_ENV: crashpoints.spell("train-step", 2, "SIGTERM", rank=1)},
+                          timeout=HANG_S)
     assert done.returncode != 0 and "interrupted by SIGTERM after step 2: its state is saved" in done.stderr, done.stderr[-3000:]
     assert json.loads((stopped / "state" / "progress.json").read_text())["step"] == 2
-    subprocess.run(launch + two + ["--output-dir", str(stopped), "--resume"], env=env, check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch + two + ["--output-dir", str(stopped), "--resume"], env=env, check=True, cwd=REPO, capture_output=True,
+                   timeout=HANG_S)
     assert [{k: v for k, v in e.items() if k != "final" or "seconds" not in v} for e in _entries(stopped)][:-1] == two_log[:-1]
     assert (stopped / "model.safetensors").read_bytes() == (tmp_path / "two" / "model.safetensors").read_bytes()
 
