@@ -137,6 +137,119 @@ def test_tool_choice(models, monkeypatch):
         assert "tool_calls" not in message
 
 
+def answering(engine, monkeypatch, text: str, tokenizer) -> None:
+    """The engine answers every request with `text` (then the version's first stop id), token by token."""
+    from chatglm_tune.decoding.request import FINISH_STOP
+
+    ids = tokenizer.encode_text(text) + tokenizer.prompt_format.stop_ids(tokenizer)[:1]
+
+    def submit(request):
+        for token in ids:
+            request.on_token(token)
+        request.on_finish(FINISH_STOP, None)
+
+    monkeypatch.setattr(engine, "submit", submit)
+
+
+@pytest.mark.parametrize("version", ["chatglm3", "glm4"])
+def test_a_streamed_tool_call_comes_as_tool_calls_only(version, models, monkeypatch):
+    """Streamed, a tool call sends no text: its first line (the tool's name) is held back until the line ends, then
+    the call comes as OpenAI streams one (id and name, then the arguments), so the openai SDK's final completion has
+    content None and the call, as the same answer unstreamed. A text answer (its first line empty) streams as text,
+    token by token, and ends the same as unstreamed."""
+    arguments = "```python\ntool_call(city='北京')\n```" if version == "chatglm3" else '{"city": "北京"}'
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "北京天气"}], max_tokens=40, temperature=0,
+               tools=[WEATHER])
+    with serving(models(version)) as s:
+        client = s.client()
+        answering(s.service.engine, monkeypatch, f"get_weather\n{arguments}", s.tokenizer)
+        plain = client.chat.completions.create(**ask).choices[0]
+        with client.chat.completions.stream(**ask) as stream:
+            chunks = [event.chunk for event in stream if event.type == "chunk"]
+            final = stream.get_final_completion().choices[0]
+        for choice in (plain, final):
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+                ("get_weather", {"city": "北京"})]
+        assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+        calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert [call.function.name for call in calls] == ["get_weather", None] and calls[0].function.arguments == ""
+
+        answering(s.service.engine, monkeypatch, "\n晴，25度，微风", s.tokenizer)
+        plain = client.chat.completions.create(**ask).choices[0]
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(**ask, stream=True)
+                  if c.choices and c.choices[0].delta.content]
+        assert plain.message.content == "".join(pieces) == "晴，25度，微风" and len(pieces) > 1
+        assert plain.message.tool_calls is None
+
+
+def test_the_kernels_are_built_before_the_server_is_ready(models, monkeypatch):
+    """The server decodes a few tokens before it says it is ready: a CPU kernel the first request would have built
+    (here the few-row float matmul of decoding, as in a process that has not built it yet) is built then, and the
+    first request builds nothing."""
+    from chatglm_tune.quant import fewrow_cpu, inline_build
+
+    if not inline_build.x86():
+        pytest.skip("the CPU kernels are built on x86-64 only")
+    builds, build = [], inline_build.build
+    monkeypatch.setattr(inline_build, "build", lambda name, *args, **kwargs: builds.append(name) or build(name, *args,
+                                                                                                       **kwargs))
+    monkeypatch.setattr(fewrow_cpu, "_built", [])
+    with serving(models("glm4")) as s:
+        ready = list(builds)
+        s.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=4)
+    assert "chatglm_fewrow_cpu" in ready and builds == ready
+
+
+def test_n_answers_and_a_list_of_prompts_are_each_what_one_request_answers(models):
+    """`n` answers of one prompt are n rows of the batch: greedy, n equal answers; sampled with a seed, answer i is
+    the one request seeded seed + i answers (so they differ). A completion's list of prompts answers each in order
+    (choice p * n + i), as each alone; streamed, the chunks of each choice (by index) make the same answers. Usage
+    counts each prompt once and every answer's tokens."""
+    messages = [{"role": "user", "content": "制动钳异响"}]
+    with serving(models("glm4")) as s:
+        client = s.client()
+        chat = dict(model="tiny", messages=messages, max_tokens=12)
+        greedy = client.chat.completions.create(**chat, temperature=0, n=2)
+        assert [c.index for c in greedy.choices] == [0, 1]
+        assert greedy.choices[0].message.content == greedy.choices[1].message.content
+        sampled = client.chat.completions.create(**chat, temperature=1.0, top_p=1.0, seed=7, n=2)
+        alone = [client.chat.completions.create(**chat, temperature=1.0, top_p=1.0, seed=seed) for seed in (7, 8)]
+        assert [c.message.content for c in sampled.choices] == [a.choices[0].message.content for a in alone]
+        assert sampled.choices[0].message.content != sampled.choices[1].message.content
+        assert sampled.usage.prompt_tokens == alone[0].usage.prompt_tokens
+        assert sampled.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+        pieces = {0: "", 1: ""}
+        for chunk in client.chat.completions.create(**chat, temperature=1.0, top_p=1.0, seed=7, n=2, stream=True):
+            for choice in chunk.choices:
+                pieces[choice.index] += choice.delta.content or ""
+        assert list(pieces.values()) == [c.message.content for c in sampled.choices]
+
+        prompts = ["制动钳", "水泵漏油", "风扇低速"]
+        done = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2)
+        one = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+        assert [c.index for c in done.choices] == list(range(6))
+        assert [c.text for c in done.choices] == [o.choices[0].text for o in one for _ in range(2)]
+        assert done.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)
+        texts = [""] * 6
+        for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                               stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [c.text for c in done.choices]
+
+
+@pytest.mark.parametrize("body, param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
+                                         ({"prompt": [101, 102]}, "prompt"), ({"prompt": [[101, 102]]}, "prompt"),
+                                         ({"prompt": ["a"] * 9, "n": 2}, "prompt"), ({"prompt": []}, "prompt")])
+def test_choices_beyond_the_bounds_are_400_naming_the_parameter(body, param):
+    from chatglm_tune.serve.protocol import ApiError, parse_call
+
+    with pytest.raises(ApiError) as err:
+        parse_call({"prompt": "你好", **body}, kind="completion", served="tiny", defaults=GREEDY)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
 @pytest.mark.parametrize("version", ["chatglm", "glm-edge"])
 def test_versions_without_tool_calls_refuse_them(version, models):
     with serving(models(version)) as s:
@@ -453,6 +566,15 @@ def test_a_model_by_id_and_a_wrong_method(models):
         assert body["error"]["code"] == "method_not_allowed"
 
 
+def test_the_page_names_its_icon_and_the_server_serves_it(models):
+    with serving(models("glm4"), api_key="secret") as s:  # open, as the page is
+        with urllib.request.urlopen(s.url + "/", timeout=HANG_S) as response:
+            assert '<link rel="icon" href="/favicon.ico"' in response.read().decode()
+        with urllib.request.urlopen(s.url + "/favicon.ico", timeout=HANG_S) as response:
+            assert response.headers["Content-Type"] == "image/svg+xml"
+            assert response.read().startswith(b"<svg ")
+
+
 def test_an_over_long_prompt_is_reported_at_its_real_length(models):
     with serving(models("glm4")) as s:
         prompt = "发动机异响。" * 200
@@ -538,7 +660,7 @@ def test_a_prompt_being_built_does_not_stall_the_server(route, models, monkeypat
     answers, and the request goes on once it is let go."""
     with serving(models("glm4")) as s:
         started, release = threading.Event(), threading.Event()
-        name = "completion_prompt" if route == "completions" else "chat_turn"
+        name = "completion_prompts" if route == "completions" else "chat_turn"
         build = getattr(s.service, name)
 
         def held(call):

@@ -143,8 +143,8 @@ class Engine:
     def start(self, warm_up: list[int] | None = None) -> "Engine":
         """Run `step` on a daemon thread until `close`. The calling thread (the one that loaded the model, as a
         rule) hands its idle OpenMP workers back first, so that the engine's own team spins between parallel regions
-        (`openmp.release_idle_team`). `warm_up`: a prompt the thread first runs `warm_up` with (compiled serving),
-        returning once that is done (on the engine's thread, where the steps' CUDA graphs are then replayed)."""
+        (`openmp.release_idle_team`). `warm_up`: a prompt the thread first runs `warm_up` with, returning once that
+        is done (on the engine's thread, where compiled steps' CUDA graphs are then replayed)."""
         openmp.release_idle_team()
         ready = threading.Event()
 
@@ -152,8 +152,8 @@ class Engine:
             try:
                 if warm_up is not None:
                     self.warm_up(warm_up)
-            except Exception:  # serving goes on: the steps compile at their first use instead
-                log.exception("warming up the compiled steps failed")
+            except Exception:  # serving goes on: what the warm-up would have built is built at its first use instead
+                log.exception("warming up failed")
             finally:
                 ready.set()
             self._loop()
@@ -164,10 +164,12 @@ class Engine:
         return self
 
     def warm_up(self, prompt: list[int]) -> None:
-        """With `options.compiled`: compile the step, and record it on a GPU, for every row bucket before serving
-        (the first request of a new batch size would otherwise wait for it): for each bucket, that many requests of
-        `prompt` decoding a few tokens, on the calling thread (`start(warm_up=...)` runs it on the engine's)."""
-        for rows in slot_cache.row_buckets(self.options.max_batch):
+        """Decode a few tokens of `prompt` before serving, on the calling thread (`start(warm_up=...)` runs it on
+        the engine's), so that the first request waits for nothing of the kind: the CPU kernels the forward uses are
+        built (or their builds waited for) and loaded; with `options.compiled`, the step is compiled, and recorded on
+        a GPU, for every row bucket (that many requests of `prompt` at once: a new batch size would wait too)."""
+        buckets = slot_cache.row_buckets(self.options.max_batch) if self.options.compiled else [1]
+        for rows in buckets:
             for _ in range(rows):
                 self.submit(Request(prompt, WARM_UP_TOKENS, on_token=lambda token: None, on_finish=lambda *_: None))
             while not self.idle:

@@ -1,6 +1,6 @@
 """The HTTP application: OpenAI's routes on a `Service`, as a Starlette app (uvicorn runs it).
 
-    GET  /                      the chat page (chat with streaming, an extraction box)
+    GET  /                      the chat page (chat with streaming, an extraction box); /favicon.ico its icon
     GET  /health                {"status": "ok", "running", "waiting", "steps"}
     GET  /v1/models             the one served model (and /v1/models/{id}: it, or 404)
     POST /v1/chat/completions   the version's chat; "stream": true for server-sent events
@@ -8,7 +8,7 @@
     POST /v1/extract            {"texts": [...]} -> {"results": [{"triples": [[s, p, o]], ...}]}
 
 Errors are OpenAI's error JSON: 400 a bad request (the parameter named), 401 a missing or wrong key when the
-server has one (`Authorization: Bearer KEY`; `/` and `/health` are open), 404 an unknown route or model, 405 a
+server has one (`Authorization: Bearer KEY`; `/`, its icon and `/health` are open), 404 an unknown route or model, 405 a
 route's wrong method, 413 a body over `ServingOptions.max_body_mb`, 429 a full queue, 503 while shutting down.
 Bodies are parsed and prompts built (tokenized) on worker threads, so a large one stalls neither /health nor the
 streams. With `ServingOptions.cors_origins` (serve.py `--cors-origin`), pages of those origins may call it (CORS
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from chatglm_tune.serve import protocol
@@ -45,13 +45,8 @@ DRAIN_BYTES = 64 * 2 ** 20  # how much of a refused body is read (and dropped) b
 
 def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
     """The app serving `service`; the engine starts with the app and stops when it shuts down."""
-    page = resources.files("chatglm_tune.serve").joinpath("page.html").read_text(encoding="utf-8")
-
     def guard(handler):
         return _guarded(handler, api_key, service)
-
-    async def index(request: Request):
-        return HTMLResponse(page)
 
     async def health(request: Request):
         engine = service.engine
@@ -76,33 +71,37 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
 
         call, turn = await asyncio.to_thread(prepare)
         budget = protocol.require_fitting(len(turn.prompt), call.max_tokens, service.context, param="messages")
-        events = service.generate(turn.prompt, budget, call, service.chat_render(turn),
-                                  disconnected=None if call.stream else request.is_disconnected)
+        streams = service.generate([(turn.prompt, budget)], call, turn.shown, turn.holding,
+                                   disconnected=None if call.stream else request.is_disconnected)
         if call.stream:
-            return _sse(_chat_chunks(service, call, turn, events))
+            return _sse(_chat_chunks(service, call, turn, streams))
 
-        def body(done: Done) -> dict:
-            message, finish = _chat_answer(call, turn, done)
-            use = protocol.usage(len(turn.prompt), done.tokens)
-            return protocol.chat_completion(call, service.served, message, finish, use)
+        def body(dones: list[Done]) -> dict:
+            answers = [_chat_answer(call, turn, done, i) for i, done in enumerate(dones)]
+            use = protocol.usage(len(turn.prompt), sum(done.tokens for done in dones))
+            return protocol.chat_completion(call, service.served, answers, use)
 
-        return await _answer(events, body)
+        return await _answer(streams, body)
 
     async def completions(request: Request):
         raw = await _body(request, limit)
 
         def prepare():
             call = parse_call(_json(raw), kind="completion", served=service.served, defaults=service.completion_sampling)
-            return call, service.completion_prompt(call)
+            return call, service.completion_prompts(call)
 
-        call, prompt = await asyncio.to_thread(prepare)
-        budget = protocol.require_fitting(len(prompt), call.max_tokens, service.context, param="prompt")
-        events = service.generate(prompt, budget, call, service.completion_render(),
-                                  disconnected=None if call.stream else request.is_disconnected)
+        call, prompts = await asyncio.to_thread(prepare)
+        budgets = [protocol.require_fitting(len(prompt), call.max_tokens, service.context,
+                                            param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                   for i, prompt in enumerate(prompts)]
+        streams = service.generate(list(zip(prompts, budgets)), call, service.completion_render(),
+                                   disconnected=None if call.stream else request.is_disconnected)
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
         if call.stream:
-            return _sse(_completion_chunks(service, call, len(prompt), events))
-        return await _answer(events, lambda done: protocol.completion(call, service.served, done.text, done.finish,
-                                                                      protocol.usage(len(prompt), done.tokens)))
+            return _sse(_completion_chunks(service, call, prompt_tokens, streams))
+        return await _answer(streams, lambda dones: protocol.completion(
+            call, service.served, [(i, done.text, done.finish) for i, done in enumerate(dones)],
+            protocol.usage(prompt_tokens, sum(done.tokens for done in dones))))
 
     async def extract(request: Request):
         raw = await _body(request, limit)
@@ -112,13 +111,27 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         return JSONResponse({"object": "extraction", "model": service.served, "results": rows,
                              "usage": protocol.usage(prompt_tokens, new_tokens)})
 
-    routes = [Route("/", index), Route("/health", health), Route("/v1/models", guard(models)),
-              Route("/v1/models/{model:path}", guard(model)),
+    routes = [*_page_routes(), Route("/health", health),
+              Route("/v1/models", guard(models)), Route("/v1/models/{model:path}", guard(model)),
               Route("/v1/chat/completions", guard(chat), methods=["POST"]),
               Route("/v1/completions", guard(completions), methods=["POST"]),
               Route("/v1/extract", guard(extract), methods=["POST"])]
     return Starlette(routes=routes, lifespan=_lifespan(service), exception_handlers={HTTPException: _not_found},
                      middleware=_middleware(service.options))
+
+
+def _page_routes() -> list[Route]:
+    """The chat page and its icon (open, as /health is)."""
+    files = resources.files("chatglm_tune.serve")
+    page, icon = (files.joinpath(name).read_text(encoding="utf-8") for name in ("page.html", "favicon.svg"))
+
+    async def index(request: Request):
+        return HTMLResponse(page)
+
+    async def favicon(request: Request):
+        return Response(icon, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
+
+    return [Route("/", index), Route("/favicon.ico", favicon)]
 
 
 def _middleware(options) -> list[Middleware]:
@@ -216,48 +229,102 @@ def _json(body: bytes):
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
 
 
-async def _answer(events, body) -> JSONResponse:
-    """The JSON response of a non-streaming request: `body(done)` of its `Done` event."""
-    async for event in events:
-        if isinstance(event, Done):
-            return JSONResponse(body(event))
-    raise ApiError(499, "the client went away")
+async def _answer(streams, body) -> JSONResponse:
+    """The JSON response of a non-streaming request: `body(dones)` of its choices' `Done` events, in order. A choice
+    that fails ends the others (their requests cancelled)."""
+
+    async def done_of(events) -> Done:
+        async for event in events:
+            if isinstance(event, Done):
+                return event
+        raise ApiError(499, "the client went away")
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(done_of(events)) for events in streams]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return JSONResponse(body([task.result() for task in tasks]))
 
 
-def _chat_answer(call, turn, done: Done) -> tuple[dict, str]:
-    """(message, finish_reason): `chat()`'s response; a tool call as OpenAI's tool_calls."""
+async def _merged(streams):
+    """(choice index, event) of each choice's events as they come; leaving early ends every choice's events."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events) -> None:
+        try:
+            async for event in events:
+                queue.put_nowait((index, event))
+        except Exception as err:  # handed to the reader, which raises it
+            queue.put_nowait((index, err))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, event = await queue.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _chat_answer(call, turn, done: Done, index: int = 0) -> tuple[dict, str]:
+    """(message, finish_reason) of choice `index`: `chat()`'s response; a tool call as OpenAI's tool_calls."""
     if done.stop_string:
         return protocol.chat_message(done.text, None), done.finish
     response = turn.response(done.ids)
     if isinstance(response, dict) and "parameters" in response:
-        return protocol.chat_message("", protocol.tool_call(call, response)), "tool_calls"
+        return protocol.chat_message("", protocol.tool_call(call, response, index)), "tool_calls"
     content = response if isinstance(response, str) else response.get("content", "")
     return protocol.chat_message(content, None), done.finish
 
 
-async def _chat_chunks(service: Service, call, turn, events):
-    served = service.served
-    yield protocol.chat_chunk(call, served, {"role": "assistant", "content": ""})
-    async for event in events:
+async def _chat_chunks(service: Service, call, turn, streams):
+    """Each choice's chunks: its text as it comes, or, for a tool call, nothing until the answer ends, then the call
+    as OpenAI streams one (its id and name, then its arguments); a choice's last chunk carries its finish reason."""
+    served, sent, tokens = service.served, [""] * len(streams), 0
+    may_call = turn.tool_calls and bool(call.tools)  # content stays null unless text comes, as OpenAI's calls
+    for index in range(len(streams)):
+        yield protocol.chat_chunk(call, served, {"role": "assistant", "content": None if may_call else ""}, index=index)
+    async for index, event in _merged(streams):
         if isinstance(event, Delta):
-            yield protocol.chat_chunk(call, served, {"content": event.text})
+            sent[index] += event.text
+            yield protocol.chat_chunk(call, served, {"content": event.text}, index=index)
             continue
-        message, finish = _chat_answer(call, turn, event)
-        delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]} if "tool_calls" in message else {}
-        yield protocol.chat_chunk(call, served, delta, finish)
-        if call.include_usage:
-            yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), event.tokens))
+        tokens += event.tokens
+        message, finish = _chat_answer(call, turn, event, index)
+        if "tool_calls" in message:
+            for delta in protocol.tool_call_deltas(message["tool_calls"][0]):
+                yield protocol.chat_chunk(call, served, {"tool_calls": [delta]}, index=index)
+        elif message["content"].startswith(sent[index]) and (message["content"] != sent[index] or not sent[index]):
+            yield protocol.chat_chunk(call, served, {"content": message["content"][len(sent[index]):]}, index=index)
+        yield protocol.chat_chunk(call, served, {}, finish, index=index)
+    if call.include_usage:
+        yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
 
 
-async def _completion_chunks(service: Service, call, prompt_tokens: int, events):
-    async for event in events:
+async def _completion_chunks(service: Service, call, prompt_tokens: int, streams):
+    served, tokens = service.served, 0
+    async for index, event in _merged(streams):
         if isinstance(event, Delta):
-            yield protocol.completion(call, service.served, event.text, None)
+            yield protocol.completion(call, served, [(index, event.text, None)])
             continue
-        yield protocol.completion(call, service.served, "", event.finish)
-        if call.include_usage:
-            yield protocol.completion(call, service.served, "", None, protocol.usage(prompt_tokens, event.tokens),
-                                      chunk=True)
+        tokens += event.tokens
+        yield protocol.completion(call, served, [(index, "", event.finish)])
+    if call.include_usage:
+        yield protocol.completion(call, served, [], protocol.usage(prompt_tokens, tokens))
 
 
 def _sse(chunks) -> StreamingResponse:

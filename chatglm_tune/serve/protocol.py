@@ -3,18 +3,19 @@ error JSON, and the response and stream-chunk objects.
 
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
-answer, at any value but their default: `n` and `best_of` != 1, `logprobs`, `top_logprobs`, `presence_penalty`,
-`frequency_penalty`, `logit_bias`, `response_format` other than text, completions' `echo` and `suffix`
-(and `tools` in a chat without tool calls):
+answer, at any value but their default: `best_of` other than `n`, `logprobs`, `top_logprobs`, `presence_penalty`,
+`frequency_penalty`, `logit_bias`, `response_format` other than text, completions' `echo` and `suffix`, token-id
+prompts (and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
-  2**64 - 1: a 64-bit seed, signed or not), `stop`
-  (a string or up to 4), `stream`, `stream_options.include_usage`;
+  2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
+  (a string or up to 4), `stream`, `stream_options.include_usage`, `n` (answers of the prompt, up to MAX_CHOICES:
+  each a row of the running batch);
 - chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
   an assistant's `tool_calls`,
   its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
   them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function);
-- completions: `prompt` (one string, or a list of one);
+- completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th);
 - extract: `texts` (a list of strings, or `text`); `stream` and `stop` are refused (rows come whole, ended by
   the model).
 """
@@ -34,6 +35,7 @@ from chatglm_tune.dialogues import DialogueError, from_messages
 from chatglm_tune.options import SamplingOptions
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 16  # `n` at most, and the choices of a completion (its prompts times n): each is a row of the batch
 
 
 class ApiError(Exception):
@@ -70,7 +72,8 @@ class Call:
     tools: list | None = None  # chat: ChatGLM3 / GLM-4 tools, put in the system message
     tool_choice: str = "auto"  # chat: "auto", "none", "required", or "function" (a named one: `tool_name`)
     tool_name: str | None = None
-    prompt: str | None = None  # completions
+    prompts: tuple[str, ...] = ()  # completions
+    n: int = 1  # answers a prompt
     texts: tuple[str, ...] = ()  # extract
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -85,9 +88,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
     if model is not None and model != served:
         raise ApiError(400, f"model {model!r} is not served here; this server serves {served!r}", param="model",
                        code="model_not_found")
-    for name, allowed in (("n", 1), ("best_of", 1)):
-        if body.get(name, allowed) not in (allowed, None):
-            raise bad(name, f"only {allowed} is supported, got {body.get(name)!r}")
+    n = _n(body, kind)
     _refuse_unsupported(body, kind)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -113,7 +114,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["tools"] = tools or None
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
     elif kind == "completion":
-        fields["prompt"] = _prompt(body.get("prompt"))
+        fields["prompts"] = _prompts(body.get("prompt"), n)
     else:
         fields["texts"] = _texts(body)
         if stream:
@@ -121,7 +122,29 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         if body.get("stop") is not None:
             raise bad("stop", "an extraction answer ends where the model ends it (the rows say so): leave stop out")
     return Call(max_tokens=max_tokens, sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
-                include_usage=bool(options.get("include_usage")), **fields)
+                include_usage=bool(options.get("include_usage")), n=n, **fields)
+
+
+def _n(body: Mapping, kind: str) -> int:
+    """The answers asked for each prompt: `n` (1 to MAX_CHOICES; extraction: 1); `best_of`, if given, must equal it
+    (the best of n answers is each of them: no answer is scored here)."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not (_is_int(n) and 1 <= n <= (1 if kind == "extract" else MAX_CHOICES)):
+        limit = "1: an extraction row is the model's one answer" if kind == "extract" else f"from 1 to {MAX_CHOICES}"
+        raise bad("n", f"must be an integer {limit}, got {body.get('n')!r:.80}")
+    if body.get("best_of") not in (None, n):
+        raise bad("best_of", f"only best_of = n ({n}) is supported: answers are not scored here, got "
+                             f"{body.get('best_of')!r:.80}")
+    return n
+
+
+def seeds(call: Call) -> list[int | None]:
+    """The seed of each of the `n` answers: the request's seed + i, wrapped into SEED_MIN..SEED_MAX (None: none)."""
+    if call.seed is None:
+        return [None] * call.n
+    span = SEED_MAX - SEED_MIN + 1
+    return [SEED_MIN + (call.seed + i - SEED_MIN) % span for i in range(call.n)]
 
 
 def _refuse_unsupported(body: Mapping, kind: str) -> None:
@@ -327,12 +350,16 @@ def _request_param(field: str, origins: list[str]) -> str:
     return origin + rest
 
 
-def _prompt(value) -> str:
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, str):
-        raise bad("prompt", f"must be a string (or a list of one string), got {value!r:.80}")
-    return value
+def _prompts(value, n: int) -> tuple[str, ...]:
+    prompts = value if isinstance(value, list) else [value]
+    if prompts and all(_is_int(v) for v in prompts) or any(isinstance(v, list) for v in prompts):
+        raise bad("prompt", "token-id prompts are not taken here (the run's prompt format goes around a text): send "
+                            "the text")
+    if not prompts or not all(isinstance(v, str) for v in prompts):
+        raise bad("prompt", f"must be a string or a list of strings, got {value!r:.80}")
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad("prompt", f"{len(prompts)} prompts x n {n} are more than the {MAX_CHOICES} choices a request may ask")
+    return tuple(prompts)
 
 
 def _texts(body: Mapping) -> tuple[str, ...]:
@@ -369,20 +396,24 @@ def chat_message(content: str, tool_call: dict | None) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
 
 
-def chat_completion(call: Call, served: str, message: dict, finish: str, use: dict) -> dict:
+def chat_completion(call: Call, served: str, answers: list[tuple[dict, str]], use: dict) -> dict:
+    """The chat completion of the `answers` ((message, finish reason) of each choice, in order)."""
+    choices = [{"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+               for i, (message, finish) in enumerate(answers)]
     return {"id": f"chatcmpl-{call.id}", "object": "chat.completion", "created": call.created, "model": served,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, use: dict | None = None, *,
+               index: int = 0) -> dict:
+    choices = [] if use is not None else [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
     return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created, "model": served,
             "choices": choices, **({"usage": use} if use is not None else {})}
 
 
-def completion(call: Call, served: str, text: str, finish: str | None, use: dict | None = None, *,
-               chunk: bool = False) -> dict:
-    choices = [] if chunk and use is not None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+def completion(call: Call, served: str, answers: list[tuple[int, str, str | None]], use: dict | None = None) -> dict:
+    """A completion (or a chunk of a stream) of the `answers` ((choice index, text, finish reason) each)."""
+    choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i, text, finish in answers]
     body = {"id": f"cmpl-{call.id}", "object": "text_completion", "created": call.created, "model": served,
             "choices": choices}
     if use is not None:
@@ -390,7 +421,14 @@ def completion(call: Call, served: str, text: str, finish: str | None, use: dict
     return body
 
 
-def tool_call(call: Call, response: dict) -> dict:
-    """A ChatGLM3 / GLM-4 tool call (`{"name", "parameters"}`) as OpenAI's tool_calls entry."""
-    return {"id": f"call_{call.id}", "type": "function",
+def tool_call(call: Call, response: dict, index: int = 0) -> dict:
+    """A ChatGLM3 / GLM-4 tool call (`{"name", "parameters"}`) as OpenAI's tool_calls entry (of choice `index`)."""
+    return {"id": f"call_{call.id}" + (f"_{index}" if index else ""), "type": "function",
             "function": {"name": response["name"], "arguments": json.dumps(response["parameters"], ensure_ascii=False)}}
+
+
+def tool_call_deltas(entry: dict) -> list[dict]:
+    """A tool_calls entry as OpenAI streams it: its id, type and name (arguments empty), then its arguments."""
+    function = entry["function"]
+    return [{"index": 0, "id": entry["id"], "type": entry["type"], "function": {"name": function["name"], "arguments": ""}},
+            {"index": 0, "function": {"arguments": function["arguments"]}}]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chatglm_tune.batches import SpecialIds
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
@@ -40,7 +40,7 @@ from chatglm_tune.dialogues import Turn as DialogueTurn
 from chatglm_tune.extraction import make_row
 from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
 from chatglm_tune.records import SPORecord
-from chatglm_tune.serve.protocol import ApiError, Call, bad, check_tool_use, require_fitting
+from chatglm_tune.serve.protocol import ApiError, Call, bad, check_tool_use, require_fitting, seeds
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 _GONE = object()  # put in a ticket's queue when its client has gone
@@ -138,10 +138,12 @@ class Ticket:
 
 class TextStream:
     """The answer text of a growing list of ids: `render(ids)` is the whole text so far; `update` returns
-    the part that became final since the last call and whether a stop string ended the answer."""
+    the part that became final since the last call and whether a stop string ended the answer. While `hold(ids)`,
+    nothing becomes final but what a stop string ends."""
 
-    def __init__(self, render: Callable[[list[int]], str], stops: Sequence[str], lookahead: int = 0):
-        self.render, self.stops, self.lookahead = render, tuple(stops), lookahead
+    def __init__(self, render: Callable[[list[int]], str], stops: Sequence[str], lookahead: int = 0,
+                 hold: Callable[[list[int]], bool] | None = None):
+        self.render, self.stops, self.lookahead, self.hold = render, tuple(stops), lookahead, hold
         self.sent = ""
         self.text = ""
 
@@ -154,7 +156,7 @@ class TextStream:
         self.text = text
         if final:
             ready = text
-        elif text.endswith("\ufffd"):
+        elif text.endswith("\ufffd") or (self.hold is not None and self.hold(ids)):
             return "", False
         else:
             ready = text[: max(0, len(text) - self.lookahead)]
@@ -192,6 +194,20 @@ class ChatTurn:
         response = self.turn.result(texts)[0]
         return response if self.tool_calls or isinstance(response, str) else "\n".join(texts).strip()
 
+    def shown(self, ids: Sequence[int]) -> str:
+        """The answer's text so far: the response, where it is text (a tool call shows none)."""
+        response = self.response(ids)
+        return response if isinstance(response, str) else ""
+
+    def holding(self, ids: Sequence[int]) -> bool:
+        """Whether a stream holds the text back for now: where calls are read, while the last segment's first line
+        is unfinished and not empty (a call's first line is the tool's name, a text answer's is empty), so that a
+        call's name never streams as text."""
+        if not (self.tool_calls and self.turn.format.tool_calls) or self.lead:
+            return False
+        segment = self.turn.texts(list(ids))[-1]
+        return "\n" not in segment and bool(segment.strip())
+
 
 @dataclass(frozen=True)
 class Delta:
@@ -221,10 +237,10 @@ class Service:
         self.stopping = False  # shutting down: new requests get 503 (`server.DrainingServer`)
 
     def start(self) -> "Service":
-        """Start the engine; compiled serving compiles (and on a GPU records) its steps first (`Engine.warm_up`)."""
-        prompt = None
-        if self.options.compiled:
-            prompt = self.format.prompt_ids(self.tokenizer, SPORecord("warm up", None, source="prompt"), self.encoding)[0]
+        """Start the engine once it has decoded a few tokens (`Engine.warm_up`): the kernels the first request
+        needs are built then, and compiled serving's steps compiled (on a GPU recorded), before the server says it
+        is ready."""
+        prompt = self.format.prompt_ids(self.tokenizer, SPORecord("warm up", None, source="prompt"), self.encoding)[0]
         self.engine.start(warm_up=prompt)
         return self
 
@@ -381,24 +397,19 @@ class Service:
                                                  f"{message['role']!r}")
         return message["role"]
 
-    def chat_render(self, turn: "ChatTurn") -> Callable[[list[int]], str]:
-        """The streamed text of a chat answer: the response so far (a tool call streams no text)."""
-
-        def render(ids: list[int]) -> str:
-            response = turn.response(ids)
-            return response if isinstance(response, str) else ""
-
-        return render
 
     # ------------------------------------------------------------------------------------------
     # completion and extraction
 
-    def completion_prompt(self, call: Call) -> list[int]:
-        """The run's prompt format around `call.prompt`, uncut (whether it fits is the caller's check)."""
+    def completion_prompts(self, call: Call) -> list[list[int]]:
+        """The run's prompt format around each of `call.prompts`, uncut (whether they fit is the caller's check)."""
+        return [self._completion_prompt(text) for text in call.prompts]
+
+    def _completion_prompt(self, text: str) -> list[int]:
         # room for the whole text, so an over-long prompt is refused at its real length, not at a cut one
-        room = self.context + 4 * len(self.encoding.prompt + call.prompt) + 64
+        room = self.context + 4 * len(self.encoding.prompt + text) + 64
         encoding = EncodingOptions(prompt=self.encoding.prompt, max_src_len=room, max_len=room + 2)
-        return self.format.prompt_ids(self.tokenizer, SPORecord(call.prompt, None, source="prompt"), encoding)[0]
+        return self.format.prompt_ids(self.tokenizer, SPORecord(text, None, source="prompt"), encoding)[0]
 
     def completion_render(self) -> Callable[[list[int]], str]:
         return lambda ids: self.format.decode_answer(self.tokenizer, ids)
@@ -424,12 +435,26 @@ class Service:
     # ------------------------------------------------------------------------------------------
     # decoding
 
-    def generate(self, prompt: list[int], budget: int, call: Call, render: Callable[[list[int]], str],
-                       disconnected=None) -> AsyncIterator[Delta | Done]:
-        """Deltas of the answer text, then `Done`. The request is in the engine's queue when this returns
-        (429 / 503 raised here, before any byte of a response is sent)."""
-        ticket = Ticket(self.engine, self.mailbox(), prompt, budget, call, self.format.stop_ids(self.tokenizer))
-        return self._text_events(ticket, TextStream(render, call.stop, self.format.stream_lookahead), disconnected)
+    def generate(self, prompts: Sequence[tuple[list[int], int]], call: Call, render: Callable[[list[int]], str],
+                 hold: Callable[[list[int]], bool] | None = None, disconnected=None) -> list[AsyncIterator[Delta | Done]]:
+        """The events of each choice (`call.n` a prompt of `prompts`, (ids, budget) each; choice p * n + i is
+        prompt p's answer seeded `protocol.seeds(call)[i]`): deltas of the answer text `render(ids)` (none while
+        `hold(ids)`), then `Done`. The requests are in the engine's queue when this returns (429 / 503 raised here,
+        before any byte of a response is sent, the choices queued before it cancelled)."""
+        tickets: list[Ticket] = []
+        stop_ids = self.format.stop_ids(self.tokenizer)
+        try:
+            for prompt, budget in prompts:
+                for seed in seeds(call):
+                    tickets.append(Ticket(self.engine, self.mailbox(), prompt, budget, replace(call, seed=seed),
+                                          stop_ids))
+        except ApiError:
+            for ticket in tickets:
+                self.engine.cancel(ticket.request)
+            raise
+        lookahead = self.format.stream_lookahead
+        return [self._text_events(ticket, TextStream(render, call.stop, lookahead, hold), disconnected)
+                for ticket in tickets]
 
     async def _text_events(self, ticket: Ticket, stream: TextStream, disconnected) -> AsyncIterator[Delta | Done]:
         ids: list[int] = []
