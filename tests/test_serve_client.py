@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 pytest.importorskip("starlette", reason='the server needs its extra: pip install -e ".[serve]"')
 pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
@@ -237,6 +238,70 @@ def test_n_answers_and_a_list_of_prompts_are_each_what_one_request_answers(model
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
         assert texts == [c.text for c in done.choices]
+
+
+class Answers:
+    """The prompt and answer ids of each request the engine is handed."""
+
+    def __init__(self, engine, monkeypatch):
+        self.prompts, self.ids = [], []
+        submit = engine.submit
+
+        def spy(request):
+            answer = []
+            self.prompts.append(list(request.prompt))
+            self.ids.append(answer)
+            on_token = request.on_token
+            request.on_token = lambda token: answer.append(token) or on_token(token)
+            return submit(request)
+
+        monkeypatch.setattr(engine, "submit", spy)
+
+
+def model_logprobs(s, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """[answer tokens, vocabulary] log probabilities of each answer token's position, from one forward."""
+    with torch.no_grad():
+        logits = s.model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
+    logits[:, len(s.tokenizer):] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("drafts", [None, DEFAULT_DRAFTS], ids=["plain", "speculative"])
+def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
+    """Chat's `logprobs` / `top_logprobs` and completions' `logprobs` give each answer token's log probability as
+    the model's own forward over prompt and answer gives it (1e-4), with the likeliest alternatives (greedy: the
+    token itself first), decoded plainly or speculatively (a greedy row's agreed guesses too); the stop id that
+    ends an answer is not among them. With a stream: 400 naming logprobs."""
+    with serving(models("glm4"), options=ServingOptions(drafts=drafts)) as s:
+        answers, client = Answers(s.service.engine, monkeypatch), s.client()
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "制动钳异响"}],
+                                              max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+        done = client.completions.create(model="tiny", prompt="水泵漏油", max_tokens=12, temperature=0, logprobs=2)
+        stops = s.tokenizer.prompt_format.stop_ids(s.tokenizer)
+        for i, (entries, top) in enumerate([
+                ([(e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in chat.choices[0].logprobs.content], 3),
+                (list(zip(done.choices[0].logprobs.token_logprobs,
+                          [list(t.items()) for t in done.choices[0].logprobs.top_logprobs])), 2)]):
+            ids = answers.ids[i][:-1] if answers.ids[i][-1] in stops else answers.ids[i]
+            expected = model_logprobs(s, answers.prompts[i], answers.ids[i])
+            assert len(entries) == len(ids) > 0
+            for k, (token, (logprob, alternatives)) in enumerate(zip(ids, entries)):
+                assert logprob == pytest.approx(expected[k, token].item(), abs=1e-4)
+                values, alternative_ids = expected[k].topk(top)
+                if i == 0:  # chat: a list, id by id
+                    assert [value for _, value in alternatives] == pytest.approx(values.tolist(), abs=1e-4)
+                else:  # completions: keyed by text, the likeliest of alternatives that decode alike
+                    best = {}
+                    for alternative, value in zip(alternative_ids.tolist(), values.tolist()):
+                        best.setdefault(s.tokenizer.decode([alternative]), value)
+                    assert dict(alternatives) == pytest.approx(best, abs=1e-4)
+                assert alternatives[0][0] == s.tokenizer.decode([token])  # greedy: the likeliest is the one written
+        assert done.choices[0].logprobs.text_offset[0] == 0
+        for ask in (dict(logprobs=True), dict(top_logprobs=2)):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=2,
+                                               stream="top_logprobs" not in ask, **ask)
+            assert err.value.body["param"] == next(iter(ask))
 
 
 @pytest.mark.parametrize("body, param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),

@@ -19,7 +19,7 @@ import torch
 
 from chatglm_tune.decoding.drafting import guess, next_length
 from chatglm_tune.decoding.request import FINISH_LENGTH, FINISH_STOP, Request
-from chatglm_tune.decoding.sampling import next_tokens, row_generators
+from chatglm_tune.decoding.sampling import limit_vocab, next_tokens, row_generators
 from chatglm_tune.decoding.speculative import agreed
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
 
@@ -54,7 +54,7 @@ class Emitter:
     def emit(self, rows: list[Row], scores: torch.Tensor) -> list[bool]:
         """Sample each row's next token from its scores [rows, V] and hand it over; which rows go on (False:
         finished, and told so)."""
-        return [self._hand(row, token) for row, token in zip(rows, self._sample(rows, scores))]
+        return [self._hand(row, token, scores[i]) for i, (row, token) in enumerate(zip(rows, self._sample(rows, scores)))]
 
     def guesses(self, rows: list[Row]) -> list[list[int]]:
         """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget,
@@ -75,17 +75,20 @@ class Emitter:
                                       fallback_id=stop[0], vocab_limit=self.vocab_limit).tolist()
                 tokens = agreed(guess, targets, stop)
                 row.draft_length = next_length(self.drafts, row.draft_length, len(guess), len(tokens) - 1)
-            going = all(self._hand(row, token) for token in tokens)  # stops at the first that ends the row
+            going = all(self._hand(row, token, scores[i, j]) for j, token in enumerate(tokens))  # to the first end
             kept.append(len(tokens))
             keep.append(going)
         return kept, keep
 
-    def _hand(self, row: Row, token: int) -> bool:
-        """Hand `token` to the row's request; whether the row goes on (False: finished, and told so)."""
+    def _hand(self, row: Row, token: int, scores: torch.Tensor) -> bool:
+        """Hand `token` (drawn from `scores` [V]) to the row's request, with its log probability where the request
+        asks; whether the row goes on (False: finished, and told so)."""
         request = row.request
         row.pending, row.generated = token, row.generated + 1
         if row.draft_length:
             row.history.append(token)
+        if request.logprobs is not None:
+            request.on_logprob(*self._logprobs(scores, token, request.logprobs))
         request.on_token(token)
         if token in self._stop_ids(request):
             request.on_finish(FINISH_STOP, None)
@@ -94,6 +97,13 @@ class Emitter:
         else:
             return True
         return False
+
+    def _logprobs(self, scores: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """`token`'s log probability under `scores` (the ids the tokenizer has), and the `top` likeliest ids'."""
+        logprobs = torch.log_softmax(limit_vocab(scores.float()[None], self.vocab_limit)[0], dim=-1)
+        best = logprobs.topk(top) if top else None
+        alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+        return logprobs[token].item(), alternatives
 
     def _stop_ids(self, request: Request):
         return request.stop_ids or self.default_stop

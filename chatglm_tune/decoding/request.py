@@ -25,6 +25,11 @@ class Request:
     sampling: SamplingOptions = DEFAULT_SAMPLING
     seed: int | None = None
     stop_ids: Sequence[int] = ()
+    # With `logprobs` (how many alternatives, 0 or more), `on_logprob(logprob, top)` gets, before each new id, its log
+    # probability under the model (its scores' log-softmax, before sampling options) and the `logprobs` likeliest ids
+    # with theirs, ((id, logprob), ...), on the engine's thread.
+    logprobs: int | None = None
+    on_logprob: Callable[[float, tuple[tuple[int, float], ...]], None] | None = None
     cancelled: bool = False  # set by `Engine.cancel`; the engine drops the request at its next step
 
     def __post_init__(self):
@@ -34,3 +39,6 @@ class Request:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and self.logprobs >= 0
+                                              and self.on_logprob is not None):
+            raise ValueError(f"logprobs must be an integer >= 0 with an on_logprob callback, got {self.logprobs!r}")

@@ -77,7 +77,8 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
             return _sse(_chat_chunks(service, call, turn, streams))
 
         def body(dones: list[Done]) -> dict:
-            answers = [_chat_answer(call, turn, done, i) for i, done in enumerate(dones)]
+            answers = [(*_chat_answer(call, turn, done, i), protocol.chat_logprobs(service.scored(done)))
+                       for i, done in enumerate(dones)]
             use = protocol.usage(len(turn.prompt), sum(done.tokens for done in dones))
             return protocol.chat_completion(call, service.served, answers, use)
 
@@ -100,7 +101,8 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         if call.stream:
             return _sse(_completion_chunks(service, call, prompt_tokens, streams))
         return await _answer(streams, lambda dones: protocol.completion(
-            call, service.served, [(i, done.text, done.finish) for i, done in enumerate(dones)],
+            call, service.served,
+            [(i, done.text, done.finish, protocol.completion_logprobs(service.scored(done))) for i, done in enumerate(dones)],
             protocol.usage(prompt_tokens, sum(done.tokens for done in dones))))
 
     async def extract(request: Request):

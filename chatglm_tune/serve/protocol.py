@@ -3,14 +3,15 @@ error JSON, and the response and stream-chunk objects.
 
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
-answer, at any value but their default: `best_of` other than `n`, `logprobs`, `top_logprobs`, `presence_penalty`,
-`frequency_penalty`, `logit_bias`, `response_format` other than text, completions' `echo` and `suffix`, token-id
-prompts (and `tools` in a chat without tool calls):
+answer, at any value but their default: `best_of` other than `n`, `presence_penalty`, `frequency_penalty`,
+`logit_bias`, `response_format` other than text, completions' `echo` and `suffix`, token-id prompts, log
+probabilities with a stream (and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
   2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
   (a string or up to 4), `stream`, `stream_options.include_usage`, `n` (answers of the prompt, up to MAX_CHOICES:
-  each a row of the running batch);
+  each a row of the running batch); log probabilities of the answer tokens (the model's, before sampling options):
+  chat's `logprobs` and `top_logprobs` (up to 20), completions' `logprobs` (up to 5);
 - chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
   an assistant's `tool_calls`,
   its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
@@ -74,6 +75,7 @@ class Call:
     tool_name: str | None = None
     prompts: tuple[str, ...] = ()  # completions
     n: int = 1  # answers a prompt
+    logprobs: int | None = None  # alternatives each answer token's log probability comes with (None: none)
     texts: tuple[str, ...] = ()  # extract
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -90,6 +92,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
                        code="model_not_found")
     n = _n(body, kind)
     _refuse_unsupported(body, kind)
+    logprobs = _logprobs(body, kind, body.get("stream") is True)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
@@ -122,21 +125,44 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         if body.get("stop") is not None:
             raise bad("stop", "an extraction answer ends where the model ends it (the rows say so): leave stop out")
     return Call(max_tokens=max_tokens, sampling=sampling, seed=seed, stop=_stop(body.get("stop")), stream=stream,
-                include_usage=bool(options.get("include_usage")), n=n, **fields)
+                include_usage=bool(options.get("include_usage")), n=n, logprobs=logprobs, **fields)
 
 
 def _n(body: Mapping, kind: str) -> int:
     """The answers asked for each prompt: `n` (1 to MAX_CHOICES; extraction: 1); `best_of`, if given, must equal it
-    (the best of n answers is each of them: no answer is scored here)."""
+    (answers are not ranked here: the best of n is each of them)."""
     n = body.get("n")
     n = 1 if n is None else n
     if not (_is_int(n) and 1 <= n <= (1 if kind == "extract" else MAX_CHOICES)):
         limit = "1: an extraction row is the model's one answer" if kind == "extract" else f"from 1 to {MAX_CHOICES}"
         raise bad("n", f"must be an integer {limit}, got {body.get('n')!r:.80}")
     if body.get("best_of") not in (None, n):
-        raise bad("best_of", f"only best_of = n ({n}) is supported: answers are not scored here, got "
+        raise bad("best_of", f"only best_of = n ({n}) is supported: answers are not ranked here, got "
                              f"{body.get('best_of')!r:.80}")
     return n
+
+
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # as OpenAI: chat's top_logprobs, completions' logprobs
+
+
+def _logprobs(body: Mapping, kind: str, stream: bool) -> int | None:
+    """How many alternatives each answer token's log probability comes with (None: no log probabilities). Chat:
+    `logprobs` true and `top_logprobs` (0 to 20); completions: `logprobs` (0 to 5). Not with a stream here."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "chat":
+        if asked not in (None, True, False):
+            raise bad("logprobs", f"must be true or false, got {asked!r:.80}")
+        if top is not None and not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS["chat"] and asked):
+            raise bad("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS['chat']}, with logprobs true, "
+                                      f"got {top!r:.80}")
+        count = (top or 0) if asked else None
+    elif asked is not None and not (_is_int(asked) and 0 <= asked <= MAX_TOP_LOGPROBS["completion"]):
+        raise bad("logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS['completion']}, got {asked!r:.80}")
+    else:
+        count = None if kind == "extract" else asked
+    if count is not None and stream:
+        raise bad("logprobs", "log probabilities come with whole answers here: leave stream out or false")
+    return count
 
 
 def seeds(call: Call) -> list[int | None]:
@@ -149,11 +175,7 @@ def seeds(call: Call) -> list[int | None]:
 
 def _refuse_unsupported(body: Mapping, kind: str) -> None:
     """400 naming a field that would change the answer and that this server does not do (its default value
-    passes): log probabilities, penalties, a logit bias, a response format other than text, echo and suffix."""
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs", "log probabilities are not returned by this server")
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad("top_logprobs", "log probabilities are not returned by this server (and top_logprobs needs logprobs)")
+    passes): penalties, a logit bias, a response format other than text, echo and suffix."""
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0):
             raise bad(name, f"penalties are not applied by this server: leave {name} out or 0, got {body.get(name)!r}")
@@ -396,10 +418,41 @@ def chat_message(content: str, tool_call: dict | None) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
 
 
-def chat_completion(call: Call, served: str, answers: list[tuple[dict, str]], use: dict) -> dict:
-    """The chat completion of the `answers` ((message, finish reason) of each choice, in order)."""
-    choices = [{"index": i, "message": message, "finish_reason": finish, "logprobs": None}
-               for i, (message, finish) in enumerate(answers)]
+Scored = tuple  # an answer token's (text, log probability, ((text, log probability) of the likeliest, ...))
+
+
+def chat_logprobs(scored: list[Scored] | None) -> dict | None:
+    """A chat choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}."""
+    if scored is None:
+        return None
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*alt) for alt in top]}
+                        for text, logprob, top in scored], "refusal": None}
+
+
+def completion_logprobs(scored: list[Scored] | None) -> dict | None:
+    """A completion choice's `logprobs`: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; a top_logprobs
+    entry is keyed by text, so of alternatives that decode alike (pieces of one character) it keeps the likeliest."""
+    if scored is None:
+        return None
+    offsets, at, tops = [], 0, []
+    for text, _, top in scored:
+        offsets.append(at)
+        at += len(text)
+        tops.append({})
+        for alternative, logprob in top:  # ids of one text (a piece of a character): the likeliest's
+            tops[-1].setdefault(alternative, logprob)
+    return {"tokens": [text for text, _, _ in scored], "token_logprobs": [logprob for _, logprob, _ in scored],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_completion(call: Call, served: str, answers: list[tuple[dict, str, dict | None]], use: dict) -> dict:
+    """The chat completion of the `answers` ((message, finish reason, logprobs) of each choice, in order)."""
+    choices = [{"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+               for i, (message, finish, logprobs) in enumerate(answers)]
     return {"id": f"chatcmpl-{call.id}", "object": "chat.completion", "created": call.created, "model": served,
             "choices": choices, "usage": use}
 
@@ -411,9 +464,10 @@ def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, 
             "choices": choices, **({"usage": use} if use is not None else {})}
 
 
-def completion(call: Call, served: str, answers: list[tuple[int, str, str | None]], use: dict | None = None) -> dict:
-    """A completion (or a chunk of a stream) of the `answers` ((choice index, text, finish reason) each)."""
-    choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i, text, finish in answers]
+def completion(call: Call, served: str, answers: list[tuple], use: dict | None = None) -> dict:
+    """A completion (or a chunk of a stream) of the `answers` ((choice index, text, finish reason[, logprobs]))."""
+    choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs[0] if logprobs else None}
+               for i, text, finish, *logprobs in answers]
     body = {"id": f"cmpl-{call.id}", "object": "text_completion", "created": call.created, "model": served,
             "choices": choices}
     if use is not None:

@@ -100,7 +100,8 @@ class Ticket:
         post = mailbox.post
         self.request = Request(prompt, budget, on_token=lambda token: post(self.queue, token),
                                on_finish=lambda reason, error: post(self.queue, Finished(reason, error)),
-                               sampling=call.sampling, seed=call.seed, stop_ids=tuple(stop_ids))
+                               sampling=call.sampling, seed=call.seed, stop_ids=tuple(stop_ids),
+                               logprobs=call.logprobs, on_logprob=lambda *scored: post(self.queue, LogProb(*scored)))
         try:
             engine.submit(self.request)
         except QueueFull as err:
@@ -215,12 +216,21 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class LogProb:
+    """The next answer id's log probability and the likeliest ids' ((id, log probability), ...)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class Done:
     text: str  # the whole answer (stop string cut)
     finish: str  # "stop" or "length"
     tokens: int  # ids generated
     ids: tuple[int, ...]
     stop_string: bool  # a stop string ended it
+    logprobs: tuple[LogProb, ...] = ()  # each id's, where the request asked
 
 
 class Service:
@@ -458,22 +468,37 @@ class Service:
 
     async def _text_events(self, ticket: Ticket, stream: TextStream, disconnected) -> AsyncIterator[Delta | Done]:
         ids: list[int] = []
+        scored: list[LogProb] = []
         async for item in ticket.events(disconnected):
+            if isinstance(item, LogProb):
+                scored.append(item)
+                continue
             if isinstance(item, Finished):
                 _raise_failed(item)
                 delta, hit = stream.update(ids, final=True)
                 if delta:
                     yield Delta(delta)
                 finish = "stop" if item.reason == FINISH_STOP or hit else "length"
-                yield Done(stream.text, finish, len(ids), tuple(ids), hit)
+                yield Done(stream.text, finish, len(ids), tuple(ids), hit, tuple(scored))
                 return
             ids.append(item)
             delta, hit = stream.update(ids, final=False)
             if delta:
                 yield Delta(delta)
             if hit:
-                yield Done(stream.text, "stop", len(ids), tuple(ids), True)
+                yield Done(stream.text, "stop", len(ids), tuple(ids), True, tuple(scored))
                 return  # leaving the iteration cancels the request in the engine
+
+    def scored(self, done: Done) -> list | None:
+        """The answer tokens' (text, log probability, ((text, log probability), ...)) of a `done` whose request asked
+        for them (`protocol.Scored`), the stop id that ended it left out; None where it did not ask."""
+        if not done.logprobs:
+            return None
+        stops = set(self.format.stop_ids(self.tokenizer))
+        count = len(done.ids) - (done.finish == "stop" and not done.stop_string and bool(done.ids) and done.ids[-1] in stops)
+        text = self.tokenizer.decode
+        return [(text([token]), item.logprob, tuple((text([alt]), value) for alt, value in item.top))
+                for token, item in zip(done.ids[:count], done.logprobs)]
 
 
 async def _collect_ids(ticket: Ticket, disconnected) -> list[int]:
