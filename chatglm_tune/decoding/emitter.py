@@ -54,7 +54,8 @@ class Emitter:
     def emit(self, rows: list[Row], scores: torch.Tensor) -> list[bool]:
         """Sample each row's next token from its scores [rows, V] and hand it over; which rows go on (False:
         finished, and told so)."""
-        return [self._hand(row, token, scores[i]) for i, (row, token) in enumerate(zip(rows, self._sample(rows, scores)))]
+        tokens = self._sample(rows, scores)
+        return [self._hand(row, token, scores[i]) for i, (row, token) in enumerate(zip(rows, tokens))]
 
     def guesses(self, rows: list[Row]) -> list[list[int]]:
         """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget,

@@ -20,8 +20,9 @@ Decoding is the engine's (`engine.Engine`): a request's stop ids are its version
 `<|user|>`, `<|observation|>`). Stop strings are matched on the answer text as it grows; the text before the
 first match is the answer, and the request leaves the batch at the next step. Streams send text as it
 becomes final: a character whose bytes have not all come, the characters the version's post-processing may
-still change (`PromptFormat.stream_lookahead`: ChatGLM-6B's last one) and a tail that could still become a
-stop string are held back.
+still change (`PromptFormat.stream_lookahead`: ChatGLM-6B's last one), a tail that could still become a
+stop string, and, where tool calls are read, a first line that could still name a tool (`ChatTurn.holding`)
+are held back. A request of `n` answers (or of several prompts) is that many rows of the batch.
 """
 
 from __future__ import annotations
@@ -406,7 +407,6 @@ class Service:
             raise bad(f"messages[{index}].role", f"the last message must be from {' or '.join(allowed)}, got "
                                                  f"{message['role']!r}")
         return message["role"]
-
 
     # ------------------------------------------------------------------------------------------
     # completion and extraction
