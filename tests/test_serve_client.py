@@ -304,9 +304,41 @@ def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
             assert err.value.body["param"] == next(iter(ask))
 
 
+def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(models, monkeypatch):
+    """lm-eval's loglikelihood request (its local-completions model): token-id prompts taken as they are (no prompt
+    format around them), `echo`, `logprobs` 1, `max_tokens` 1. Each choice's text is its prompt's then the answer's,
+    its token_logprobs the prompt's tokens after the first (the first: None) and then the answer's, each as the
+    model's own forward gives it (1e-4); the sum over a continuation is the log-likelihood lm-eval takes. A token id
+    the tokenizer does not have: 400 naming it."""
+    with serving(models("glm4")) as s:
+        answers, client = Answers(s.service.engine, monkeypatch), s.client()
+        encode = s.tokenizer.encode_text
+        contexts, continuation = [encode("制动钳"), encode("水泵")], encode("异响")
+        prompts = [context + continuation for context in contexts]
+        done = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+                                         echo=True, seed=1234)
+        assert answers.prompts == prompts  # as given: no prompt format around them
+        for prompt, context, choice, answer in zip(prompts, contexts, done.choices, answers.ids):
+            expected = model_logprobs(s, prompt[:1], prompt[1:] + answer[:1])
+            logprobs = choice.logprobs
+            assert choice.text.startswith(s.tokenizer.decode(prompt))
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            assert len(logprobs.token_logprobs) == len(prompt) + (answer[0] not in s.tokenizer.prompt_format.stop_ids(
+                s.tokenizer))
+            want = [expected[k, token].item() for k, token in enumerate((prompt[1:] + answer[:1])[:len(logprobs.token_logprobs) - 1])]
+            assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+            loglikelihood = sum(logprobs.token_logprobs[len(context): len(prompt)])
+            assert loglikelihood == pytest.approx(sum(want[len(context) - 1: len(prompt) - 1]), abs=1e-4)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=[1, len(s.tokenizer)], max_tokens=1)
+        assert err.value.body["param"] == "prompt[1]"
+
+
 @pytest.mark.parametrize("body, param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
-                                         ({"prompt": [101, 102]}, "prompt"), ({"prompt": [[101, 102]]}, "prompt"),
-                                         ({"prompt": ["a"] * 9, "n": 2}, "prompt"), ({"prompt": []}, "prompt")])
+                                         ({"prompt": [[101], []]}, "prompt"), ({"prompt": [101, "a"]}, "prompt"),
+                                         ({"prompt": ["a"] * 9, "n": 2}, "prompt"), ({"prompt": []}, "prompt"),
+                                         ({"echo": True}, "echo"), ({"prompt": [1, 2], "echo": True, "stream": True}, "echo"),
+                                         ({"prompt": [1, 2], "logprobs": 6}, "logprobs")])
 def test_choices_beyond_the_bounds_are_400_naming_the_parameter(body, param):
     from chatglm_tune.serve.protocol import ApiError, parse_call
 

@@ -7,5 +7,6 @@ samples each row's next token (`sampling`) and hands it back to the request, unt
 budget ends it. `generation.generate` takes the same steps over one batch of prompts (infer.py's
 extraction, training's evaluation), and `chat` is the official `model.chat()` / `stream_chat()` on it.
 With speculation asked for, greedy rows guess their next tokens (`drafting`) and one forward checks every
-row's guesses (`speculative` for `generate`, `emitter.Emitter.emit_verified` for the engine).
+row's guesses (`speculative` for `generate`, `emitter.Emitter.emit_verified` for the engine). `scoring` gives a
+prompt's own token log probabilities (a completion's echoed prompt).
 """

@@ -86,6 +86,7 @@ class Engine:
         self._unfinished = 0  # submitted requests whose on_finish has not run (`unfinished`)
         self._count_lock = threading.Lock()
         self.steps = 0  # decoding steps run (a step is one forward of the running batch)
+        self.model_lock = threading.Lock()  # held by each step: another forward of the model takes it (`scoring`)
 
     # ------------------------------------------------------------------------------------------
     # The caller's side (any thread)
@@ -197,7 +198,8 @@ class Engine:
                 if not self.scheduler.wait(lambda: self.idle):
                     return
                 try:
-                    self.step()
+                    with self.model_lock:
+                        self.step()
                 except Exception as err:  # a failed forward (out of memory, a broken layer): fail its requests, go on
                     log.exception("a decoding step failed: its requests end with an error")
                     self._fail_all(f"{type(err).__name__}: {err}")

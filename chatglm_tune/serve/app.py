@@ -95,14 +95,14 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         budgets = [protocol.require_fitting(len(prompt), call.max_tokens, service.context,
                                             param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
                    for i, prompt in enumerate(prompts)]
+        echoed = await asyncio.to_thread(_echoed, service, call, prompts) if call.echo else None
         streams = service.generate(list(zip(prompts, budgets)), call, service.completion_render(),
                                    disconnected=None if call.stream else request.is_disconnected)
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         if call.stream:
             return _sse(_completion_chunks(service, call, prompt_tokens, streams))
         return await _answer(streams, lambda dones: protocol.completion(
-            call, service.served,
-            [(i, done.text, done.finish, protocol.completion_logprobs(service.scored(done))) for i, done in enumerate(dones)],
+            call, service.served, _completion_answers(service, call, dones, echoed),
             protocol.usage(prompt_tokens, sum(done.tokens for done in dones))))
 
     async def extract(request: Request):
@@ -247,6 +247,28 @@ async def _answer(streams, body) -> JSONResponse:
     except ExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return JSONResponse(body([task.result() for task in tasks]))
+
+
+def _echoed(service: Service, call, prompts: list[list[int]]) -> list[tuple[str, list | None]]:
+    """(text, scored tokens or None) of each prompt a completion echoes; 400 where the model cannot take it."""
+    try:
+        return [(service.tokenizer.decode(prompt), service.prompt_scored(prompt, call.logprobs)) for prompt in prompts]
+    except ValueError as err:  # a prompt the model cannot place (ChatGLM-6B's needs its [gMASK])
+        raise protocol.bad("prompt", str(err)) from None
+
+
+def _completion_answers(service: Service, call, dones: list[Done], echoed) -> list[tuple]:
+    """(choice index, text, finish reason, logprobs) of each answer: with `echoed`, its prompt's text and tokens
+    first (choice p * n + i answers prompt p)."""
+    answers = []
+    for i, done in enumerate(dones):
+        text, scored = done.text, service.scored(done)
+        if echoed is not None:
+            head, prompt_scored = echoed[i // call.n]
+            text = head + text
+            scored = None if call.logprobs is None else prompt_scored + (scored or [])
+        answers.append((i, text, done.finish, protocol.completion_logprobs(scored)))
+    return answers
 
 
 async def _merged(streams):

@@ -4,8 +4,8 @@ error JSON, and the response and stream-chunk objects.
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
 answer, at any value but their default: `best_of` other than `n`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `response_format` other than text, completions' `echo` and `suffix`, token-id prompts, log
-probabilities with a stream (and `tools` in a chat without tool calls):
+`logit_bias`, `response_format` other than text, completions' `suffix`, log probabilities or `echo` with a stream
+(and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
   2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
@@ -16,7 +16,10 @@ probabilities with a stream (and `tools` in a chat without tool calls):
   an assistant's `tool_calls`,
   its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
   them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function);
-- completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th);
+- completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th;
+  or token ids, a list or a list of lists: each the whole prompt, no prompt format around it), `echo` (token-id
+  prompts: the prompt's text, and with `logprobs` its tokens' log probabilities, before the answer's: what
+  lm-eval's loglikelihood reads);
 - extract: `texts` (a list of strings, or `text`); `stream` and `stop` are refused (rows come whole, ended by
   the model).
 """
@@ -73,7 +76,9 @@ class Call:
     tools: list | None = None  # chat: ChatGLM3 / GLM-4 tools, put in the system message
     tool_choice: str = "auto"  # chat: "auto", "none", "required", or "function" (a named one: `tool_name`)
     tool_name: str | None = None
-    prompts: tuple[str, ...] = ()  # completions
+    prompts: tuple[str, ...] = ()  # completions: texts, each inside the run's prompt format
+    prompt_ids: tuple[tuple[int, ...], ...] = ()  # completions: or token ids, each the whole prompt
+    echo: bool = False  # completions of token ids: the prompt comes back before the answer (with its logprobs)
     n: int = 1  # answers a prompt
     logprobs: int | None = None  # alternatives each answer token's log probability comes with (None: none)
     texts: tuple[str, ...] = ()  # extract
@@ -117,7 +122,8 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["tools"] = tools or None
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
     elif kind == "completion":
-        fields["prompts"] = _prompts(body.get("prompt"), n)
+        fields["prompts"], fields["prompt_ids"] = _prompts(body.get("prompt"), n)
+        fields["echo"] = _echo(body.get("echo"), fields["prompt_ids"], stream)
     else:
         fields["texts"] = _texts(body)
         if stream:
@@ -175,7 +181,7 @@ def seeds(call: Call) -> list[int | None]:
 
 def _refuse_unsupported(body: Mapping, kind: str) -> None:
     """400 naming a field that would change the answer and that this server does not do (its default value
-    passes): penalties, a logit bias, a response format other than text, echo and suffix."""
+    passes): penalties, a logit bias, a response format other than text, suffix."""
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0):
             raise bad(name, f"penalties are not applied by this server: leave {name} out or 0, got {body.get(name)!r}")
@@ -186,8 +192,6 @@ def _refuse_unsupported(body: Mapping, kind: str) -> None:
         raise bad("response_format", f"only {{\"type\": \"text\"}}: the answer is not constrained to JSON here, got "
                                      f"{response_format!r:.80}")
     if kind == "completion":
-        if body.get("echo") not in (None, False):
-            raise bad("echo", "the prompt is not echoed by this server: leave echo out or false")
         if body.get("suffix") not in (None, ""):
             raise bad("suffix", "insertion (a text after the completion) is not supported: leave suffix out")
 
@@ -372,16 +376,30 @@ def _request_param(field: str, origins: list[str]) -> str:
     return origin + rest
 
 
-def _prompts(value, n: int) -> tuple[str, ...]:
+def _prompts(value, n: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """(texts, token-id prompts) of completions' `prompt`: a string, a list of strings, a list of ids or a list of
+    lists of ids; at most MAX_CHOICES choices (prompts times n)."""
     prompts = value if isinstance(value, list) else [value]
-    if prompts and all(_is_int(v) for v in prompts) or any(isinstance(v, list) for v in prompts):
-        raise bad("prompt", "token-id prompts are not taken here (the run's prompt format goes around a text): send "
-                            "the text")
-    if not prompts or not all(isinstance(v, str) for v in prompts):
-        raise bad("prompt", f"must be a string or a list of strings, got {value!r:.80}")
+    if prompts and all(_is_int(v) for v in prompts):
+        prompts = [prompts]
+    texts = all(isinstance(v, str) for v in prompts)
+    if not prompts or not (texts or all(isinstance(v, list) and v and all(_is_int(i) for i in v) for v in prompts)):
+        raise bad("prompt", f"must be a string, a list of strings, a list of token ids or a list of such lists, "
+                            f"got {value!r:.80}")
     if len(prompts) * n > MAX_CHOICES:
         raise bad("prompt", f"{len(prompts)} prompts x n {n} are more than the {MAX_CHOICES} choices a request may ask")
-    return tuple(prompts)
+    return (tuple(prompts), ()) if texts else ((), tuple(tuple(ids) for ids in prompts))
+
+
+def _echo(value, prompt_ids: tuple, stream: bool) -> bool:
+    if value not in (None, True, False):
+        raise bad("echo", f"must be true or false, got {value!r:.80}")
+    if value and not prompt_ids:
+        raise bad("echo", "the prompt echoed is the one given as token ids (a text prompt goes inside the run's "
+                          "prompt format): send the prompt's token ids")
+    if value and stream:
+        raise bad("echo", "an echoed prompt comes with a whole answer here: leave stream out or false")
+    return bool(value)
 
 
 def _texts(body: Mapping) -> tuple[str, ...]:
@@ -418,7 +436,8 @@ def chat_message(content: str, tool_call: dict | None) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
 
 
-Scored = tuple  # an answer token's (text, log probability, ((text, log probability) of the likeliest, ...))
+Scored = tuple  # a token's (text, log probability, ((text, log probability) of the likeliest, ...)); an echoed
+#                prompt's first token: (text, None, None)
 
 
 def chat_logprobs(scored: list[Scored] | None) -> dict | None:
@@ -442,8 +461,8 @@ def completion_logprobs(scored: list[Scored] | None) -> dict | None:
     for text, _, top in scored:
         offsets.append(at)
         at += len(text)
-        tops.append({})
-        for alternative, logprob in top:  # ids of one text (a piece of a character): the likeliest's
+        tops.append(None if top is None else {})  # None: an echoed prompt's first token, which has no context
+        for alternative, logprob in top or ():  # ids of one text (a piece of a character): the likeliest's
             tops[-1].setdefault(alternative, logprob)
     return {"tokens": [text for text, _, _ in scored], "token_logprobs": [logprob for _, logprob, _ in scored],
             "top_logprobs": tops, "text_offset": offsets}

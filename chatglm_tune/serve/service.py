@@ -36,6 +36,7 @@ from chatglm_tune.batches import SpecialIds
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Request
+from chatglm_tune.decoding.scoring import prompt_logprobs
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
 from chatglm_tune.dialogues import Turn as DialogueTurn
 from chatglm_tune.extraction import make_row
@@ -412,8 +413,26 @@ class Service:
     # completion and extraction
 
     def completion_prompts(self, call: Call) -> list[list[int]]:
-        """The run's prompt format around each of `call.prompts`, uncut (whether they fit is the caller's check)."""
-        return [self._completion_prompt(text) for text in call.prompts]
+        """The run's prompt format around each of `call.prompts`, uncut (whether they fit is the caller's check), or
+        each of `call.prompt_ids` as it is (400 naming an id the tokenizer does not have)."""
+        for i, ids in enumerate(call.prompt_ids):
+            for j, token in enumerate(ids):
+                if not 0 <= token < len(self.tokenizer):
+                    where = f"prompt[{i}][{j}]" if len(call.prompt_ids) > 1 else f"prompt[{j}]"
+                    raise bad(where, f"{token} is not a token id of this model's tokenizer (0 to {len(self.tokenizer) - 1})")
+        return [list(ids) for ids in call.prompt_ids] or [self._completion_prompt(text) for text in call.prompts]
+
+    def prompt_scored(self, ids: list[int], top: int | None) -> list:
+        """An echoed prompt's tokens as `protocol.Scored` (its first token with no log probability, None), with their
+        log probabilities (`scoring.prompt_logprobs`, a forward between two engine steps) where `top` is not None."""
+        text = self.tokenizer.decode
+        if top is None:
+            return [(text([token]), None, None) for token in ids]
+        with self.engine.model_lock:
+            scored = prompt_logprobs(self.model, ids, top, len(self.tokenizer))
+        return [(text([ids[0]]), None, None)] + [
+            (text([token]), logprob, tuple((text([alt]), value) for alt, value in alternatives))
+            for token, (logprob, alternatives) in zip(ids[1:], scored)]
 
     def _completion_prompt(self, text: str) -> list[int]:
         # room for the whole text, so an over-long prompt is refused at its real length, not at a cut one
