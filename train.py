@@ -234,7 +234,9 @@ def check(args):
     from chatglm_tune import rundir
 
     base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
-    rundir.prepare_output_dir(args.output_dir, base=base, resume=bool(args.resume), overwrite=args.overwrite)
+    first = int(os.environ.get("RANK", "0")) == 0  # of several processes, the first alone checks and writes the
+    # directory: another would find what it records there (not empty) or empty it under it (--overwrite)
+    rundir.prepare_output_dir(args.output_dir, base=base, resume=bool(args.resume) or not first, overwrite=args.overwrite)
     options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
     train_records, dev_records, bad_records = read_data(args, options.columns)
     options = own_instructions(args, options, train_records)
@@ -252,7 +254,7 @@ def check(args):
         args.resume = mode == "resume"
     if args.resume:  # before anything is loaded or written
         rundir.check_resume(args.output_dir, record)
-    elif int(os.environ.get("RANK", "0")) == 0:
+    elif first:
         rundir.discard_unstarted(args.output_dir)  # a restart: what this run's killed start wrote
         args.made_output_dir = not Path(args.output_dir).exists()
         rundir.record_start(args.output_dir, record)

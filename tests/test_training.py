@@ -279,6 +279,22 @@ def test_non_finite_loss_stops_with_a_clear_message(base_dir, train_file, tmp_pa
     assert "the loss became" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [(), ("--overwrite",), ("--resume", "auto")])
+def test_a_second_process_checks_the_directory_the_first_has_recorded(base_dir, train_file, tmp_path, monkeypatch, flags):
+    """Of several launched processes the first alone checks and records the run directory: another, checking once
+    the first has recorded its start, goes on with the same run (no "not empty"; nothing of the record emptied)."""
+    argv = ["--model", str(base_dir), "--train-file", str(train_file), "--output-dir", str(tmp_path / "run"),
+            "--tuning", "full", "--max-steps", "4", *flags]
+    monkeypatch.setenv("RANK", "0")
+    first = train_cli.check(train_cli.parse_args(argv))
+    recorded = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert recorded
+    monkeypatch.setenv("RANK", "1")
+    second = train_cli.check(train_cli.parse_args(argv))
+    assert second[2] == first[2]  # the same run record
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == recorded
+
+
 def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on_sigterm(base_dir, train_file, tmp_path):
     """Two CPU processes (DDP over gloo) follow one process's loss curve; SIGTERM to one of them (here the second:
     its peer never got it) stops both after the same step, its state saved once, and --resume then ends where the
