@@ -327,6 +327,29 @@ def test_full_queue_is_429_and_a_client_that_leaves_frees_its_slot(glm4_dir, mon
         assert done.usage.completion_tokens <= 4
 
 
+def test_the_choices_of_a_request_leave_together(glm4_dir, monkeypatch):
+    """n answers are n rows: where the queue has room for fewer, the request is a 429 and the rows it had taken are
+    cancelled; a client that leaves a stream of several answers cancels every one of them."""
+    with serving(glm4_dir, options=ServingOptions(max_batch=1, max_queue=0)) as s:
+        cancelled = spy_on_cancel(monkeypatch)
+        with pytest.raises(openai.RateLimitError):
+            s.client().completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, n=2)
+        assert len(cancelled) == 1
+        wait_until(lambda: s.health()["running"] == 0, "the row of the refused request freed")
+    with serving(glm4_dir, options=ServingOptions(max_batch=2)) as s:
+        client = s.client()
+        with held_forwards(s.model, after=1) as (release, holding):
+            stream = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=400, n=2, stream=True)
+            assert holding.wait(HANG_S)
+            steps = s.service.engine.steps
+            cancelled = spy_on_cancel(monkeypatch)
+            stream.close()
+            wait_until(lambda: len(cancelled) >= 2, "the server cancelling both answers of a client that left")
+            release()
+            wait_until(lambda: s.health()["running"] == 0, "the rows of the cancelled answers freed")
+        assert s.service.engine.steps - steps < 10, "an abandoned answer ran on"
+
+
 def test_sigterm_stops_serve_py_and_ends_an_open_stream_after_the_grace(glm4_dir, tmp_path):
     """A stream that cannot end within the shutdown grace (a model that takes 0.5 s a forward: 400 tokens take
     minutes): SIGTERM stops serve.py, which ends the stream after its grace rather than waiting for it, with an
