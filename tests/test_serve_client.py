@@ -271,7 +271,7 @@ def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
     """Chat's `logprobs` / `top_logprobs` and completions' `logprobs` give each answer token's log probability as
     the model's own forward over prompt and answer gives it (1e-4), with the likeliest alternatives (greedy: the
     token itself first), decoded plainly or speculatively (a greedy row's agreed guesses too); the stop id that
-    ends an answer is not among them. With a stream: 400 naming logprobs."""
+    ends an answer is not among them. Streamed, the chunks' log probabilities make the same list."""
     with serving(models("glm4"), options=ServingOptions(drafts=drafts)) as s:
         answers, client = Answers(s.service.engine, monkeypatch), s.client()
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "制动钳异响"}],
@@ -297,11 +297,26 @@ def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
                     assert dict(alternatives) == pytest.approx(best, abs=1e-4)
                 assert alternatives[0][0] == s.tokenizer.decode([token])  # greedy: the likeliest is the one written
         assert done.choices[0].logprobs.text_offset[0] == 0
-        for ask in (dict(logprobs=True), dict(top_logprobs=2)):
-            with pytest.raises(openai.BadRequestError) as err:
-                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=2,
-                                               stream="top_logprobs" not in ask, **ask)
-            assert err.value.body["param"] == next(iter(ask))
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=2,
+                                           top_logprobs=2)
+        assert err.value.body["param"] == "top_logprobs"
+        # streamed: each chunk carries the log probabilities of its tokens; together, the whole answer's
+        chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "制动钳异响"}],
+                                                max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        pieces = [e.model_dump() for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+        assert pieces == [e.model_dump() for e in chat.choices[0].logprobs.content]
+        texts, logprobs = [], []
+        for chunk in client.completions.create(model="tiny", prompt="水泵漏油", max_tokens=12, temperature=0, logprobs=2,
+                                               stream=True):
+            for choice in chunk.choices:
+                texts.append(choice.text)
+                if choice.logprobs:
+                    logprobs.append(choice.logprobs)
+        assert "".join(texts) == done.choices[0].text
+        assert [t for l in logprobs for t in l.tokens] == done.choices[0].logprobs.tokens
+        assert [v for l in logprobs for v in l.token_logprobs] == done.choices[0].logprobs.token_logprobs
+        assert [o for l in logprobs for o in l.text_offset] == done.choices[0].logprobs.text_offset
 
 
 def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(models, monkeypatch):

@@ -77,7 +77,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
             return _sse(_chat_chunks(service, call, turn, streams))
 
         def body(dones: list[Done]) -> dict:
-            answers = [(*_chat_answer(call, turn, done, i), protocol.chat_logprobs(service.scored(done)))
+            answers = [(*_chat_answer(call, turn, done, i), protocol.chat_logprobs(_scored(service, call, done.scored_pairs)))
                        for i, done in enumerate(dones)]
             use = protocol.usage(len(turn.prompt), sum(done.tokens for done in dones))
             return protocol.chat_completion(call, service.served, answers, use)
@@ -249,6 +249,11 @@ async def _answer(streams, body) -> JSONResponse:
     return JSONResponse(body([task.result() for task in tasks]))
 
 
+def _scored(service: Service, call, pairs) -> list | None:
+    """`Service.scored` of `pairs` where the request asked for log probabilities, else None."""
+    return None if call.logprobs is None else service.scored(pairs)
+
+
 def _echoed(service: Service, call, prompts: list[list[int]]) -> list[tuple[str, list | None]]:
     """(text, scored tokens or None) of each prompt a completion echoes; 400 where the model cannot take it."""
     try:
@@ -262,7 +267,7 @@ def _completion_answers(service: Service, call, dones: list[Done], echoed) -> li
     first (choice p * n + i answers prompt p)."""
     answers = []
     for i, done in enumerate(dones):
-        text, scored = done.text, service.scored(done)
+        text, scored = done.text, _scored(service, call, done.scored_pairs)
         if echoed is not None:
             head, prompt_scored = echoed[i // call.n]
             text = head + text
@@ -322,10 +327,12 @@ async def _chat_chunks(service: Service, call, turn, streams):
     may_call = turn.tool_calls and bool(call.tools)  # content stays null unless text comes, as OpenAI's calls
     for index in range(len(streams)):
         yield protocol.chat_chunk(call, served, {"role": "assistant", "content": None if may_call else ""}, index=index)
+    scored = [0] * len(streams)  # of each choice, the ids whose log probabilities went out
     async for index, event in _merged(streams):
         if isinstance(event, Delta):
-            sent[index] += event.text
-            yield protocol.chat_chunk(call, served, {"content": event.text}, index=index)
+            sent[index], scored[index] = sent[index] + event.text, scored[index] + len(event.scored)
+            logprobs = protocol.chat_logprobs(_scored(service, call, event.scored))
+            yield protocol.chat_chunk(call, served, {"content": event.text}, index=index, logprobs=logprobs)
             continue
         tokens += event.tokens
         message, finish = _chat_answer(call, turn, event, index)
@@ -334,19 +341,29 @@ async def _chat_chunks(service: Service, call, turn, streams):
                 yield protocol.chat_chunk(call, served, {"tool_calls": [delta]}, index=index)
         elif message["content"].startswith(sent[index]) and (message["content"] != sent[index] or not sent[index]):
             yield protocol.chat_chunk(call, served, {"content": message["content"][len(sent[index]):]}, index=index)
-        yield protocol.chat_chunk(call, served, {}, finish, index=index)
+        rest = protocol.chat_logprobs(_scored(service, call, event.scored_pairs[scored[index]:]))
+        yield protocol.chat_chunk(call, served, {}, finish, index=index, logprobs=rest)
     if call.include_usage:
         yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
 
 
 async def _completion_chunks(service: Service, call, prompt_tokens: int, streams):
     served, tokens = service.served, 0
+    scored, offsets = [0] * len(streams), [0] * len(streams)  # of each choice: ids scored, their texts' length
+
+    def logprobs(index: int, pairs) -> dict | None:
+        entries = protocol.completion_logprobs(_scored(service, call, pairs), start=offsets[index])
+        scored[index] += len(pairs)
+        offsets[index] += sum(len(text) for text in entries["tokens"]) if entries else 0
+        return entries
+
     async for index, event in _merged(streams):
         if isinstance(event, Delta):
-            yield protocol.completion(call, served, [(index, event.text, None)])
+            yield protocol.completion(call, served, [(index, event.text, None, logprobs(index, event.scored))])
             continue
         tokens += event.tokens
-        yield protocol.completion(call, served, [(index, "", event.finish)])
+        rest = logprobs(index, event.scored_pairs[scored[index]:])
+        yield protocol.completion(call, served, [(index, "", event.finish, rest)])
     if call.include_usage:
         yield protocol.completion(call, served, [], protocol.usage(prompt_tokens, tokens))
 

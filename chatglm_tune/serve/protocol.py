@@ -4,8 +4,8 @@ error JSON, and the response and stream-chunk objects.
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
 answer, at any value but their default: `best_of` other than `n`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `response_format` other than text, completions' `suffix`, log probabilities or `echo` with a stream
-(and `tools` in a chat without tool calls):
+`logit_bias`, `response_format` other than text, completions' `suffix`, `echo` with a stream (and `tools` in a
+chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
   2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
@@ -97,7 +97,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
                        code="model_not_found")
     n = _n(body, kind)
     _refuse_unsupported(body, kind)
-    logprobs = _logprobs(body, kind, body.get("stream") is True)
+    logprobs = _logprobs(body, kind)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
@@ -151,9 +151,10 @@ def _n(body: Mapping, kind: str) -> int:
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # as OpenAI: chat's top_logprobs, completions' logprobs
 
 
-def _logprobs(body: Mapping, kind: str, stream: bool) -> int | None:
+def _logprobs(body: Mapping, kind: str) -> int | None:
     """How many alternatives each answer token's log probability comes with (None: no log probabilities). Chat:
-    `logprobs` true and `top_logprobs` (0 to 20); completions: `logprobs` (0 to 5). Not with a stream here."""
+    `logprobs` true and `top_logprobs` (0 to 20); completions: `logprobs` (0 to 5). Streamed, each chunk carries
+    those of the tokens it completes (the last, those of tokens that showed no text)."""
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if kind == "chat":
         if asked not in (None, True, False):
@@ -166,8 +167,6 @@ def _logprobs(body: Mapping, kind: str, stream: bool) -> int | None:
         raise bad("logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS['completion']}, got {asked!r:.80}")
     else:
         count = None if kind == "extract" else asked
-    if count is not None and stream:
-        raise bad("logprobs", "log probabilities come with whole answers here: leave stream out or false")
     return count
 
 
@@ -452,12 +451,14 @@ def chat_logprobs(scored: list[Scored] | None) -> dict | None:
                         for text, logprob, top in scored], "refusal": None}
 
 
-def completion_logprobs(scored: list[Scored] | None) -> dict | None:
+def completion_logprobs(scored: list[Scored] | None, *, start: int = 0) -> dict | None:
     """A completion choice's `logprobs`: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; a top_logprobs
-    entry is keyed by text, so of alternatives that decode alike (pieces of one character) it keeps the likeliest."""
+    entry is keyed by text, so of alternatives that decode alike (pieces of one character) it keeps the likeliest. A
+    text_offset is `start` plus the lengths of the tokens' texts before it (a piece of a character decodes alone as
+    one replacement character)."""
     if scored is None:
         return None
-    offsets, at, tops = [], 0, []
+    offsets, at, tops = [], start, []  # start: where the text of these tokens begins (a stream's chunk)
     for text, _, top in scored:
         offsets.append(at)
         at += len(text)
@@ -477,8 +478,8 @@ def chat_completion(call: Call, served: str, answers: list[tuple[dict, str, dict
 
 
 def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, use: dict | None = None, *,
-               index: int = 0) -> dict:
-    choices = [] if use is not None else [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
+               index: int = 0, logprobs: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created, "model": served,
             "choices": choices, **({"usage": use} if use is not None else {})}
 

@@ -215,6 +215,7 @@ class ChatTurn:
 @dataclass(frozen=True)
 class Delta:
     text: str
+    scored: tuple = ()  # (id, LogProb) of the answer ids since the last delta, where the request asked
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,11 @@ class Done:
     tokens: int  # ids generated
     ids: tuple[int, ...]
     stop_string: bool  # a stop string ended it
-    logprobs: tuple[LogProb, ...] = ()  # each id's, where the request asked
+    logprobs: tuple[LogProb, ...] = ()  # each id's but the stop id's that ended it, where the request asked
+
+    @property
+    def scored_pairs(self) -> tuple:
+        return tuple(zip(self.ids, self.logprobs))
 
 
 class Service:
@@ -487,37 +492,42 @@ class Service:
 
     async def _text_events(self, ticket: Ticket, stream: TextStream, disconnected) -> AsyncIterator[Delta | Done]:
         ids: list[int] = []
-        scored: list[LogProb] = []
+        scored: list[LogProb] = []  # each answer id's, where asked; the stop id that ends an answer has none
+        stops, shown = set(ticket.request.stop_ids), 0  # shown: the ids whose log probabilities went with a delta
+
+        def delta(text: str) -> Delta:
+            nonlocal shown
+            pairs, shown = tuple(zip(ids[shown:], scored[shown:])), len(scored)
+            return Delta(text, pairs)
+
         async for item in ticket.events(disconnected):
             if isinstance(item, LogProb):
                 scored.append(item)
                 continue
             if isinstance(item, Finished):
                 _raise_failed(item)
-                delta, hit = stream.update(ids, final=True)
-                if delta:
-                    yield Delta(delta)
+                text, hit = stream.update(ids, final=True)
+                if text:
+                    yield delta(text)
                 finish = "stop" if item.reason == FINISH_STOP or hit else "length"
                 yield Done(stream.text, finish, len(ids), tuple(ids), hit, tuple(scored))
                 return
             ids.append(item)
-            delta, hit = stream.update(ids, final=False)
-            if delta:
-                yield Delta(delta)
+            if item in stops and len(scored) == len(ids):
+                scored.pop()
+            text, hit = stream.update(ids, final=False)
+            if text:
+                yield delta(text)
             if hit:
                 yield Done(stream.text, "stop", len(ids), tuple(ids), True, tuple(scored))
                 return  # leaving the iteration cancels the request in the engine
 
-    def scored(self, done: Done) -> list | None:
-        """The answer tokens' (text, log probability, ((text, log probability), ...)) of a `done` whose request asked
-        for them (`protocol.Scored`), the stop id that ended it left out; None where it did not ask."""
-        if not done.logprobs:
-            return None
-        stops = set(self.format.stop_ids(self.tokenizer))
-        count = len(done.ids) - (done.finish == "stop" and not done.stop_string and bool(done.ids) and done.ids[-1] in stops)
+    def scored(self, pairs) -> list:
+        """(text, log probability, ((text, log probability), ...)) of each (id, `LogProb`) of `pairs` (`protocol.Scored`:
+        a `Done`'s `scored_pairs`, or a `Delta`'s `scored`)."""
         text = self.tokenizer.decode
         return [(text([token]), item.logprob, tuple((text([alt]), value) for alt, value in item.top))
-                for token, item in zip(done.ids[:count], done.logprobs)]
+                for token, item in pairs]
 
 
 async def _collect_ids(ticket: Ticket, disconnected) -> list[int]:
