@@ -323,8 +323,8 @@ def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(mod
     """lm-eval's loglikelihood request (its local-completions model): token-id prompts taken as they are (no prompt
     format around them), `echo`, `logprobs` 1, `max_tokens` 1. Each choice's text is its prompt's then the answer's,
     its token_logprobs the prompt's tokens after the first (the first: None) and then the answer's, each as the
-    model's own forward gives it (1e-4); the sum over a continuation is the log-likelihood lm-eval takes. A token id
-    the tokenizer does not have: 400 naming it."""
+    model's own forward gives it (1e-4); the sum over a continuation is the log-likelihood lm-eval takes. Streamed,
+    the chunks make the same texts and lists. A token id the tokenizer does not have: 400 naming it."""
     with serving(models("glm4")) as s:
         answers, client = Answers(s.service.engine, monkeypatch), s.client()
         encode = s.tokenizer.encode_text
@@ -344,6 +344,14 @@ def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(mod
             assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
             loglikelihood = sum(logprobs.token_logprobs[len(context): len(prompt)])
             assert loglikelihood == pytest.approx(sum(want[len(context) - 1: len(prompt) - 1]), abs=1e-4)
+        streamed = [""] * 2, [[], []]
+        for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+                                               echo=True, stream=True):
+            for choice in chunk.choices:
+                streamed[0][choice.index] += choice.text
+                streamed[1][choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+        assert streamed[0] == [c.text for c in done.choices]
+        assert streamed[1] == [c.logprobs.token_logprobs for c in done.choices]
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="tiny", prompt=[1, len(s.tokenizer)], max_tokens=1)
         assert err.value.body["param"] == "prompt[1]"
@@ -352,7 +360,7 @@ def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(mod
 @pytest.mark.parametrize("body, param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
                                          ({"prompt": [[101], []]}, "prompt"), ({"prompt": [101, "a"]}, "prompt"),
                                          ({"prompt": ["a"] * 9, "n": 2}, "prompt"), ({"prompt": []}, "prompt"),
-                                         ({"echo": True}, "echo"), ({"prompt": [1, 2], "echo": True, "stream": True}, "echo"),
+                                         ({"echo": True}, "echo"), ({"prompt": [1, 2], "echo": 1.5}, "echo"),
                                          ({"prompt": [1, 2], "logprobs": 6}, "logprobs")])
 def test_choices_beyond_the_bounds_are_400_naming_the_parameter(body, param):
     from chatglm_tune.serve.protocol import ApiError, parse_call

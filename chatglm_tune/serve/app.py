@@ -100,7 +100,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
                                    disconnected=None if call.stream else request.is_disconnected)
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         if call.stream:
-            return _sse(_completion_chunks(service, call, prompt_tokens, streams))
+            return _sse(_completion_chunks(service, call, prompt_tokens, streams, echoed))
         return await _answer(streams, lambda dones: protocol.completion(
             call, service.served, _completion_answers(service, call, dones, echoed),
             protocol.usage(prompt_tokens, sum(done.tokens for done in dones))))
@@ -347,9 +347,16 @@ async def _chat_chunks(service: Service, call, turn, streams):
         yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
 
 
-async def _completion_chunks(service: Service, call, prompt_tokens: int, streams):
+async def _completion_chunks(service: Service, call, prompt_tokens: int, streams, echoed=None):
+    """Each choice's chunks: with `echoed` (`_echoed`), its prompt's text and tokens first; then its answer's text
+    as it comes (with its tokens' log probabilities where asked); a choice's last chunk carries its finish reason."""
     served, tokens = service.served, 0
     scored, offsets = [0] * len(streams), [0] * len(streams)  # of each choice: ids scored, their texts' length
+    for index in range(len(streams) if echoed is not None else 0):
+        head, prompt_scored = echoed[index // call.n]
+        entries = protocol.completion_logprobs(prompt_scored)
+        offsets[index] = sum(len(text) for text in entries["tokens"]) if entries else 0
+        yield protocol.completion(call, served, [(index, head, None, entries)])
 
     def logprobs(index: int, pairs) -> dict | None:
         entries = protocol.completion_logprobs(_scored(service, call, pairs), start=offsets[index])

@@ -4,8 +4,8 @@ error JSON, and the response and stream-chunk objects.
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
 answer, at any value but their default: `best_of` other than `n`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `response_format` other than text, completions' `suffix`, `echo` with a stream (and `tools` in a
-chat without tool calls):
+`logit_bias`, `response_format` other than text, completions' `suffix` (and `tools` in a chat without tool
+calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
   2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
@@ -123,7 +123,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
     elif kind == "completion":
         fields["prompts"], fields["prompt_ids"] = _prompts(body.get("prompt"), n)
-        fields["echo"] = _echo(body.get("echo"), fields["prompt_ids"], stream)
+        fields["echo"] = _echo(body.get("echo"), fields["prompt_ids"])
     else:
         fields["texts"] = _texts(body)
         if stream:
@@ -390,14 +390,12 @@ def _prompts(value, n: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...
     return (tuple(prompts), ()) if texts else ((), tuple(tuple(ids) for ids in prompts))
 
 
-def _echo(value, prompt_ids: tuple, stream: bool) -> bool:
+def _echo(value, prompt_ids: tuple) -> bool:
     if value not in (None, True, False):
         raise bad("echo", f"must be true or false, got {value!r:.80}")
     if value and not prompt_ids:
         raise bad("echo", "the prompt echoed is the one given as token ids (a text prompt goes inside the run's "
                           "prompt format): send the prompt's token ids")
-    if value and stream:
-        raise bad("echo", "an echoed prompt comes with a whole answer here: leave stream out or false")
     return bool(value)
 
 
