@@ -80,10 +80,9 @@ def busy_elsewhere(look: float = LOOK_S) -> float | None:
 def fit(threads: int) -> tuple[int, str]:
     """(threads to run on, why): `threads` capped at the cores left free (one thread: nothing to look at)."""
     cores, bound = usable()
-    wanted = threads
-    busy = busy_elsewhere() if min(wanted, cores) > 1 else None
+    busy = busy_elsewhere() if min(threads, cores) > 1 else None
     taken = 0 if busy is None else min(cores - 1, math.floor(busy + 1 - BUSY_CORE))
-    chosen = max(1, min(wanted, cores - taken))
+    chosen = max(1, min(threads, cores - taken))
     why = f"{bound}" + (f", {taken} kept busy by other work" if taken else "")
     return chosen, why
 

@@ -150,8 +150,9 @@ def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str 
     if dtype == "float16" and device == "cpu":
         note("float16 on a CPU has no fast kernels (about 10x slower than float32 here) and may overflow: prefer "
              "float32 or bfloat16")
-    threads, origin = cores.fitted(*choose_threads(threads, source.threads, "the run's")) if device == "cpu" else \
-        choose_threads(threads, source.threads, "the run's")
+    threads, origin = choose_threads(threads, source.threads, "the run's")
+    if device == "cpu":
+        threads, origin = cores.fitted(threads, origin)
     if threads:
         torch.set_num_threads(threads)
     model, tokenizer = load_run(source, dtype=dtype, device=device, quantization_bit=quantization_bit,

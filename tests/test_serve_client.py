@@ -352,6 +352,8 @@ def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(mod
                 streamed[1][choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
         assert streamed[0] == [c.text for c in done.choices]
         assert streamed[1] == [c.logprobs.token_logprobs for c in done.choices]
+        plain = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=1, echo=True, stream=True)
+        assert not any(choice.logprobs for chunk in plain for choice in chunk.choices)  # none asked, none sent
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="tiny", prompt=[1, len(s.tokenizer)], max_tokens=1)
         assert err.value.body["param"] == "prompt[1]"

@@ -19,7 +19,8 @@ import torch
 
 from chatglm_tune.decoding.drafting import guess, next_length
 from chatglm_tune.decoding.request import FINISH_LENGTH, FINISH_STOP, Request
-from chatglm_tune.decoding.sampling import limit_vocab, next_tokens, row_generators
+from chatglm_tune.decoding.sampling import next_tokens, row_generators
+from chatglm_tune.decoding.scoring import token_logprobs
 from chatglm_tune.decoding.speculative import agreed
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
 
@@ -89,7 +90,7 @@ class Emitter:
         if row.draft_length:
             row.history.append(token)
         if request.logprobs is not None:
-            request.on_logprob(*self._logprobs(scores, token, request.logprobs))
+            request.on_logprob(*token_logprobs(scores[None], [token], request.logprobs, self.vocab_limit)[0])
         request.on_token(token)
         if token in self._stop_ids(request):
             request.on_finish(FINISH_STOP, None)
@@ -98,13 +99,6 @@ class Emitter:
         else:
             return True
         return False
-
-    def _logprobs(self, scores: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-        """`token`'s log probability under `scores` (the ids the tokenizer has), and the `top` likeliest ids'."""
-        logprobs = torch.log_softmax(limit_vocab(scores.float()[None], self.vocab_limit)[0], dim=-1)
-        best = logprobs.topk(top) if top else None
-        alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-        return logprobs[token].item(), alternatives
 
     def _stop_ids(self, request: Request):
         return request.stop_ids or self.default_stop

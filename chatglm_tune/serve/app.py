@@ -257,7 +257,8 @@ def _scored(service: Service, call, pairs) -> list | None:
 def _echoed(service: Service, call, prompts: list[list[int]]) -> list[tuple[str, list | None]]:
     """(text, scored tokens or None) of each prompt a completion echoes; 400 where the model cannot take it."""
     try:
-        return [(service.tokenizer.decode(prompt), service.prompt_scored(prompt, call.logprobs)) for prompt in prompts]
+        return [(service.tokenizer.decode(prompt), None if call.logprobs is None else
+                 service.prompt_scored(prompt, call.logprobs)) for prompt in prompts]
     except ValueError as err:  # a prompt the model cannot place (ChatGLM-6B's needs its [gMASK])
         raise protocol.bad("prompt", str(err)) from None
 
@@ -271,7 +272,7 @@ def _completion_answers(service: Service, call, dones: list[Done], echoed) -> li
         if echoed is not None:
             head, prompt_scored = echoed[i // call.n]
             text = head + text
-            scored = None if call.logprobs is None else prompt_scored + (scored or [])
+            scored = None if scored is None else prompt_scored + scored
         answers.append((i, text, done.finish, protocol.completion_logprobs(scored)))
     return answers
 
@@ -327,10 +328,9 @@ async def _chat_chunks(service: Service, call, turn, streams):
     may_call = turn.tool_calls and bool(call.tools)  # content stays null unless text comes, as OpenAI's calls
     for index in range(len(streams)):
         yield protocol.chat_chunk(call, served, {"role": "assistant", "content": None if may_call else ""}, index=index)
-    scored = [0] * len(streams)  # of each choice, the ids whose log probabilities went out
     async for index, event in _merged(streams):
         if isinstance(event, Delta):
-            sent[index], scored[index] = sent[index] + event.text, scored[index] + len(event.scored)
+            sent[index] += event.text
             logprobs = protocol.chat_logprobs(_scored(service, call, event.scored))
             yield protocol.chat_chunk(call, served, {"content": event.text}, index=index, logprobs=logprobs)
             continue
@@ -341,7 +341,7 @@ async def _chat_chunks(service: Service, call, turn, streams):
                 yield protocol.chat_chunk(call, served, {"tool_calls": [delta]}, index=index)
         elif message["content"].startswith(sent[index]) and (message["content"] != sent[index] or not sent[index]):
             yield protocol.chat_chunk(call, served, {"content": message["content"][len(sent[index]):]}, index=index)
-        rest = protocol.chat_logprobs(_scored(service, call, event.scored_pairs[scored[index]:]))
+        rest = protocol.chat_logprobs(_scored(service, call, event.scored))
         yield protocol.chat_chunk(call, served, {}, finish, index=index, logprobs=rest)
     if call.include_usage:
         yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
@@ -351,26 +351,23 @@ async def _completion_chunks(service: Service, call, prompt_tokens: int, streams
     """Each choice's chunks: with `echoed` (`_echoed`), its prompt's text and tokens first; then its answer's text
     as it comes (with its tokens' log probabilities where asked); a choice's last chunk carries its finish reason."""
     served, tokens = service.served, 0
-    scored, offsets = [0] * len(streams), [0] * len(streams)  # of each choice: ids scored, their texts' length
-    for index in range(len(streams) if echoed is not None else 0):
-        head, prompt_scored = echoed[index // call.n]
-        entries = protocol.completion_logprobs(prompt_scored)
-        offsets[index] = sum(len(text) for text in entries["tokens"]) if entries else 0
-        yield protocol.completion(call, served, [(index, head, None, entries)])
+    offsets = [0] * len(streams)  # of each choice: the length of its scored tokens' texts so far
 
-    def logprobs(index: int, pairs) -> dict | None:
-        entries = protocol.completion_logprobs(_scored(service, call, pairs), start=offsets[index])
-        scored[index] += len(pairs)
+    def logprobs(index: int, scored: list | None) -> dict | None:
+        entries = protocol.completion_logprobs(scored, start=offsets[index])
         offsets[index] += sum(len(text) for text in entries["tokens"]) if entries else 0
         return entries
 
+    for index in range(len(streams) if echoed is not None else 0):
+        head, prompt_scored = echoed[index // call.n]
+        yield protocol.completion(call, served, [(index, head, None, logprobs(index, prompt_scored))])
     async for index, event in _merged(streams):
+        entries = logprobs(index, _scored(service, call, event.scored))  # a Done's: those of ids no delta took
         if isinstance(event, Delta):
-            yield protocol.completion(call, served, [(index, event.text, None, logprobs(index, event.scored))])
+            yield protocol.completion(call, served, [(index, event.text, None, entries)])
             continue
         tokens += event.tokens
-        rest = logprobs(index, event.scored_pairs[scored[index]:])
-        yield protocol.completion(call, served, [(index, "", event.finish, rest)])
+        yield protocol.completion(call, served, [(index, "", event.finish, entries)])
     if call.include_usage:
         yield protocol.completion(call, served, [], protocol.usage(prompt_tokens, tokens))
 

@@ -234,6 +234,7 @@ class Done:
     ids: tuple[int, ...]
     stop_string: bool  # a stop string ended it
     logprobs: tuple[LogProb, ...] = ()  # each id's but the stop id's that ended it, where the request asked
+    scored: tuple = ()  # (id, LogProb) of the ids after the last `Delta`'s (a stream sends them at its end)
 
     @property
     def scored_pairs(self) -> tuple:
@@ -427,17 +428,13 @@ class Service:
                     raise bad(where, f"{token} is not a token id of this model's tokenizer (0 to {len(self.tokenizer) - 1})")
         return [list(ids) for ids in call.prompt_ids] or [self._completion_prompt(text) for text in call.prompts]
 
-    def prompt_scored(self, ids: list[int], top: int | None) -> list:
-        """An echoed prompt's tokens as `protocol.Scored` (its first token with no log probability, None), with their
-        log probabilities (`scoring.prompt_logprobs`, a forward between two engine steps) where `top` is not None."""
-        text = self.tokenizer.decode
-        if top is None:
-            return [(text([token]), None, None) for token in ids]
+    def prompt_scored(self, ids: list[int], top: int) -> list:
+        """An echoed prompt's tokens as `protocol.Scored` with their log probabilities and the `top` likeliest
+        (`scoring.prompt_logprobs`, a forward between two engine steps); its first token has none (None)."""
         with self.engine.model_lock:
             scored = prompt_logprobs(self.model, ids, top, len(self.tokenizer))
-        return [(text([ids[0]]), None, None)] + [
-            (text([token]), logprob, tuple((text([alt]), value) for alt, value in alternatives))
-            for token, (logprob, alternatives) in zip(ids[1:], scored)]
+        return [(self.tokenizer.decode([ids[0]]), None, None)] + self.scored(
+            (token, LogProb(*item)) for token, item in zip(ids[1:], scored))
 
     def _completion_prompt(self, text: str) -> list[int]:
         # room for the whole text, so an over-long prompt is refused at its real length, not at a cut one
@@ -495,10 +492,11 @@ class Service:
         scored: list[LogProb] = []  # each answer id's, where asked; the stop id that ends an answer has none
         stops, shown = set(ticket.request.stop_ids), 0  # shown: the ids whose log probabilities went with a delta
 
-        def delta(text: str) -> Delta:
+        def unsent() -> tuple:
+            """(id, LogProb) of the ids after those a delta took, taken now."""
             nonlocal shown
             pairs, shown = tuple(zip(ids[shown:], scored[shown:])), len(scored)
-            return Delta(text, pairs)
+            return pairs
 
         async for item in ticket.events(disconnected):
             if isinstance(item, LogProb):
@@ -508,18 +506,18 @@ class Service:
                 _raise_failed(item)
                 text, hit = stream.update(ids, final=True)
                 if text:
-                    yield delta(text)
+                    yield Delta(text, unsent())
                 finish = "stop" if item.reason == FINISH_STOP or hit else "length"
-                yield Done(stream.text, finish, len(ids), tuple(ids), hit, tuple(scored))
+                yield Done(stream.text, finish, len(ids), tuple(ids), hit, tuple(scored), unsent())
                 return
             ids.append(item)
             if item in stops and len(scored) == len(ids):
                 scored.pop()
             text, hit = stream.update(ids, final=False)
             if text:
-                yield delta(text)
+                yield Delta(text, unsent())
             if hit:
-                yield Done(stream.text, "stop", len(ids), tuple(ids), True, tuple(scored))
+                yield Done(stream.text, "stop", len(ids), tuple(ids), True, tuple(scored), unsent())
                 return  # leaving the iteration cancels the request in the engine
 
     def scored(self, pairs) -> list:
