@@ -87,6 +87,7 @@ class PromptFormat:
     chat_max_length: int  # ... and its max_length (prompt and answer tokens)
     chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
     tool_calls: bool = False  # its chat writes tool calls that chat() reads (ChatGLM3, GLM-4-9B)
+    tool_arguments_form: str | None = None  # how a call's arguments are written: "json" (GLM-4), "python" (ChatGLM3)
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
     # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
     # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction
@@ -129,6 +130,11 @@ class PromptFormat:
     def read_call(self, answer: str) -> ToolCall | None:
         """The tool call a decoded answer writes, None for a text answer (always, where the chat has no tool calls)."""
         return None
+
+    def text_answer_lead(self, tokenizer) -> str:
+        """The text a chat's text answer begins with, before its content, where no tools are offered (ChatGLM3 and
+        GLM-4: the empty metadata line's "\n")."""
+        return ""
 
     def tool_call_lead(self, tokenizer, name: str) -> list[int]:
         """The ids an answer calling tool `name` begins with (what the prompt ends with to ask for that call)."""

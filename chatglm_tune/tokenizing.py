@@ -1,7 +1,7 @@
 """What the tokenizers of every model family share: the pair layout (`pair_inputs`) and the special-tokens
 mask read off it, the left-padding rule, where `save_vocabulary` writes, training and saving a small
 SentencePiece model, the text a small tokenizer may learn word pieces of (`word_runs`), and reading what a
-SentencePiece model is (its model type, its dummy prefix).
+SentencePiece model is (its model type, its dummy prefix), and a piece's bytes in decoded text (`piece_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,21 @@ def special_tokens_mask(build_inputs, token_ids_0: list[int], token_ids_1: list[
     given ids: read off the layout itself, so that the mask and the layout cannot disagree."""
     placeholders = [None] * len(token_ids_0), None if token_ids_1 is None else [None] * len(token_ids_1)
     return [int(i is not None) for i in build_inputs(*placeholders)]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+def piece_bytes(sp_model, index: int, replace: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """The bytes SentencePiece piece `index` stands for in decoded text: `<0xXX>` its byte, `▁` a space, then each
+    (piece text, text) of `replace` (a tokenizer's own whitespace pieces)."""
+    piece = sp_model.id_to_piece(index)
+    if sp_model.is_byte(index) and (byte := _BYTE_PIECE.fullmatch(piece)):
+        return bytes([int(byte.group(1), 16)])
+    text = piece.replace(SPIECE, " ")
+    for old, new in replace:
+        text = text.replace(old, new)
+    return text.encode("utf-8")
 
 
 def vocabulary_path(save_directory: str, filename_prefix: str | None, file_name: str) -> Path:

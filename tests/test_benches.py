@@ -87,14 +87,15 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     out = tmp_path / "serve.json"
     done = subprocess.run(
         [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
-         "--no-floor", "--threads", "1", "--speculative", "--out", str(out)],
+         "--no-floor", "--threads", "1", "--speculative", "--schema", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     ours = {key for key in summary["tokens_per_s"] if key.startswith("batch")}  # + llama-server's where one is found
-    assert ours == {"batch32@1", "batch32@2", "batch1@1", "batch1@2", "batch32-spec@1", "batch32-spec@2"}
-    assert set(summary["speculative_vs_plain"]) == {"1", "2"}  # streams (JSON keys)
+    assert ours == {"batch32@1", "batch32@2", "batch1@1", "batch1@2", "batch32-spec@1", "batch32-spec@2",
+                    "batch32-chat@1", "batch32-chat@2", "batch32-schema@1", "batch32-schema@2"}
+    assert set(summary["speculative_vs_plain"]) == set(summary["schema_vs_plain"]) == {"1", "2"}  # streams (JSON keys)
     assert all(rate > 0 for rate in summary["tokens_per_s"].values())
     assert summary["soak_passed"], json.loads(out.read_text())["soak"]["checks"]
 

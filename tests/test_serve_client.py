@@ -95,7 +95,8 @@ def test_a_tool_calls_round_trip_is_in_the_prompt_in_the_versions_tool_form(vers
 def test_tool_choice(models, monkeypatch):
     """"none": the tools are not offered (the prompt of the same chat without them) and no call is read;
     a named function (or "required" with one tool): the prompt goes on with the call's first line, and the
-    answer is read as that call; "required" among several tools, or a name not declared: 400 naming tool_choice."""
+    answer is read as that call; a name not declared: 400 naming tool_choice ("required" among several tools is
+    decoded under the grammar of every call: tests/test_serve_structured.py)."""
     from chatglm_tune.serve.app import _chat_answer
     from chatglm_tune.serve.protocol import parse_call
     from chatglm_tune.serve.service import Done
@@ -115,7 +116,7 @@ def test_tool_choice(models, monkeypatch):
         with_tools, lead = prompts.ids[2], s.tokenizer.encode_text("get_weather\n")
         assert prompts.ids[4] == with_tools + lead
         assert prompts.ids[3][-len(lead):] == lead and len(prompts.ids[3]) > len(with_tools) + len(lead)
-        for choice in ("required", {"type": "function", "function": {"name": "nope"}}, "sometimes"):
+        for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice=choice)
             assert err.value.body["param"] == "tool_choice", (choice, err.value.body)
@@ -524,13 +525,14 @@ def test_cors_origins_are_allowed_only_when_named(models):
 
 def test_fields_that_change_the_answer_are_refused_naming_them(models):
     """What the server does not do is a 400 naming the field, never a 200 that ignores it; their default
-    values (zero penalties, text format, no bias, no echo) are accepted."""
+    values (zero penalties, text format, no bias, no echo) are accepted. (A JSON response format is decoded under its
+    schema's grammar in chat: tests/test_serve_structured.py; completions refuse it.)"""
     ok = [{"role": "user", "content": "你好"}]
     with serving(models("glm4")) as s:
         client = s.client()
-        chat_cases = [(dict(response_format={"type": "json_object"}), "response_format"),
-                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-                       "response_format"),
+        chat_cases = [(dict(response_format={"type": "xml"}), "response_format"),
+                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}),
+                       "response_format.json_schema"),
                       (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1), "frequency_penalty"),
                       (dict(logit_bias={"5": 10}), "logit_bias"), (dict(top_logprobs=2), "top_logprobs")]
         for kwargs, param in chat_cases:
@@ -538,7 +540,8 @@ def test_fields_that_change_the_answer_are_refused_naming_them(models):
                 client.chat.completions.create(model="tiny", messages=ok, max_tokens=2, **kwargs)
             assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
         completion_cases = [(dict(echo=True), "echo"), (dict(suffix="。"), "suffix"), (dict(logit_bias={"5": -100}), "logit_bias"),
-                            (dict(presence_penalty=1.0), "presence_penalty")]
+                            (dict(presence_penalty=1.0), "presence_penalty"),
+                            (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format")]
         for kwargs, param in completion_cases:
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(model="tiny", prompt="你好", max_tokens=2, **kwargs)

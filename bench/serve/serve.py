@@ -8,6 +8,7 @@ by side in one run; then a soak test of the batching server (bad inputs, abandon
     python bench/serve/serve.py --llama-server PATH  # + llama.cpp's llama-server on the same load (a q4_0 GGUF of it)
     python bench/serve/serve.py --speculative --streams 1,4,16 --no-baseline   # + the batching server with --speculative
     python bench/serve/serve.py --compile --streams 1,16,32 --soak 0   # + the batching server with --compile
+    python bench/serve/serve.py --schema --streams 1,16 --no-baseline --soak 0  # chats plain and under a JSON schema
     python bench/serve/serve.py --device cuda --compile --streams 1,16,64 --max-batch 64 --soak 0  # on a GPU
     python bench/serve/serve.py --full-size        # ChatGLM3-6B at full size, INT4 (bench/peer/peer.py writes it; long)
 
@@ -99,7 +100,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench.<room>.<module
 from bench.common.measure import RESULTS, run_python  # noqa: E402
 from bench.peer.peer_llama import export_args, gguf_path  # noqa: E402
 from bench.serve.serve_children import RECIPE  # noqa: E402  (stdlib only at import)
-from bench.serve.serve_load import dev_texts, run_config, warm_up, workload  # noqa: E402
+from bench.serve.serve_load import SCHEMA, dev_texts, run_config, warm_up, workload  # noqa: E402
 from bench.serve.serve_report import HEADER, limits, markdown, reachable_speedup, table_row, targets  # noqa: E402
 from bench.serve.serve_servers import (LLAMA_SERVER_BUILD, MB, ROOT, Server, busy_cpu_seconds,  # noqa: E402
                                        find_llama_server, llama_server, self_cpu_seconds, toolkit_server)
@@ -173,6 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", action="store_true", help="also the batching server with --speculative (every "
                    "request is greedy, temperature 0): its rows are `batchN-spec`, its tok/s over the plain one's "
                    "`speculative_vs_plain`")
+    p.add_argument("--schema", action="store_true", help="also, on the batching server, every stream count with chats "
+                   "only, plain and under a JSON schema (response_format: constrained decoding): rows `batchN-chat` and "
+                   "`batchN-schema`, tok/s of the second over the first `schema_vs_plain`")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on "
                                                      "PATH); without one its side is skipped")
     p.add_argument("--gguf", type=Path, help="llama-server's GGUF of the served model (default: export.py --type q4_0 of it, "
@@ -230,13 +234,18 @@ def measure_floors(args, model_dir: Path, info: dict) -> tuple[dict | None, dict
     return floor, ceil
 
 
-def run_streams(server: Server, args, texts: list[str], rows: list[dict]) -> None:
-    """Warm `server` up, then one row for each stream count (printed, appended to `rows`)."""
-    warm_up(server, texts)
+def run_streams(server: Server, args, texts: list[str], rows: list[dict], schema: bool = False) -> None:
+    """Warm `server` up, then one row for each stream count (printed, appended to `rows`); with `schema`, two more:
+    chats only, plain (`-chat`) and under `SCHEMA` (`-schema`)."""
+    warm_up(server, texts, schema)
     for streams in args.streams:
-        row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts))
-        rows.append(row)
-        print(table_row(row), flush=True)
+        loads = [("", {})] + ([("-chat", {"chats": True}), ("-schema", {"chats": True, "response_format": SCHEMA})]
+                              if schema else [])
+        for suffix, kind in loads:
+            row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts, **kind))
+            row["server"] += suffix
+            rows.append(row)
+            print(table_row(row), flush=True)
 
 
 def run_toolkit_servers(args, model_dir: Path, texts: list[str], log_dir: Path, rows: list[dict],
@@ -251,7 +260,7 @@ def run_toolkit_servers(args, model_dir: Path, texts: list[str], log_dir: Path, 
         server = toolkit_server(name, model_dir, args.threads, max_batch, [*args.server_arg, *extra], log_dir)
         load_s = server.start(args.start_timeout)
         try:
-            run_streams(server, args, texts, rows)
+            run_streams(server, args, texts, rows, schema=args.schema and name == servers[0][0])
             if name == servers[0][0] and args.soak:
                 soak_result = soak(server, args.soak, args.soak_clients, args.soak_time_limit, texts)
             servers_info[name] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB),
@@ -326,10 +335,11 @@ def print_findings(got: dict, limit_lines: list[str], soak_result: dict | None) 
             print(f"  failure: {f}")
 
 
-def speculative_ratios(rows: list[dict], max_batch: int) -> dict[int, float]:
-    """Per stream count: the speculative batching server's tok/s over the plain one's (where both ran)."""
+def speculative_ratios(rows: list[dict], max_batch: int, plain: str = "", spec: str = "-spec") -> dict[int, float]:
+    """Per stream count: the speculative batching server's tok/s over the plain one's (where both ran); or of any
+    other pair of row names (`batchN` + the suffixes)."""
     tok_s = {(r["server"], r["streams"]): r["tokens_per_s"] for r in rows}
-    plain, spec = f"batch{max_batch}", f"batch{max_batch}-spec"
+    plain, spec = f"batch{max_batch}{plain}", f"batch{max_batch}{spec}"
     return {streams: round(tok_s[spec, streams] / tok_s[plain, streams], 3) for (name, streams) in tok_s
             if name == spec and (plain, streams) in tok_s}
 
@@ -357,6 +367,7 @@ def main(argv=None) -> None:
                "requests_per_stream": args.requests_per_stream, "max_tokens": args.max_tokens, "results": rows,
                "targets": got, "limits": limit_lines, "floor": floor, "ceilings": ceil, "servers": servers_info,
                "skipped": skipped, "soak": soak_result, "speculative_vs_plain": speculative_ratios(rows, args.max_batch),
+               "schema_vs_plain": speculative_ratios(rows, args.max_batch, "-chat", "-schema"),
                "seconds": round(time.perf_counter() - began, 1),
                "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -366,7 +377,7 @@ def main(argv=None) -> None:
     print(json.dumps({k: summary[k] for k in ("bench", "quick", "seconds")} | {
         "targets": {k: {"value": v["value"], "pass": v["pass"]} for k, v in got.items()},
         "soak_passed": None if soak_result is None else soak_result["passed"],
-        "speculative_vs_plain": summary["speculative_vs_plain"],
+        "speculative_vs_plain": summary["speculative_vs_plain"], "schema_vs_plain": summary["schema_vs_plain"],
         "tokens_per_s": {f"{r['server']}@{r['streams']}": r["tokens_per_s"] for r in rows}}))
 
 

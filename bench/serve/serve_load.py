@@ -17,11 +17,20 @@ from bench.serve.serve_servers import MB, ROOT, RssSampler, Server, busy_cpu_sec
 DEV = ROOT / "data" / "spo_dev.jsonl"
 
 
+# A chat's answer held to this schema (`--schema`): its strings unbounded, so that a random model's answer runs to its
+# max_tokens as an unconstrained one does, and the two cost the same tokens
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "Triple", "schema": {
+    "type": "object", "properties": {"subject": {"type": "string"}, "relation": {"type": "string"},
+                                     "object": {"type": "string"}},
+    "required": ["subject", "relation", "object"], "additionalProperties": False}}}
+
+
 @dataclass(frozen=True)
 class Spec:
     kind: str  # "chat" or "completion"
     text: str
     max_tokens: int
+    response_format: dict | None = None  # a chat's (`SCHEMA`)
 
 
 @dataclass
@@ -55,15 +64,18 @@ def chat_content(text: str) -> str:
     return f"请从下面这段话中抽取实体和它们的关系：{text}"
 
 
-def workload(streams: int, per_stream: int, mix: list[int], texts: list[str]) -> list[list[Spec]]:
-    """Each stream's requests, in order (request k of the run: completion when k is even, chat when odd;
-    max_tokens mix[k % len(mix)]; text k % len(texts))."""
+def workload(streams: int, per_stream: int, mix: list[int], texts: list[str], *, chats: bool = False,
+             response_format: dict | None = None) -> list[list[Spec]]:
+    """Each stream's requests, in order (request k of the run: completion when k is even, chat when odd, or every one
+    a chat with `chats`, asking `response_format`; max_tokens mix[k % len(mix)]; text k % len(texts))."""
     out = []
     for s in range(streams):
         specs = []
         for i in range(per_stream):
             k = s * per_stream + i
-            specs.append(Spec("completion" if k % 2 == 0 else "chat", texts[k % len(texts)], mix[k % len(mix)]))
+            kind = "chat" if chats or k % 2 else "completion"
+            specs.append(Spec(kind, texts[k % len(texts)], mix[k % len(mix)],
+                              response_format if kind == "chat" else None))
         out.append(specs)
     return out
 
@@ -83,7 +95,9 @@ def stream_one(client, server: Server, spec: Spec) -> Outcome:
     last = None
     try:
         if spec.kind == "chat":
-            stream = client.chat.completions.create(messages=[{"role": "user", "content": chat_content(spec.text)}], **kw)
+            stream = client.chat.completions.create(messages=[{"role": "user", "content": chat_content(spec.text)}], **kw,
+                                                    **({"response_format": spec.response_format}
+                                                       if spec.response_format else {}))
         else:
             stream = client.completions.create(prompt=server.prompt_of(spec.text), **kw)
         with stream:
@@ -180,10 +194,11 @@ def run_config(server: Server, streams: int, specs: list[list[Spec]]) -> dict:
     return row
 
 
-def warm_up(server: Server, texts: list[str]) -> None:
+def warm_up(server: Server, texts: list[str], schema: bool = False) -> None:
     client = openai_client(server)
-    for kind in ("completion", "chat"):
-        o = stream_one(client, server, Spec(kind, texts[0], 4))
+    for spec in (Spec("completion", texts[0], 4), Spec("chat", texts[0], 4), *([Spec("chat", texts[0], 4, SCHEMA)]
+                                                                                 if schema else [])):
+        o = stream_one(client, server, spec)
         if not o.ok:
-            raise RuntimeError(f"{server.name}: the warm-up {kind} request failed: {o.error}\n{server.log_tail()}")
+            raise RuntimeError(f"{server.name}: the warm-up {spec.kind} request failed: {o.error}\n{server.log_tail()}")
     client.close()

@@ -8,6 +8,8 @@ a request draws what `generate` draws for its prompt alone.
 With `drafts`, a greedy row guesses its next tokens from its own prompt and answer (`drafting`); the engine
 checks every row's guesses in one forward (`BatchCache.verify`) and `emit_verified` hands over the guesses
 the model agrees with plus its next token, as `speculative` does for `generate`: the same tokens.
+
+A request with a `grammar.Constraint` samples among the ids its grammar allows (and never guesses).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Emitter:
         self.drafts = drafts
 
     def row(self, request: Request) -> Row:
-        guesses = self.drafts is not None and request.sampling.greedy
+        guesses = self.drafts is not None and request.sampling.greedy and request.constraint is None
         return Row(request, row_generators(request.seed, 1, self.device)[0], history=list(request.prompt) if guesses else [],
                    draft_length=self.drafts.first_draft if guesses else 0)
 
@@ -91,6 +93,8 @@ class Emitter:
             row.history.append(token)
         if request.logprobs is not None:
             request.on_logprob(*token_logprobs(scores[None], [token], request.logprobs, self.vocab_limit)[0])
+        if request.constraint is not None:
+            request.constraint.take(token, self._stop_ids(request))
         request.on_token(token)
         if token in self._stop_ids(request):
             request.on_finish(FINISH_STOP, None)
@@ -104,13 +108,27 @@ class Emitter:
         return request.stop_ids or self.default_stop
 
     def _sample(self, rows: list[Row], scores: torch.Tensor) -> list[int]:
+        allowed = self._allowed(rows, scores)
         groups: dict[tuple, list[int]] = collections.defaultdict(list)
         for i, row in enumerate(rows):
             groups[(row.request.sampling, self._stop_ids(row.request)[0])].append(i)
         tokens = [0] * len(rows)
         for (sampling, fallback), members in groups.items():
             picked = next_tokens(scores[members], sampling, [rows[i].generator for i in members], fallback_id=fallback,
-                                 vocab_limit=self.vocab_limit)
+                                 vocab_limit=self.vocab_limit, allowed=None if allowed is None else allowed[members])
             for i, token in zip(members, picked.tolist()):
                 tokens[i] = token
         return tokens
+
+    def _allowed(self, rows: list[Row], scores: torch.Tensor) -> torch.Tensor | None:
+        """[rows, V] bool: the ids each row may take (a constrained row's grammar's; every id for the others); None
+        where no row is constrained."""
+        constrained = [i for i, row in enumerate(rows) if row.request.constraint is not None]
+        if not constrained:
+            return None
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+        for i in constrained:
+            grammar = rows[i].request.constraint.allowed(self._stop_ids(rows[i].request))[:scores.shape[-1]]
+            allowed[i, :grammar.shape[0]] = grammar
+            allowed[i, grammar.shape[0]:] = False
+        return allowed.to(scores.device)

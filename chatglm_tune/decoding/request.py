@@ -1,5 +1,6 @@
 """A decoding job as the engine takes it: a prompt's ids, an answer budget, sampling options, a seed and stop ids,
-and the two callbacks that hand its tokens and its end back to whoever asked."""
+the two callbacks that hand its tokens and its end back to whoever asked, and optionally a grammar its answer keeps
+to."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class Request:
     # with theirs, ((id, logprob), ...), on the engine's thread.
     logprobs: int | None = None
     on_logprob: Callable[[float, tuple[tuple[int, float], ...]], None] | None = None
+    # With `constraint` (a `grammar.Constraint` of its own), each new id is one its grammar allows (the stop ids once
+    # the grammar is complete); the engine moves it on by each id.
+    constraint: object | None = None
     cancelled: bool = False  # set by `Engine.cancel`; the engine drops the request at its next step
 
     def __post_init__(self):

@@ -6,7 +6,7 @@ Applied in this order by `next_tokens`:
    broken row stops instead of emitting garbage. The official `InvalidScoreLogitsProcessor` instead
    zeroes the *whole batch* and forces id 5 (`▁`) whenever one value is invalid; ours touches only the
    broken rows and never invents text.
-2. `limit_vocab`: ids >= `vocab_limit` get -inf. ChatGLM-6B's embedding has 130528 rows but its
+2. `limit_vocab`: ids >= `vocab_limit` get -inf (and, for a constrained row, the ids its grammar does not allow). ChatGLM-6B's embedding has 130528 rows but its
    tokenizer 130344 pieces; ids in between cannot be decoded (the tokenizer raises on them).
 3. greedy (`argmax`) when `do_sample=False` or `temperature == 0`; otherwise temperature, then top-k
    (ties with the k-th score kept, as transformers' TopKLogitsWarper), then top-p, then a draw. This is
@@ -91,9 +91,13 @@ def next_tokens(
     *,
     fallback_id: int,
     vocab_limit: int | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The next token of each row, [b] long, from the last-position scores [b, V] (see module docstring)."""
+    """The next token of each row, [b] long, from the last-position scores [b, V] (see module docstring); with
+    `allowed` ([b, V] bool: a grammar's), each row among its allowed ids only."""
     scores = limit_vocab(guard_invalid_scores(scores.float(), fallback_id), vocab_limit)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     if options.greedy:
         return scores.argmax(dim=-1)
     scores = top_k_filter(scores / options.temperature, options.top_k)

@@ -72,7 +72,7 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         call, turn = await asyncio.to_thread(prepare)
         budget = protocol.require_fitting(len(turn.prompt), call.max_tokens, service.context, param="messages")
         streams = service.generate([(turn.prompt, budget)], call, turn.shown, turn.holding,
-                                   disconnected=None if call.stream else request.is_disconnected)
+                                   disconnected=None if call.stream else request.is_disconnected, grammar_text=turn.grammar)
         if call.stream:
             return _sse(_chat_chunks(service, call, turn, streams))
 

@@ -4,8 +4,7 @@ error JSON, and the response and stream-chunk objects.
 A bad field is an `ApiError` (HTTP 400) naming the parameter (`param`, OpenAI's field), never a traceback.
 Fields read (the rest are ignored, as OpenAI ignores unknown ones). Refused where they would change the
 answer, at any value but their default: `best_of` other than `n`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `response_format` other than text, completions' `suffix` (and `tools` in a chat without tool
-calls):
+`logit_bias`, completions' `suffix` and `response_format` (and `tools` in a chat without tool calls):
 - every generating endpoint: `model` (the served id; may be omitted), `max_tokens` (or
   `max_completion_tokens`), `temperature` (0 = greedy), `top_p`, `top_k` (beyond OpenAI), `seed` (-2**63 to
   2**64 - 1: a 64-bit seed, signed or not; choice i of `n` is seeded with seed + i, wrapped into the range), `stop`
@@ -15,7 +14,8 @@ calls):
 - chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
   an assistant's `tool_calls`,
   its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
-  them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function);
+  them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function), `response_format`
+  (`text`, `json_object`, `json_schema`: the answer decoded under the schema's grammar, strict or not);
 - completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th;
   or token ids, a list or a list of lists: each the whole prompt, no prompt format around it), `echo` (token-id
   prompts: the prompt's text, and with `logprobs` its tokens' log probabilities, before the answer's: what
@@ -76,6 +76,7 @@ class Call:
     tools: list | None = None  # chat: ChatGLM3 / GLM-4 tools, put in the system message
     tool_choice: str = "auto"  # chat: "auto", "none", "required", or "function" (a named one: `tool_name`)
     tool_name: str | None = None
+    json_schema: dict | None = None  # chat: the JSON schema the answer keeps to (`response_format`), None for text
     prompts: tuple[str, ...] = ()  # completions: texts, each inside the run's prompt format
     prompt_ids: tuple[tuple[int, ...], ...] = ()  # completions: or token ids, each the whole prompt
     echo: bool = False  # completions of token ids: the prompt comes back before the answer (with its logprobs)
@@ -121,6 +122,9 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
             raise bad("tools", f"must be a list of tool objects, got {tools!r:.80}")
         fields["tools"] = tools or None
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
+        fields["json_schema"] = _response_schema(body.get("response_format"))
+        if fields["json_schema"] is not None and fields["tools"] and fields["tool_choice"] != "none":
+            raise bad("response_format", "a JSON answer and tools at once: leave one out (or tool_choice \"none\")")
     elif kind == "completion":
         fields["prompts"], fields["prompt_ids"] = _prompts(body.get("prompt"), n)
         fields["echo"] = _echo(body.get("echo"), fields["prompt_ids"])
@@ -186,13 +190,30 @@ def _refuse_unsupported(body: Mapping, kind: str) -> None:
             raise bad(name, f"penalties are not applied by this server: leave {name} out or 0, got {body.get(name)!r}")
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias", "a logit bias is not applied by this server: leave it out")
-    response_format = body.get("response_format")
-    if response_format is not None and not (isinstance(response_format, Mapping) and response_format.get("type") == "text"):
-        raise bad("response_format", f"only {{\"type\": \"text\"}}: the answer is not constrained to JSON here, got "
-                                     f"{response_format!r:.80}")
+    if kind != "chat" and _response_schema(body.get("response_format")) is not None:
+        raise bad("response_format", "a JSON answer is asked of chat completions: leave response_format out here")
     if kind == "completion":
         if body.get("suffix") not in (None, ""):
             raise bad("suffix", "insertion (a text after the completion) is not supported: leave suffix out")
+
+
+def _response_schema(value) -> dict | None:
+    """OpenAI's `response_format` as the JSON schema the answer keeps to: None for text (or none given), an object
+    of any keys for `json_object`, the schema of `json_schema` (strict or not: the answer keeps to it either way)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise bad("response_format.json_schema", f"must be an object with a \"schema\" object, got {spec!r:.80}")
+        return dict(schema)
+    raise bad("response_format", f'"type" must be "text", "json_object" or "json_schema", got {value!r:.80}')
 
 
 def _is_int(value) -> bool:

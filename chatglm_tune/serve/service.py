@@ -10,7 +10,11 @@ becomes ids and comes back as text (chat, completion, extraction), for asyncio h
   calls here: `PromptFormat.tool_calls`); the answer is what `chat()` answers (the version's post-processing;
   a ChatGLM3 / GLM-4-9B tool call as OpenAI's `tool_calls`). `tool_choice`: "none" offers no tools and reads
   no call; a named function (or "required" with one tool) ends the prompt with that call's first line, so
-  the answer is its arguments; "required" among several tools cannot be asked of the model (400).
+  the answer is its arguments, decoded under the grammar of the version's argument form for the tool's
+  parameters schema (`grammar`); "required" among several tools: the answer is decoded under the grammar of
+  every tool's call (its first line, then its arguments). `response_format` `json_object` / `json_schema`: the
+  prompt ends with what a text answer begins with (`PromptFormat.text_answer_lead`), the answer is decoded under
+  the schema's grammar and comes back as decoded (no post-processing that could change it).
 - completion: the prompt string is the record text of the run's prompt format, with the run's instruction
   (`--prompt` of train.py) before it: the model's input is what `infer.py --text` gives it; the answer is
   the decoded text (`PromptFormat.decode_answer`).
@@ -33,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from chatglm_tune.batches import SpecialIds
+from chatglm_tune.decoding import grammar
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Request
@@ -96,14 +101,15 @@ class Ticket:
     iteration early (a client gone, a stop string) cancels the request."""
 
     def __init__(self, engine: Engine, mailbox: Mailbox, prompt: Sequence[int], budget: int, call: Call,
-                 stop_ids: Sequence[int]):
+                 stop_ids: Sequence[int], constraint: grammar.Constraint | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine, self.done = engine, False
         post = mailbox.post
         self.request = Request(prompt, budget, on_token=lambda token: post(self.queue, token),
                                on_finish=lambda reason, error: post(self.queue, Finished(reason, error)),
                                sampling=call.sampling, seed=call.seed, stop_ids=tuple(stop_ids),
-                               logprobs=call.logprobs, on_logprob=lambda *scored: post(self.queue, LogProb(*scored)))
+                               logprobs=call.logprobs, on_logprob=lambda *scored: post(self.queue, LogProb(*scored)),
+                               constraint=constraint)
         try:
             engine.submit(self.request)
         except QueueFull as err:
@@ -184,6 +190,8 @@ class ChatTurn:
     prompt: list[int]
     lead: str
     tool_calls: bool
+    grammar: str | None = None  # Lark text the answer keeps to (`grammar`): a JSON answer, a call's arguments
+    json_answer: bool = False  # the answer is JSON text (`response_format`): its text as decoded, no post-processing
 
     @property
     def history(self) -> list:
@@ -191,7 +199,9 @@ class ChatTurn:
 
     def response(self, ids: Sequence[int]):
         """`chat()`'s response of the answer ids: text, or a tool call dict (never with `tool_calls` off: then
-        a first line naming a tool stays text, as written)."""
+        a first line naming a tool stays text, as written); a JSON answer's text as it is."""
+        if self.json_answer:
+            return "".join(self.turn.texts(list(ids))).strip()
         texts = self.turn.texts(list(ids))
         texts[0] = self.lead + texts[0]
         response = self.turn.result(texts)[0]
@@ -250,6 +260,7 @@ class Service:
         self.encoding, self.free_text, self.options = encoding, free_text, options
         self.format = tokenizer.prompt_format
         self.context = context_length(model.config)
+        self.rows = model.config.vocab_size  # the width of the model's scores
         self.engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
         self._mailbox: Mailbox | None = None
         self.stopping = False  # shutting down: new requests get 503 (`server.DrainingServer`)
@@ -311,9 +322,42 @@ class Service:
             turn = prepare_turn(self.tokenizer, query, history, role, self.context, call.sampling)
         except ValueError as err:
             raise bad(self._refused_part(query, history, role, tools), str(err)) from None
-        if called is None:
-            return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none")
-        return ChatTurn(turn, turn.prompt + self.format.tool_call_lead(self.tokenizer, called), f"{called}\n", True)
+        if call.json_schema is not None:
+            lead = self.format.text_answer_lead(self.tokenizer)
+            answer = self._grammar(grammar.lark([("", grammar.json_rule(call.json_schema))]), "response_format")
+            lead_ids = self.tokenizer.encode_text(lead) if lead else []
+            return ChatTurn(turn, turn.prompt + lead_ids, lead, False, answer, json_answer=True)
+        if called is not None:
+            arguments = self._grammar(self._call_grammar([called], call.tools, lead=False), "tool_choice")
+            return ChatTurn(turn, turn.prompt + self.format.tool_call_lead(self.tokenizer, called), f"{called}\n", True,
+                            arguments)
+        if call.tool_choice == "required":  # one of several tools: the grammar of every call
+            names = [_function(tool).get("name") for tool in call.tools]
+            return ChatTurn(turn, turn.prompt, "", True, self._grammar(self._call_grammar(names, call.tools), "tools"))
+        return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none")
+
+    def _call_grammar(self, names: list[str], tools: list, lead: bool = True) -> str:
+        """The Lark grammar of a call to one of `names` (each declared in `tools`): with `lead`, its first line (as the
+        version writes it), then its arguments in the version's form under the tool's parameters schema."""
+        alternatives, rules = [], []
+        for i, name in enumerate(names):
+            schema = _arguments_schema(next(_function(t) for t in tools if _function(t).get("name") == name))
+            if self.format.tool_arguments_form == "python":
+                rules += grammar.python_call_rules(schema, f"call{i}")
+                body = f"call{i}"
+            else:
+                body = grammar.json_rule(schema)
+            text = self.tokenizer.decode(self.format.tool_call_lead(self.tokenizer, name)) if lead else ""
+            alternatives.append((text, body))
+        return grammar.lark(alternatives, rules)
+
+    def _grammar(self, lark: str, param: str) -> str:
+        """`lark`, checked: 400 naming `param` where it cannot be decoded under (a schema llguidance refuses)."""
+        try:
+            grammar.check(lark, self.tokenizer, self.rows)
+        except grammar.GrammarError as err:
+            raise bad(param, f"the answer cannot be held to it: {err}") from None
+        return lark
 
     def _refused_part(self, query: str, history: list, role: str, tools) -> str:
         """The parameter to name where the prompt cannot be built: "tools" where the chat builds without them
@@ -344,20 +388,17 @@ class Service:
 
     def _called_tool(self, call: Call) -> str | None:
         """The tool the answer must call (`tool_choice` a named function, or "required" with one tool), else None;
-        400 naming tool_choice where the choice cannot be had."""
+        400 naming tool_choice where there are no tools or the named one is not declared."""
         if call.tool_choice not in ("required", "function"):
             return None
         if not call.tools:
             raise bad("tool_choice", f"{call.tool_choice!r} needs tools: none are given")
-        names = [(tool.get("function") or tool).get("name") for tool in call.tools]
+        names = [_function(tool).get("name") for tool in call.tools]
         if call.tool_choice == "function":
             if call.tool_name not in names:
                 raise bad("tool_choice", f"names {call.tool_name!r}, which tools do not declare ({names})")
             return call.tool_name
-        if len(names) != 1:
-            raise bad("tool_choice", f"\"required\" among {len(names)} tools cannot be asked of "
-                                     f"{self.format.title}: name the function")
-        return names[0]
+        return names[0] if len(names) == 1 else None  # "required" among several: a grammar of every call
 
     def _no_tool_calls(self, history: list[dict]) -> None:
         for i, message in enumerate(history):
@@ -467,18 +508,21 @@ class Service:
     # decoding
 
     def generate(self, prompts: Sequence[tuple[list[int], int]], call: Call, render: Callable[[list[int]], str],
-                 hold: Callable[[list[int]], bool] | None = None, disconnected=None) -> list[AsyncIterator[Delta | Done]]:
+                 hold: Callable[[list[int]], bool] | None = None, disconnected=None,
+                 grammar_text: str | None = None) -> list[AsyncIterator[Delta | Done]]:
         """The events of each choice (`call.n` a prompt of `prompts`, (ids, budget) each; choice p * n + i is
         prompt p's answer seeded `protocol.seeds(call)[i]`): deltas of the answer text `render(ids)` (none while
-        `hold(ids)`), then `Done`. The requests are in the engine's queue when this returns (429 / 503 raised here,
-        before any byte of a response is sent, the choices queued before it cancelled)."""
+        `hold(ids)`), then `Done`; each answer kept to `grammar_text` (Lark) where given. The requests are in the
+        engine's queue when this returns (429 / 503 raised here, before any byte of a response is sent, the choices
+        queued before it cancelled)."""
         tickets: list[Ticket] = []
         stop_ids = self.format.stop_ids(self.tokenizer)
         try:
             for prompt, budget in prompts:
                 for seed in seeds(call):
+                    constraint = grammar.Constraint(grammar_text, self.tokenizer, self.rows) if grammar_text else None
                     tickets.append(Ticket(self.engine, self.mailbox(), prompt, budget, replace(call, seed=seed),
-                                          stop_ids))
+                                          stop_ids, constraint))
         except ApiError:
             for ticket in tickets:
                 self.engine.cancel(ticket.request)
@@ -526,6 +570,21 @@ class Service:
         text = self.tokenizer.decode
         return [(text([token]), item.logprob, tuple((text([alt]), value) for alt, value in item.top))
                 for token, item in pairs]
+
+
+def _function(tool: dict) -> dict:
+    """An OpenAI tool's function (`{"type": "function", "function": f}`), or the tool itself in the short form."""
+    return tool.get("function") or tool
+
+
+def _arguments_schema(function: dict) -> dict:
+    """The JSON schema a call's arguments keep to: the function's `parameters` (a JSON schema: `type` or `properties`),
+    with no keys beside the declared ones unless it says otherwise (`additionalProperties`); any object where it
+    declares no schema (ChatGLM3's demos write `{"city": "str"}`)."""
+    parameters = function.get("parameters")
+    if not (isinstance(parameters, dict) and ("type" in parameters or "properties" in parameters)):
+        return {"type": "object"}
+    return {"additionalProperties": False, **parameters} if "properties" in parameters else parameters
 
 
 async def _collect_ids(ticket: Ticket, disconnected) -> list[int]:

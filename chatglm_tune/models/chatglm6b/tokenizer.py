@@ -31,7 +31,7 @@ from transformers.utils import PaddingStrategy
 
 from chatglm_tune.models.chatglm6b.format import FORMAT
 from chatglm_tune.models.chatglm6b.positions import build_attention_mask, build_position_ids
-from chatglm_tune.tokenizing import (pair_inputs, require_left_padding, save_sentencepiece, special_tokens_mask,
+from chatglm_tune.tokenizing import (pair_inputs, piece_bytes, require_left_padding, save_sentencepiece, special_tokens_mask,
                                      train_sentencepiece)
 
 VOCAB_FILE = "ice_text.model"
@@ -140,6 +140,16 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
         vocab.update((piece, i + self.num_image_tokens) for i, piece in enumerate(pieces))
         vocab.update(self._added_tokens_encoder)
         return vocab
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in decoded text, by id (`<n>` a newline, `<|tab|>` a tab, `<|blank_n|>` n spaces); None
+        for the image ids and the control and special pieces."""
+        whitespace = ((NEWLINE_PIECE, "\n"), (TAB_PIECE, "\t"), *((f"<|blank_{n}|>", " " * n)
+                                                                 for n in range(MAX_BLANK_LENGTH, 1, -1)))
+        silent = {self.sp_model.piece_to_id(p) for p in (*CONTROL_PIECES, *SPECIAL_TOKENS.values())}
+        pieces = [None if i in silent or self.sp_model.is_control(i) or self.sp_model.is_unknown(i)
+                  else piece_bytes(self.sp_model, i, whitespace) for i in range(self.sp_model.get_piece_size())]
+        return [None] * self.num_image_tokens + pieces
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         return self.sp_model.encode(encode_whitespace(text), out_type=str)

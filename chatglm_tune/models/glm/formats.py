@@ -235,6 +235,10 @@ class _RoleFormat(_GLMFormat):
             return super().tool_call_message(name, arguments)
         return {"role": "assistant", "metadata": name, "content": self.tool_arguments(arguments)}
 
+    def text_answer_lead(self, tokenizer) -> str:
+        """The empty metadata line's "\\n"."""
+        return "\n"
+
     def tool_call_lead(self, tokenizer, name: str) -> list[int]:
         """The call's first line, `name` and "\\n", as the tokenizer encodes a message's `metadata + "\\n"`."""
         if not self.tool_calls:
@@ -249,6 +253,7 @@ class _RoleFormat(_GLMFormat):
 class ChatGLM3Format(_RoleFormat):
     name = "chatglm3"
     title = "ChatGLM3-6B"
+    tool_arguments_form = "python"
     sop = "sop"
     jinja_template = (  # `build_chat_input`: metadata, "\n", then the content (a system message's tools as JSON after it)
         "{% for message in messages %}{% if loop.first %}[gMASK]sop{% endif %}<|{{ message['role'] }}|>"
@@ -303,6 +308,7 @@ class ChatGLM3Format(_RoleFormat):
 class GLM4Format(_RoleFormat):
     name = "glm4"
     title = "GLM-4"
+    tool_arguments_form = "json"
     sop = "<sop>"
     training_time = "2024年"
     template_kwargs: dict = {}  # what every render of the chat template is given besides the messages
@@ -452,6 +458,10 @@ class TemplateFormat(GLM4Format):
         ids = tokenizer.encode_text(self.answer_lead_text(tokenizer) + answer)
         room = options.answer_budget - 1
         return ids[:room] + [self.end_id(tokenizer)], len(ids) > room
+
+    def text_answer_lead(self, tokenizer) -> str:
+        """`answer_lead_text`: what the template writes before an assistant message's content."""
+        return self.answer_lead_text(tokenizer)
 
     def answer_lead_text(self, tokenizer) -> str:
         """What the template writes after its generation prompt and before an assistant message's content

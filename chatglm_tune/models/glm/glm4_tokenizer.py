@@ -221,6 +221,11 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
     def _convert_id_to_token(self, index: int) -> str:
         return self._tokens.get(index, "")
 
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in decoded text, by id; None for the special tokens (and the ids they leave free)."""
+        return [bytes(_BYTE_OF_CHAR[c] for c in self._tokens[i]) if i in self._tokens else None
+                for i in range(max(self._tokens.keys() | self.special_ids.values()) + 1)]
+
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         data = bytes(_BYTE_OF_CHAR[c] for token in tokens for c in token)
         return data.decode("utf-8", errors="replace")

@@ -34,7 +34,8 @@ from transformers.utils import PaddingStrategy
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3
 from chatglm_tune.models.glm.tokenizer import GLMFamilyTokenizer, GLM_SPECIALS, ROLES, ROLE_SPECIALS, left_pad
 from chatglm_tune.options import TINY_WORD_PIECES
-from chatglm_tune.tokenizing import keeps_single, require_left_padding, save_sentencepiece, train_sentencepiece, word_runs
+from chatglm_tune.tokenizing import (keeps_single, piece_bytes, require_left_padding, save_sentencepiece,
+                                    train_sentencepiece, word_runs)
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 
@@ -71,6 +72,12 @@ class _SentencePieceGLMTokenizer(GLMFamilyTokenizer):
     def get_vocab(self) -> dict[str, int]:
         pieces = self.sp_model.id_to_piece(list(range(self.sp_model.get_piece_size())))
         return {**{p: i for i, p in enumerate(pieces)}, **self.special_ids}
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in decoded text, by id (`▁` a space, `<0xXX>` its byte); None for the control and
+        special tokens."""
+        return [None if self.sp_model.is_control(i) or self.sp_model.is_unknown(i) else piece_bytes(self.sp_model, i)
+                for i in range(self.sp_model.get_piece_size())] + [None] * len(self.specials)
 
     def tokenize(self, text: str, **kwargs) -> list[str]:
         # Officially no added token is split out of text: `</s>`, `<unk>`, `sop` typed stay text.
