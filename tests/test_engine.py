@@ -125,6 +125,29 @@ def spy_on_checks(monkeypatch):
     return counted
 
 
+def test_requests_of_one_prompt_share_its_prefill(tiny, monkeypatch):
+    """The n answers of a prompt (requests of equal prompts admitted together) are one row of the prefill forward,
+    its cache row copied to each; each answer is still what `generate` gives its prompt alone with its seed."""
+    model, tokenizer = tiny
+    shared, other = prompts_of(tokenizer, 2)
+    stop_ids = tokenizer.prompt_format.stop_ids(tokenizer)
+    widths = []
+    prefill = BatchCache.prefill.__func__
+    monkeypatch.setattr(BatchCache, "prefill", classmethod(lambda cls, m, ids, mask: widths.append(ids.shape[0])
+                                                           or prefill(cls, m, ids, mask)))
+    jobs = [(shared, SAMPLINGS[1], 0), (shared, SAMPLINGS[1], 1), (shared, SAMPLINGS[0], 2), (other, SAMPLINGS[1], 3)]
+    engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
+                    options=ServingOptions(max_batch=4, prefill_tokens=4096))
+    recorders = [Recorder() for _ in jobs]
+    run_until_idle(engine, {0: [r.request(p, 6, sampling=s, seed=seed, stop_ids=stop_ids)
+                                for r, (p, s, seed) in zip(recorders, jobs)]})
+    assert sum(widths) == 2, widths  # two distinct prompts: two rows of prefill for four requests
+    for recorder, (prompt, sampling, seed) in zip(recorders, jobs):
+        alone = generate(model, torch.tensor([prompt]), max_new_tokens=6, sampling=sampling, seed=seed,
+                         eos_token_id=stop_ids, vocab_limit=len(tokenizer))[0]
+        assert recorder.tokens == alone, seed
+
+
 def test_a_cancelled_request_leaves_and_the_others_go_on(tiny):
     model, tokenizer = tiny
     prompts = prompts_of(tokenizer, 3)

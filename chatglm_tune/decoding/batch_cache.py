@@ -121,7 +121,8 @@ class BatchCache:
         self.padded = not bool(self.mask.all())
 
     def select(self, index: torch.Tensor) -> None:
-        """Only the rows at `index` (1D long, ascending) stay."""
+        """Only the rows at `index` (1D long, ascending) stay; a row repeated in `index` is copied (rows that share
+        a prompt)."""
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         if self.next_positions is not None:

@@ -259,13 +259,23 @@ class Engine:
 
     def _prefill(self, requests: list[Request]) -> None:
         """Newcomers in groups of prompts of near length (`padding_groups`), a left-padded forward each, shortest
-        first; each group's first tokens go out as soon as its forward is done."""
+        first; each group's first tokens go out as soon as its forward is done. A prompt several requests share (the
+        `n` answers of one) is run once, its cache rows and scores copied to each."""
         for group in padding_groups(requests):
-            batch = collate_prompts([list(r.prompt) for r in group], self.special)
+            prompts = [tuple(r.prompt) for r in group]
+            unique = list(dict.fromkeys(prompts))
+            batch = collate_prompts([list(p) for p in unique], self.special)
             ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+            copies = None if len(unique) == len(group) else torch.tensor([unique.index(p) for p in prompts],
+                                                                         device=self.device)
 
-            def prefill(group=group, ids=ids, mask=mask):  # the rows first: a request they refuse fails its group alone
-                return [self.emitter.row(r) for r in group], *BatchCache.prefill(self.model, ids, mask)
+            def prefill(group=group, ids=ids, mask=mask, copies=copies):  # the rows first: a request they refuse
+                rows = [self.emitter.row(r) for r in group]  # fails its group alone
+                cache, scores = BatchCache.prefill(self.model, ids, mask)
+                if copies is not None:
+                    cache.select(copies)
+                    scores = scores[copies]
+                return rows, cache, scores
 
             prefilled = self._guarded(group, prefill)
             if prefilled is not None:
