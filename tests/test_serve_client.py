@@ -9,6 +9,7 @@ against a tiny random model's text; waits end on events, bounded by generous saf
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import threading
@@ -185,10 +186,10 @@ def test_a_streamed_tool_call_comes_as_tool_calls_only(version, models, monkeypa
         assert plain.message.tool_calls is None
 
 
-def test_the_kernels_are_built_before_the_server_is_ready(models, monkeypatch):
+def test_the_kernels_are_built_before_the_server_is_ready(models, monkeypatch, tmp_path):
     """The server decodes a few tokens before it says it is ready: a CPU kernel the first request would have built
-    (here the few-row float matmul of decoding, as in a process that has not built it yet) is built then, and the
-    first request builds nothing."""
+    (here the few-row float matmul of decoding, in a fresh kernel cache, as in a process that has not built it yet)
+    is built then, and the first request builds nothing."""
     from chatglm_tune.quant import fewrow_cpu, inline_build
 
     if not inline_build.x86():
@@ -197,10 +198,13 @@ def test_the_kernels_are_built_before_the_server_is_ready(models, monkeypatch):
     monkeypatch.setattr(inline_build, "build", lambda name, *args, **kwargs: builds.append(name) or build(name, *args,
                                                                                                        **kwargs))
     monkeypatch.setattr(fewrow_cpu, "_built", [])
+    monkeypatch.setenv("CHATGLM_TUNE_KERNELS", str(tmp_path / "kernels"))
     with serving(models("glm4")) as s:
-        ready = list(builds)
+        ready, libraries = list(builds), sorted((tmp_path / "kernels").glob("*/*.so"))
         s.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=4)
     assert "chatglm_fewrow_cpu" in ready and builds == ready
+    assert [p.name for p in libraries] == ["chatglm_fewrow_cpu.so"] or not shutil.which("c++")  # built, not loaded
+    assert sorted((tmp_path / "kernels").glob("*/*.so")) == libraries
 
 
 def test_n_answers_and_a_list_of_prompts_are_each_what_one_request_answers(models):
