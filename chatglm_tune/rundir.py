@@ -5,6 +5,7 @@
     <run>/adapter_config.json, adapter_model.*   LoRA: a peft adapter directory (it names its base)
     <run>/ice_text.model, tokenizer_config.json  the tokenizer
     <run>/run_args.json                          the run's options; `model` names the base it tuned
+    <run>/run.yaml                               the flags of the command that made it, as a --config file
     <run>/metrics.jsonl, loss_curve.png          training log
     <run>/state/                                 what --resume needs: trained weights, optimizer, RNG
 
@@ -30,6 +31,7 @@ from chatglm_tune.checkpoint import atomic_write, follow_umask
 from chatglm_tune.models import registry
 
 RUN_ARGS = "run_args.json"
+RUN_CONFIG = "run.yaml"  # runs trained before it was written have none: nothing reads it back but a user's --config
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_DIR = "state"
 SHARED_STATE_TMP = f".{STATE_DIR}.parts.tmp"  # the state all processes of a run write before it is swapped in
@@ -147,11 +149,23 @@ def final_summary(output_dir: Path) -> dict | None:
     return last.get("final")
 
 
-def record_start(output_dir: Path, record: dict) -> None:
+def record_start(output_dir: Path, record: dict, *, settings: dict | None = None, about: str = "") -> None:
     """A new run's directory with its run_args.json, before anything else is written there: whatever a killed start
-    leaves then names its run (`auto_resume`)."""
+    leaves then names its run (`auto_resume`); then `settings`, the flags of the command that starts it, as its
+    run.yaml (after the comment `about`), where given."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     write_run_args(output_dir, record)
+    if settings is not None:
+        write_run_config(output_dir, settings, about)
+
+
+def write_run_config(directory: Path, settings: dict, about: str = "") -> None:
+    """`settings` (flag -> value) as the YAML file run.yaml in `directory`, written whole, after the comment `about`."""
+    import yaml
+
+    header = "".join(f"# {line}".rstrip() + "\n" for line in about.splitlines())
+    text = header + yaml.safe_dump(settings, sort_keys=False, allow_unicode=True, default_flow_style=False, width=1000)
+    atomic_write(Path(directory) / RUN_CONFIG, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
 
 def _file_key(identity: dict | None):
