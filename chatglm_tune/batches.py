@@ -88,6 +88,7 @@ class PromptFormat:
     chat_in_pairs: bool = False  # chat history as (query, response) pairs, else as role messages
     tool_calls: bool = False  # its chat writes tool calls that chat() reads (ChatGLM3, GLM-4-9B)
     tool_arguments_form: str | None = None  # how a call's arguments are written: "json" (GLM-4), "python" (ChatGLM3)
+    declared_calls_only: bool = False  # a call's first line must name a declared tool (GLM-4), else any (ChatGLM3)
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
     # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
     # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction

@@ -186,6 +186,30 @@ def test_a_streamed_tool_call_comes_as_tool_calls_only(version, models, monkeypa
         assert plain.message.tool_calls is None
 
 
+def test_a_first_line_that_cannot_name_a_tool_streams_at_once(models, monkeypatch):
+    """GLM-4 reads a call only where the first line names a declared tool: a stream holds a first line back only
+    while it could still become one (a prefix of a declared name), and with no tools offered not at all; ChatGLM3
+    reads any first line as a call's, so it holds each until the line ends."""
+    from chatglm_tune.serve.protocol import parse_call
+
+    def held(s, text: str, tools) -> bool:
+        body = dict(model="tiny", messages=[{"role": "user", "content": "好"}], **({"tools": tools} if tools else {}))
+        turn = s.service.chat_turn(parse_call(body, kind="chat", served="tiny", defaults=s.service.chat_sampling))
+        return turn.holding(s.tokenizer.encode_text(text))
+
+    with serving(models("glm4")) as s:
+        assert held(s, "get_wea", [WEATHER]) and held(s, " get_weather", [WEATHER])
+        assert not held(s, "hello", [WEATHER]) and not held(s, "get_weatherman", [WEATHER])
+        assert not held(s, "get_wea", None) and not held(s, "get_weather\n", [WEATHER])
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "好"}], max_tokens=40, temperature=0)
+        answering(s.service.engine, monkeypatch, "晴天，25度，微风，适合出门", s.tokenizer)
+        pieces = [c.choices[0].delta.content for c in s.client().chat.completions.create(**ask, stream=True)
+                  if c.choices and c.choices[0].delta.content]
+        assert len(pieces) > 1 and "".join(pieces) == "晴天，25度，微风，适合出门"
+    with serving(models("chatglm3")) as s:
+        assert held(s, "hello", [WEATHER]) and held(s, "hello", None) and not held(s, "hello\n", None)
+
+
 def test_the_kernels_are_built_before_the_server_is_ready(models, monkeypatch, tmp_path):
     """The server decodes a few tokens before it says it is ready: a CPU kernel the first request would have built
     (here the few-row float matmul of decoding, in a fresh kernel cache, as in a process that has not built it yet)

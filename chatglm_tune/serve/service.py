@@ -192,6 +192,7 @@ class ChatTurn:
     tool_calls: bool
     grammar: str | None = None  # Lark text the answer keeps to (`grammar`): a JSON answer, a call's arguments
     json_answer: bool = False  # the answer is JSON text (`response_format`): its text as decoded, no post-processing
+    tool_names: tuple[str, ...] = ()  # the tools offered
 
     @property
     def history(self) -> list:
@@ -215,11 +216,14 @@ class ChatTurn:
     def holding(self, ids: Sequence[int]) -> bool:
         """Whether a stream holds the text back for now: where calls are read, while the last segment's first line
         is unfinished and not empty (a call's first line is the tool's name, a text answer's is empty), so that a
-        call's name never streams as text."""
+        call's name never streams as text; where only a declared tool's name makes a call (GLM-4), while that line
+        could still become one of `tool_names`."""
         if not (self.tool_calls and self.turn.format.tool_calls) or self.lead:
             return False
         segment = self.turn.texts(list(ids))[-1]
-        return "\n" not in segment and bool(segment.strip())
+        if "\n" in segment or not segment.strip():
+            return False
+        return not self.turn.format.declared_calls_only or any(n.startswith(segment.strip()) for n in self.tool_names)
 
 
 @dataclass(frozen=True)
@@ -333,8 +337,10 @@ class Service:
                             arguments)
         if call.tool_choice == "required":  # one of several tools: the grammar of every call
             names = [_function(tool).get("name") for tool in call.tools]
-            return ChatTurn(turn, turn.prompt, "", True, self._grammar(self._call_grammar(names, call.tools), "tools"))
-        return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none")
+            return ChatTurn(turn, turn.prompt, "", True, self._grammar(self._call_grammar(names, call.tools), "tools"),
+                            tool_names=tuple(names))
+        offered = tuple(_function(tool).get("name") for tool in tools or ())
+        return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none", tool_names=offered)
 
     def _call_grammar(self, names: list[str], tools: list, lead: bool = True) -> str:
         """The Lark grammar of a call to one of `names` (each declared in `tools`): with `lead`, its first line (as the

@@ -309,6 +309,7 @@ class GLM4Format(_RoleFormat):
     name = "glm4"
     title = "GLM-4"
     tool_arguments_form = "json"
+    declared_calls_only = True
     sop = "<sop>"
     training_time = "2024年"
     template_kwargs: dict = {}  # what every render of the chat template is given besides the messages
