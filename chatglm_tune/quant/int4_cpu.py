@@ -1,7 +1,7 @@
 """A batch-1 INT4 matmul for CPUs without AVX-512, reading the official packed INT4 weight as it is.
 
-On an AVX2-only AMD EPYC PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for
-half the bytes: INT4 decoded slower than INT8 there (bench/results/scale.json).
+On AVX2-only CPUs PyTorch's `_weight_int4pack_mm_for_cpu` is compute-bound, slower than int8pack for half the
+bytes, so INT4 decodes slower than INT8 there (bench/results/scale.json; figures: bench/results/kernel-notes.md).
 `matmul` computes `x @ dequant(W).T` for official per-row-scale INT4 (`weight` int8 `[out, in/2]`,
 even column in the high nibble; `weight_scale` fp16 `[out]`) with a small C++ kernel (AVX2 + FMA
 intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, zero-extend to 8 int32 lanes and XOR
@@ -9,29 +9,22 @@ intrinsics, PyTorch's intra-op thread pool): per 8 bytes of a row, zero-extend t
 by a mask, convert to fp32 and FMA with the even and odd columns of x, kept in fp32; the row's sum less
 8 * sum(x), times its scale, is the dequantized math (`q * scale` is exact in fp32), fp32 throughout, so
 more exact than the bf16 kernels. Four rows share each load of x, and each row prefetches the weight two
-blocks ahead (rows of 2 KB, as most of ChatGLM's are, defeat the hardware prefetcher: the prefetch made the
-kernel 1.7-1.9x faster at 4096 columns). With more than `DIRECT_ROWS` rows of x, each 4-row x 512-column
-chunk of the weight is unpacked once (less 8) into an fp32 buffer (8 KB, L1) that every row of x then reads.
+blocks ahead (rows of 2 KB, as most of ChatGLM's are, defeat the hardware prefetcher). With more than
+`DIRECT_ROWS` rows of x, each 4-row x 512-column chunk of the weight is unpacked once (less 8) into an fp32
+buffer (8 KB, L1) that every row of x then reads.
 
-Measured (bench/kernels/int4_kernels.py, bench/results/int4_kernels.json; an AVX-512 Xeon with PyTorch at the AVX2 level,
-2 threads, batch 1, weights streamed from memory): 0.66 / 1.71 / 2.17 / 2.01 ms at ChatGLM-6B's 4096x4096 /
-12288x4096 / 16384x4096 / 4096x16384 against 1.13 / 2.77 / 3.53 / 3.39 for int8pack (1.6-1.7x faster) and
-0.89 / 2.53 / 3.26 / 3.19 for int4pack; one thread: 1.24 / 3.16 / 4.35 / 3.89 against 2.25 / 5.36 / 6.32 /
-6.46 and 1.68 / 4.82 / 6.22 / 6.08 (an AMD EPYC, before the prefetch: 1.06 / 2.96 / 4.65 / 7.63 against
-int8pack's 1.67 / 4.33 / 5.24 / 9.42). Exact to fp32 rounding (relative error ~1e-6, where the bf16 kernels
-give ~2e-3). ChatGLM-6B at full size (bench/peer/peer.py, `--capability avx2`) decodes INT4 at 1.40x INT8. At the
-AVX-512 level it beats PyTorch's int4pack too (0.62 / 1.66 / 2.07 / 2.09 against 0.68 / 1.94 / 2.50 / 2.47 ms;
-decode 232 against 250 ms a token), but prefill is then slower (6.6 against 4.8 s for 64 tokens: the
-dequantizing path unpacks the official layout more slowly than it reads int4pack's back), so `available()`
-is True only where PyTorch's CPU capability is AVX2. What limits it: at the AVX2 level the full model's INT4
-decode reads 3.36 GB a token in 234 ms, 14.4 GB/s, 56% of the 25.8 GB/s that two threads read here; the rest is
-arithmetic, 5 of the 8 instructions per 16 weights needing the two vector ports that convert and multiply (int8pack
-reads twice the bytes at 70-77% of that bandwidth). No repacking: the official weight is the only copy, and
+At the AVX2 level the kernel beats PyTorch's int8pack and int4pack at batch 1, and ChatGLM-6B decodes INT4 faster
+than INT8 with it; at the AVX-512 level it beats int4pack at decode too, but prefill is then slower (the dequantizing
+path unpacks the official layout more slowly than it reads int4pack's back), so `available()` is True only where
+PyTorch's CPU capability is AVX2 (bench/kernels/int4_kernels.py, bench/peer/peer.py `--capability avx2`; figures:
+bench/results/kernel-notes.md). Exact to fp32 rounding (relative error ~1e-6, where the bf16 kernels give ~2e-3).
+What limits it at the AVX2 level is arithmetic more than memory: 5 of the 8 instructions per 16 weights need the two
+vector ports that convert and multiply. No repacking: the official weight is the only copy, and
 nothing ISA-dependent is built from it.
 
 Rows of the weight are split over PyTorch's intra-op threads by `at::parallel_for`, which is OpenMP inside
-this extension too: it is built with `-fopenmp` (without it the same code compiles and runs on one thread:
-the kernel was 1.9x slower at 2 threads, and INT4 decoded at 0.54x INT8 on an AVX2-level run of a Xeon).
+this extension too: it is built with `-fopenmp` (without it the same code compiles and runs on one thread, which
+the op `parallel_chunks` shows: 1 chunk).
 
 The kernel is compiled once per machine and torch install at first use (`inline_build`: 10-40 s, kept in the
 kernel cache) with the same compiler torch.compile's C++ backend needs. Where it cannot be built (no

@@ -33,7 +33,7 @@ the CPU has it and PyTorch runs at its AVX512 level, so `ATEN_CPU_CAPABILITY=avx
 For INT4 the activations come in the order the nibbles unpack (per 64 packed bytes, the 64 even columns of
 those 128, then the 64 odd ones), with one fp32 scale per int32 lane: every lane sums columns of one block only, so the
 order costs nothing at run time (it is made with the quantized activations, once per call). Weight rows go
-in blocks of 8 sharing each load of the activations (8 rather than 4: 12-20% faster at batch 1, one thread), each
+in blocks of 8 sharing each load of the activations (8 rather than 4: faster at batch 1), each
 prefetching the weight ahead (official layout: two blocks ahead, as `int4_cpu`: rows of a few KB defeat the
 hardware prefetcher; interleaved: 2 KB ahead in its stream), blocks split over PyTorch's threads by
 `at::parallel_for` (OpenMP, built with `-fopenmp`). Rows of x go in tiles of 4 (AVX2: 2; 2 on the AVX-512
@@ -45,16 +45,9 @@ bytes, out not a multiple of 8) are handled: in the official layout the last par
 a zeroed 64-byte buffer (zero activations there) and the last rows go one at a time; the interleaved layout is
 zero-padded to whole chunks and blocks (the padding rows' outputs are not written).
 
-Measured (bench/kernels/int8dot_kernels.py, bench/results/int8dot_kernels.json; a 2-core AVX-512 VNNI EPYC, quiet; weights
-streamed from memory, 4 KB pages), ms at batch 1, 4096x4096 / 4608x4096 / 12288x4096 / 27392x4096 / 4096x13696,
-interleaved but the last shape official, AVX512 level, one thread: INT4 0.43 / 0.41 / 1.07 /
-2.37 / 1.65 against int4pack's 0.90 / 1.00 / 2.61 / 5.77 / 2.98 (1.8-2.4x), INT8 (int16 activations) 0.99 / 0.97 /
-2.66 / 5.41 / 3.01 against int8pack's 1.44 / 1.51 / 4.06 / 8.73 / 3.91 (1.3-1.6x); two threads INT4 at 79-113% of
-the copy bandwidth, INT8 at 80-103% (int8pack 64-80%). At the AVX2 level, one thread: INT4 0.41 / 0.39 / 1.12 /
-2.40 / 1.83 against int4_cpu's 0.88 / 0.95 / 2.56 / 5.47 / 2.61, INT8 0.89 / 0.82 / 2.40 / 5.60 / 3.53 against
-int8pack's 1.59 / 1.70 / 4.50 / 10.03 / 4.11 (on 2 MB pages: the note below `INTERLEAVE`). Rows of x: `MAX_ROWS`,
-`MAX_ROWS_INT8_BF16`; the layout: `INTERLEAVE`. In cache INT4 runs at about 26 GB/s of weight bytes a core, near what two cores stream from
-memory: unpacking two nibbles a byte is more arithmetic a byte than INT8's.
+The kernel beats PyTorch's int8pack / int4pack (and `int4_cpu` at the AVX2 level) at batch 1, at one thread and
+at two, where it reads the weight near the copy bandwidth (bench/kernels/int8dot_kernels.py; figures:
+bench/results/kernel-notes.md). Rows of x: `MAX_ROWS`, `MAX_ROWS_INT8_BF16`; the layout: `INTERLEAVE`.
 
 The decode steps the GLM mixture-of-experts models hold in C++ (`moe_decoder`, `latent_layer`) and latent attention's
 float32 products (`latent_scores`, `latent_mix`) are C++ of their own, int8dot_steps.cpp, built into the same library
@@ -82,22 +75,20 @@ ACT_BLOCKS = {8: BLOCK, 16: 64}  # activation width -> columns per scale
 # INT8's own (0.5% per Linear on Gaussian activations, against 0.2% for int8pack's bf16), and on the golden test
 # models (random weights that amplify any perturbation ~10x) they took the INT8 logits past the toolkit's bounds
 # (largest relative error 0.27 against 0.2, a top-1 lost at a margin >= 0.5); int16 ones add ~0.006% (with outlier
-# columns), at the same speed in side-by-side runs (the chunk needs 2 widening moves and 2 `vpdpwssd` instead of an
+# columns), at the same speed at the AVX-512 level (the chunk needs 2 widening moves and 2 `vpdpwssd` instead of an
 # XOR and one `vpdpbusd`). INT4 keeps int8 activations, as llama.cpp's q4_0 x q8_0 (its own error is ~10x larger).
 # Where it costs: AVX2's `vpmaddwd` takes half as many int16 products an instruction as `vpmaddubsw` takes int8 ones, so
-# long GEMMs at that level are bound by it (ChatGLM3-6B, 2 threads: a 512-token INT8 prefill 0.96x llama.cpp's q8_0 speed,
-# batch-32 extraction 0.74x, where INT4 with int8 activations extracts 2.1x as fast as INT8).
+# long GEMMs (prefill, batched extraction) at that level are bound by it (figures: bench/results/kernel-notes.md).
 INT8_ACTIVATION_BITS = 16
-# Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): bench/kernels/int8dot_kernels.py
-# `--rows` (12288x4096, results/int8dot_kernels.json) measured it 1.4-2.8x faster than int8pack / int4pack from 4
-# to 32 rows (1 thread, AVX-512 level: INT8 24 ms at 32 rows against int8pack's 48, INT4 13 against int4pack's 37):
+# Rows of x up to which QuantizedLinear's "auto" routes here in any case (decode, batched decode): there the kernel
+# beats int8pack / int4pack (bench/kernels/int8dot_kernels.py `--rows`; figures: bench/results/kernel-notes.md), as
 # each weight chunk is unpacked once for a tile of 4 rows of x (2 on AVX2).
 MAX_ROWS = 32
-# Beyond it (prefill, batched extraction) where no gradient flows through x, against the dequantizing GEMM (same
-# bench, 2 threads, AVX-512 level): INT4 won at every length (512 rows: 116 ms against 336 with fp32 x, 165 with
-# bf16), INT8 with fp32 x (the CPU default: 196 against 319) and with bf16 x up to 64 rows (24 against 26; at 128
-# rows 50 against 41, at 512 196 against 149: native bf16 GEMMs run at about twice the rate of int16 dot products).
-# Without native bf16 GEMMs (the AVX2 level: the dequant path's bf16 runs in fp32) it won at every length.
+# Beyond it (prefill, batched extraction) where no gradient flows through x, the kernel is chosen over the
+# dequantizing GEMM at every length for INT4, for INT8 with fp32 x (the CPU default) and for INT8 with bf16 x where the
+# CPU has no native bf16 GEMM (the AVX2 level: the dequant path's bf16 runs in fp32); where it has one, for INT8 with
+# bf16 x up to this many rows only (native bf16 GEMMs run at about twice the rate of int16 dot products). Figures
+# (same bench): bench/results/kernel-notes.md.
 MAX_ROWS_INT8_BF16 = 64
 # The formats "auto" routes here (INT8 with int16 activations, `INT8_ACTIVATION_BITS`).
 AUTO_BITS = (4, 8)
@@ -108,18 +99,11 @@ ISAS = {"avx2": 1, "avx512vnni": 2}
 CHUNK, BLOCK_ROWS = 64, 8
 INTERLEAVE = {"avx2": 4, "avx512vnni": 8}
 PACK_TILE_BYTES = 8 << 20  # what `pack` rearranges at a time (in place: its one temporary)
-# QuantizedLinear holds every weight interleaved, in 2 MB pages where the system gives them (`heap.huge_pages_empty`).
-# Measured side by side at batch 1, weights streamed from memory (2-core AVX-512 EPYC): on 4 KB pages INT4 with 4096
-# columns (2048-byte rows: ChatGLM2/3's and GLM-4's qkv, dense and h_to_4h) ran 1.1-1.8x faster interleaved (2
-# threads: 90-113% of the copy bandwidth, against 65-73% on the official layout; AVX2 level 1.4-2.0x), INT8 with 4096
-# columns 1.0-1.4x, while rows of 6848 bytes (INT4 4096x13696) and more ran within a few percent either way
-# (bench/kernels/int8dot_kernels.py, bench/results/int8dot_kernels.json). On 2 MB pages the long rows gain too: 4096x13696 INT4
-# 0.83 ms against 0.89 official at 2 threads, 1.27 against 1.50 at one (AVX2 level 1.59 against 1.72), INT8 1.62
-# against 1.74 and 2.52 against 2.86. The kernel bench's `-2m` candidates (bench/results/int8dot_kernels-2m.json): at 2 threads
-# 88-104% of the copy bandwidth on 2 MB pages (37.2 GB/s; 31.0 on 4 KB pages), INT4 27392x4096 1.20 ms (46.7 GB/s
-# read); at one thread INT4 79-81% and INT8 65-68% of it (31.9 GB/s): there a core's arithmetic limits, not memory.
-# With 2 or more rows of x the interleaved layout reads a little slower (12288x4096: 0.75-0.96x from 2 to 512 rows),
-# which prefill and batched decoding can spare.
+# QuantizedLinear holds every weight interleaved, in 2 MB pages where the system gives them (`heap.huge_pages_empty`):
+# at batch 1, weights streamed from memory, the interleaved layout reads rows of 4096 columns faster than the official
+# one and longer rows about as fast (on 2 MB pages faster too), near the copy bandwidth at 2 threads; with 2 or more
+# rows of x it reads a little slower, which prefill and batched decoding can spare (bench/kernels/int8dot_kernels.py;
+# figures: bench/results/kernel-notes.md).
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """The matmuls behind `QuantizedLinear` (`x2d` is (M, in)), and which one runs.
 
 The weight-only kernels run near the memory-bandwidth limit on AVX-512/AMX CPUs; on AVX2-only CPUs they
-are compute-bound, about 3-4 G weights/s a core (bench/decode/quant.py), so INT4 decodes no faster than INT8 there.
+are compute-bound (bench/decode/quant.py; figures: bench/results/kernel-notes.md), so INT4 decodes no faster than
+INT8 there.
 - "int8pack" (CPU): `torch._weight_int8pack_mm`, bf16 activations, per-row scales;
 - "int4pack" (CPU): `aten._weight_int4pack_mm_for_cpu` on a weight repacked once per process (the
   packed layout depends on the CPU's ISA, so it is never saved); official per-row scales are applied to

@@ -80,9 +80,8 @@ class QuantizedLinear(nn.Module):
     INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 where it builds, for decode (at most
     `int8dot_cpu.MAX_ROWS` rows) and, where no gradient flows through x, for prefill where it beats the dequantizing
     GEMM (`int8dot_cpu.routes`); else the other CPU kernels for at most `max_kernel_rows`
-    rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
-    ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
-    sooner.
+    rows of x: beyond, dequantizing in 512-row tiles then an fp32 matmul catches up with int8pack (a tie near 64
+    rows) and then wins (figures: bench/results/kernel-notes.md).
     """
 
     max_kernel_rows = 32
