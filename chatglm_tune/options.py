@@ -78,7 +78,8 @@ class EncodingOptions:
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
         if self.max_src_len < 2:
-            raise ValueError(f"max_src_len must be >= 2 (at least one source token and [gMASK]), got {self.max_src_len}")
+            raise ValueError("max_src_len must be >= 2 (at least one source token and [gMASK]), "
+                             f"got {self.max_src_len}")
         if self.max_len - self.max_src_len < 2:
             raise ValueError(
                 f"max_len ({self.max_len}) must exceed max_src_len ({self.max_src_len}) by at least 2 (<sop> and <eop>)"
@@ -131,7 +132,8 @@ class LoraOptions:
     target: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        problems = [f"lora_{name} must be >= 1, got {getattr(self, name)}" for name in ("r", "alpha") if getattr(self, name) < 1]
+        problems = [f"lora_{name} must be >= 1, got {getattr(self, name)}" for name in ("r", "alpha")
+                    if getattr(self, name) < 1]
         if not 0 <= self.dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1), got {self.dropout}")
         raise_problems(problems)
@@ -166,7 +168,8 @@ class TrainOptions:
     quantization_bit: int = 0
     quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quant.apply.quantize_embedding`)
     gradient_checkpointing: bool = False
-    compile: str | None = None  # torch.compile backend of each decoder layer (`--compile`: COMPILE_BACKEND); None = eager
+    # torch.compile backend of each decoder layer (`--compile`: COMPILE_BACKEND); None = eager
+    compile: str | None = None
     # Several examples a row of up to max_len tokens, none seeing another (`batches.pack`). Off: on a CPU the tiny
     # model trained the shipped SPO set slower packed than unpacked, its rows grouped by length already (figures:
     # bench/results/kernel-notes.md).
@@ -192,12 +195,13 @@ class TrainOptions:
             problems.append("full fine-tuning cannot update INT8/INT4 weights: use ptuning or lora on a quantized base")
         if self.quantize_embedding and self.tuning == "full":
             problems.append("full fine-tuning trains the embedding: quantize_embedding is for ptuning or lora")
-        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every", "eval_every",
-                     "tiny_layers"):
+        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len",
+                     "eval_batch_size", "log_every", "eval_every", "tiny_layers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tiny_layers is not None and self.tiny_layers > TINY_MAX_LAYERS:
-            problems.append(f"tiny_layers must be at most {TINY_MAX_LAYERS} (a tiny model's depth), got {self.tiny_layers}")
+            problems.append(f"tiny_layers must be at most {TINY_MAX_LAYERS} (a tiny model's depth), got "
+                            f"{self.tiny_layers}")
         if self.compile is not None and not self.compile.strip():
             problems.append("compile names a torch.compile backend (e.g. inductor), got an empty string")
         if self.patience < 0:
@@ -259,8 +263,9 @@ TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "gl
 TINY_MAX_LAYERS = 64  # --tiny-layers at most: the presets have 2 or 3; a billion asked for memory that never was
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
+# budget_steps of each preset
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
-                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}  # budget_steps of each preset
+                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}
 
 
 # Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and
@@ -299,7 +304,8 @@ def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -
     in the environment wins over a preset or a run's record), else `fallback` (named `fallback_name`), else
     torch's default (None). ValueError (`threads_problem`) for a flag or an environment out of bounds; a run's
     recorded count was checked where it ran."""
-    for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"), (fallback, fallback_name)):
+    for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"),
+                            (fallback, fallback_name)):
         if threads is not None:
             problem = threads_problem(threads, origin) if origin in GIVEN_THREADS else None
             if problem:
@@ -357,7 +363,8 @@ class SamplingOptions:
         problems = []
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
             problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
             problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
@@ -411,7 +418,8 @@ class DraftOptions:
             problems.append(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
         if not (isinstance(self.first_draft, int) and 1 <= self.first_draft <= max(1, self.max_draft)):
             problems.append(f"first_draft must be an integer in [1, max_draft], got {self.first_draft!r}")
-        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
             problems.append(f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         if not (isinstance(self.pool_answers, int) and self.pool_answers >= 0):
             problems.append(f"pool_answers must be an integer >= 0, got {self.pool_answers!r}")

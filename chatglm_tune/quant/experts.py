@@ -145,9 +145,10 @@ class QuantizedExperts(nn.Module):
     def grouped_rows(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, order: Tensor,
                      chosen: list[tuple[int, int]]) -> Tensor:
         """The forward's sum over many tokens (`order`: the (token, choice) pairs grouped by expert; `chosen`: each
-        chosen expert with its count of pairs, in expert order) in two integer-dot calls for all experts (`int8dot_cpu.matmul_groups`: every gate and up, then every down),
-        each expert on the rows routed to it: what the forward's expert-by-expert loop computes, bit for bit, without
-        its 3 calls an expert (a 64-token prompt of GLM-4.7-Flash chooses nearly every expert of each layer)."""
+        chosen expert with its count of pairs, in expert order) in two integer-dot calls for all experts
+        (`int8dot_cpu.matmul_groups`: every gate and up, then every down), each expert on the rows routed to it: what
+        the forward's expert-by-expert loop computes, bit for bit, without its 3 calls an expert (a 64-token prompt
+        of GLM-4.7-Flash chooses nearly every expert of each layer)."""
         sizes = [count for _, count in chosen]
         starts = [0, *itertools.accumulate(sizes)][:-1]
         pairs = order[: sum(sizes)]  # an index of E (a dropped choice) sorts last

@@ -112,7 +112,8 @@ def _build() -> bool:
     matmuls, `quantize`, the op registrations) followed by int8dot_steps.cpp (the decode steps), one library."""
     here = Path(__file__).parent
     source = (here / "int8dot_cpu.cpp").read_text() + (here / "int8dot_steps.cpp").read_text()
-    return inline_build.build("chatglm_int8dot_cpu", source, [], "the int8 dot-product kernel", "keeping the previous CPU kernels")
+    return inline_build.build("chatglm_int8dot_cpu", source, [], "the int8 dot-product kernel",
+                              "keeping the previous CPU kernels")
 
 
 _x86 = inline_build.x86
@@ -219,7 +220,8 @@ def matmul(x2d: Tensor, weight: Tensor, weight_scale: Tensor, bits: int, isa_nam
     `act` the activation width (8, or 16 for INT8; default `act_bits`)."""
     code = ISAS[isa_name or isa()]
     _build()  # cached: a no-op once built (a forced `isa_name` may come first)
-    return torch.ops.chatglm_int8dot_cpu.mm(x2d, weight.contiguous(), weight_scale, bits, code, act_bits(bits, act), bias)
+    return torch.ops.chatglm_int8dot_cpu.mm(x2d, weight.contiguous(), weight_scale, bits, code,
+                                            act_bits(bits, act), bias)
 
 
 def matmul_multi(x: Tensor, weights: list[Tensor], weight_scales: list[Tensor], bits: int, isa_name: str | None = None,
@@ -268,13 +270,15 @@ def moe_decoder(weights: list[Tensor], scales: list[Tensor], experts: int, route
     the C++ source's `MoeDecoder`."""
     code = ISAS[isa_name or isa()]
     _build()
-    return torch.classes.chatglm_int8dot_cpu.MoeDecoder([w.contiguous() for w in weights], list(scales), experts, router,
-                                                        bias, top_k, norm, factor, bits, code, act_bits(bits))
+    return torch.classes.chatglm_int8dot_cpu.MoeDecoder([w.contiguous() for w in weights], list(scales),
+                                                        experts, router, bias, top_k, norm, factor, bits, code,
+                                                        act_bits(bits))
 
 
 def latent_layer(linears: list[tuple[Tensor, Tensor, int]], norms: list[tuple[Tensor, float]],
                  absorbed: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], int],
-                 dims: tuple[int, int, int, int, int], scaling: float, interleave: bool, moe, isa_name: str | None = None):
+                 dims: tuple[int, int, int, int, int], scaling: float, interleave: bool, moe,
+                 isa_name: str | None = None):
     """A GLM-4.7-Flash decoder layer's one-token decode step held in C++ (`.begin(x, cos, sin)`, then the cache's
     update, then `.finish(x, query, q_rot, latents, k_rots, mask)`): `linears` q_a_proj, q_b_proj, kv_a_proj_with_mqa,
     o_proj as (weight in `pack`'s layout or official, float32 scale, bits); `norms` the input, q_a, kv_a and
@@ -289,7 +293,8 @@ def latent_layer(linears: list[tuple[Tensor, Tensor, int]], norms: list[tuple[Te
     bits += [8, act_bits(8), value_bits, act_bits(value_bits)]
     return torch.classes.chatglm_int8dot_cpu.LatentLayer(
         [w.contiguous() for w, _, _ in linears], [s for _, s, _ in linears], bits, [w for w, _ in norms],
-        [float(eps) for _, eps in norms], key_w, key_s, value_w, value_s, [*dims, code], float(scaling), interleave, moe)
+        [float(eps) for _, eps in norms], key_w, key_s, value_w, value_s, [*dims, code], float(scaling),
+        interleave, moe)
 
 
 def quantize_activations(x2d: Tensor, act: int = 8) -> tuple[Tensor, Tensor]:

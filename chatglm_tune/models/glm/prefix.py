@@ -57,12 +57,13 @@ def prefix_formula(config) -> str:
         c = config
         return (f"num_layers * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) = {c.num_hidden_layers} * "
                 f"{c.num_attention_heads} * ({c.qk_nope_head_dim} + {c.qk_rope_head_dim} + {c.v_head_dim})")
-    return (f"num_layers * 2 * kv_channels * multi_query_group_num = {config.num_hidden_layers} * 2 * {config.head_dim} * "
-            f"{config.num_key_value_heads}")
+    return (f"num_layers * 2 * kv_channels * multi_query_group_num = {config.num_hidden_layers} * 2 * "
+            f"{config.head_dim} * {config.num_key_value_heads}")
 
 
 def prefix_encoder(config) -> PrefixEncoder:
     """The encoder of this family: its projection starts from an embedding of width W (ChatGLM-6B's from hidden)."""
     width = prefix_width(config)
-    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection), embedding_dim=width)
+    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection),
+                            embedding_dim=width)
     return cpu_matmul.adopt(encoder)  # as the model's own Linears
