@@ -1,4 +1,5 @@
-"""chatglm_tune: fine-tune ChatGLM / GLM (ChatGLM-6B to GLM-4.7-Flash) with P-tuning v2, LoRA or fully; run them in half, INT8 and INT4.
+"""chatglm_tune: fine-tune ChatGLM / GLM (ChatGLM-6B to GLM-4.7-Flash) with P-tuning v2, LoRA or fully; run them in
+half, INT8 and INT4.
 
 `chatglm_tune.from_pretrained(dir)` / `chatglm_tune.load_tokenizer(dir)` load any version.
 

@@ -109,7 +109,8 @@ class _Tokenizer(_Deferred):
 
 
 AutoConfig.register("chatglm", AnyChatGLMConfig, exist_ok=True)
-for config_class, model_class in ((ChatGLMConfig, ChatGLMForConditionalGeneration), (ChatGLMFamilyConfig, GlmForCausalLMWithPrefix)):
+for config_class, model_class in ((ChatGLMConfig, ChatGLMForConditionalGeneration),
+                                  (ChatGLMFamilyConfig, GlmForCausalLMWithPrefix)):
     AutoModel.register(config_class, model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 for name in registry.TOKENIZER_CLASSES:  # tokenizer_config.json's class names, ours and the official ones

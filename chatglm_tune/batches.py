@@ -155,8 +155,8 @@ class PromptFormat:
         """ValueError for a conversation that (query, response) pairs cannot hold (a system prompt, tools, calls,
         observations, loss flags) where this version reads pairs only."""
         if record.dialogue is not None and record.history is None and self.chat_in_pairs:
-            raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns (its chat "
-                             "is (query, response) pairs): such conversations train ChatGLM3-6B, GLM-4 and later")
+            raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns (its "
+                             "chat is (query, response) pairs): such conversations train ChatGLM3-6B, GLM-4 and later")
 
     def check_turn(self, turn: Turn) -> None:
         """ValueError for a conversation turn (`dialogues.Turn`) the version has no form for, saying why (a role-message
@@ -179,8 +179,9 @@ def encode_record(record: SPORecord, tokenizer, options: EncodingOptions = Encod
     return tokenizer.prompt_format.training_row(tokenizer, record, options)
 
 
-def training_example(prompt: list[int], answer: list[int], labelled_prompt_tokens: int, *, prompt_truncated: bool = False,
-                     answer_truncated: bool = False, origin: str = "") -> EncodedExample:
+def training_example(prompt: list[int], answer: list[int], labelled_prompt_tokens: int, *,
+                     prompt_truncated: bool = False, answer_truncated: bool = False,
+                     origin: str = "") -> EncodedExample:
     """The row `prompt + answer` of already truncated ids, labelled on the answer and on the last
     `labelled_prompt_tokens` of the prompt (ChatGLM-6B: `<sop>`, which `[gMASK]` is trained to predict)."""
     input_ids = prompt + answer

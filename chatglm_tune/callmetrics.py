@@ -35,8 +35,8 @@ def score_calls(predicted: Sequence[ToolCall | None], records: Sequence) -> dict
     exact = sum(p is not None and p.name == g.name and p.arguments == g.arguments for p, g in pairs)
     return {"calls": len(pairs), "exact_match": exact / len(pairs), "right_tool": right_tool / len(pairs),
             "text_for_call": sum(p is None for p, _ in pairs),
-            "call_for_text": sum(p is not None and g is None and r.dialogue is not None and r.dialogue.answer is not None
-                                 for p, g, r in zip(predicted, gold, records))}
+            "call_for_text": sum(p is not None and g is None and r.dialogue is not None
+                                 and r.dialogue.answer is not None for p, g, r in zip(predicted, gold, records))}
 
 
 def format_calls(scores: dict) -> str:

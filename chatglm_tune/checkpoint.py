@@ -74,7 +74,8 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
         return found
     if not found:
         raise CheckpointError(f"{path}: no weights found (model*.safetensors, pytorch_model*.bin or one *.pth)")
-    raise CheckpointError(f"{path}: several weight files and no model*.safetensors or pytorch_model*.bin; pass the file itself")
+    raise CheckpointError(f"{path}: several weight files and no model*.safetensors or pytorch_model*.bin; pass the "
+                          "file itself")
 
 
 def open_safetensors(file: str | os.PathLike, device: str = "cpu"):

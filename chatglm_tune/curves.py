@@ -48,7 +48,8 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
                      label="train loss (each log)")
         loss_ax.plot(steps, smooth(list(losses)), color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
     if evals:
-        loss_ax.plot([s for s, _, _ in evals], [l for _, _, l in evals], "o--", label="dev loss", color="tab:cyan")
+        loss_ax.plot([s for s, _, _ in evals], [loss for _, _, loss in evals], "o--", label="dev loss",
+                     color="tab:cyan")
         f1_ax = loss_ax.twinx()
         f1_ax.plot([s for s, _, _ in evals], [f for _, f, _ in evals], "s-", label="dev score", color="tab:red")
         f1_ax.set_ylabel("dev score (micro-F1, or ROUGE-L / 100)")

@@ -114,7 +114,8 @@ def tool_call_code(parameters: dict) -> str:
     ValueError for a name that cannot be a keyword argument."""
     for key in parameters:
         if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
-            raise ValueError(f"ChatGLM3-6B writes a tool call's arguments as Python keyword arguments: {key!r} cannot be one")
+            raise ValueError(f"ChatGLM3-6B writes a tool call's arguments as Python keyword arguments: {key!r} cannot "
+                             "be one")
     return "```python\ntool_call(" + ", ".join(f"{k}={v!r}" for k, v in parameters.items()) + ")\n```"
 
 
@@ -127,7 +128,8 @@ def from_conversations(raw: dict) -> Dialogue:
     tools = raw.get("tools")
     names = _declared(tools, "tools", lambda tool: tool.get("name")) if tools is not None else None
     value = _turn_list(raw["conversations"], "conversations")
-    turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False), where="tools")] if tools is not None else []
+    turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False),
+                  where="tools")] if tools is not None else []
     for i, item in enumerate(value):
         where = f"conversations[{i}]"
         turn = _object(item, where)
@@ -137,7 +139,8 @@ def from_conversations(raw: dict) -> Dialogue:
             continue
         _only(turn, {"role", "content", "loss"}, where)
         if role == "system" and i > 0:
-            raise DialogueError("system_turn", "a system turn comes first, once (before any user turn)", f"{where}.role")
+            raise DialogueError("system_turn", "a system turn comes first, once (before any user turn)",
+                                f"{where}.role")
         if role not in ("system", "user", "assistant"):
             raise DialogueError("bad_role", f"expected system, user, assistant or tool, got {role!r}", f"{where}.role")
         turns.append(Turn(role, _string(turn, "content", where), loss=_loss(turn, role, where), where=where))
@@ -151,7 +154,8 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
     name = _string(turn, "name", where)
     if names is None or name not in names:
         declared = "no tools are declared (a top-level tools list)" if names is None else f"declared: {sorted(names)}"
-        raise DialogueError("undeclared_tool", f"calls {name!r}, which is not a declared tool ({declared})", f"{where}.name")
+        raise DialogueError("undeclared_tool", f"calls {name!r}, which is not a declared tool ({declared})",
+                            f"{where}.name")
     parameters = turn.get("parameters")
     if not isinstance(parameters, dict):
         raise DialogueError("bad_arguments", "expected the call's arguments as a JSON object", f"{where}.parameters")
@@ -164,7 +168,8 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
     if "observation" not in turn:
         if last:
             return [call]
-        raise DialogueError("missing_field", "a tool turn before the last holds the tool's result", f"{where}.observation")
+        raise DialogueError("missing_field", "a tool turn before the last holds the tool's result",
+                            f"{where}.observation")
     result = turn["observation"]
     result = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
     return [call, Turn("observation", result, where=f"{where}.observation")]
@@ -183,7 +188,8 @@ def from_messages(raw: dict) -> Dialogue:
         message = _object(item, where)
         role = _string(message, "role", where)
         if role not in ("system", "user", "assistant", "observation"):
-            raise DialogueError("bad_role", f"expected system, user, assistant or observation, got {role!r}", f"{where}.role")
+            raise DialogueError("bad_role", f"expected system, user, assistant or observation, got {role!r}",
+                                f"{where}.role")
         _only(message, {"role", "content", "loss"} | ({"tools"} if role == "system" else set())
               | ({"metadata"} if role == "assistant" else set()), where)
         tools = None
@@ -198,7 +204,8 @@ def from_messages(raw: dict) -> Dialogue:
                                 "tool (its metadata names the tool, or its content is {\"name\", \"arguments\"})",
                                 f"{where}.role")
         field_of = next((f"{where}.{key}" for key, used in (("tools", tools is not None), ("metadata", metadata),
-                                                               ("role", role == "observation"), ("content", call)) if used), where)
+                                                               ("role", role == "observation"), ("content", call))
+                         if used), where)
         turns.append(Turn(role, content, metadata, _loss(message, role, where), tools, call, where=field_of))
     return _checked(Dialogue(tuple(turns), "messages"))
 
@@ -228,7 +235,8 @@ def _call(metadata: str, content: str, names: set, where: str) -> ToolCall | Non
     try:
         arguments = json.loads(content)
     except json.JSONDecodeError as err:
-        raise DialogueError("bad_arguments", f"a call's content is its arguments as JSON: {err}", f"{where}.content") from None
+        raise DialogueError("bad_arguments", f"a call's content is its arguments as JSON: {err}",
+                            f"{where}.content") from None
     if not isinstance(arguments, dict):
         raise DialogueError("bad_arguments", "a call's arguments are a JSON object", f"{where}.content")
     return ToolCall(metadata, arguments)
@@ -253,7 +261,8 @@ def _without_null_parameters(tools: object, where: str) -> list:
         properties = _object_field(_object_field(_object_field(tool, "function"), "parameters"), "properties")
         if isinstance(properties, dict):
             function = tool["function"]
-            parameters = {**function["parameters"], "properties": {k: v for k, v in properties.items() if v is not None}}
+            parameters = {**function["parameters"],
+                          "properties": {k: v for k, v in properties.items() if v is not None}}
             tool = {**tool, "function": {**function, "parameters": parameters}}
         out.append(tool)
     return out
@@ -288,7 +297,8 @@ def _loss(turn: dict, role: str, where: str) -> bool:
     if not isinstance(loss, bool):
         raise DialogueError("bad_loss", f"expected true or false, got {loss!r}", f"{where}.loss")
     if loss and role in SILENT_ROLES:
-        raise DialogueError("bad_loss", f"a {role} turn is never trained on (only the model's own turns are)", f"{where}.loss")
+        raise DialogueError("bad_loss", f"a {role} turn is never trained on (only the model's own turns are)",
+                            f"{where}.loss")
     return loss
 
 
@@ -316,4 +326,5 @@ def _string(turn: dict, key: str, where: str) -> str:
 def _only(turn: dict, fields: set, where: str) -> None:
     stray = sorted(turn.keys() - fields)
     if stray:
-        raise DialogueError("unread_field", f"not read: this turn holds {', '.join(sorted(fields))}", f"{where}.{stray[0]}")
+        raise DialogueError("unread_field", f"not read: this turn holds {', '.join(sorted(fields))}",
+                            f"{where}.{stray[0]}")

@@ -68,7 +68,8 @@ def extract(
         next_out = lo
         for b in range(0, len(order), settings.batch_size):
             batch = order[b : b + settings.batch_size]
-            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings, drafter, stats)):
+            for i, new_ids in zip(batch, _decode_batch(model, tokenizer, [prompts[i] for i in batch], batch, settings,
+                                                       drafter, stats)):
                 done[i] = make_row(i, records[i], tokenizer, new_ids, text_truncated=encoded[i][1],
                                    free_text=settings.free_text)
             ready = []
@@ -155,7 +156,8 @@ def _completed_rows(output: Path, records: Sequence[SPORecord]) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{output}, line {number}: not valid JSON ({err.msg}); not an output of infer.py?") from None
+            raise ValueError(f"{output}, line {number}: not valid JSON ({err.msg}); not an output of "
+                             "infer.py?") from None
         i = len(rows)
         if row.get("index") != i or i >= len(records) or row.get("text") != records[i].text:
             raise ValueError(
@@ -215,7 +217,8 @@ def format_summary(summary: dict) -> str:
     if scores.get("micro") is not None:
         lines[-1] += f"   per-sample F1: {scores['sample_f1']:.4f}   malformed lines: {scores['malformed_lines']}"
         for relation, prf in scores["per_relation"].items():
-            lines.append(f"  {relation}: P {prf['precision']:.4f}  R {prf['recall']:.4f}  F1 {prf['f1']:.4f}  (gold {prf['n_gold']})")
+            lines.append(f"  {relation}: P {prf['precision']:.4f}  R {prf['recall']:.4f}  F1 {prf['f1']:.4f}  (gold "
+                         f"{prf['n_gold']})")
     if run["records_per_s"] is not None:
         lines.append(f"throughput: {run['records_per_s']:.2f} records/s, {run['tokens_per_s']:.1f} tokens/s")
     if run.get("speculative"):

@@ -8,12 +8,13 @@ of a prefill (inside `one_trim()`, once at its end instead); `mmap_large_blocks(
 blocks with mmap, which it returns as soon as they are freed; `heap_large_blocks()` the opposite, for a server.
 No-ops where the C library is not glibc (musl, macOS, Windows).
 
-A decode step reads every weight once, GBs of them, and with 4 KB pages it also misses the TLB for each 4 KB read:
-a 27392x4096 INT4 weight (56 MB) took 1.77 ms at 2 threads on 4 KB pages and 1.13 ms on 2 MB ones (AMD EPYC, the
-int8dot kernel). PyTorch's allocator gives 4 KB pages unless its process started with THP_MEM_ALLOC_ENABLE=1, and
-Linux gives large pages to anonymous memory only where asked (transparent huge pages in "madvise" mode, the
-usual setting). `huge_pages_empty` asks; `large_empty` is what checkpoint loaders and quantizers write weights into,
-so that the int8dot layout, made in a weight's own bytes, keeps them (no second copy of a layer, not even for a moment).
+A decode step reads every weight once, GBs of them, and with 4 KB pages it also misses the TLB for each 4 KB read,
+which 2 MB pages avoid: the int8dot kernel reads a large weight markedly faster from them (figures:
+bench/results/kernel-notes.md). PyTorch's allocator gives 4 KB pages unless its process started with
+THP_MEM_ALLOC_ENABLE=1, and Linux gives large pages to anonymous memory only where asked (transparent huge pages in
+"madvise" mode, the usual setting). `huge_pages_empty` asks; `large_empty` is what checkpoint loaders and quantizers
+write weights into, so that the int8dot layout, made in a weight's own bytes, keeps them (no second copy of a layer,
+not even for a moment).
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ import torch
 
 
 # A model of at least this many bytes of weights gets `mmap_large_blocks`: its per-layer temporaries
-# (weight tiles of 8-32 MB) fragment the heap. Measured at ChatGLM-6B size, a P-tuning step on an INT4
-# base: peak RSS 5.86 GB with glibc's defaults, 5.04 GB with blocks of 1 MiB and more mmap'd.
+# (weight tiles of 8-32 MB) fragment the heap, which mmap'd blocks of 1 MiB and more avoid: a lower peak RSS
+# (figures: bench/results/kernel-notes.md).
 LARGE_MODEL_BYTES = 1 << 30
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameter numbers
 # `heap_large_blocks`: blocks up to this size come from the heap. A prefill of 16 prompts of 42 tokens at ChatGLM3-6B
 # size frees and takes again 37-74 MB activations a layer, over glibc's largest automatic threshold (32 MB): fresh
-# mmaps, 1.75 M page faults and 4.9 s of system time in a 25.8 s prefill; from the heap 0.12 M, 0.4 s, 21.6 s.
+# mmaps, each paid again in page faults and system time; from the heap far fewer (figures:
+# bench/results/kernel-notes.md).
 HEAP_BLOCK_MAX_BYTES = 512 << 20
 # An inference forward of a layer over at least this many positions (a prefill; not a decode step of up to 32 rows)
-# is followed by `trim()`: about 2.5 ms, against 100 ms for such a layer at 6B size.
+# is followed by `trim()`, whose cost is small beside such a layer's.
 TRIM_MIN_ROWS = 33
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
 # Weights from this size up to one 2 MB page share such pages (`large_empty`): a mixture-of-experts model's experts are
@@ -92,10 +94,10 @@ def trim_after_rows(module, args, output) -> None:
 @contextlib.contextmanager
 def one_trim():
     """Within the block, the layers of `trim_after_each` leave their freed pages to the next layer (no trim each);
-    `trim()` once at its end. Each trim gives back pages the next layer takes again, page fault by page fault: a
-    42-token prefill at ChatGLM3-6B size made 110 K faults and spent 0.34 s of its 1.7 s in the system, against
-    8 K and 0.03 s within this; its peak RSS is higher by the prefill's freed activations (0.19 GB for 16 prompts
-    of 42 tokens). For a server's prefills, where time to the first token counts; one-off runs keep the lower peak."""
+    `trim()` once at its end. Each trim gives back pages the next layer takes again, page fault by page fault,
+    which within this a prefill does not pay; its peak RSS is higher by the prefill's freed activations (figures:
+    bench/results/kernel-notes.md). For a server's prefills, where time to the first token counts; one-off runs
+    keep the lower peak."""
     outer = getattr(_scope, "one_trim", False)
     _scope.one_trim = True
     try:

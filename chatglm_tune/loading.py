@@ -47,7 +47,8 @@ class ModelSource:
 
     def describe(self) -> str:
         if self.prefix_dir is not None:
-            adapter = f" + P-tuning prefix {self.prefix_dir} (pre_seq_len={self.pre_seq_len}, projection={self.prefix_projection})"
+            adapter = (f" + P-tuning prefix {self.prefix_dir} (pre_seq_len={self.pre_seq_len}, "
+                       f"projection={self.prefix_projection})")
         elif self.lora_dir is not None:
             adapter = f" + LoRA {self.lora_dir}"
         else:
@@ -88,14 +89,16 @@ def resolve_run(model_dir, *, ptuning_checkpoint=None, lora=None) -> ModelSource
     else:
         base = Path(run_args["model"])
         if not is_model_dir(base):
-            raise RunDirectoryError(f"{model_dir / RUN_ARGS} names base model {base}, which is not a model directory here")
+            raise RunDirectoryError(f"{model_dir / RUN_ARGS} names base model {base}, which is not a model directory "
+                                    "here")
         prefix_dir, lora_dir = (model_dir, None) if tuning == "ptuning" else (None, model_dir)
     if (ptuning_checkpoint is not None or lora is not None) and tuning != "full":
         raise RunDirectoryError(f"{model_dir} already holds an adapter (a {tuning} run); do not add another")
     if ptuning_checkpoint is not None:
         prefix_dir = Path(ptuning_checkpoint)
         if not is_model_dir(prefix_dir):
-            raise RunDirectoryError(f"{prefix_dir}: a P-tuning checkpoint needs its {CONFIG} (pre_seq_len, prefix_projection)")
+            raise RunDirectoryError(f"{prefix_dir}: a P-tuning checkpoint needs its {CONFIG} (pre_seq_len, "
+                                    "prefix_projection)")
     if lora is not None:
         lora_dir = Path(lora)
         if not (lora_dir / ADAPTER_CONFIG).exists():
@@ -134,9 +137,9 @@ def load_run(source: ModelSource, *, dtype="float32", device="cpu", quantization
     return model, tokenizer
 
 
-def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str | None = None, threads: int | None = None,
-                       quantization_bit: int | None = None, quantize_embedding: bool | None = None,
-                       note=lambda text: None):
+def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str | None = None,
+                       threads: int | None = None, quantization_bit: int | None = None,
+                       quantize_embedding: bool | None = None, note=lambda text: None):
     """(model, tokenizer, a line describing them) as infer.py and serve.py run a model: `device` "auto" is
     CUDA when there is one; `dtype` None is float32 on a CPU and float16 on CUDA ("auto": config.json's);
     `threads` None: OMP_NUM_THREADS, else the run's, else torch's. `note(text)` hears advice (float16 on a CPU)."""
@@ -196,10 +199,12 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
     follow_run = quantization_bit is None
     bits = source.quantization_bit if follow_run else quantization_bit
     embedding = source.quantize_embedding if quantize_embedding is None else quantize_embedding
-    prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len, "prefix_projection": source.prefix_projection}
+    prefix = {} if source.pre_seq_len is None else {"pre_seq_len": source.pre_seq_len,
+                                                    "prefix_projection": source.prefix_projection}
     if source.lora_dir is None or (follow_run and bits):
         quantized = dict(quantization_bit=bits, group_size=group_size) if bits else {}
-        model = version.load_model(source.base, dtype=dtype, device=device, quantize_embedding=embedding, **quantized, **prefix)
+        model = version.load_model(source.base, dtype=dtype, device=device, quantize_embedding=embedding,
+                                   **quantized, **prefix)
         if source.prefix_dir is not None:
             model.load_prefix(source.prefix_dir)
         if source.lora_dir is not None:
@@ -223,9 +228,10 @@ def adapter_run(directory) -> ModelSource | None:
     return resolve_run(directory) if tuning in ADAPTER_TUNINGS else None
 
 
-def load_adapted(source: ModelSource, *, dtype=None, torch_dtype=None, device="cpu", quantization_bit: int | None = None,
-                 group_size: int = 0, quantization_group_size: int | None = None, quantize_embedding: bool | None = None,
-                 pre_seq_len: int | None = None, prefix_projection: bool | None = None):
+def load_adapted(source: ModelSource, *, dtype=None, torch_dtype=None, device="cpu",
+                 quantization_bit: int | None = None, group_size: int = 0, quantization_group_size: int | None = None,
+                 quantize_embedding: bool | None = None, pre_seq_len: int | None = None,
+                 prefix_projection: bool | None = None):
     """`load_model` for `from_pretrained`'s arguments (`from_pretrained`, the Auto classes): the base
     of `source` with its prefix or its LoRA adapter. The prefix settings are the checkpoint's; others given
     are refused. dtype (or torch_dtype) default float32."""

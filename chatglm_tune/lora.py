@@ -127,8 +127,9 @@ def _load_official(model: nn.Module, file: Path, config: LoraConfig, trainable: 
     """`model` (a ChatGLM2/3 / GLM-4 `GlmForCausalLM`) with the official-layout adapter in `file`, held as
     the equivalent adapter on its own modules (same r and lora_alpha: the same scaling)."""
     if not isinstance(model.config, GlmConfig):
-        raise CheckpointError(f"{file}: an adapter of the official ChatGLM2/3 / GLM-4 modules (transformer.encoder...), "
-                              f"and the model is not a ChatGLM2/3 / GLM-4 ({type(model.config).__name__})")
+        raise CheckpointError(f"{file}: an adapter of the official ChatGLM2/3 / GLM-4 modules "
+                              "(transformer.encoder...), and the model is not a ChatGLM2/3 / GLM-4 "
+                              f"({type(model.config).__name__})")
     if config.use_dora or config.modules_to_save or config.rank_pattern or config.alpha_pattern:
         raise CheckpointError(f"{file.parent / 'adapter_config.json'}: DoRA, modules_to_save, rank_pattern and "
                               "alpha_pattern are not supported on an official-layout adapter")

@@ -148,7 +148,8 @@ class SPOScorer:
         if not self.scored_records:
             return SPOScores(self.records, 0, self.malformed_lines, None, None, {})
         relations = set(self.n_pred) | set(self.n_gold)
-        per_relation = {rel: PRF.from_counts(self.tp[rel], self.n_pred[rel], self.n_gold[rel]) for rel in sorted(relations)}
+        per_relation = {rel: PRF.from_counts(self.tp[rel], self.n_pred[rel], self.n_gold[rel])
+                        for rel in sorted(relations)}
         micro = PRF.from_counts(sum(self.tp.values()), sum(self.n_pred.values()), sum(self.n_gold.values()))
         sample_f1 = self.f1_sum / self.scored_records
         return SPOScores(self.records, self.scored_records, self.malformed_lines, micro, sample_f1, per_relation)

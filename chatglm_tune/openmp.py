@@ -4,9 +4,9 @@ libgomp gives every thread that starts a parallel region a team of worker thread
 regions, and counts the workers of all teams. While they number no more than the cores, a team spins between
 regions; once they outnumber the cores, every team sleeps instead (a short spin, then a futex wait), and each
 region waits for its workers to wake. A decoding step is hundreds of regions. A server loads its model on one
-thread and decodes on another, so the loading thread's idle team alone tips a 2-core machine over: ChatGLM3-6B
-INT4 decode steps on the engine's thread took 140-168 ms (10,600 context switches in a 24-token request) and
-120-129 ms once the loading thread had handed its team back (9), AMD EPYC, 2 threads.
+thread and decodes on another, so the loading thread's idle team alone tips a 2-core machine over, and the
+engine's decode steps slow down by thousands of context switches until the loading thread hands its team back
+(figures: bench/results/kernel-notes.md).
 """
 
 from __future__ import annotations

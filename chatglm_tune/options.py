@@ -30,8 +30,8 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 SCHEDULES = ("cosine", "linear")
 QUANTIZATION_BITS = (4, 8)
 # `--compile` without a backend: inductor (generated kernels; what pays on a GPU). On a CPU a tiny GLM-4's training
-# step ran no faster compiled (0.37 s against 0.36 s eager, 16 x 300 tokens, one thread, AVX-512 EPYC) after 60 s of
-# compiling, so training compiles nothing unless asked.
+# step ran no faster compiled, after a minute of compiling (figures: bench/results/kernel-notes.md), so training
+# compiles nothing unless asked.
 COMPILE_BACKEND = "inductor"
 
 # Per method, for real models, as the official fine-tuning scripts run them: P-tuning v2 as ChatGLM-6B's
@@ -78,7 +78,8 @@ class EncodingOptions:
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
         if self.max_src_len < 2:
-            raise ValueError(f"max_src_len must be >= 2 (at least one source token and [gMASK]), got {self.max_src_len}")
+            raise ValueError("max_src_len must be >= 2 (at least one source token and [gMASK]), "
+                             f"got {self.max_src_len}")
         if self.max_len - self.max_src_len < 2:
             raise ValueError(
                 f"max_len ({self.max_len}) must exceed max_src_len ({self.max_src_len}) by at least 2 (<sop> and <eop>)"
@@ -131,7 +132,8 @@ class LoraOptions:
     target: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        problems = [f"lora_{name} must be >= 1, got {getattr(self, name)}" for name in ("r", "alpha") if getattr(self, name) < 1]
+        problems = [f"lora_{name} must be >= 1, got {getattr(self, name)}" for name in ("r", "alpha")
+                    if getattr(self, name) < 1]
         if not 0 <= self.dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1), got {self.dropout}")
         raise_problems(problems)
@@ -166,10 +168,11 @@ class TrainOptions:
     quantization_bit: int = 0
     quantize_embedding: bool = False  # the frozen embedding and head in INT8 (`quant.apply.quantize_embedding`)
     gradient_checkpointing: bool = False
-    compile: str | None = None  # torch.compile backend of each decoder layer (`--compile`: COMPILE_BACKEND); None = eager
+    # torch.compile backend of each decoder layer (`--compile`: COMPILE_BACKEND); None = eager
+    compile: str | None = None
     # Several examples a row of up to max_len tokens, none seeing another (`batches.pack`). Off: on a CPU the tiny
-    # model trained the shipped SPO set at 104 examples/s packed, 114 unpacked (rows grouped by length already; one
-    # thread, AVX-512 EPYC).
+    # model trained the shipped SPO set slower packed than unpacked, its rows grouped by length already (figures:
+    # bench/results/kernel-notes.md).
     packing: bool = False
     seed: int = 42
     eval_every: int | None = None  # steps; None = EVALUATIONS times over the run
@@ -192,12 +195,13 @@ class TrainOptions:
             problems.append("full fine-tuning cannot update INT8/INT4 weights: use ptuning or lora on a quantized base")
         if self.quantize_embedding and self.tuning == "full":
             problems.append("full fine-tuning trains the embedding: quantize_embedding is for ptuning or lora")
-        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len", "eval_batch_size", "log_every", "eval_every",
-                     "tiny_layers"):
+        for name in ("epochs", "max_steps", "budget_steps", "batch_size", "grad_accum", "pre_seq_len",
+                     "eval_batch_size", "log_every", "eval_every", "tiny_layers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tiny_layers is not None and self.tiny_layers > TINY_MAX_LAYERS:
-            problems.append(f"tiny_layers must be at most {TINY_MAX_LAYERS} (a tiny model's depth), got {self.tiny_layers}")
+            problems.append(f"tiny_layers must be at most {TINY_MAX_LAYERS} (a tiny model's depth), got "
+                            f"{self.tiny_layers}")
         if self.compile is not None and not self.compile.strip():
             problems.append("compile names a torch.compile backend (e.g. inductor), got an empty string")
         if self.patience < 0:
@@ -245,19 +249,12 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # tokenizer is character-level, so an answer of three triples is ~45 tokens: the answer budget
 # (max_len - max_src_len) is 80 instead of the 32 that suit ChatGLM-6B's word-level vocabulary.
 # A budget of steps of 16 rows whatever the size of the set (TINY_DEMO_STEPS: 4.5 epochs of the shipped
-# 10,000 records, 20 of a 2,200-record set), cut short by early stopping. On smaller sets the 2-layer model
-# learnt the train set by heart (train loss 0.01, dev F1 still 0.61 on data/domains/products at lr 2e-3,
-# weight decay 0.01); weight decay 0.1, lr 3e-3 lifted that set to 0.92 and the shipped one to 0.94, but not
-# data/domains/people (0.71); with the model's dropout (config.PRESETS["tiny"]) 0.1 and lr 4e-3, people
-# reached 0.871, with dropout 0.2 0.908, and 0.880 on a people set drawn with another seed (dropout 0.3:
-# 0.830 there; lr 6e-3: 0.867; 3 layers of MLP 512: 0.944, at 1.55x the time). Depth rather than width
-# then (that set on an AVX-512 EPYC, one thread, runs side by side): 2 layers of MLP 512 for 3200 steps
-# 0.908, 3 of 256 for 2800 steps 0.932 (1.17x the time a step, about the same a run), 4 of 128 for 2300
-# steps 0.928 (1.39x a step); bench/training/domains.py has the no-flag runs. 2600 steps left data/domains/products
-# at 0.893. The demo's training, same machine: one thread 236 s against 234 s for 2 layers x 3200 steps
-# (F1 0.968 against 0.959); two threads of a quiet machine 190 s against 169 s (1.12x: more, smaller ops;
-# F1 0.976 against 0.986), train + infer 206 s against 183 s; the 2-layer demo trained ~255 s on the
-# slowest CPU kind seen; bench/training/demo.py times the README's demo as it stands (bench/results/demo.json).
+# 10,000 records, 20 of a 2,200-record set), cut short by early stopping. Weight decay 0.1, lr 4e-3 and the
+# model's dropout (config.PRESETS["tiny"]) keep the small model from learning a small set by heart, and depth
+# rather than width (3 layers of MLP 256 for the ChatGLM-6B preset's 2800 steps) learnt the domain sets best in
+# about the time of a run of 2 wider layers: chosen in side-by-side runs (bench/training/domains.py has the
+# no-flag runs; bench/training/demo.py times the README's demo as it stands, bench/results/demo.json; figures:
+# bench/results/kernel-notes.md).
 # On a shared machine, --threads 1: OpenMP threads that outnumber the free cores slow the tiny model down
 # tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 # --model NAME: a random tiny model of that version
@@ -266,8 +263,9 @@ TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "gl
 TINY_MAX_LAYERS = 64  # --tiny-layers at most: the presets have 2 or 3; a billion asked for memory that never was
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
+# budget_steps of each preset
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
-                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}  # budget_steps of each preset
+                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}
 
 
 # Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and
@@ -306,7 +304,8 @@ def choose_threads(flag: int | None, fallback: int | None, fallback_name: str) -
     in the environment wins over a preset or a run's record), else `fallback` (named `fallback_name`), else
     torch's default (None). ValueError (`threads_problem`) for a flag or an environment out of bounds; a run's
     recorded count was checked where it ran."""
-    for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"), (fallback, fallback_name)):
+    for threads, origin in ((flag, "--threads"), (threads_from_environment(), "OMP_NUM_THREADS"),
+                            (fallback, fallback_name)):
         if threads is not None:
             problem = threads_problem(threads, origin) if origin in GIVEN_THREADS else None
             if problem:
@@ -334,9 +333,8 @@ def tiny_demo(preset: str) -> dict:
 # tiny-glm4's tokenizer: ranks of a byte-level BPE trained on the corpus (bytes, every character, then
 # merges up to this many ranks), in GLM-4's rank-file format (`glm4_tokenizer.train_glm4_bpe`). 256: no
 # merges past the characters (the vocabulary grows to hold each one) but TINY_WORD_PIECES' below, which hold
-# no CJK character or digit, so a word in the text and in an answer are the same tokens: the demo's dev F1
-# 0.881 at 3200 steps, against 0.735 with 2000 ranks (AVX2 EPYC); 0.907 on an AVX-512 Xeon (one thread, 240 s
-# of training).
+# no CJK character or digit, so a word in the text and in an answer are the same tokens: the demo's dev F1 is
+# clearly higher than with 2000 ranks (figures: bench/results/kernel-notes.md).
 TINY_CONTEXT = 512  # tokens of a tiny model's context at least (a run's max_len when longer)
 TINY_GLM4_VOCAB = 256
 # Word pieces a tiny GLM tokenizer learns past its characters, of text outside CJK and digits only (Latin
@@ -365,7 +363,8 @@ class SamplingOptions:
         problems = []
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
             problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
             problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
@@ -398,15 +397,12 @@ class DraftOptions:
     the row keeps the guesses the model agrees with plus the model's own next token. A row drafts
     `first_draft` tokens, then twice as many after a step that took all its guesses (up to `max_draft`), and
     one more than it took after a step that did not. Greedy ids are plain greedy's (sampled rows decode
-    plainly). ngram_max 4: 2.20 tokens a forward on the SPO dev set against 2.16 with 3 and 2.12 with 2.
-    Off by default: it pays only where checking k guesses costs little more than one token. Measured on 2
-    AVX-512 cores: the README main job's tiny model (a 1.1 ms step, bound by Python's bookkeeping) extracts at
-    0.88x plain at batch 1 with 1.96 tokens a forward; a mid-size GLM-4 (92 M parameters) checks 4 guesses in
-    3.0x a plain step in fp32 and 1.6x in INT4 (1 guess: 1.5x / 1.4x). On 2 AVX2-only cores the tiny model
-    extracts at 1.36x at batch 1 and 0.81x at batch 8; ChatGLM3-6B in INT4 checks 1 / 2 / 4 / 8 guesses in
-    1.36x / 1.95x / 2.67x / 4.55x a plain step (there every row of x costs its own `vpmaddubsw` products: only
-    the weight's unpacking is shared), so on the tiny model's pattern it extracts at 1.0x at batch 1 (1.18x with
-    `max_draft` 1) and 0.48x at batch 8 (bench/decode/speculative_full.py).
+    plainly). ngram_max 4: the most tokens a forward on the SPO dev set of 2, 3 and 4.
+    Off by default: it pays only where checking k guesses costs little more than one token, which depends on the
+    CPU, the model and the batch (a tiny model's step is bound by Python's bookkeeping; on AVX2-only cores every
+    row of x costs its own `vpmaddubsw` products, only the weight's unpacking shared), and on the tiny model's
+    pattern it was no faster at batch 1 and slower at batch 8 (bench/decode/speculative_full.py; figures:
+    bench/results/kernel-notes.md).
     """
 
     max_draft: int = 8
@@ -422,7 +418,8 @@ class DraftOptions:
             problems.append(f"max_draft must be an integer >= 1, got {self.max_draft!r}")
         if not (isinstance(self.first_draft, int) and 1 <= self.first_draft <= max(1, self.max_draft)):
             problems.append(f"first_draft must be an integer in [1, max_draft], got {self.first_draft!r}")
-        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max):
             problems.append(f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         if not (isinstance(self.pool_answers, int) and self.pool_answers >= 0):
             problems.append(f"pool_answers must be an integer >= 0, got {self.pool_answers!r}")
@@ -483,8 +480,8 @@ class ServingOptions:
     max_queue: requests waiting beyond the batch at most; more are refused (HTTP 429).
     prefill_tokens: prompt tokens prefilled at most per step, so newcomers stall running streams for one
     such prefill at a time (a longer prompt goes in chunks of this many tokens, where the model allows).
-    512: on a mid-size GLM-4 (92 M parameters, 2 cores, 16 streams) 64 cut throughput by a quarter and
-    doubled TTFT p95 against 256 and 512, and 512 had the lowest inter-token p95 (bench/serve/serve.py).
+    512: of 64, 256 and 512 on a mid-size GLM-4, the best throughput and latencies together
+    (bench/serve/serve.py; figures: bench/results/kernel-notes.md).
     drafts: greedy requests decode speculatively (`DraftOptions`: the same tokens, fewer forwards; off by
     default, see `DraftOptions`).
     compiled: the running batch decodes in fixed buffers, each step one compiled function (`slot_cache`; CUDA

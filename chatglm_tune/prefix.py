@@ -48,7 +48,8 @@ class PrefixEncoder(nn.Module):
 
 
 def prefix_key_values(encoder: PrefixEncoder, dropout: nn.Module, num_layers: int, heads: int, head_dim: int,
-                      batch_size: int, dtype: torch.dtype, value_dim: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      batch_size: int, dtype: torch.dtype,
+                      value_dim: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (key, value), [b, heads, P, head_dim] and [b, heads, P, value_dim] (default head_dim) in `dtype`
     (the cache layout).
 
@@ -158,7 +159,7 @@ def not_a_model(path) -> str:
     base = json.loads(run_args.read_text(encoding="utf-8")).get("model") if run_args.is_file() else None
     if base is not None:
         return (f"{directory} is a P-tuning run: its weights are a prefix trained on {base}, not a model. "
-                f"chatglm_tune.from_pretrained('{directory}') and AutoModel.from_pretrained('{directory}') load that base "
-                f"with the prefix; or load {base} and call load_prefix('{directory}')")
+                f"chatglm_tune.from_pretrained('{directory}') and AutoModel.from_pretrained('{directory}') load that "
+                f"base with the prefix; or load {base} and call load_prefix('{directory}')")
     return (f"{directory} holds only P-tuning prefix weights, not a model: load the base model it was trained on and "
             f"call load_prefix('{directory}'), or run it with infer.py --model BASE --ptuning-checkpoint {directory}")

@@ -254,7 +254,8 @@ def _jsonl_items(path: Path) -> Iterator[tuple[Location, object]]:
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as err:
-                yield location, _Unreadable("not_utf8", f"not UTF-8 (byte 0x{data[err.start]:02x} at byte {err.start + 1} of the line)")
+                yield location, _Unreadable("not_utf8", f"not UTF-8 (byte 0x{data[err.start]:02x} at byte "
+                                                        f"{err.start + 1} of the line)")
                 continue
             if line.strip():
                 yield location, _json_line(line)
@@ -290,15 +291,18 @@ def _json_array_items(path: Path) -> Iterator[tuple[Location, object]]:
                           "that ends on this line: a file holds one JSON array, or one JSON object a line")
 
 
-def _array_item(decoder: json.JSONDecoder, text: str, pos: int, location: Location, lines: "_LineCounter") -> tuple[object, int]:
+def _array_item(decoder: json.JSONDecoder, text: str, pos: int, location: Location,
+                lines: "_LineCounter") -> tuple[object, int]:
     """The JSON value at `pos` (an `_Unreadable` when it holds bytes that are not UTF-8) and where it ends."""
     try:
         item, end = decoder.raw_decode(text, pos)
     except json.JSONDecodeError as err:
-        raise RecordError(Location(location.path, line=err.lineno), "not_json", f"not valid JSON ({err.msg} at column {err.colno})") from None
+        raise RecordError(Location(location.path, line=err.lineno), "not_json",
+                          f"not valid JSON ({err.msg} at column {err.colno})") from None
     bad = _NOT_UTF8.search(text, pos, end)
     if bad:
-        item = _Unreadable("not_utf8", f"not UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} on line {lines.at(bad.start())})")
+        item = _Unreadable("not_utf8",
+                           f"not UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} on line {lines.at(bad.start())})")
     return item, end
 
 
@@ -363,7 +367,8 @@ def _instruction_input_output(raw: dict, location: Location) -> SPORecord:
     parts = [_string_field(raw, key, location, required=False) for key in ("instruction", "input")]
     text = "\n".join(part for part in parts if part is not None and part.strip())
     if not text:
-        raise RecordError(location, "empty_text", "the instruction and the input are both missing or blank", field="instruction")
+        raise RecordError(location, "empty_text", "the instruction and the input are both missing or blank",
+                          field="instruction")
     output = _string_field(raw, "output", location, required=False)
     triples = None if output is None else parse_answer(output, location, "output")
     return SPORecord(text=text, triples=triples, source=str(location), instructed=True)
@@ -379,17 +384,19 @@ def _conversation(raw: dict, location: Location) -> SPORecord:
     response = turns.pop()[1] if turns[-1][0] == "assistant" else None
     query = turns.pop()[1]
     if not query.strip():
-        raise RecordError(location, "empty_text", "the last user turn is empty", field=f"conversations[{len(turns)}].content")
+        raise RecordError(location, "empty_text", "the last user turn is empty",
+                          field=f"conversations[{len(turns)}].content")
     history = tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns), 2))
-    return SPORecord(text=query, triples=None, source=str(location), response=response, history=history, instructed=True,
-                     dialogue=from_conversations(raw))
+    return SPORecord(text=query, triples=None, source=str(location), response=response, history=history,
+                     instructed=True, dialogue=from_conversations(raw))
 
 
 def _plain_turns(raw: dict) -> bool:
     """Whether a conversations record holds user / assistant turns of a role and a content only, and no tools."""
     turns = raw["conversations"]
     return "tools" not in raw and isinstance(turns, list) and all(
-        isinstance(t, dict) and t.keys() <= {"role", "content"} and t.get("role") in ("user", "assistant") for t in turns)
+        isinstance(t, dict) and t.keys() <= {"role", "content"} and t.get("role") in ("user", "assistant")
+        for t in turns)
 
 
 def _dialogue_record(raw: dict, location: Location, parse: Callable[[dict], Dialogue]) -> SPORecord:
@@ -413,7 +420,8 @@ def _chat_turns(value: object, location: Location) -> list[tuple[str, str]]:
     """(role, content) of each turn of a conversation: objects of a string `role` and `content` (no other
     field), alternating user, assistant from a user turn."""
     if not isinstance(value, list):
-        raise RecordError(location, "not_list", f"expected a list of turns, got {_type_name(value)}", field="conversations")
+        raise RecordError(location, "not_list", f"expected a list of turns, got {_type_name(value)}",
+                          field="conversations")
     if not value:
         raise RecordError(location, "empty_text", "no turns", field="conversations")
     turns = []
@@ -425,7 +433,8 @@ def _chat_turns(value: object, location: Location) -> list[tuple[str, str]]:
         _check_role(role, "user" if i % 2 == 0 else "assistant", location, where)
         stray = sorted(turn.keys() - {"role", "content"})
         if stray:
-            raise RecordError(location, "unread_field", "not read: a turn holds a role and a content only", field=f"{where}.{stray[0]}")
+            raise RecordError(location, "unread_field", "not read: a turn holds a role and a content only",
+                              field=f"{where}.{stray[0]}")
         turns.append((role, content))
     return turns
 
@@ -494,8 +503,8 @@ def parse_columns(raw: object, location: Location, columns: DataColumns) -> SPOR
     history = None
     if columns.history is not None:
         history = raw.get(columns.history) or []
-        if not (isinstance(history, list) and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t)
-                                                  for t in history)):
+        if not (isinstance(history, list)
+                and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history)):
             raise RecordError(location, "bad_history", "expected a list of [query, response] string pairs",
                               field=columns.history)
     turns = None if history is None else tuple((q, r) for q, r in history)
@@ -520,7 +529,8 @@ def parse_answer(answer: str, location: Location, field_name: str = "answer") ->
 
 def _spo_list(spo_list: object, location: Location) -> tuple[Triple, ...]:
     if not isinstance(spo_list, list):
-        raise RecordError(location, "not_list", f"expected a list of triples, got {_type_name(spo_list)}", field="spo_list")
+        raise RecordError(location, "not_list", f"expected a list of triples, got {_type_name(spo_list)}",
+                          field="spo_list")
     triples = []
     for i, item in enumerate(spo_list):
         where = f"spo_list[{i}]"
@@ -540,10 +550,12 @@ def _spo_list(spo_list: object, location: Location) -> tuple[Triple, ...]:
 
 def _name_holder(item: dict, key: str, location: Location, where: str) -> dict:
     if key not in item:
-        raise RecordError(location, "missing_field", "missing (expected an object with a 'name')", field=f"{where}.{key}")
+        raise RecordError(location, "missing_field", "missing (expected an object with a 'name')",
+                          field=f"{where}.{key}")
     value = item[key]
     if not isinstance(value, dict):
-        raise RecordError(location, "not_object", f"expected an object with a 'name', got {_type_name(value)}", field=f"{where}.{key}")
+        raise RecordError(location, "not_object", f"expected an object with a 'name', got {_type_name(value)}",
+                          field=f"{where}.{key}")
     return value
 
 

@@ -47,7 +47,8 @@ class RunDirectoryError(ValueError):
 
 
 def write_run_args(directory: Path, args: dict) -> None:
-    atomic_write(Path(directory) / RUN_ARGS, lambda p: Path(p).write_text(json.dumps(args, indent=2, ensure_ascii=False)))
+    atomic_write(Path(directory) / RUN_ARGS,
+                 lambda p: Path(p).write_text(json.dumps(args, indent=2, ensure_ascii=False)))
 
 
 def read_run_args(directory: Path) -> dict | None:
@@ -173,7 +174,8 @@ def _file_key(identity: dict | None):
 
 
 def _describe_file(identity: dict | None) -> str:
-    return "none" if identity is None else f"{identity['path']} ({identity['bytes']:,} bytes, sha256 {identity['sha256'][:12]})"
+    return ("none" if identity is None
+            else f"{identity['path']} ({identity['bytes']:,} bytes, sha256 {identity['sha256'][:12]})")
 
 
 def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, overwrite: bool) -> None:
@@ -353,6 +355,7 @@ def require_model_dir(directory: Path) -> Path:
     if is_model_dir(directory):
         return directory
     if (directory / ADAPTER_CONFIG).exists():
-        raise RunDirectoryError(f"{directory} is a LoRA adapter, not a model: pass its base model, and --lora {directory}")
+        raise RunDirectoryError(f"{directory} is a LoRA adapter, not a model: pass its base model, and --lora "
+                                f"{directory}")
     what = "no such directory" if not directory.exists() else f"not a model directory (no {CONFIG})"
     raise RunDirectoryError(f"{directory}: {what}")

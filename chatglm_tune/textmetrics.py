@@ -11,8 +11,8 @@ every prediction/label pair, then reports the mean of each score over the set:
 
 So ROUGE is over jieba words and BLEU-4 over characters. rouge_chinese's ROUGE-1/2 count distinct
 n-grams (sets), its ROUGE-L is the longest common subsequence of the two whole word sequences, and
-each F is 2PR / (P + R + 1e-8). Later official demos (ChatGLM3 `finetune_hf.py`, GLM-4 `finetune.py`) compute BLEU over jieba
-words and leave it unscaled; we follow the P-tuning v2 scripts of ChatGLM-6B/ChatGLM2-6B.
+each F is 2PR / (P + R + 1e-8). Later official demos (ChatGLM3 `finetune_hf.py`, GLM-4 `finetune.py`) compute BLEU over
+jieba words and leave it unscaled; we follow the P-tuning v2 scripts of ChatGLM-6B/ChatGLM2-6B.
 
 Where the official code stops: rouge_chinese raises "Hypothesis is empty." (or "Reference is empty.")
 when a side has no word (an empty or blank string). Here the three ROUGE scores of such a pair are

@@ -59,7 +59,8 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         span = self.window * self.batch_size
-        order = [i for s in range(0, len(order), span) for i in sorted(order[s : s + span], key=lambda i: -self.lengths[i])]
+        order = [i for s in range(0, len(order), span)
+                 for i in sorted(order[s : s + span], key=lambda i: -self.lengths[i])]
         batches = [order[s : s + self.batch_size] for s in range(0, len(order), self.batch_size)]
         for b in torch.randperm(len(batches), generator=g).tolist():
             yield from batches[b]
@@ -83,8 +84,9 @@ def _check_launch(accelerator) -> None:
     if launched > accelerator.num_processes:
         raise TrainingError(f"{launched} processes were launched, but accelerate runs each alone "
                             f"({accelerator.distributed_type.value} on {accelerator.device.type}): DeepSpeed on CPUs "
-                            "runs in one process (--num_processes 1); several CPU processes train with configs/ddp.yaml or "
-                            "--multi_gpu --num_processes N (DDP over gloo; accelerate's --cpu starts one process)")
+                            "runs in one process (--num_processes 1); several CPU processes train with "
+                            "configs/ddp.yaml or --multi_gpu --num_processes N (DDP over gloo; accelerate's --cpu "
+                            "starts one process)")
 
 
 class TrainingInterrupted(Stopped):
@@ -102,7 +104,8 @@ def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_
     digits, `TINY_WORD_PIECES`) trained on the prompt, `extra_texts` and the training texts and answers (a
     conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the
     preset's version for it: `options.tiny_layers` deep where given, with `config_overrides`."""
-    corpus = [options.encoding.prompt, *extra_texts] + [r.text for r in train_records] + [r.answer or "" for r in train_records]
+    corpus = ([options.encoding.prompt, *extra_texts] + [r.text for r in train_records]
+              + [r.answer or "" for r in train_records])
     turns = [turn for r in train_records if r.dialogue for turn in r.dialogue.turns]
     corpus += [turn.metadata + turn.content for turn in turns]
     corpus += [json.dumps(list(turn.tools), ensure_ascii=False, indent=4) for turn in turns if turn.tools]
@@ -116,10 +119,8 @@ def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_
 def start_output_as_input(model):
     """`model` with its output layer starting as a copy of its embedding (not tied: each trains on its own, as the
     released GLM models have them; ChatGLM-6B's are one weight already). A token's embedding then already scores
-    that token highest, so copying (an SPO span, a tool call's argument) starts aligned: on request -> call rows
-    (14 cities, 7 amounts, 6 currencies) a tiny ChatGLM3 (lr 4e-3, weight decay 0.1, batch 16) wrote 24 / 80 / 92
-    of 100 dev calls exactly at 200 / 400 / 600 steps, against 5 / 69 / 86 with a random output layer (AVX-512
-    EPYC, one thread)."""
+    that token highest, so copying (an SPO span, a tool call's argument) starts aligned: a tiny ChatGLM3 learns to
+    write tool calls exactly in fewer steps than with a random output layer (figures: bench/results/kernel-notes.md)."""
     model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
     return model
 
@@ -325,9 +326,11 @@ def _loop(accelerator, model, tokenizer, loader, optimizer, scheduler, params, d
     `finished` is kept equal to `progress` as it stood after the last optimizer step (and its saves)."""
     log = _Log(accelerator, output_dir / "metrics.jsonl")
     after_step = partial(_after_step, accelerator, model, tokenizer, dev_records, options, progress, log, output_dir)
-    with tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process, desc="train") as bar:
+    with tqdm(total=total_steps, initial=progress["step"], disable=not accelerator.is_local_main_process,
+              desc="train") as bar:
         eval_due = options.eval_every or max(1, total_steps // EVALUATIONS)
-        window = [torch.tensor(x, device=accelerator.device) for x in progress.get("window", [])]  # losses since the last log
+        # losses since the last log
+        window = [torch.tensor(x, device=accelerator.device) for x in progress.get("window", [])]
         if progress.get("eval_pending") and after_step(bar):  # stopped during the evaluation of its last step
             return
         model.train()
@@ -386,7 +389,8 @@ def _after_step(accelerator, model, tokenizer, dev_records, options, progress, l
         _evaluate_and_publish(accelerator, model, tokenizer, dev_records, options, progress, log, output_dir, bar)
         model.train()
         if progress.get("stopped_early"):
-            bar.write(f"step {progress['step']}: no better dev checkpoint in {options.patience} evaluations, stopping early")
+            bar.write(f"step {progress['step']}: no better dev checkpoint in {options.patience} evaluations, stopping "
+                      "early")
             return True
     elif options.save_every and progress["step"] % options.save_every == 0:
         _save_state(accelerator, output_dir, progress)
@@ -438,7 +442,8 @@ def _stop_if_asked(accelerator, stop: StopRequest | None, *, collective: bool = 
         return
     if not collective:
         return
-    number = torch.tensor([int(getattr(signal, stop.signal_name)) if stop.signal_name else 0], device=accelerator.device)
+    number = torch.tensor([int(getattr(signal, stop.signal_name)) if stop.signal_name else 0],
+                          device=accelerator.device)
     number = int(accelerator.gather(number).max().item())
     if number:
         raise Stopped(signal.Signals(number).name)
@@ -465,20 +470,23 @@ def start_summary(model, dataset, dev_records, bad_records: dict | None, options
     epochs = total_steps * options.accumulation / max(batches_per_epoch, 1)
     accumulated = f" x {options.accumulation} accumulated" if options.accumulation > 1 else ""
     packed = f"packed (examples together, up to {options.encoding.max_len} tokens) " if options.packing else ""
-    stopping = (f"after {options.patience} evaluations without a better dev checkpoint" if options.patience and dev_records
-                else "off")
+    stopping = (f"after {options.patience} evaluations without a better dev checkpoint" if options.patience
+                and dev_records else "off")
     method = ", ".join(f"{k} {v:g}" for k, v in METHOD_DEFAULTS[options.tuning].items())
     return "\n".join([
         f"data: {len(dataset)} training records ({skipped.get('train', 0)} skipped), {len(dev_records)} dev records "
         f"({skipped.get('dev', 0)} skipped)",
         f"truncated: {cut['source_truncated']} texts longer than max_src_len={options.encoding.max_src_len}, "
         f"{cut['answer_truncated']} answers longer than max_len-max_src_len={options.encoding.answer_budget}"
-        + (f", {cut['row_truncated']} conversations cut at max_len={options.encoding.max_len}" if cut["row_truncated"] else ""),
+        + (f", {cut['row_truncated']} conversations cut at max_len={options.encoding.max_len}"
+           if cut["row_truncated"] else ""),
         f"model: {options.tuning}, {trainable:,} of {total:,} parameters trainable"
         + (f"; decoder layers compiled ({options.compile})" if options.compile else ""),
-        f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of {options.rows_per_batch} "
-        f"{packed}rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early stopping {stopping}",
-        *([] if tiny else [f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}"]),
+        f"steps: {total_steps} optimizer steps (~{epochs:.1f} epochs of {batches_per_epoch} batches) of "
+        f"{options.rows_per_batch} {packed}rows{accumulated}, lr {options.learning_rate:g} {options.schedule}; early "
+        f"stopping {stopping}",
+        *([] if tiny
+          else [f"defaults of {options.tuning} for real models (the official scripts; flags override): {method}"]),
     ])
 
 
@@ -522,7 +530,8 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
         from accelerate.utils import gather_object
 
         indexed = gather_object(indexed)
-        loss_sum = accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), reduction="sum").item()  # NCCL: GPU tensors
+        # NCCL: GPU tensors
+        loss_sum = accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), reduction="sum").item()
     texts = [text for _, text in sorted(indexed)]
     calls = [prompt_format.read_call(text) for text in texts]
     return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records, calls)}
@@ -554,8 +563,9 @@ def _save_state(accelerator, output_dir, progress, log_bytes: int | None = None)
     line logged twice, no torn last line)."""
     log = Path(output_dir) / "metrics.jsonl"
     log_bytes = log_bytes if log_bytes is not None else log.stat().st_size if log.exists() else 0
-    saved = {**{k: v for k, v in progress.items() if k != "updating"}, "window": [float(x) for x in progress.get("window", [])],
-             "state_step": progress["step"], "log_bytes": log_bytes}
+    saved = {**{k: v for k, v in progress.items() if k != "updating"},
+             "window": [float(x) for x in progress.get("window", [])], "state_step": progress["step"],
+             "log_bytes": log_bytes}
 
     def write(tmp):
         accelerator.save_state(str(tmp))
@@ -617,7 +627,8 @@ def _resume(accelerator, output_dir, record) -> dict:
     accelerator.load_state(str(state))
     progress = {"best_loss": None, "since_best": 0, **json.loads((state / "progress.json").read_text())}
     log = Path(output_dir) / "metrics.jsonl"
-    if accelerator.is_main_process and "log_bytes" in progress and log.exists() and log.stat().st_size > progress["log_bytes"]:
+    if (accelerator.is_main_process and "log_bytes" in progress and log.exists()
+        and log.stat().st_size > progress["log_bytes"]):
         with open(log, "r+b") as f:  # what was logged after the state was saved is logged again from here
             f.truncate(progress["log_bytes"])
     accelerator.print(f"resuming {output_dir} at step {progress['step']} (epoch {progress['epoch']})")
@@ -630,7 +641,8 @@ def _check_finite(accelerator, loss, progress, output_dir) -> None:
     state = rundir.state_dir(output_dir)
     kept = (f"The last good checkpoint is in {output_dir}" if rundir.has_trained_model(output_dir) else
             "No checkpoint was written yet")
-    kept += f" (and its state of step {json.loads((state / 'progress.json').read_text())['step']} for --resume)" if state else ""
+    kept += (f" (and its state of step {json.loads((state / 'progress.json').read_text())['step']} for --resume)"
+             if state else "")
     raise TrainingError(
         f"the loss became {loss.item()} at step {progress['step'] + 1} (epoch {progress['epoch']}); the run stopped. "
         f"{kept}. Lower the learning rate; in half precision (--dtype float16, --mixed-precision fp16) use bfloat16 "
@@ -653,4 +665,5 @@ class _Log:
         if "loss" in entry:
             self.accelerator.log({"train/loss": entry["loss"], "train/lr": entry["lr"]}, step=entry["step"])
         if "eval" in entry:
-            self.accelerator.log({"dev/score": entry["eval"]["score"], "dev/loss": entry["eval"]["dev_loss"]}, step=entry["step"])
+            self.accelerator.log({"dev/score": entry["eval"]["score"], "dev/loss": entry["eval"]["dev_loss"]},
+                                 step=entry["step"])

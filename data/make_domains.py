@@ -92,7 +92,8 @@ CITIES = (
 )
 NUMBERED_FILLERS = (
     "全文共{big}字", "本文已被转载{num}次", "阅读量超过{big}", "编号为{big}的稿件已归档", "责任编辑核对了第{num}处引文",
-    "评论区收到{num}条留言", "稿件于{month}月{day}日更新", "附图共{num}张", "页面访问{big}人次", "第{num}条读者反馈已回复",
+    "评论区收到{num}条留言", "稿件于{month}月{day}日更新", "附图共{num}张", "页面访问{big}人次",
+    "第{num}条读者反馈已回复",
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -201,8 +202,9 @@ PRODUCTS = Domain(
         ("{g}[售价|定价]{pr}，[促销时|活动期间]仍卖{pr}", (("g", "价格", "pr"), ("g", "价格", "pr"))),
     ),
     negatives=(
-        "{g}[销量不错|好评如潮|正在促销|暂时缺货]", "{co}[召开了发布会|公布了财报|股价上涨]", "{b}[更换了标志|举办了周年庆]",
-        "用户[试用了|评测了|退回了]{g}", "{pl}[举办了|承办了]消费电子展", "{co}与{co2}[签署了合作协议|共同参展]",
+        "{g}[销量不错|好评如潮|正在促销|暂时缺货]", "{co}[召开了发布会|公布了财报|股价上涨]",
+        "{b}[更换了标志|举办了周年庆]", "用户[试用了|评测了|退回了]{g}", "{pl}[举办了|承办了]消费电子展",
+        "{co}与{co2}[签署了合作协议|共同参展]",
     ),
     openers=("", "", "", "产品资讯：", "评测摘要：", "市场快讯：", "第{num}期导购：", "据了解，"),
     fillers=NUMBERED_FILLERS,
@@ -262,13 +264,15 @@ MEDICINE = Domain(
         ("{d}可用{m}治疗，复诊时[仍|继续]用{m}", (("d", "治疗药物", "m"), ("d", "治疗药物", "m"))),
     ),
     negatives=(
-        "{d}[可以预防|需要长期随访|应尽早就医]", "[多喝水|注意休息|清淡饮食]有助于恢复", "{m}[需要冷藏保存|应遵医嘱服用]",
-        "{e}[无需空腹|需要预约]", "{k}[今日停诊|周末正常出诊]", "{b}[没有发现异常|未见明显病变]",
+        "{d}[可以预防|需要长期随访|应尽早就医]", "[多喝水|注意休息|清淡饮食]有助于恢复",
+        "{m}[需要冷藏保存|应遵医嘱服用]", "{e}[无需空腹|需要预约]", "{k}[今日停诊|周末正常出诊]",
+        "{b}[没有发现异常|未见明显病变]",
     ),
     openers=("", "", "", "病历摘要：", "健康科普：", "门诊记录：", "第{num}号病例：", "医生提醒，"),
     fillers=(
-        "门诊量累计{big}人次", "本文已被转载{num}次", "病例编号{big}已归档", "患者于{month}月{day}日复诊", "随访{num}天",
-        "床位号为{num}", "候诊约{num}分钟", "第{num}次随访已完成", "检查单号{big}", "住院号{big}",
+        "门诊量累计{big}人次", "本文已被转载{num}次", "病例编号{big}已归档",
+        "患者于{month}月{day}日复诊", "随访{num}天", "床位号为{num}", "候诊约{num}分钟", "第{num}次随访已完成",
+        "检查单号{big}", "住院号{big}",
     ),
     train_size=4000,
 )
@@ -297,7 +301,8 @@ def check_vocabulary(domain: Domain) -> None:
         problems += [f"{w} in template {pattern!r}" for w in words for piece in pieces if w in piece]
     for pattern, facts in domain.templates:
         slots = {kind + digit for kind, digit in SLOT.findall(pattern)}
-        problems += [f"slot {s!r} of a triple is not in {pattern!r}" for fact in facts for s in (fact[0], fact[2]) if s not in slots]
+        problems += [f"slot {s!r} of a triple is not in {pattern!r}" for fact in facts for s in (fact[0], fact[2])
+                     if s not in slots]
     if problems:
         raise ValueError(f"domain {domain.name}: vocabulary problems: " + "; ".join(problems))
 
@@ -363,7 +368,8 @@ def _filler(rng: random.Random, domain: Domain) -> str:
     return "，".join(sentences) + "。"
 
 
-def make_splits(domain: Domain, n_train: int, n_dev: int, *, seed: int) -> tuple[list[GeneratedRecord], list[GeneratedRecord]]:
+def make_splits(domain: Domain, n_train: int, n_dev: int, *, seed: int) -> tuple[list[GeneratedRecord],
+                                                                                 list[GeneratedRecord]]:
     """Train and dev records; dev is drawn with `seed + 1` and never repeats a train text."""
     check_vocabulary(domain)
     train = generate_records(domain, n_train, seed=seed)
@@ -406,12 +412,14 @@ def statistics(records: list[GeneratedRecord], relations: tuple[str, ...]) -> di
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--domain", choices=sorted(DOMAINS), help="the domain to generate")
     which.add_argument("--all", action="store_true", help="every domain, each into <out-dir>/<name>")
     which.add_argument("--list", action="store_true", help="print the domains and their relations")
-    parser.add_argument("--out-dir", type=Path, help=f"with --domain: the directory (default {DEFAULT_OUT_ROOT}/<name>); "
+    parser.add_argument("--out-dir", type=Path,
+                        help=f"with --domain: the directory (default {DEFAULT_OUT_ROOT}/<name>); "
                                                      f"with --all: the parent (default {DEFAULT_OUT_ROOT})")
     parser.add_argument("--train", type=int, help="records in train.jsonl (default: the domain's own size)")
     parser.add_argument("--dev", type=int, default=DEFAULT_DEV_SIZE, help="records in dev.jsonl")

@@ -14,10 +14,10 @@ relations follow the industrial fault-extraction sets that ChatGLM SPO fine-tuni
 The set is built to be learnable by a tiny model trained from scratch: every fact is a span copy
 through a handful of templates per relation (with alternative wordings around the slots); two dozen
 words a slot, disjoint lists where no word contains another and no template text contains a word
-(checked by `check_vocabulary`); answers list the triples in text order, at most three a record. It also holds the hard cases the toolkit must handle: records with no triple,
-duplicated triples (a fact stated twice is listed twice, as in the reference data), several triples
-sharing a subject, and long texts (facts first, then filler with no fact, well over 256 tokens), so
-truncating the source never removes a fact. Deterministic for a seed (Python's `random.Random`).
+(checked by `check_vocabulary`); answers list the triples in text order, at most three a record. It also holds the hard
+cases the toolkit must handle: records with no triple, duplicated triples (a fact stated twice is listed twice, as in
+the reference data), several triples sharing a subject, and long texts (facts first, then filler with no fact, well over
+256 tokens), so truncating the source never removes a fact. Deterministic for a seed (Python's `random.Random`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ TEMPLATES = (
     ("[|仪表显示|测得|行驶中|数据流中|冷车时|检测到|热车后|加速时|读取发现]{q}[|一直|有时|略微|始终|偶尔]{v}",
      (("q", "性能故障", "v"),)),
     ("{q}{v}[并且|而且|，同时|，随后]{v2}", (("q", "性能故障", "v"), ("q", "性能故障", "v2"))),
-    ("{q}{v}[，再次测量|，复测时|，重新检测后]{q}[依旧|仍然|还是]{v}", (("q", "性能故障", "v"), ("q", "性能故障", "v"))),
+    ("{q}{v}[，再次测量|，复测时|，重新检测后]{q}[依旧|仍然|还是]{v}",
+     (("q", "性能故障", "v"), ("q", "性能故障", "v"))),
     # 组成
     ("{p}[是|属于]{c}的[组成部分|一部分|零部件]", (("p", "组成", "c"),)),
     ("{c}[内部装有|上装有|带有|配有|内含|总成包括]{p}", (("p", "组成", "c"),)),
@@ -174,7 +175,8 @@ def generate_records(n: int, *, seed: int, relations=RELATIONS, exclude_texts=fr
 
 
 def _record(rng: random.Random, templates, *, long: bool) -> GeneratedRecord:
-    """One record: an opener, 0-3 fact clauses (<= MAX_TRIPLES triples; maybe a fact-free clause among them), maybe filler."""
+    """One record: an opener, 0-3 fact clauses (<= MAX_TRIPLES triples; maybe a fact-free clause among them),
+    maybe filler."""
     if rng.random() < EMPTY_RATE:
         clauses = [(_negative(rng), ()) for _ in range(rng.randint(1, 2))]
     else:
@@ -226,7 +228,8 @@ def _filler(rng: random.Random) -> str:
     return "，".join(sentences) + "。"
 
 
-def make_splits(n_train: int, n_dev: int, *, seed: int, relations=RELATIONS) -> tuple[list[GeneratedRecord], list[GeneratedRecord]]:
+def make_splits(n_train: int, n_dev: int, *, seed: int, relations=RELATIONS) -> tuple[list[GeneratedRecord],
+                                                                                      list[GeneratedRecord]]:
     """Train and dev records; dev is drawn with `seed + 1` and never repeats a train text."""
     train = generate_records(n_train, seed=seed, relations=relations)
     dev = generate_records(n_dev, seed=seed + 1, relations=relations, exclude_texts=frozenset(r.text for r in train))
@@ -268,13 +271,16 @@ def statistics(records: list[GeneratedRecord]) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR, help="directory the two files are written to")
     parser.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE, help="records in the train file")
     parser.add_argument("--dev-size", type=int, default=DEFAULT_DEV_SIZE, help="records in the dev file")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (dev uses seed + 1)")
-    parser.add_argument("--relations", default=",".join(RELATIONS), help="comma-separated subset of the relations to generate")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl")
+    parser.add_argument("--relations", default=",".join(RELATIONS),
+                        help="comma-separated subset of the relations to generate")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX,
+                        help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl")
     args = parser.parse_args(argv)
     relations = tuple(r.strip() for r in args.relations.split(",") if r.strip())
     try:

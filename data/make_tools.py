@@ -40,13 +40,16 @@ TOOLS = [
     {"name": "get_time", "description": "查时间", "parameters": {"city": "城市"}},
     {"name": "convert_currency", "description": "换算人民币", "parameters": {"amount": "金额", "to": "货币"}},
 ]
-CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "武汉", "西安", "南京", "重庆", "东京", "纽约", "伦敦", "巴黎"]
+CITIES = ["北京", "上海", "广州", "深圳", "杭州", "成都", "武汉", "西安", "南京", "重庆", "东京", "纽约",
+          "伦敦", "巴黎"]
 CURRENCIES = ["美元", "欧元", "日元", "英镑", "港币", "韩元"]
 WEATHER = ["晴", "多云", "小雨", "阴", "大风", "雷阵雨"]
 ASKS = {
-    "get_weather": ["{city}今天天气怎么样？", "帮我查一下{city}的天气。", "{city}下雨吗？", "明天去{city}，那边天气如何？"],
+    "get_weather": ["{city}今天天气怎么样？", "帮我查一下{city}的天气。", "{city}下雨吗？",
+                    "明天去{city}，那边天气如何？"],
     "get_time": ["现在{city}几点了？", "{city}现在是什么时间？", "帮我看看{city}的当地时间。"],
-    "convert_currency": ["把{amount}元换成{to}。", "{amount}块人民币能换多少{to}？", "帮我算一下{amount}元等于多少{to}。"],
+    "convert_currency": ["把{amount}元换成{to}。", "{amount}块人民币能换多少{to}？",
+                         "帮我算一下{amount}元等于多少{to}。"],
 }
 CHATS = [("你好", "你好！我可以帮你查天气、查时间和换算货币。"), ("谢谢你", "不客气！"),
          ("你会做什么？", "我可以查询城市天气、当地时间，也能换算人民币。"), ("再见", "再见，祝你愉快！")]
@@ -77,7 +80,8 @@ def result_of(tool: str, arguments: dict, rng: random.Random) -> tuple[dict, str
 def record(rng: random.Random, *, dev: bool) -> dict:
     if not dev and rng.random() < 0.2:
         query, answer = rng.choice(CHATS)
-        return {"tools": TOOLS, "conversations": [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]}
+        return {"tools": TOOLS, "conversations": [{"role": "user", "content": query},
+                                                  {"role": "assistant", "content": answer}]}
     tool, arguments, query = call_of(rng)
     call = {"role": "tool", "name": tool, "parameters": arguments}
     if dev:
@@ -91,7 +95,8 @@ def as_messages(record: dict) -> dict:
     """The same conversation in GLM-4's fine-tuning format: the tools (each `{"type": "function", "function": ...}`)
     in a first system message, a call as an assistant message whose metadata names the tool and whose content is
     the arguments as JSON, the tool's result as an observation."""
-    messages = [{"role": "system", "content": "", "tools": [{"type": "function", "function": t} for t in record["tools"]]}]
+    messages = [{"role": "system", "content": "",
+                 "tools": [{"type": "function", "function": t} for t in record["tools"]]}]
     for turn in record["conversations"]:
         if turn["role"] != "tool":
             messages.append(turn)
@@ -110,7 +115,8 @@ def write(path: Path, records: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR, help="directory the two files are written to")
     parser.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE, help="records in the train file")
     parser.add_argument("--dev-size", type=int, default=DEFAULT_DEV_SIZE, help="records in the dev file")

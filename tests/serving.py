@@ -16,7 +16,8 @@ from pathlib import Path
 from commands import HANG_S, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+TEXTS = [json.loads(line)["text"]
+         for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
 
 
 def free_port() -> int:
@@ -63,10 +64,11 @@ def serve_py(directory: Path, log_path: Path, *args: str, seconds_a_forward: flo
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     serve = str(ROOT / "serve.py")
-    program = [serve] if seconds_a_forward is None else ["-c", SLOW_SERVE.format(seconds=seconds_a_forward, serve=serve)]
+    program = [serve] if seconds_a_forward is None else ["-c",
+                                                         SLOW_SERVE.format(seconds=seconds_a_forward, serve=serve)]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, *program, "--model", str(directory), "--port", str(port), "--threads", "1",
-                                 *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, *program, "--model", str(directory), "--port", str(port),
+                                 "--threads", "1", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         try:

@@ -19,7 +19,8 @@ from chatglm_tune.options import EncodingOptions
 from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:12]]
+TEXTS = [json.loads(line)["text"]
+         for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:12]]
 
 
 @pytest.fixture(scope="module", params=[("chatglm3", None), ("chatglm3", 3), ("chatglm", 3)],

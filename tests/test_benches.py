@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_generate_bench_runs_and_ends_with_its_json():
     done = subprocess.run(
-        [sys.executable, "bench/decode/generate.py", "--configs", "tiny", "--new-tokens", "1:4", "--recompute-tokens", "1:2",
-         "--threads", "1"],
+        [sys.executable, "bench/decode/generate.py", "--configs", "tiny", "--new-tokens", "1:4",
+         "--recompute-tokens", "1:2", "--threads", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -39,10 +39,12 @@ def test_demo_bench_times_the_readme_demo_and_its_infer_reads_the_trained_run():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench/gpu/gpu.py runs for real there")
 def test_gpu_bench_says_in_one_line_that_it_needs_a_gpu():
-    done = subprocess.run([sys.executable, "bench/gpu/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    done = subprocess.run([sys.executable, "bench/gpu/gpu.py", "--quick"], cwd=REPO, capture_output=True, text=True,
+                          timeout=HANG_S)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     message = done.stderr.strip()
-    assert "\n" not in message and message.startswith("bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False")
+    assert "\n" not in message and message.startswith("bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() "
+                                                      "is False")
 
 
 def test_gpu_results_merge_by_row_and_take_a_gpu_serve_run(tmp_path):
@@ -52,7 +54,8 @@ def test_gpu_results_merge_by_row_and_take_a_gpu_serve_run(tmp_path):
 
     info = {"device": "GPU X", "capability": "9.0", "memory_gb": 1.0, "torch": "t", "cuda": "c", "transformers": "t",
             "peft": "p", "bitsandbytes": None, "copy_gb_s": 4000.0}
-    notes = {"m": {"parameters": 1e9, "layers": 2, "hidden": 8, "weights_gb": {"bf16": 2.0}, "read_gb_per_token": {"bf16": 2.0}}}
+    notes = {"m": {"parameters": 1e9, "layers": 2, "hidden": 8, "weights_gb": {"bf16": 2.0},
+                   "read_gb_per_token": {"bf16": 2.0}}}
     settings = {"prompt_len": 4, "new_tokens": 4, "train_batch": 1, "train_len": 8, "steps": 1}
 
     def row(impl, batch, tok_s):
@@ -60,8 +63,8 @@ def test_gpu_results_merge_by_row_and_take_a_gpu_serve_run(tmp_path):
                 "tok_s": tok_s, "decode_tok_s": tok_s, "peak_gb": 2.0}
 
     path = tmp_path / "gpu.json"
-    path.write_text(json.dumps(gpu_report.merged(path, info, None, notes, [row("toolkit", 1, 50.0), row("toolkit", 32, 900.0)],
-                                                 settings)))
+    path.write_text(json.dumps(gpu_report.merged(path, info, None, notes,
+                                                 [row("toolkit", 1, 50.0), row("toolkit", 32, 900.0)], settings)))
     first = json.loads(path.read_text())["rows"][1]["run"]
     results = gpu_report.merged(path, info, None, {"m": {"kernel_vs_dequant_error": {"int4": 0.01}}},
                                 [row("toolkit", 1, 60.0), row("toolkit-compiled", 1, 1200.0)], settings)
@@ -111,8 +114,9 @@ def test_serve_bench_puts_llama_server_on_the_same_work(tmp_path):
         pytest.skip(f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
     out = tmp_path / "serve.json"
     done = subprocess.run(
-        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "0",
-         "--no-floor", "--no-baseline", "--threads", "1", "--llama-server", str(binary), "--out", str(out)],
+        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream",
+         "2", "--soak", "0", "--no-floor", "--no-baseline", "--threads", "1", "--llama-server", str(binary),
+         "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -125,8 +129,8 @@ def test_serve_bench_puts_llama_server_on_the_same_work(tmp_path):
 
 
 def _peer(*args, out: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "bench/peer/peer.py", *args, "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=HANG_S)
+    done = subprocess.run([sys.executable, "bench/peer/peer.py", *args, "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
@@ -193,7 +197,8 @@ def test_peer_report_puts_the_avx2_runs_side_by_side():
              "llama-q4_0@2t+avx2": run(132.0, 4600.0, 6.9), "toolkit-int8@1t+e8+avx2": run(300.0, 6000.0, 6.7),
              "llama-q4_0@2t": run(100.0, 2700.0, 6.9)}
     lines = peer_report._without_avx512(steps)
-    assert "| 2 | toolkit-int4@2t+e8+avx2 | 120.0 | 2900 | 3.90 | q4_0 | 132.0 | 4600 | 6.90 | 1.10x | 1.59x | 0.57x |" in lines
+    assert ("| 2 | toolkit-int4@2t+e8+avx2 | 120.0 | 2900 | 3.90 | q4_0 | 132.0 | 4600 | 6.90 | 1.10x | 1.59x | 0.57x |"
+            in lines)
     assert not any(line.startswith("| 1 |") for line in lines)  # no llama.cpp run of INT8 at one thread: no row
     assert peer_report._without_avx512({"llama-q4_0@2t": run(100.0, 2700.0, 6.9)}) == []
 
@@ -220,14 +225,16 @@ def test_peer_bench_llama_children_decode_as_the_toolkit(tmp_path):
     work = {"warmup": prompts[0][:4], "warmup_new": 2, "prompts": prompts, "new": 6}
     records = {}
     for child, rows in (("llama", prompts[:1]), ("llama-batch", prompts)):
-        done = subprocess.run([sys.executable, "bench/peer/peer_llama.py", "--child", child, "--gguf", str(gguf / "tiny-f16.gguf"),
-                               "--threads", "1", "--workload", json.dumps({**work, "prompts": rows})],
+        done = subprocess.run([sys.executable, "bench/peer/peer_llama.py", "--child", child, "--gguf",
+                               str(gguf / "tiny-f16.gguf"), "--threads", "1", "--workload",
+                               json.dumps({**work, "prompts": rows})],
                               cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
         assert done.returncode == 0, done.stderr[-2000:]
         records[child] = json.loads(done.stdout.strip().splitlines()[-1])
     assert records["llama"]["first_tokens"] == want[0] and records["llama"]["decode_ms"] > 0
     batch = records["llama-batch"]
-    assert batch["batch"] == 3 and batch["first_tokens"] == want[0] and batch["last_tokens"] == [row[-1] for row in want]
+    assert (batch["batch"] == 3 and batch["first_tokens"] == want[0]
+            and batch["last_tokens"] == [row[-1] for row in want])
 
 
 def _tensor_layout(directory: Path) -> dict:
@@ -253,8 +260,8 @@ def test_scale_bench_writes_glm4_0414_as_released_and_its_32b_as_quantize_py_wou
 
     from chatglm_tune import from_pretrained
 
-    tiny = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
-            "num_hidden_layers": 2, "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
+    tiny = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
 
     def row(name):
         version = VERSIONS[name]
@@ -289,7 +296,8 @@ def test_scale_bench_writes_glm47_flash_as_quantize_py_would(tmp_path):
             "num_key_value_heads": 4, "num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
             "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
             "mlp_layer_types": ["dense", "sparse"], "vocab_size": 256, "pad_token_id": 0, "eos_token_id": [1]}
-    int4 = dataclasses.replace(VERSIONS["glm47-flash"], official_config={**VERSIONS["glm47-flash"].official_config, **tiny},
+    int4 = dataclasses.replace(VERSIONS["glm47-flash"],
+                               official_config={**VERSIONS["glm47-flash"].official_config, **tiny},
                                tokenizer_assets=None)
     write_checkpoint(tmp_path / "int4", int4, 2)
     write_checkpoint(tmp_path / "float", dataclasses.replace(int4, layout="glm4-0414", written_bits=0), 2)
@@ -297,7 +305,8 @@ def test_scale_bench_writes_glm47_flash_as_quantize_py_would(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     written = _tensor_layout(tmp_path / "int4")
-    assert written == _tensor_layout(tmp_path / "q") and "model.layers.1.mlp.experts.3.down_proj.weight_scale" in written
+    assert (written == _tensor_layout(tmp_path / "q")
+            and "model.layers.1.mlp.experts.3.down_proj.weight_scale" in written)
     model = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16, quantize_embedding=True)
     logits = model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
     assert torch.isfinite(logits).all() and logits.float().std() > 0
@@ -370,8 +379,9 @@ def test_full_size_speculative_bench_replays_the_pattern_it_recorded(tiny_chatgl
     directory = tiny_chatglm3
     out = tmp_path / "full.json"
     done = subprocess.run([sys.executable, "bench/decode/speculative_full.py", "--model", str(directory), "--pattern",
-                           str(directory), "--records", "2", "--batch-sizes", "1,2", "--max-draft", "2", "--reps", "1", "--quantization-bit", "0", "--dtype", "float32",
-                           "--threads", "1", "--gguf", str(tmp_path / "none.gguf"), "--output", str(out)],
+                           str(directory), "--records", "2", "--batch-sizes", "1,2", "--max-draft", "2", "--reps", "1",
+                           "--quantization-bit", "0", "--dtype", "float32", "--threads", "1", "--gguf",
+                           str(tmp_path / "none.gguf"), "--output", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -396,7 +406,8 @@ def test_fewrow_benches_time_both_sides_on_the_same_work(tiny_chatglm3, tmp_path
 
     if not fewrow_cpu.available():
         pytest.skip("the few-row kernel needs x86-64 with AVX2 and FMA")
-    done = subprocess.run([sys.executable, "bench/kernels/fewrow.py", "--quick", "--threads", "1", "--out", str(tmp_path / "k.json")],
+    done = subprocess.run([sys.executable, "bench/kernels/fewrow.py", "--quick", "--threads", "1", "--out",
+                           str(tmp_path / "k.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])["fewrow"]["rows"]
@@ -404,8 +415,9 @@ def test_fewrow_benches_time_both_sides_on_the_same_work(tiny_chatglm3, tmp_path
     assert all(r["pytorch_ms"] > 0 and r["fewrow_ms"] > 0 for r in rows)
     assert all(r["max_abs_error"] < 1e-3 for r in rows if r["dtype"] == "float32")
     out = tmp_path / "decode.json"
-    done = subprocess.run([sys.executable, "bench/decode/fewrow_decode.py", "--model", str(tiny_chatglm3), "--threads", "1",
-                           "--batches", "2", "--steps", "2", "--reps", "1", "--rounds", "1", "--out", str(out)],
+    done = subprocess.run([sys.executable, "bench/decode/fewrow_decode.py", "--model", str(tiny_chatglm3),
+                           "--threads", "1", "--batches", "2", "--steps", "2", "--reps", "1", "--rounds", "1",
+                           "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])["fewrow_decode"]

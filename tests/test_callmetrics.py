@@ -27,7 +27,8 @@ def test_each_version_reads_the_calls_it_writes():
         assert version.read_call('get_weather\n{"city": "北京"}') == WEATHER
     for version in (CHATGLM3, GLM4, GLM4_0414):  # the JSON form of GLM-4's fine-tuning README
         assert version.read_call('{"name": "get_weather", "arguments": {"city": "北京"}}') == WEATHER
-    for text in ("北京今天晴。", "北京\n今天晴。", "get_weather\n", "get_weather\ntool_call(city=北京)", '\n{"city": "北京"}'):
+    for text in ("北京今天晴。", "北京\n今天晴。", "get_weather\n", "get_weather\ntool_call(city=北京)",
+                 '\n{"city": "北京"}'):
         assert all(version.read_call(text) is None for version in (CHATGLM3, GLM4, GLM4_0414)), text
     for version in (CHATGLM2, GLM_EDGE):  # no tool calls in their chat
         assert version.read_call('get_weather\n{"city": "北京"}') is None
@@ -94,15 +95,18 @@ def test_tool_conversations_train_every_method_and_are_scored_in_eval_and_infer(
 
     data = Path(__file__).resolve().parents[1] / "data"
     train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
-    train.write_text("".join((data / "tools_train.jsonl").read_text(encoding="utf-8").splitlines(True)[:4]), encoding="utf-8")
-    dev.write_text("".join((data / "tools_dev.jsonl").read_text(encoding="utf-8").splitlines(True)[:2]), encoding="utf-8")
+    train.write_text("".join((data / "tools_train.jsonl").read_text(encoding="utf-8").splitlines(True)[:4]),
+                     encoding="utf-8")
+    dev.write_text("".join((data / "tools_dev.jsonl").read_text(encoding="utf-8").splitlines(True)[:2]),
+                   encoding="utf-8")
     base, out = tiny_model("chatglm3", tmp_path / "base"), tmp_path / "run"
     assert train_cli.main(["--model", str(base), "--tuning", tuning, *flags, "--train-file", str(train), "--dev-file",
                            str(dev), "--output-dir", str(out), "--max-steps", "2", "--batch-size", "2", "--max-src-len",
                            "700", "--max-len", "800", "--threads", "1"]) == 0
     evals = [json.loads(line)["eval"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and all(e["tool_calls"]["calls"] == 2 for e in evals)
-    infer_cli.main(["--model", str(out), "--input", str(dev), "--output", str(tmp_path / "o.jsonl"), "--max-new-tokens", "8"])
+    infer_cli.main(["--model", str(out), "--input", str(dev), "--output", str(tmp_path / "o.jsonl"),
+                    "--max-new-tokens", "8"])
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [row["call_match"] for row in rows] == [row["tool_call"] is not None and row["tool_call"] == gold
                                                    for row, gold in zip(rows, _gold_calls(dev))]
@@ -110,4 +114,5 @@ def test_tool_conversations_train_every_method_and_are_scored_in_eval_and_infer(
 
 def _gold_calls(dev: Path) -> list[dict]:
     return [{"name": turn["name"], "arguments": turn["parameters"]}
-            for turn in (json.loads(line)["conversations"][-1] for line in dev.read_text(encoding="utf-8").splitlines())]
+            for turn in (json.loads(line)["conversations"][-1]
+                         for line in dev.read_text(encoding="utf-8").splitlines())]

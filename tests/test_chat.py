@@ -21,14 +21,14 @@ from chatglm_tune.decoding.chat import chat, chat_defaults, stream_chat
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.formats import FORMATS
-from chatglm_tune.models.glm.sp_tokenizer import ChatGLM2Tokenizer
 from chatglm_tune.models.glm.versions import load_glm_tokenizer
 from chatglm_tune.options import SamplingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT.parent / "shared" / "assets"
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "tokenizer-glm.json").read_text(encoding="utf-8"))
-TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+TEXTS = [json.loads(line)["text"]
+         for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
 RARE = "龘"  # not in the corpus: its UTF-8 bytes are several tokens in the byte-level / byte-fallback tokenizers
 ALL = ("chatglm", "chatglm2", "chatglm3", "glm4")
 GLM = ("chatglm3", "glm4")
@@ -54,7 +54,8 @@ def history_of_every_role():
 
 
 class GenerateSpy:
-    """Stands in for `generate` in the chat module: records its calls and answers `answer` ids (or runs the real one)."""
+    """Stands in for `generate` in the chat module: records its calls and answers `answer` ids (or runs the real
+    one)."""
 
     def __init__(self, answer=None):
         self.calls, self.answer = [], answer
@@ -103,9 +104,11 @@ def test_glm_chat_builds_the_official_prompt(tiny, version, monkeypatch):
     command = tokenizer.get_command
     specials = [i for i in official if i in tokenizer.special_token_ids]
     assert specials == [command("[gMASK]"), command("sop" if version == "chatglm3" else "<sop>"), command("<|system|>"),
-                        command("<|user|>"), command("<|assistant|>"), command("<|observation|>"), command("<|assistant|>")]
+                        command("<|user|>"), command("<|assistant|>"), command("<|observation|>"),
+                        command("<|assistant|>")]
     spy = spy_on_generate(monkeypatch)
-    response, new_history = model.chat(tokenizer, query, history, role="observation", max_length=len(official) + 24, seed=2)
+    response, new_history = model.chat(tokenizer, query, history, role="observation",
+                                       max_length=len(official) + 24, seed=2)
     (call,) = spy.calls
     assert call["input_ids"] == official
     assert call["eos_token_id"] == tokenizer.stop_token_ids and call["max_new_tokens"] == 24
@@ -151,7 +154,8 @@ def test_glm_defaults_are_the_official_ones(tiny, monkeypatch):
     formats = {name: version.format for name, version in registry.VERSIONS.items()}
     assert (chat_defaults(formats["chatglm2"]) == chat_defaults(formats["chatglm3"]) == chat_defaults(formats["glm4"])
             == (official, 8192))
-    assert chat_defaults(formats["chatglm"]) == (SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95, top_k=50), 2048)
+    assert chat_defaults(formats["chatglm"]) == (SamplingOptions(do_sample=True, top_p=0.7, temperature=0.95,
+                                                                 top_k=50), 2048)
     for version in ALL:
         model, tokenizer = tiny[version]
         stop = formats[version].stop_ids(tokenizer)
@@ -197,10 +201,12 @@ def test_process_chat_response_text_and_tool_calls():
     assert history[-1] == {"role": "assistant", "metadata": "get_weather", "content": '{"city": "北京"}'}
     # nothing is evaluated: a call that is not literals stays content; so does a call still streaming
     evil = "get_weather\n```python\ntool_call(city=__import__('os').getcwd())\n```"
-    assert process_chat_response([evil], with_tools, "chatglm3")[0] == {"name": "get_weather", "content": evil.split("\n", 1)[1]}
+    assert process_chat_response([evil], with_tools, "chatglm3")[0] == {"name": "get_weather",
+                                                                        "content": evil.split("\n", 1)[1]}
     assert process_chat_response(["get_weather\n```python\ntool_ca"], with_tools, "chatglm3")[0] == {
         "name": "get_weather", "content": "```python\ntool_ca"}
-    assert process_chat_response(['get_weather\n{"ci'], with_tools, "glm4")[0] == {"name": "get_weather", "content": '{"ci'}
+    assert process_chat_response(['get_weather\n{"ci'], with_tools, "glm4")[0] == {"name": "get_weather",
+                                                                                   "content": '{"ci'}
     # ChatGLM3's first line is metadata, tools or not; GLM-4-9B's names a tool only where the tools declare it
     assert process_chat_response(["note\nbody"], asked, "chatglm3")[0] == {"name": "note", "content": "body"}
     assert process_chat_response(["note\nbody"], asked, "glm4")[0] == "note\nbody"
@@ -316,7 +322,8 @@ def test_stream_chat_grows_to_what_chat_returns(tiny, version):
 
 @pytest.mark.parametrize("version", ["chatglm", "glm4"])
 def test_chat_on_a_static_cache_answers_the_same(tiny, version, monkeypatch):
-    """chat() / stream_chat() with `compiled` (each step run uncompiled here: tests/test_static_decoding.py compiles)."""
+    """chat() / stream_chat() with `compiled` (each step run uncompiled here: tests/test_static_decoding.py
+    compiles)."""
     from chatglm_tune.decoding import static_decoding
 
     steps = []
@@ -352,7 +359,8 @@ def test_stream_chat_runs_one_cached_step_a_token(tiny, version):
 def test_stream_chat_holds_back_half_characters(tiny, version, monkeypatch):
     model, tokenizer = tiny[version]
     text = f"\n{RARE}好{RARE}"
-    ids = tokenizer.encode_text("\n") + tokenizer.encode_text(text[1:]) if version == "chatglm3" else tokenizer.encode_text(text)
+    ids = (tokenizer.encode_text("\n") + tokenizer.encode_text(text[1:]) if version == "chatglm3"
+           else tokenizer.encode_text(text))
     ids += [tokenizer.get_command("<|user|>")]
     assert len(ids) > len(text) + 1  # the rare character takes several tokens
 

@@ -39,7 +39,8 @@ def _write_official_shards(state, directory, n_shards=3):
         part = {k: state[k] for k in keys[i::n_shards]}
         torch.save(part, directory / name)
         weight_map.update(dict.fromkeys(part, name))
-    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": 1},
+                                                                        "weight_map": weight_map}))
     (directory / "config.json").write_text((SMALL / "config.json").read_text())
 
 
@@ -76,7 +77,8 @@ def test_wrong_shape_names_key_expected_and_found(reference, tmp_path):
     state["transformer.layers.1.mlp.dense_h_to_4h.weight"] = torch.zeros(10, 96, dtype=torch.half)
     torch.save(state, tmp_path / "w.pth")
     (tmp_path / "config.json").write_text((SMALL / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=r"dense_h_to_4h.weight has shape \[10, 96\], the model expects \[384, 96\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"dense_h_to_4h.weight has shape \[10, 96\], the model expects \[384, 96\]"):
         ChatGLMForConditionalGeneration.from_pretrained(tmp_path / "w.pth")
 
 
@@ -106,8 +108,9 @@ def test_loading_peaks_near_one_copy_of_the_weights(tmp_path):
     """A 128 MB fp32 checkpoint loaded in fp32: the process grows by about one copy, not two."""
     from chatglm_tune import ChatGLMConfig
 
-    config = ChatGLMConfig(vocab_size=8192, hidden_size=512, num_layers=8, num_attention_heads=8, inner_hidden_size=2048,
-                           bos_token_id=4, eos_token_id=5, mask_token_id=6, gmask_token_id=7, pad_token_id=3)
+    config = ChatGLMConfig(vocab_size=8192, hidden_size=512, num_layers=8, num_attention_heads=8,
+                           inner_hidden_size=2048, bos_token_id=4, eos_token_id=5, mask_token_id=6, gmask_token_id=7,
+                           pad_token_id=3)
     ChatGLMForConditionalGeneration(config).save_pretrained(tmp_path)
     weight_bytes = (tmp_path / "model.safetensors").stat().st_size
     script = textwrap.dedent(f"""
@@ -118,5 +121,6 @@ def test_loading_peaks_near_one_copy_of_the_weights(tmp_path):
         model = ChatGLMForConditionalGeneration.from_pretrained({str(tmp_path)!r})
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
     """)
-    grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()[-1])
+    grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               check=True).stdout.split()[-1])
     assert grown < 1.35 * weight_bytes, f"loading grew the process by {grown / weight_bytes:.2f}x the weights"

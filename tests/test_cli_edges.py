@@ -158,14 +158,17 @@ def test_contradicting_flags_are_refused_in_one_message(data, tmp_path, capsys):
                     "give --epochs or --max-steps, not both", "lr must be >= 0, got -1.0"):
         assert problem in err, problem
     assert err.count("train.py: error:") == 1 and not (tmp_path / "r").exists()
-    for flags, problem in ((["--tuning", "full", "--prefix-projection"], "--prefix-projection applies only to --tuning ptuning"),
-                           (["--tuning", "ptuning", "--lora-r", "4"], "--lora-r applies only to --tuning lora, not ptuning")):
+    for flags, problem in ((["--tuning", "full", "--prefix-projection"],
+                            "--prefix-projection applies only to --tuning ptuning"),
+                           (["--tuning", "ptuning", "--lora-r", "4"],
+                            "--lora-r applies only to --tuning lora, not ptuning")):
         code = train_cli.main(["--model", "tiny", *flags, "--train-file", str(data / "a.jsonl"), "--output-dir",
                                str(tmp_path / "r")])
         assert code == 2 and problem in capsys.readouterr().err
 
 
-@pytest.mark.skipif(__import__("importlib.util").util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("tensorboard") is not None,
+                    reason="tensorboard is installed")
 def test_tensorboard_without_its_package_is_refused(data, tmp_path):
     done = cli("train.py", "--model", "tiny", "--tuning", "full", "--tensorboard", "--train-file", data / "a.jsonl",
                "--output-dir", tmp_path / "r")
@@ -180,7 +183,8 @@ def interrupt_when(args: list, ready, what: str) -> subprocess.CompletedProcess:
     return what it did once it exits. Its output goes to files: a pipe nobody reads could stall it."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True, stdout=out, stderr=err)
+        process = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, text=True,
+                                   stdout=out, stderr=err)
         try:
             wait_until(ready, what, alive=lambda: process.poll() is None)
             process.send_signal(signal.SIGINT)
@@ -207,10 +211,12 @@ def test_ctrl_c_in_training_saves_the_state_and_says_how_to_resume(data, tmp_pat
     done = interrupt_when([ROOT / "train.py", *args, "--max-steps", 2000], lambda: logged_steps(run) >= 3,
                           "train.py logging its third step")
     assert done.returncode == 130 and "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
-    match = re.search(r"train\.py: interrupted by SIGINT after step (\d+): its state is saved in .*--resume", done.stderr)
+    match = re.search(r"train\.py: interrupted by SIGINT after step (\d+): its state is saved in .*--resume",
+                      done.stderr)
     assert match, done.stderr[-2000:]
     assert json.loads((run / "state" / "progress.json").read_text())["step"] == int(match.group(1)) >= 3
-    code, out, _ = train_here(*args, "--max-steps", int(match.group(1)) + 2, "--resume", capsys=capsys)  # a run may be shortened
+    # a run may be shortened
+    code, out, _ = train_here(*args, "--max-steps", int(match.group(1)) + 2, "--resume", capsys=capsys)
     assert code == 0 and f"resuming {run} at step {match.group(1)}" in out
 
 
@@ -262,7 +268,8 @@ def test_infer_on_cuda_without_cuda_is_an_error_not_a_traceback(runs, capsys):
 
 def test_float16_on_a_cpu_says_it_is_slow(runs, capsys):
     run, _ = runs["tiny"]
-    code, _, err = infer_here("--model", run, "--text", "一辆车。", "--dtype", "float16", "--device", "cpu", capsys=capsys)
+    code, _, err = infer_here("--model", run, "--text", "一辆车。", "--dtype", "float16", "--device",
+                              "cpu", capsys=capsys)
     assert code == 0 and "float16 on a CPU has no fast kernels" in err
 
 
@@ -319,7 +326,8 @@ def test_prompt_response_runs_report_one_score_and_no_triples(tmp_path, capsys):
     evaluated = re.findall(r"rouge-l ([\d.]+)", out)
     best = re.search(r"best dev score rouge-l ([\d.]+)", out)
     assert code == 0 and evaluated and best and best.group(1) in evaluated, out
-    code, _, _ = infer_here("--model", tmp_path / "run", "--input", data, "--output", tmp_path / "p.jsonl", capsys=capsys)
+    code, _, _ = infer_here("--model", tmp_path / "run", "--input", data, "--output",
+                            tmp_path / "p.jsonl", capsys=capsys)
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert code == 0 and rows and all(row["triples"] is None and row["malformed"] is None for row in rows)
 
@@ -330,12 +338,13 @@ def test_infer_says_when_it_cuts_a_text(runs, tmp_path, capsys):
     code, _, err = infer_here("--model", run, "--text", long, "--max-new-tokens", 2, capsys=capsys)
     assert code == 0 and "the text was cut to fit max_src_len=96 tokens" in err
     records = tmp_path / "long.jsonl"
-    records.write_text(json.dumps({"text": long}, ensure_ascii=False) + "\n" + DEV.read_text(encoding="utf-8").splitlines()[0]
-                       + "\n", encoding="utf-8")
-    code, out, _ = infer_here("--model", run, "--input", records, "--output", tmp_path / "o.jsonl", "--max-new-tokens", 2,
-                              capsys=capsys)
+    records.write_text(json.dumps({"text": long}, ensure_ascii=False) + "\n"
+                       + DEV.read_text(encoding="utf-8").splitlines()[0] + "\n", encoding="utf-8")
+    code, out, _ = infer_here("--model", run, "--input", records, "--output", tmp_path / "o.jsonl",
+                              "--max-new-tokens", 2, capsys=capsys)
     assert code == 0 and "texts cut to fit max_src_len=96 tokens: 1" in out
-    assert [json.loads(line)["text_truncated"] for line in (tmp_path / "o.jsonl").read_text().splitlines()] == [True, False]
+    assert [json.loads(line)["text_truncated"]
+            for line in (tmp_path / "o.jsonl").read_text().splitlines()] == [True, False]
 
 
 @pytest.mark.parametrize("name", ["chatglm", "chatglm3", "glm4"])
@@ -345,7 +354,8 @@ def test_a_quantized_model_counts_the_parameters_of_its_float_form(name, tmp_pat
     from chatglm_tune.training import parameter_counts
 
     version = VERSIONS[name]
-    model, _ = version.tiny([json.loads(line)["text"] for line in DEV.read_text(encoding="utf-8").splitlines()[:20]], tmp_path)
+    model, _ = version.tiny([json.loads(line)["text"]
+                             for line in DEV.read_text(encoding="utf-8").splitlines()[:20]], tmp_path)
     float_counts = parameter_counts(model)
     assert float_counts[0] == float_counts[1] == sum(p.numel() for p in model.parameters())
     for bits in (8, 4):
@@ -360,12 +370,13 @@ def test_infer_help_names_every_version():
 
 
 def test_records_with_their_own_instruction_get_no_other_and_conversations_are_free_text(tmp_path, capsys):
-    talks = [{"conversations": [{"role": "user", "content": f"介绍{c}的裙子"}, {"role": "assistant", "content": f"这条{c}的裙子很好看。"}]}
+    talks = [{"conversations": [{"role": "user", "content": f"介绍{c}的裙子"},
+                                {"role": "assistant", "content": f"这条{c}的裙子很好看。"}]}
              for c in ("红色", "蓝色", "白色", "黑色", "灰色", "绿色")]
     data = tmp_path / "talks.json"
     data.write_text(json.dumps(talks, ensure_ascii=False), encoding="utf-8")
-    code, _, _ = train_here("--model", "tiny-chatglm3", "--tuning", "full", "--train-file", data, *SMALL, "--max-steps", 1,
-                            "--threads", 1, "--output-dir", tmp_path / "run", capsys=capsys)
+    code, _, _ = train_here("--model", "tiny-chatglm3", "--tuning", "full", "--train-file", data, *SMALL,
+                            "--max-steps", 1, "--threads", 1, "--output-dir", tmp_path / "run", capsys=capsys)
     assert code == 0 and json.loads((tmp_path / "run" / "run_args.json").read_text())["encoding"]["prompt"] == ""
     code, _, _ = infer_here("--model", tmp_path / "run", "--input", data, "--output", tmp_path / "p.jsonl",
                             "--max-new-tokens", 4, capsys=capsys)
@@ -392,9 +403,11 @@ def usage_error(parse, argv: list, capsys) -> str:
 
 def test_sizes_past_what_the_model_holds_are_refused_naming_the_bound(data, tmp_path, capsys):
     run = ["--model", FIXTURE, "--train-file", data / "a.jsonl", "--output-dir", tmp_path / "r", "--max-steps", 1]
-    for flags, message in ((["--tuning", "ptuning", "--pre-seq-len", 10**9], "--pre-seq-len must be at most the model's "
+    for flags, message in ((["--tuning", "ptuning", "--pre-seq-len", 10**9],
+                            "--pre-seq-len must be at most the model's "
                             f"context of 256 tokens ({FIXTURE}), got 1000000000"),  # was 2 TB asked of the allocator
-                           (["--tuning", "lora", "--lora-r", 10**9], "--lora-r must be at most the model's hidden size 128")):
+                           (["--tuning", "lora", "--lora-r", 10**9],
+                            "--lora-r must be at most the model's hidden size 128")):
         code, _, err = train_here(*run, *flags, capsys=capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
@@ -411,17 +424,20 @@ def test_threads_and_sizes_past_the_machine_are_refused_naming_the_bound(data, t
 
     # a billion threads: libgomp aborted the process asking for 216 GB, so the flags are only parsed here
     bound = f"--threads must be at most {4 * (os.cpu_count() or 1)} (4 x the "
-    for parse, argv in ((infer_cli.parse_args, ["--model", FIXTURE, "--text", "你好"]), (serve_cli.parse_args, ["--model", FIXTURE]),
+    for parse, argv in ((infer_cli.parse_args, ["--model", FIXTURE, "--text", "你好"]),
+                        (serve_cli.parse_args, ["--model", FIXTURE]),
                         (export_cli.parse_args, [FIXTURE, tmp_path / "e"])):
         assert bound in usage_error(parse, [*argv, "--threads", 10**9], capsys)
-    args = train_cli.parse_args([str(a) for a in ["--model", "tiny", "--tuning", "full", "--train-file", data / "a.jsonl",
-                                                  "--output-dir", tmp_path / "r", "--threads", 10**9]])
+    args = train_cli.parse_args([str(a) for a in ["--model", "tiny", "--tuning", "full", "--train-file",
+                                                  data / "a.jsonl", "--output-dir", tmp_path / "r",
+                                                  "--threads", 10**9]])
     with pytest.raises(ValueError, match=bound.replace("(", r"\(")):
         train_cli.options_from(args, {})
     with pytest.raises(ValueError, match="tiny_layers must be at most 64"):
         TrainOptions(tuning="full", tiny_layers=10**9)
     err = usage_error(serve_cli.parse_args, ["--model", FIXTURE, "--max-batch", 10**9, "--port", 70000], capsys)
-    assert "max_batch must be an integer in [1, 4096], got 1000000000" in err and "port must be an integer in [0, 65535]" in err
+    assert ("max_batch must be an integer in [1, 4096], got 1000000000" in err
+            and "port must be an integer in [0, 65535]" in err)
 
 
 def test_a_truncated_safetensors_file_is_named_by_every_command(data, tmp_path, capsys):
@@ -441,8 +457,8 @@ def test_a_truncated_safetensors_file_is_named_by_every_command(data, tmp_path, 
         assert stop.value.code == 2, err
         return err
 
-    code, _, train_err = train_here("--model", model, "--tuning", "lora", "--train-file", data / "a.jsonl", "--max-steps", 1,
-                                    "--output-dir", tmp_path / "r", capsys=capsys)
+    code, _, train_err = train_here("--model", model, "--tuning", "lora", "--train-file", data / "a.jsonl",
+                                    "--max-steps", 1, "--output-dir", tmp_path / "r", capsys=capsys)
     code_infer, _, infer_err = infer_here("--model", model, "--text", "你好", capsys=capsys)
     errors = {"train.py": train_err, "infer.py": infer_err,
               "quantize.py": exit_error(quantize_cli.main, ["--bits", 8, model, tmp_path / "q"]),
@@ -464,7 +480,8 @@ def test_an_output_path_under_a_file_cannot_be_created_and_says_so(data, tmp_pat
     code, _, err = train_here("--model", "tiny", "--tuning", "full", "--train-file", data / "a.jsonl", "--max-steps", 1,
                               "--output-dir", blocker / "out", capsys=capsys)
     assert code == 2 and err.strip() == f"train.py: error: {said}"
-    code, _, err = infer_here("--model", FIXTURE, "--input", data / "a.jsonl", "--output", blocker / "out", capsys=capsys)
+    code, _, err = infer_here("--model", FIXTURE, "--input", data / "a.jsonl", "--output",
+                              blocker / "out", capsys=capsys)
     assert code == 2 and err.strip() == f"infer.py: error: {said}"
     with pytest.raises(SystemExit) as stop:
         quantize_cli.main(["--bits", "8", str(FIXTURE), str(blocker / "out")])
@@ -481,7 +498,8 @@ def test_a_lora_target_that_matches_nothing_is_refused_beside_ones_that_match(da
                               "--max-steps", 1, "--threads", 1, "--output-dir", tmp_path / "r", capsys=capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--lora-target q_proj: matches nothing in the GLM-4.7-Flash model" in err
-    assert "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj" in err and "experts.gate_up_proj experts.down_proj" in err
+    assert ("q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj" in err
+            and "experts.gate_up_proj experts.down_proj" in err)
     assert not (tmp_path / "r").exists()
 
 
@@ -495,10 +513,11 @@ def _presets_refusing_tools() -> list[str]:
 @pytest.mark.parametrize("preset", _presets_refusing_tools())
 def test_tool_records_a_version_cannot_train_are_refused_naming_file_line_and_field(preset, tmp_path, capsys):
     records = tmp_path / "tools.jsonl"
-    records.write_text("".join((ROOT / "data" / "tools_glm4_train.jsonl").read_text(encoding="utf-8").splitlines(True)[:2]),
-                       encoding="utf-8")
+    shipped = (ROOT / "data" / "tools_glm4_train.jsonl").read_text(encoding="utf-8")
+    records.write_text("".join(shipped.splitlines(True)[:2]), encoding="utf-8")
     code, _, err = train_here("--model", preset, "--tuning", "full", "--train-file", records, "--max-steps", 1,
                               "--threads", 1, "--output-dir", tmp_path / "r", capsys=capsys)
     assert code == 2 and err.strip().splitlines() == [err.strip()], err
-    assert err.startswith(f"train.py: error: {records}:1, field 'messages[0].tools': ") and "tool" in err.partition("tools': ")[2]
+    assert (err.startswith(f"train.py: error: {records}:1, field 'messages[0].tools': ")
+            and "tool" in err.partition("tools': ")[2])
     assert not (tmp_path / "r").exists()  # refused before the tiny model's tokenizer was written there

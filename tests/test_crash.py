@@ -48,7 +48,8 @@ def test_a_command_killed_there_finishes_with_the_uninterrupted_output(crash_set
 
 def test_the_table_counts_each_kind_of_harm():
     rows = [dict(command="infer", signal="SIGKILL", landed=True, hang=False, failed=False, differs=True, leftovers=[]),
-            dict(command="infer", signal="SIGKILL", landed=False, hang=True, failed=True, differs=False, leftovers=["x"])]
+            dict(command="infer", signal="SIGKILL", landed=False, hang=True, failed=True, differs=False,
+                 leftovers=["x"])]
     assert table(rows) == [dict(command="infer", signal="SIGKILL", kills=2, landed=1, hangs=1, failed=1, differs=1,
                                 leftovers=1)]
     assert quiet_env(A="1")["OMP_NUM_THREADS"] == "1"

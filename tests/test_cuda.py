@@ -70,7 +70,8 @@ MIN_CONFIDENT = {"float32": 150, "float16": 40, "bfloat16": 0}
 RUN_FLAGS = ["--max-src-len", 96, "--max-len", 128, "--batch-size", 8, "--log-every", 1, "--eval-every", 1000,
              "--threads", 1, "--seed", 0]
 STEPS = 8
-METHOD_FLAGS = {"ptuning": ["--pre-seq-len", 4, "--prefix-projection", "--lr", "1e-2"], "lora": ["--lora-r", 4, "--lr", "1e-2"]}
+METHOD_FLAGS = {"ptuning": ["--pre-seq-len", 4, "--prefix-projection", "--lr", "1e-2"],
+                "lora": ["--lora-r", 4, "--lr", "1e-2"]}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -154,7 +155,8 @@ def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, dtype_name: str, w
 
 
 @torch.no_grad()
-def greedy_with_margins(model, batch: dict, new_tokens: int, wide: float = 1e-4) -> tuple[list[list[int]], list[list[float]]]:
+def greedy_with_margins(model, batch: dict, new_tokens: int,
+                        wide: float = 1e-4) -> tuple[list[list[int]], list[list[float]]]:
     """(greedy tokens of each row, the top-2 logit margin at each of its steps): `generate` on the model's device,
     and the margins from one forward over each row's prompt + tokens, which must pick the tokens the cached steps
     picked wherever its margin is at least `wide`."""
@@ -244,9 +246,9 @@ def runs(bases, data_file, tmp_path_factory):
                 return real_train(model, *args, **kwargs)
 
             quantized = ["--quantization-bit", bits] if bits else []
-            argv = ["--model", bases(name), "--tuning", tuning, *METHOD_FLAGS[tuning], *quantized, "--train-file", data_file,
-                    "--dev-file", data_file, "--mixed-precision", precision, "--max-steps", STEPS, *RUN_FLAGS,
-                    "--output-dir", out]
+            argv = ["--model", bases(name), "--tuning", tuning, *METHOD_FLAGS[tuning], *quantized,
+                    "--train-file", data_file, "--dev-file", data_file, "--mixed-precision", precision, "--max-steps",
+                    STEPS, *RUN_FLAGS, "--output-dir", out]
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(training, "train", keep)
                 # accelerate's state is one per process and keeps its first run's mixed precision: reset it
@@ -402,8 +404,9 @@ def test_the_loader_quantizes_onto_the_gpu(name, bits, embedding, bases):
 
 # (bits, group size, x dtype) -> the kernel "auto" runs on the GPU without a gradient, and its error bound relative to
 # float64 (bf16 / fp16 activations and outputs: their rounding; the dequantizing path's own error is of that size)
-KERNEL_CASES = {(8, 0, "bfloat16"): ("intmm", 1e-2), (8, 0, "float16"): ("intmm", 2e-3), (8, 0, "float32"): ("intmm", 1e-5),
-                (4, 0, "bfloat16"): ("int4mm", 1e-2), (4, 0, "float16"): ("intmm", 2e-3), (4, 0, "float32"): ("intmm", 1e-5),
+KERNEL_CASES = {(8, 0, "bfloat16"): ("intmm", 1e-2), (8, 0, "float16"): ("intmm", 2e-3),
+                (8, 0, "float32"): ("intmm", 1e-5), (4, 0, "bfloat16"): ("int4mm", 1e-2),
+                (4, 0, "float16"): ("intmm", 2e-3), (4, 0, "float32"): ("intmm", 1e-5),
                 (4, 64, "bfloat16"): ("int4mm", 1e-2), (4, 64, "float16"): ("dequant", 2e-3)}
 
 
@@ -455,7 +458,8 @@ def test_compiled_decoding_on_the_gpu_gives_the_cached_loops_ids(case, bases):
     ref, margins = greedy_with_margins(model, batch, NEW_TOKENS, wide=threshold)
     got = generate(model, batch["input_ids"].to(GPU), batch["attention_mask"].to(GPU), max_new_tokens=NEW_TOKENS,
                    eos_token_id=None, compiled=True)
-    assert_same_where_confident(got, ref, margins, threshold, min_confident=MIN_CONFIDENT[dtype_name] if not bits else 0)
+    assert_same_where_confident(got, ref, margins, threshold,
+                                min_confident=MIN_CONFIDENT[dtype_name] if not bits else 0)
     kernels = {m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     assert kernels == ({"intmm"} if bits == 8 else {"int4mm"} if bits else set()), kernels
 

@@ -43,7 +43,8 @@ def special(tok):
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n" for line in lines), encoding="utf-8")
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)) + "\n"
+                            for line in lines), encoding="utf-8")
     return path
 
 
@@ -65,8 +66,10 @@ INSTRUCTION = "抽取三元组。"
 SHAPES = {
     "text_answer": {"text": TEXT, "answer": ANSWER},
     "instruction": {"instruction": INSTRUCTION, "input": TEXT, "output": ANSWER},
-    "spo_list": {"text": TEXT, "spo_list": [{"subject": t.subject, "predicate": t.predicate, "object": t.object} for t in TRIPLES]},
-    "competition": {"text": TEXT, "spo_list": [{"h": {"name": t.subject}, "t": {"name": t.object}, "relation": t.predicate} for t in TRIPLES]},
+    "spo_list": {"text": TEXT, "spo_list": [{"subject": t.subject, "predicate": t.predicate, "object": t.object}
+                                            for t in TRIPLES]},
+    "competition": {"text": TEXT, "spo_list": [{"h": {"name": t.subject}, "t": {"name": t.object},
+                                                "relation": t.predicate} for t in TRIPLES]},
 }
 
 
@@ -113,14 +116,17 @@ BAD = [
     ({"text": "  ", "answer": ANSWER}, "empty_text", ["line 2", "field 'text'", "empty"]),
     ({"instruction": " ", "output": ANSWER}, "empty_text", ["line 2", "field 'instruction'", "both missing or blank"]),
     ({"instruction": "x", "input": 3}, "not_string", ["line 2", "field 'input'", "got int"]),
-    ({"text": TEXT, "answer": "发动机_异响"}, "bad_triple", ["line 2", "field 'answer line 1'", "'发动机_异响'", "2 part(s)"]),
-    ({"text": TEXT, "answer": ANSWER + "\n水_泵_部件故障_漏油"}, "bad_triple", ["line 2", "answer line 3", "4 part(s)"]),
+    ({"text": TEXT, "answer": "发动机_异响"}, "bad_triple",
+     ["line 2", "field 'answer line 1'", "'发动机_异响'", "2 part(s)"]),
+    ({"text": TEXT, "answer": ANSWER + "\n水_泵_部件故障_漏油"}, "bad_triple",
+     ["line 2", "answer line 3", "4 part(s)"]),
     ({"text": TEXT, "answer": "发动机__异响"}, "empty_triple_part", ["line 2", "predicate is empty"]),
-    ({"text": TEXT, "spo_list": [{"subject": "水_泵", "predicate": "部件故障", "object": "漏油"}]}, "underscore_in_name",
-     ["line 2", "field 'spo_list[0]'", "subject '水_泵' contains '_'"]),
-    ({"text": TEXT, "spo_list": [{"h": {"name": "水泵"}, "t": {"name": "漏_油"}, "relation": "部件故障"}]}, "underscore_in_name",
-     ["line 2", "object '漏_油' contains '_'"]),
-    ({"text": TEXT, "spo_list": [{"h": {"name": "水泵"}, "relation": "部件故障"}]}, "missing_field", ["line 2", "field 'spo_list[0].t'"]),
+    ({"text": TEXT, "spo_list": [{"subject": "水_泵", "predicate": "部件故障", "object": "漏油"}]},
+     "underscore_in_name", ["line 2", "field 'spo_list[0]'", "subject '水_泵' contains '_'"]),
+    ({"text": TEXT, "spo_list": [{"h": {"name": "水泵"}, "t": {"name": "漏_油"}, "relation": "部件故障"}]},
+     "underscore_in_name", ["line 2", "object '漏_油' contains '_'"]),
+    ({"text": TEXT, "spo_list": [{"h": {"name": "水泵"}, "relation": "部件故障"}]}, "missing_field",
+     ["line 2", "field 'spo_list[0].t'"]),
     ({"text": TEXT, "spo_list": [{"subject": "水泵", "predicate": 3, "object": "漏油"}]}, "not_string",
      ["line 2", "field 'spo_list[0].predicate'", "got int"]),
     ({"text": TEXT, "spo_list": "水泵_部件故障_漏油"}, "not_list", ["line 2", "field 'spo_list'"]),
@@ -242,7 +248,8 @@ def test_dataset_counts_truncations(tok):
 
 def test_collate_train_pads_right_to_the_longest_row(tok, special):
     options = EncodingOptions()
-    batch = [encode_record(SPORecord(t, tr), tok, options) for t, tr in [("油", ()), (TEXT, TRIPLES), (TEXT, TRIPLES[:1])]]
+    batch = [encode_record(SPORecord(t, tr), tok, options)
+             for t, tr in [("油", ()), (TEXT, TRIPLES), (TEXT, TRIPLES[:1])]]
     out = collate_train(batch, special)
     longest = max(len(e.input_ids) for e in batch)
     assert out["input_ids"].shape == out["labels"].shape == out["attention_mask"].shape == (3, longest)
@@ -354,11 +361,13 @@ def test_columns_read_prompt_response_and_history_as_the_official_prompt(tok, tm
         "[Round 0]\n问：类型#裙\n答：一条裙子。\n[Round 1]\n问：再短一点\n答：",
         "[Round 0]\n问：没有答案的提示\n答：")]
     plain, _ = read_records(path, columns=DataColumns(prompt="prompt", response="response"))
-    assert plain[0].history is None and prompt_ids(plain[0], tok, options)[:-2] == tok.encode("类型#裙*颜色#红色", add_special_tokens=False)
+    assert (plain[0].history is None
+            and prompt_ids(plain[0], tok, options)[:-2] == tok.encode("类型#裙*颜色#红色", add_special_tokens=False))
     assert chat_prompt("q", None) == "q"
 
     path.write_text(json.dumps({"prompt": "p", "response": "r", "history": [["only one"]]}) + "\n", encoding="utf-8")
-    with pytest.raises(RecordError, match=r"chat.jsonl, line 1, field 'history': expected a list of \[query, response\]"):
+    with pytest.raises(RecordError,
+                       match=r"chat.jsonl, line 1, field 'history': expected a list of \[query, response\]"):
         read_records(path, columns=DataColumns(prompt="prompt", response="response", history="history"))
     path.write_text(json.dumps({"content": "p"}) + "\n", encoding="utf-8")
     with pytest.raises(RecordError, match=r"line 1, field 'prompt': missing"):

@@ -52,12 +52,14 @@ def test_a_jsonl_file_holding_an_array_is_read_as_an_array(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text("\n  " + json.dumps([GOOD, GOOD], ensure_ascii=False, indent=2), encoding="utf-8")
     records, _ = read_records(path)
-    assert [(r.text, r.triples, r.source) for r in records] == [(TEXT, TRIPLES, f"{path}[0]"), (TEXT, TRIPLES, f"{path}[1]")]
+    assert [(r.text, r.triples, r.source) for r in records] == [(TEXT, TRIPLES, f"{path}[0]"),
+                                                                (TEXT, TRIPLES, f"{path}[1]")]
 
 
 def test_errors_in_a_pretty_printed_array_name_index_line_and_field(tmp_path):
     path = tmp_path / "a.json"
-    path.write_text(json.dumps([GOOD, GOOD, {"text": TEXT, "answer": "a_b"}], ensure_ascii=False, indent=2), encoding="utf-8")
+    path.write_text(json.dumps([GOOD, GOOD, {"text": TEXT, "answer": "a_b"}], ensure_ascii=False, indent=2),
+                    encoding="utf-8")
     with pytest.raises(RecordError) as info:
         read_records(path)
     assert str(info.value).startswith(f"{path}, array index 2 (line 10), field 'answer line 1': ")
@@ -68,7 +70,8 @@ def test_errors_in_a_pretty_printed_array_name_index_line_and_field(tmp_path):
 def test_an_array_that_is_not_json_raises_naming_its_line_even_when_skipping(tmp_path):
     path = tmp_path / "a.json"
     path.write_text('[\n {"text": "a"},\n {"text": "b"}\n {"text": "c"}\n]\n', encoding="utf-8")
-    with pytest.raises(RecordError, match=r"a\.json, line 4: not valid JSON \(expected ',' or ']' after array item 1\)"):
+    with pytest.raises(RecordError,
+                       match=r"a\.json, line 4: not valid JSON \(expected ',' or ']' after array item 1\)"):
         read_records(path, on_bad_record="skip")
     path.write_text('[{"text": "a"},]', encoding="utf-8")
     with pytest.raises(RecordError, match=r"a\.json, line 1: not valid JSON \(Expecting value"):
@@ -81,7 +84,8 @@ def test_an_array_that_is_not_json_raises_naming_its_line_even_when_skipping(tmp
 def test_json_lines_that_do_not_parse_say_which_layouts_are_read(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps(GOOD, ensure_ascii=False, indent=2), encoding="utf-8")  # one pretty-printed object
-    with pytest.raises(RecordError, match=r"a\.json, line 1: not valid JSON .*one JSON array, or one JSON object a line"):
+    with pytest.raises(RecordError,
+                       match=r"a\.json, line 1: not valid JSON .*one JSON array, or one JSON object a line"):
         read_records(path)
 
 
@@ -151,7 +155,8 @@ def test_conversations_give_query_history_and_free_text_response(tmp_path):
     rows = [{"prompt": "类型#裙*颜色#红色", "response": "一条红裙。", "history": []},
             {"prompt": "再短一点", "response": "红裙。", "history": [["类型#裙", "一条裙子。"]]}]
     (tmp_path / "cols.jsonl").write_bytes(lines_of(*rows))
-    columns, _ = read_records(tmp_path / "cols.jsonl", columns=DataColumns(prompt="prompt", response="response", history="history"))
+    columns, _ = read_records(tmp_path / "cols.jsonl",
+                              columns=DataColumns(prompt="prompt", response="response", history="history"))
     assert [(r.text, r.history, r.answer) for r in columns] == [(r.text, r.history, r.answer) for r in records[:2]]
 
 
@@ -169,7 +174,8 @@ BAD_CHATS = [
      "field 'conversations[1].loss': expected true or false, got 'no'"),
     ({"conversations": [user("q"), {"role": "assistant", "content": "a", "score": 1}]}, "unread_field",
      "field 'conversations[1].score': not read"),
-    ({"conversations": [user(" "), assistant("a")]}, "empty_text", "field 'conversations[0].content': the last user turn is empty"),
+    ({"conversations": [user(" "), assistant("a")]}, "empty_text",
+     "field 'conversations[0].content': the last user turn is empty"),
     ({"conversations": []}, "empty_text", "field 'conversations': no turns"),
     ({"conversations": "q"}, "not_list", "field 'conversations': expected a list of turns, got str"),
     ({"conversations": [["q", "a"]]}, "not_object", "field 'conversations[0]': expected a turn object, got list"),
@@ -191,8 +197,10 @@ def test_bad_conversations_name_the_turn_and_field(tmp_path, bad, reason, expect
 
 def test_one_file_holds_one_kind_of_gold_answer(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_bytes(lines_of(GOOD, {"conversations": [user("q")]}, {"conversations": [user("q"), assistant("a")]}, GOOD))
-    with pytest.raises(RecordError, match=rf"line 3: its gold answer is a free-text response .*, that of {path}:1 triples"):
+    path.write_bytes(lines_of(GOOD, {"conversations": [user("q")]},
+                              {"conversations": [user("q"), assistant("a")]}, GOOD))
+    with pytest.raises(RecordError,
+                       match=rf"line 3: its gold answer is a free-text response .*, that of {path}:1 triples"):
         read_records(path)
     records, report = read_records(path, on_bad_record="skip")
     assert len(records) == 3 and dict(report.counts) == {"mixed_answers": 1}
@@ -223,7 +231,8 @@ def write(path: Path, text: str) -> Path:
 BAD_SHAPES = [
     ({"content": "类型#裙", "summary": "一条裙子。"}, "unknown_shape",
      "matches none of the accepted shapes (fields: 'content', 'summary'): conversations; messages; text + spo_list; "
-     "instruction + input + output; text + answer; other prompt/response fields need --prompt-column and --response-column"),
+     "instruction + input + output; text + answer; other prompt/response fields need --prompt-column and "
+     "--response-column"),
     ({}, "unknown_shape", "matches none of the accepted shapes (fields: none)"),
     ({"instruction": "抽取三元组。", "input": TEXT, "output": ANSWER, "history": [["q", "a"]]}, "unread_field",
      "field 'history': not read: earlier turns are read from a conversations record"),
@@ -231,7 +240,8 @@ BAD_SHAPES = [
     ({"text": TEXT, "answer": ANSWER, "spo_list": []}, "mixed_shape",
      "field 'answer': not read by the text + spo_list shape of this record (it reads 'spo_list', 'text')"),
     ({"text": TEXT, "input": TEXT}, "mixed_shape", "field 'text': not read by the instruction + input + output shape"),
-    ({"conversations": [user("q"), assistant("a")], "text": TEXT}, "mixed_shape", "field 'text': not read by the conversations shape"),
+    ({"conversations": [user("q"), assistant("a")], "text": TEXT}, "mixed_shape",
+     "field 'text': not read by the conversations shape"),
 ]
 
 
@@ -241,5 +251,6 @@ def test_a_record_of_no_shape_or_of_two_is_refused_not_dropped(tmp_path, bad, re
     path.write_bytes(lines_of(bad))
     with pytest.raises(RecordError) as info:
         read_records(path)
-    assert str(info.value).startswith(f"{path}, line 1, {expected}" if expected.startswith("field ") else f"{path}, line 1: {expected}"), str(info.value)
+    assert str(info.value).startswith(f"{path}, line 1, {expected}" if expected.startswith("field ")
+                                      else f"{path}, line 1: {expected}"), str(info.value)
     assert info.value.reason == reason

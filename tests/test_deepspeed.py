@@ -54,8 +54,8 @@ def launch(*args, config: str | None = None, processes: int = 1, check: bool = T
     else:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / config,
                     "--num_processes", processes, "--mixed_precision", "no", ROOT / "train.py"]
-        done = subprocess.run(list(map(str, [*launcher, *args])), capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
-                              env=os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+        done = subprocess.run(list(map(str, [*launcher, *args])), capture_output=True, text=True, cwd=ROOT,
+                              timeout=HANG_S, env=os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0 or not check, done.stderr[-3000:]
     return done
 

@@ -82,13 +82,14 @@ def test_a_chatglm3_conversation_with_tools_is_the_finetune_demos_row(tokenizers
     ], tok.eos_token_id)
     assert (list(row.input_ids), list(row.labels)) == (ids, labels)
     command = tok.get_command
-    at = [i for i, t in enumerate(ids) if t in (command("<|assistant|>"), command("<|observation|>"), command("<|user|>"))]
+    at = [i for i, t in enumerate(ids) if t in (command("<|assistant|>"), command("<|observation|>"),
+                                                command("<|user|>"))]
     trained = {ids[i] for i in at if labels[i] != IGNORE_INDEX}
     # the call is trained through the <|observation|> that ends it, the last answer through </s>; no <|assistant|>
     # and no token of the answer marked "loss": false (nor the <|user|> after it) is a label
     assert trained == {command("<|observation|>")} and labels[-1] == tok.eos_token_id
-    assert sum(label != IGNORE_INDEX for label in labels) == len(block("assistant", "get_weather", "```python\ntool_call("
-                                                                         "city='北京')\n```")) + len(block("assistant", "", "我去查。"))
+    call = block("assistant", "get_weather", "```python\ntool_call(city='北京')\n```")
+    assert sum(label != IGNORE_INDEX for label in labels) == len(call) + len(block("assistant", "", "我去查。"))
 
 
 def test_loss_on_last_trains_the_last_answer_only(tokenizers, tmp_path):
@@ -113,7 +114,8 @@ def test_a_plain_conversation_trains_every_answer_and_last_keeps_the_earlier_row
     assert (list(every.input_ids), list(every.labels)) == by_rule(
         tok.get_prefix_tokens(), [(block(t["role"], "", t["content"]), t["role"] == "assistant") for t in turns],
         tok.eos_token_id)
-    assert last.input_ids == every.input_ids  # the history-and-query row as before: the same ids, the last answer trained
+    # the history-and-query row as before: the same ids, the last answer trained
+    assert last.input_ids == every.input_ids
     assert sum(label != IGNORE_INDEX for label in last.labels) == len(block("assistant", "", "晴。"))
 
 
@@ -125,7 +127,8 @@ def test_glm4_messages_are_each_rendered_alone_by_the_chat_template(tokenizers, 
     alone = [(tok.encode_chat([{k: v for k, v in m.items() if k != "loss"}], add_generation_prompt=False)[2:],
               m["role"] == "assistant" and m.get("loss", True)) for m in messages]
     assert all(block[0] == tok.get_command(f"<|{m['role']}|>") for (block, _), m in zip(alone, messages))
-    assert (list(row.input_ids), list(row.labels)) == by_rule(tok.get_prefix_tokens(), alone, tok.get_command("<|user|>"))
+    assert (list(row.input_ids), list(row.labels)) == by_rule(tok.get_prefix_tokens(), alone,
+                                                              tok.get_command("<|user|>"))
 
 
 def test_glm4_tools_and_calls_render_as_the_official_template_on_the_real_tokenizer(tmp_path):
@@ -174,7 +177,8 @@ BAD = [
                    {"role": "user", "content": "q"}, {"role": "assistant", "metadata": "f", "content": "city=北京"}]},
      "bad_arguments", "messages[2].content"),
     ({"messages": [{"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]},
-                   {"role": "user", "content": "q"}, {"role": "assistant", "content": '{"name": "g", "arguments": {}}'}]},
+                   {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": '{"name": "g", "arguments": {}}'}]},
      "undeclared_tool", "messages[2].content"),
     ({"tools": TOOLS3, "conversations": [{"role": "user", "content": "q"},
                                          {"role": "tool", "name": "get_weather", "parameters": {"class": 1}}]},
@@ -187,7 +191,8 @@ BAD = [
 
 
 GLM4_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "查询城市天气",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
 GLM4_MESSAGES = [
     {"role": "system", "content": "你是天气助手。", "tools": GLM4_TOOLS},
     {"role": "user", "content": "北京天气怎么样？"},
@@ -274,14 +279,16 @@ def test_a_conversation_cut_at_max_len_is_counted_and_one_cut_before_any_answer_
     cut = encode_record(record, tok, EncodingOptions(prompt="", max_src_len=first_label - 1, max_len=first_label + 1))
     assert cut.row_truncated and not cut.answer_truncated and len(cut.input_ids) == first_label + 1
     assert not full.row_truncated
-    with pytest.raises(ValueError, match=f"the conversation is {len(full.input_ids)} tokens and max_len {first_label} cuts"):
+    with pytest.raises(ValueError,
+                       match=f"the conversation is {len(full.input_ids)} tokens and max_len {first_label} cuts"):
         encode_record(record, tok, EncodingOptions(prompt="", max_src_len=first_label - 2, max_len=first_label))
 
 
 def test_a_conversation_with_nothing_to_train_says_so(tokenizers, tmp_path):
     """GLM-4's template writes nothing for an empty assistant message (an SPO text without triples): the row has no
     trained token, whatever max_len; it was reported as cut by max_len."""
-    record = record_of(tmp_path, {"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": ""}]})
+    record = record_of(tmp_path, {"messages": [{"role": "user", "content": "你好"},
+                                               {"role": "assistant", "content": ""}]})
     with pytest.raises(ValueError, match="no token of the conversation is trained: its assistant turns with a loss are "
                                          "empty, and GLM-4's chat template writes nothing"):
         encode_record(record, tokenizers["glm4"], WIDE)

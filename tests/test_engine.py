@@ -1,8 +1,8 @@
 """The continuous-batching engine: every request gets the tokens `generate` gives its prompt alone.
 
 On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash with one): requests of
-different prompt lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than the
-batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
+different prompt lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than
+the batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
 leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
 step and the others go on unchanged; the queue refuses beyond `max_queue`; a closed engine admits nothing.
 """
@@ -28,7 +28,8 @@ from chatglm_tune.options import DraftOptions, EncodingOptions, SamplingOptions,
 from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+TEXTS = [json.loads(line)["text"]
+         for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
 SAMPLINGS = [SamplingOptions(), SamplingOptions(do_sample=True, top_p=0.8, temperature=0.9)]
 
 
@@ -84,14 +85,15 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypat
     checks = spy_on_checks(monkeypatch)
     if guesses == "wrong":
         draw = random.Random(0)
-        monkeypatch.setattr(emitter, "guess", lambda tokens, n, k, *_: [draw.randrange(len(tokenizer)) for _ in range(k)])
+        monkeypatch.setattr(emitter, "guess",
+                            lambda tokens, n, k, *_: [draw.randrange(len(tokenizer)) for _ in range(k)])
     prompts = prompts_of(tokenizer, 10)
     stop_ids = tokenizer.prompt_format.stop_ids(tokenizer)
     jobs = []
     for i, prompt in enumerate(prompts):
         sampling, n = SAMPLINGS[i % 2], 4 + (i * 5) % 17
-        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=stop_ids,
-                         vocab_limit=len(tokenizer))[0]
+        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i,
+                         eos_token_id=stop_ids, vocab_limit=len(tokenizer))[0]
         # every third request stops on the id it generates 3rd (a stop id of its own): it leaves early
         own_stop = [*stop_ids, alone[2]] if i % 3 == 0 and len(alone) > 3 else stop_ids
         if own_stop is not stop_ids:
@@ -101,7 +103,8 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypat
     options = ServingOptions(max_batch=4, prefill_tokens=48, drafts=None if guesses == "off" else DraftOptions())
     engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
     recorders = [Recorder() for _ in jobs]
-    requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop) for i, (r, (p, n, s, stop, _)) in enumerate(zip(recorders, jobs))]
+    requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop)
+                for i, (r, (p, n, s, stop, _)) in enumerate(zip(recorders, jobs))]
     arrivals = {0: requests[:3], 2: requests[3:6], 5: requests[6:]}  # newcomers while others run; more than the batch
     steps = run_until_idle(engine, arrivals)
     for i, (recorder, (prompt, n, _, stop, alone)) in enumerate(zip(recorders, jobs)):
@@ -208,7 +211,8 @@ def test_the_queue_holds_max_queue_beyond_a_full_batch(tiny):
 
 
 def test_newcomers_are_prefilled_in_groups_of_near_length_shortest_first():
-    requests = [Request([1] * n, 4, on_token=lambda t: None, on_finish=lambda r, e: None) for n in (40, 30, 31, 48, 33, 41)]
+    requests = [Request([1] * n, 4, on_token=lambda t: None, on_finish=lambda r, e: None)
+                for n in (40, 30, 31, 48, 33, 41)]
     groups = padding_groups(requests, padding=0.1)
     assert [[len(r.prompt) for r in g] for g in groups] == [[30, 31, 33], [40, 41], [48]]
     assert sorted(map(id, (r for g in groups for r in g))) == sorted(map(id, requests))  # each once

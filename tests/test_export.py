@@ -65,13 +65,15 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("export-runs")
     data = root / "data.jsonl"
     data.write_text("\n".join(LINES[:8]) + "\n", encoding="utf-8")
-    flags = ["--train-file", data, "--max-src-len", 96, "--max-len", 112, "--batch-size", 8, "--threads", 1, "--max-steps", 2]
+    flags = ["--train-file", data, "--max-src-len", 96, "--max-len", 112, "--batch-size", 8, "--threads", 1,
+             "--max-steps", 2]
     train = lambda *args: train_cli.main([str(a) for a in args]) == 0  # noqa: E731
     for version, preset in (("glm4", "tiny-glm4"), ("chatglm3", "tiny-chatglm3"), ("glm4-0414", "tiny-glm4-0414")):
         assert train("--model", preset, "--tuning", "full", *flags, "--output-dir", root / f"{version}-full")
         assert train("--model", root / f"{version}-full", "--tuning", "lora", "--lr", "3e-2", *flags,
                      "--output-dir", root / f"{version}-lora")
-    assert train("--model", root / "glm4-full", "--tuning", "ptuning", "--pre-seq-len", 4, *flags, "--output-dir", root / "ptuning")
+    assert train("--model", root / "glm4-full", "--tuning", "ptuning", "--pre-seq-len", 4, *flags, "--output-dir",
+                 root / "ptuning")
     quantize_cli.main(["--bits", "4", str(root / "glm4-full"), str(root / "int4")])
     return root
 
@@ -108,7 +110,8 @@ def error_bound(kind: str, source: torch.Tensor) -> torch.Tensor:
         return source.abs() * (2 ** -11 if kind == "F16" else 2 ** -8) + 1e-7
     blocks = source.reshape(-1, 32)
     step = blocks.abs().amax(-1, keepdim=True) / (127 if kind == "Q8_0" else 8)
-    return (step * (0.5 if kind == "Q8_0" else 1.0) + blocks.abs() * 2 ** -10 + 1e-7).expand_as(blocks).reshape(source.shape)
+    return (step * (0.5 if kind == "Q8_0" else 1.0) + blocks.abs() * 2 ** -10
+            + 1e-7).expand_as(blocks).reshape(source.shape)
 
 
 @pytest.mark.parametrize("version,kind", [(v, k) for v in GLM_VERSIONS for k in TYPES]
@@ -137,7 +140,8 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
         assert tokens[token_id] == text
         assert meta["tokenizer.ggml.token_type"][token_id] == gguf.TokenType.CONTROL
     assert meta["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
-    stops = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    stops = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                               "tokenizer.ggml.eom_token_id")
              if k in meta}
     assert stops == set(tokenizer.stop_token_ids)
     assert meta["tokenizer.ggml.add_bos_token"] is False and "tokenizer.ggml.bos_token_id" not in meta
@@ -156,7 +160,8 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
     state = checkpoint_state(model)
     assert set(tensors) == {gguf_name(k) for k in state}
     layer = {n.split(".", 2)[2] for n in tensors if n.startswith("blk.0.")}
-    attention = {"attn_q.weight", "attn_k.weight", "attn_v.weight"} if version in RELEASED_FORMS else {"attn_qkv.weight"}
+    attention = {"attn_q.weight", "attn_k.weight",
+                 "attn_v.weight"} if version in RELEASED_FORMS else {"attn_qkv.weight"}
     sandwich = {"post_attention_norm.weight", "post_ffw_norm.weight"}  # GLM-4-0414's norms after attention / the MLP
     assert attention <= layer and layer & sandwich == (sandwich if version == "glm4-0414" else set())
     for key, source in state.items():
@@ -165,7 +170,8 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
                                                          else TYPES[kind].name)
         assert t.tensor_type.name == expected_type, key
         assert [int(n) for n in reversed(t.shape)] == list(source.shape), key
-        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy()).reshape(source.shape)
+        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
+        values = values.reshape(source.shape)
         assert ((values - source).abs() <= error_bound(expected_type, source)).all(), key
         if expected_type == "F32":
             assert torch.equal(values, source), key
@@ -179,7 +185,8 @@ def test_gguf_reads_back_as_the_model(models, tmp_path, version, kind):
     assert f"PARAMETER temperature {sampling.temperature:g}\nPARAMETER top_p {sampling.top_p:g}\n" in modelfile_text
 
 
-@pytest.mark.parametrize("version,kind", [("glm4", "f16"), ("glm4", "q4_0"), ("glm4-0414", "q8_0"), ("glm-edge", "f16")])
+@pytest.mark.parametrize("version,kind",
+                         [("glm4", "f16"), ("glm4", "q4_0"), ("glm4-0414", "q8_0"), ("glm-edge", "f16")])
 def test_a_model_directory_streams_into_the_same_gguf_as_the_loaded_model(models, tmp_path, version, kind):
     """export.py writes a model directory's GGUF from its files, never loading the model (an official checkpoint, or
     one in transformers' own form): the tensors are those a GGUF of the loaded model holds, byte for byte."""
@@ -194,7 +201,8 @@ def test_a_model_directory_streams_into_the_same_gguf_as_the_loaded_model(models
     write_gguf(tmp_path / "model.gguf", model.config, tokenizer, ModelTensors(model), kind)
     (meta_a, a), (meta_b, b) = read_gguf(tmp_path / "files.gguf"), read_gguf(tmp_path / "model.gguf")
     assert set(a) == set(b) and all(bytes(a[n].data.tobytes()) == bytes(b[n].data.tobytes()) for n in a)
-    assert {k: v for k, v in meta_a.items() if k != "general.name"} == {k: v for k, v in meta_b.items() if k != "general.name"}
+    assert {k: v for k, v in meta_a.items() if k != "general.name"} == {k: v for k, v in meta_b.items()
+                                                                        if k != "general.name"}
 
 
 def test_gguf_fuses_qkv_and_the_gated_mlp_in_llama_cpp_order(models, tmp_path):
@@ -230,10 +238,11 @@ def test_glm4_0414s_extra_norms_take_llama_cpps_glm4_names(models, tmp_path):
     _, tensors = read_gguf(tmp_path / "out" / "m-f16.gguf")
     for n, layer in enumerate(model.model.layers):
         for ours, theirs in names.items():
-            assert torch.equal(torch.from_numpy(tensors[f"blk.{n}.{theirs}.weight"].data.copy()), getattr(layer, ours).weight)
+            assert torch.equal(torch.from_numpy(tensors[f"blk.{n}.{theirs}.weight"].data.copy()),
+                               getattr(layer, ours).weight)
     q = model.model.layers[1].self_attn.q_proj.weight  # q, k, v apart, as llama.cpp's converter writes them
-    assert torch.allclose(torch.from_numpy(tensors["blk.1.attn_q.weight"].data.astype("float32").copy()).reshape(q.shape), q,
-                          rtol=1e-3, atol=1e-4)
+    written = torch.from_numpy(tensors["blk.1.attn_q.weight"].data.astype("float32").copy()).reshape(q.shape)
+    assert torch.allclose(written, q, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("version", ["glm4", "chatglm3", "glm4-0414"])
@@ -284,8 +293,10 @@ def test_every_file_of_a_run_export_asks_with_its_instruction_and_answers_greedi
     assert instruction and "\n" in instruction  # the default prompt: a newline inside, escaped in the template
     rendered = render(hf_template, [{"role": "user", "content": "first"}, {"role": "assistant", "content": "A"},
                                     {"role": "user", "content": "second"}])
-    assert rendered.count(instruction) == 1 and instruction + "second" in rendered and instruction + "first" not in rendered
-    assert instruction not in render(hf_template, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    assert (rendered.count(instruction) == 1 and instruction + "second" in rendered
+            and instruction + "first" not in rendered)
+    assert instruction not in render(hf_template,
+                                     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
 
 
 def render(template: str, messages: list[dict], **extra) -> str:
@@ -297,22 +308,26 @@ def render(template: str, messages: list[dict], **extra) -> str:
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "天气",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}
 
 
 def tool_call(arguments: dict) -> dict:
-    return {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 ARGUMENTS = {"city": "北京", "days": 3, "exact": True, "unit": None, "note": 'it\'s "a" \\ b\n\tc\r'}
 TOOL_BODIES = [  # OpenAI request bodies: tools and a question; round trips (a call, its result)
     {"messages": [{"role": "user", "content": "北京天气"}], "tools": [WEATHER]},
-    {"messages": [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "北京天气"}], "tools": [WEATHER]},
+    {"messages": [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "北京天气"}],
+     "tools": [WEATHER]},
     {"messages": [{"role": "user", "content": "北京天气"}, {"role": "assistant", "content": None,
                                                         "tool_calls": [tool_call(ARGUMENTS)]},
                   {"role": "tool", "content": "晴"}], "tools": [WEATHER]},
     {"messages": [{"role": "user", "content": "天气"}, {"role": "assistant", "content": "我查一下",
-                                                      "tool_calls": [tool_call({"city": "北京"}), tool_call({"city": "上海"})]},
+                                                      "tool_calls": [tool_call({"city": "北京"}),
+                                                                     tool_call({"city": "上海"})]},
                   {"role": "tool", "content": "晴"}, {"role": "tool", "content": "雨"}], "tools": [WEATHER]},
 ]
 
@@ -357,8 +372,8 @@ def test_the_hf_template_writes_openai_tool_conversations_as_serve_does(models, 
     apply_chat_template, give serve.py's prompt ids for the same request body."""
     tokenizer = hf_tokenizers[version]
     for body in TOOL_BODIES:
-        got = tokenizer.apply_chat_template(parsed(body["messages"]), tools=body.get("tools"), add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        got = tokenizer.apply_chat_template(parsed(body["messages"]), tools=body.get("tools"),
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
         assert list(got) == serve_prompt(models[version], body), body
 
 
@@ -369,8 +384,10 @@ def test_glm_form_tool_messages_render_as_the_official_chat(models, hf_tokenizer
     _, tokenizer = loading.load_run(loading.resolve_run(models[version]))
     prompt_format = tokenizer.prompt_format
     messages = [{"role": "system", "content": "", "tools": [WEATHER]}, {"role": "user", "content": "北京天气"},
-                prompt_format.tool_call_message("get_weather", {"city": "北京"}), {"role": "observation", "content": "晴"}]
-    got = hf_tokenizers[version].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                prompt_format.tool_call_message("get_weather", {"city": "北京"}),
+                {"role": "observation", "content": "晴"}]
+    got = hf_tokenizers[version].apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
     assert list(got) == prompt_format.chat_ids(tokenizer, messages)
 
 
@@ -385,7 +402,8 @@ def test_what_the_template_cannot_write_exactly_raises(hf_tokenizers, version, a
     with characters repr escapes, and names that are not ASCII identifiers; arguments as a JSON string."""
     from jinja2 import TemplateError
 
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [tool_call(arguments)]},
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [tool_call(arguments)]},
                 {"role": "tool", "content": "r"}]
     tokenizer = hf_tokenizers[version]
     with pytest.raises(TemplateError, match=refused):
@@ -403,7 +421,8 @@ def test_an_instruction_is_data_in_the_template_whatever_it_holds():
     assert got == "<user>" + tricky + "text"
     assert with_instruction(template, "") == template
     parts = [{"type": "text", "text": "t"}]  # content parts are left as they are, not glued to a string
-    assert render(with_instruction("{{ messages[-1]['content'] | length }}", "I: "), [{"role": "user", "content": parts}]) == "1"
+    assert render(with_instruction("{{ messages[-1]['content'] | length }}", "I: "),
+                  [{"role": "user", "content": parts}]) == "1"
 
 
 @pytest.mark.parametrize("version", RELEASED_FORMS)
@@ -462,8 +481,8 @@ def loaded_elsewhere(models, runs, tmp_path_factory) -> dict[str, tuple[Path, di
         assert export(directory, outs[source], "--format", "hf") == 0
         ids, messages = hf_inputs(float_model(directory)[1])
         jobs[source] = [str(outs[source]), ids, HF_TEXTS, messages]
-    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE], input=json.dumps(jobs), capture_output=True, text=True,
-                          cwd=tmp_path_factory.mktemp("elsewhere"), timeout=600)
+    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE], input=json.dumps(jobs),
+                          capture_output=True, text=True, cwd=tmp_path_factory.mktemp("elsewhere"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["imported"] == []
@@ -491,7 +510,8 @@ def test_an_hf_directory_loads_in_plain_transformers(runs, models, loaded_elsewh
     else:
         assert got["chat"] == tokenizer.prompt_format.chat_ids(tokenizer, messages)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == ("glm4" if version == "glm4-0414" else "glm") and config["architectures"] == [architecture]
+    assert config["model_type"] == ("glm4" if version == "glm4-0414"
+                                    else "glm") and config["architectures"] == [architecture]
     assert "chatglm_version" not in config  # transformers' fields only
     if version in RELEASED_FORMS:  # the directory reads back as its version
         assert registry.of_directory(out).name == version
@@ -546,7 +566,8 @@ def test_the_hint_after_an_hf_export_loads_the_directory(models, tmp_path, capsy
                               env=os.environ | {"HF_HUB_OFFLINE": "1"})
         assert done.returncode == 0, (code, done.stderr[-2000:])
     native = version != "chatglm"
-    assert ("vllm serve" in hint) == native and ("from transformers import AutoModelForCausalLM;" in hint) == native, hint
+    assert (("vllm serve" in hint) == native
+            and ("from transformers import AutoModelForCausalLM;" in hint) == native), hint
     if not native:
         assert f"infer.py --model {out}" in hint and f"serve.py --model {out}" in hint and "trust_remote_code" in hint
 
@@ -665,7 +686,8 @@ def test_an_interrupted_hf_export_leaves_nothing_and_runs_again(models, tmp_path
     destination = tmp_path / "exports"
     destination.mkdir()
     out, writing = destination / "hf", tmp_path / "WRITING"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"HF_HUB_OFFLINE": "1",
+                                                                             "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-c", PAUSED_EXPORT, str(writing), str(models["glm4"]), str(out),
                                 "--format", "hf"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)

@@ -24,7 +24,8 @@ def runs(tmp_path_factory):
     return root, engines.make_runs(root)
 
 
-@pytest.mark.skipif(not engines.installed("llama_cpp"), reason=f"llama-cpp-python is not installed: {engines.LLAMA_INSTALL}")
+@pytest.mark.skipif(not engines.installed("llama_cpp"),
+                    reason=f"llama-cpp-python is not installed: {engines.LLAMA_INSTALL}")
 @pytest.mark.parametrize("name", ["chatglm3-full", "chatglm3-lora", "glm4-full", "glm4-lora", "glm4-0414-full",
                                   "glm4-0414-lora", "glm-edge-full", "glm-edge-lora"])
 def test_llama_cpp_runs_the_gguf_as_the_toolkit(runs, name):
@@ -54,7 +55,8 @@ def post(base: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.skipif(find_llama_server() is None,
+                    reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
 @pytest.mark.parametrize("name", ["chatglm3-lora", "glm4-lora", "glm4-0414-lora"])
 def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, tmp_path, name):
     """The GGUF's chat template puts the run's instruction before the user's text (the ids infer.py feeds), and its
@@ -78,13 +80,15 @@ def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, 
         chat = {"messages": [{"role": "user", "content": texts[0]}], "max_tokens": 12}
         answers = {post(server.base, "/v1/chat/completions", {**chat, "seed": seed})["choices"][0]["message"]["content"]
                    for seed in (1, 2, 3)}
-        greedy = post(server.base, "/v1/chat/completions", {**chat, "temperature": 0})["choices"][0]["message"]["content"]
+        greedy = post(server.base, "/v1/chat/completions",
+                      {**chat, "temperature": 0})["choices"][0]["message"]["content"]
         assert answers == {greedy}
     finally:
         server.stop()
 
 
-@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.skipif(find_llama_server() is None,
+                    reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
 @pytest.mark.parametrize("version", ["chatglm3", "glm4", "glm4-0414"])
 def test_llama_server_writes_openai_tool_conversations_as_serve_does(tmp_path, version):
     """Tool conversations in OpenAI's form (tools, an assistant's tool_calls with arguments as a JSON string, tool

@@ -26,7 +26,8 @@ from chatglm_tune.export.source import open_export  # noqa: E402
 from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 
-VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE), "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2)}
+VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
+            "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2)}
 TRANSFORMERS_CLASSES = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM"}
 CHATS = [[{"role": "user", "content": "你好 world"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXTS[0]},
@@ -120,12 +121,14 @@ def test_the_gguf_file_is_llama_cpps_architecture_with_its_tensors_and_hyperpara
         assert source.model is None and isinstance(source.tensors, CheckpointTensors)  # streamed, not loaded
         config, tensors, tokenizer = source.config, source.tensors, source.tokenizer
     else:
-        config, tensors, tokenizer = model.config, ModelTensors(model), loading.load_tokenizer(loading.resolve_run(tiny[version]))
+        config, tensors, tokenizer = (model.config, ModelTensors(model),
+                                      loading.load_tokenizer(loading.resolve_run(tiny[version])))
     path = tmp_path / "m.gguf"
     write_gguf(path, config, tokenizer, tensors, "f16")
     reader = gguf.GGUFReader(path)
     assert reader.fields["general.architecture"].contents() == arch
-    got = {f.name.removeprefix(arch + "."): f.contents() for f in reader.fields.values() if f.name.startswith(arch + ".")}
+    got = {f.name.removeprefix(arch + "."): f.contents() for f in reader.fields.values()
+           if f.name.startswith(arch + ".")}
     want = hyperparameters(config, arch)
     assert set(want) <= set(got)
     for key, value in want.items():
@@ -156,7 +159,8 @@ def test_the_q8_0_file_quantizes_the_matrices_alike_from_files_and_model_and_kee
     write_gguf(tmp_path / "files.gguf", source.config, source.tokenizer, source.tensors, "q8_0")
     model = toolkit_model(tiny[version])
     write_gguf(tmp_path / "model.gguf", model.config, source.tokenizer, ModelTensors(model), "q8_0")
-    files, loaded = ({t.name: t for t in gguf.GGUFReader(tmp_path / f"{name}.gguf").tensors} for name in ("files", "model"))
+    files, loaded = ({t.name: t for t in gguf.GGUFReader(tmp_path / f"{name}.gguf").tensors}
+                     for name in ("files", "model"))
     assert files["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert files["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert set(files) == set(loaded)
@@ -208,7 +212,8 @@ def test_the_gguf_template_renders_the_toolkit_prompt_whatever_the_server_define
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     source = open_export(tiny[version], form="gguf")
-    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source.gguf_chat_template)
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    template = environment.from_string(source.gguf_chat_template)
     fmt, tokenizer = source.version.format, source.tokenizer
     for messages in CHATS:
         want = tokenizer.encode_chat(messages, add_generation_prompt=True, **fmt.template_kwargs)
@@ -266,7 +271,8 @@ def toolkit_greedy(model, ids: list[int], new: int, stops) -> list[int]:
     return out
 
 
-@pytest.mark.skipif(find_llama_server() is None, reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
+@pytest.mark.skipif(find_llama_server() is None,
+                    reason=f"no llama-server ($LLAMA_SERVER or on PATH): {LLAMA_SERVER_BUILD}")
 @pytest.mark.parametrize("version", list(VERSIONS))
 def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_path, version):
     from bench.export.export_engines import sample_strings
@@ -286,7 +292,8 @@ def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_pat
         rendered = [post(server.base, "/apply-template", {"messages": m})["prompt"] for m in prompts]
         prompt_ids = [post(server.base, "/tokenize", {"content": r, "parse_special": True})["tokens"] for r in rendered]
         answers = [post(server.base, "/completion", {"prompt": ids, "n_predict": NEW_TOKENS, "temperature": 0,
-                                                     "top_k": 1, "return_tokens": True, "cache_prompt": False})["tokens"]
+                                                     "top_k": 1, "return_tokens": True,
+                                                     "cache_prompt": False})["tokens"]
                    for ids in prompt_ids]
     finally:
         server.stop()

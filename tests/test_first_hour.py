@@ -40,7 +40,8 @@ def work(tmp_path_factory):
     """A tiny model trained (full) until it extracts its 24 records, and 2-step LoRA / QLoRA / P-tuning runs on it."""
     root = tmp_path_factory.mktemp("first-hour")
     umask = os.umask(0o022)  # the runs below are made as under the usual umask (test 6)
-    (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n", encoding="utf-8")
+    (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n",
+                                     encoding="utf-8")
     data = ["--train-file", root / "data.jsonl", "--dev-file", root / "data.jsonl", *SMALL]
     base = ok(cli("train.py", "--model", "tiny", "--tuning", "full", *data, "--max-steps", 200, "--lr", "1e-2",
                   "--eval-every", 200, "--output-dir", root / "base"))
@@ -49,7 +50,8 @@ def work(tmp_path_factory):
         "qlora": ["--tuning", "lora", "--quantization-bit", 4],
         "ptuning": ["--tuning", "ptuning", "--pre-seq-len", 4],
     }
-    done = side_by_side(*(("train.py", "--model", root / "base", *flags, *data, "--max-steps", 2, "--output-dir", root / name)
+    done = side_by_side(*(("train.py", "--model", root / "base", *flags, *data, "--max-steps", 2,
+                           "--output-dir", root / name)
                           for name, flags in adapters.items()))
     runs = {"base": base} | dict(zip(adapters, done))
     os.umask(umask)
@@ -63,8 +65,8 @@ def test_an_empty_training_file_is_an_error_naming_it(tmp_path):
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     for flags in ((), ("--max-steps", 5)):  # it hung with --max-steps and "trained" 0 steps without
-        done = cli("train.py", "--model", "tiny", "--tuning", "full", "--train-file", empty, "--output-dir", tmp_path / "r",
-                   *flags)
+        done = cli("train.py", "--model", "tiny", "--tuning", "full", "--train-file", empty, "--output-dir",
+                   tmp_path / "r", *flags)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert f"{empty}: no training records" in done.stderr
         assert not (tmp_path / "r").exists()
@@ -157,7 +159,8 @@ def test_a_quantized_run_infers_with_its_prompt_and_budget_and_scores_as_the_run
     root, _ = work
 
     def infer(name: str, model: Path) -> subprocess.Popen:
-        return start("infer.py", "--model", model, "--input", root / "data.jsonl", "--output", tmp_path / f"{name}.jsonl")
+        return start("infer.py", "--model", model, "--input", root / "data.jsonl", "--output",
+                     tmp_path / f"{name}.jsonl")
 
     float_run = infer("float", root / "base")  # beside the quantization
     ok(cli("quantize.py", "--bits", 8, root / "base", tmp_path / "q8"))
@@ -200,7 +203,8 @@ def test_a_qlora_run_infers_on_its_int4_base(work, tmp_path):
     blocks = [m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and ".layers." in name]
     assert blocks and all(m.bits == 4 for m in blocks)
     assert any("lora_A" in name for name, _ in model.named_parameters())  # beside the integers, as trained
-    done = ok(cli("infer.py", "--model", root / "qlora", "--input", root / "data.jsonl", "--output", tmp_path / "o.jsonl"))
+    done = ok(cli("infer.py", "--model", root / "qlora", "--input", root / "data.jsonl", "--output",
+                  tmp_path / "o.jsonl"))
     assert "(INT4 float32, cpu, " in done.stderr
 
 
@@ -216,8 +220,10 @@ def test_every_file_a_run_writes_follows_the_umask(work, tmp_path):
     finally:
         os.umask(umask)
     for directory in (root / "base", root / "lora", root / "ptuning", quantized):
-        modes = {str(f.relative_to(directory)): stat.S_IMODE(f.stat().st_mode) for f in directory.rglob("*") if f.is_file()}
-        assert modes and all(mode == 0o644 for mode in modes.values()), {k: oct(v) for k, v in modes.items() if v != 0o644}
+        modes = {str(f.relative_to(directory)): stat.S_IMODE(f.stat().st_mode) for f in directory.rglob("*")
+                 if f.is_file()}
+        assert modes and all(mode == 0o644 for mode in modes.values()), {k: oct(v)
+                                                                         for k, v in modes.items() if v != 0o644}
 
 
 # 7. The training state holds what trains
@@ -283,8 +289,8 @@ def test_quantize_on_an_adapter_directory_points_at_its_base(work, tmp_path):
 def test_help_imports_neither_torch_nor_transformers(script):
     probe = ("import runpy, sys; sys.argv = [{0!r}, '--help']\n"
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.auto') if m in sys.modules]\n"
-             "print('HEAVY', heavy)").format(str(ROOT / script))
+             "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.auto') if m in "
+             "sys.modules]\nprint('HEAVY', heavy)").format(str(ROOT / script))
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
     # What made --help take 2.5 s (7-11 s before that) was importing torch and transformers, for the Auto classes'
@@ -307,8 +313,9 @@ print(type(AutoTokenizer.from_pretrained({tokenizer!r})).__name__)
 
 
 AUTO_FIRSTS = ["import chatglm_tune", "import transformers; import chatglm_tune",
-               "import chatglm_tune; import transformers.models.auto.configuration_auto", "from chatglm_tune import loading",
-               "import chatglm_tune, importlib.util; importlib.util.find_spec('transformers.models.auto.configuration_auto')"]
+               "import chatglm_tune; import transformers.models.auto.configuration_auto",
+               "from chatglm_tune import loading", "import chatglm_tune, importlib.util; "
+                                                   "importlib.util.find_spec('transformers.models.auto.configuration_auto')"]
 
 
 def test_import_chatglm_tune_is_all_the_auto_classes_need(work):
@@ -317,7 +324,8 @@ def test_import_chatglm_tune_is_all_the_auto_classes_need(work):
     each way (they run side by side)."""
     root, _ = work
     probes = {first: subprocess.Popen(
-        [sys.executable, "-c", AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"), tokenizer=str(root / "base"))],
+        [sys.executable, "-c", AUTO_PROBE.format(first=first, fixtures=str(ROOT / "tests" / "fixtures"),
+                                                 tokenizer=str(root / "base"))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
         for first in AUTO_FIRSTS}
     tokenizer = type(chatglm_tune.load_tokenizer(root / "base")).__name__
@@ -325,7 +333,8 @@ def test_import_chatglm_tune_is_all_the_auto_classes_need(work):
         out, err = probe.communicate(timeout=HANG_S)
         assert probe.returncode == 0, (first, err[-3000:])
         names = out.split()
-        assert names == ["ChatGLMFamilyConfig", "GlmForCausalLMWithPrefix", "ChatGLMForConditionalGeneration", tokenizer], (first, names)
+        assert names == ["ChatGLMFamilyConfig", "GlmForCausalLMWithPrefix", "ChatGLMForConditionalGeneration",
+                         tokenizer], (first, names)
 
 
 def test_import_chatglm_tune_imports_neither_torch_nor_transformers():

@@ -87,7 +87,8 @@ def losses(model, directory: Path, name: str, rank: int | None) -> list[float]:
     """STEPS AdamW steps; a rank's loss is averaged over the ranks, one process averages its two halves."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     rows = batch(directory, name, rank)
-    halves = [rows] if rank is not None else [{k: v[half] for k, v in rows.items()} for half in (slice(0, 2), slice(2, 4))]
+    halves = [rows] if rank is not None else [{k: v[half] for k, v in rows.items()}
+                                              for half in (slice(0, 2), slice(2, 4))]
     out = []
     for _ in range(STEPS):
         loss = sum(model(**half).loss for half in halves) / len(halves)

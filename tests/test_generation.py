@@ -43,7 +43,8 @@ def unpadded_rows(ids, mask):
 def test_greedy_cases_match_golden(golden):
     model = golden.model()
     for case in golden.of_kind("greedy"):
-        got = generate(model, torch.tensor([case["input_ids"]]), max_new_tokens=case["max_new_tokens"], eos_token_id=None)[0]
+        got = generate(model, torch.tensor([case["input_ids"]]), max_new_tokens=case["max_new_tokens"],
+                       eos_token_id=None)[0]
         n = reliable_prefix(case)
         assert len(got) == case["max_new_tokens"]
         assert got[:n] == case["expect_new_ids"][:n], case["name"]
@@ -91,7 +92,8 @@ def test_cached_equals_recompute_with_prefix_and_sampling(golden):
     model = golden.model(pre_seq_len=case["pre_seq_len"], prefix_projection=case["prefix_projection"])
     model.load_prefix(golden.dir / case["prefix_file"])
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
-    kwargs = dict(max_new_tokens=10, sampling=SamplingOptions(do_sample=True, top_p=0.9, temperature=0.8, top_k=40), seed=7,
+    kwargs = dict(max_new_tokens=10, sampling=SamplingOptions(do_sample=True, top_p=0.9, temperature=0.8,
+                                                              top_k=40), seed=7,
                   eos_token_id=None)
     assert generate(model, ids, mask, **kwargs) == generate_recompute(model, ids, mask, **kwargs)
 
@@ -160,7 +162,8 @@ def test_vocab_limit_is_respected(golden, do_sample):
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
     unlimited = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None)
     limit = min(min(row) for row in unlimited)  # excludes every id the unlimited run picked
-    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, vocab_limit=limit, sampling=SamplingOptions(do_sample=do_sample), seed=0)
+    got = generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, vocab_limit=limit,
+                   sampling=SamplingOptions(do_sample=do_sample), seed=0)
     assert all(0 <= t < limit for row in got for t in row)
 
 
@@ -191,7 +194,8 @@ def test_generate_restores_training_mode(golden):
 def test_seeded_sampling_is_reproducible_and_per_row(golden):
     model = golden.model()
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
-    kwargs = dict(max_new_tokens=12, sampling=SamplingOptions(do_sample=True, top_p=0.95, temperature=1.5), eos_token_id=None)
+    kwargs = dict(max_new_tokens=12, sampling=SamplingOptions(do_sample=True, top_p=0.95, temperature=1.5),
+                  eos_token_id=None)
     a = generate(model, ids, mask, seed=123, **kwargs)
     assert a == generate(model, ids, mask, seed=123, **kwargs)
     assert a != generate(model, ids, mask, seed=124, **kwargs)
@@ -204,7 +208,8 @@ def test_temperature_zero_means_greedy(golden):
     model = golden.model()
     ids, mask = batch_of(golden.of_kind("batch_greedy")[0])
     greedy = generate(model, ids, mask, max_new_tokens=5, eos_token_id=None)
-    assert generate(model, ids, mask, max_new_tokens=5, eos_token_id=None, sampling=SamplingOptions(do_sample=True, temperature=0)) == greedy
+    assert generate(model, ids, mask, max_new_tokens=5, eos_token_id=None,
+                    sampling=SamplingOptions(do_sample=True, temperature=0)) == greedy
 
 
 @pytest.mark.parametrize("top_p", [0.0, -0.1, 1.01, float("nan")])
@@ -231,7 +236,8 @@ def test_generate_takes_its_sampling_as_one_validated_object(golden):
 def test_sampling_defaults():
     assert SamplingOptions().greedy
     assert (SamplingOptions().top_p, SamplingOptions().temperature) == (0.95, 0.95)
-    assert (CHAT_SAMPLING.do_sample, CHAT_SAMPLING.top_p, CHAT_SAMPLING.temperature, CHAT_SAMPLING.top_k) == (True, 0.7, 0.95, 50)
+    assert (CHAT_SAMPLING.do_sample, CHAT_SAMPLING.top_p, CHAT_SAMPLING.temperature,
+            CHAT_SAMPLING.top_k) == (True, 0.7, 0.95, 50)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,7 +327,8 @@ def test_chat_uses_the_official_prompt_and_history(tmp_path):
 
     tokenizer = train_tokenizer(["你好，我是人工智能助手。", "问：答：Round"] * 20, tmp_path, vocab_size=400)
     torch.manual_seed(0)
-    config = ChatGLMConfig.from_name("tiny", hidden_size=32, num_layers=1, num_attention_heads=2, inner_hidden_size=64, **tokenizer.config_overrides())
+    config = ChatGLMConfig.from_name("tiny", hidden_size=32, num_layers=1, num_attention_heads=2, inner_hidden_size=64,
+                                     **tokenizer.config_overrides())
     model = ChatGLMForConditionalGeneration(config).eval()
     response, history = chat(model, tokenizer, "你好", [("早", "早上好")], max_length=40, seed=1)
     ids = tokenizer.encode(chat_prompt("你好", [("早", "早上好")]))
@@ -334,7 +341,8 @@ def test_chat_uses_the_official_prompt_and_history(tmp_path):
     assert model.chat(tokenizer, "你好", [("早", "早上好")], max_length=40, seed=1) == (response, history)
     greedy, _ = model.chat(tokenizer, "你好", max_length=40, do_sample=False)
     ids = tokenizer.encode(chat_prompt("你好", None))
-    assert greedy == process_response(tokenizer.decode(generate(model, torch.tensor([ids]), max_new_tokens=40 - len(ids),
+    assert greedy == process_response(tokenizer.decode(generate(model, torch.tensor([ids]),
+                                                                max_new_tokens=40 - len(ids),
                                                                 vocab_limit=len(tokenizer))[0]))
     with pytest.raises(ValueError, match="no room left"):
         chat(model, tokenizer, "你好" * 30, max_length=10)

@@ -182,12 +182,14 @@ def test_lora_a_is_shared_and_lora_b_split_by_rows():
     a, b = torch.randn(4, 64), torch.randn(128, 4)
     key = "base_model.model.transformer.encoder.layers.2.self_attention.query_key_value.lora_{}.weight"
     shared = adapter_to_transformers(key.format("A"), a, (64, 32, 32))
-    assert [k for k, _ in shared] == [f"base_model.model.model.layers.2.self_attn.{p}_proj.lora_A.weight" for p in "qkv"]
+    assert [k for k, _ in shared] == [f"base_model.model.model.layers.2.self_attn.{p}_proj.lora_A.weight"
+                                      for p in "qkv"]
     assert all(torch.equal(t, a) for _, t in shared)
     split = adapter_to_transformers(key.format("B"), b, (64, 32, 32))
     assert torch.equal(torch.cat([t for _, t in split]), b) and [t.shape[0] for _, t in split] == [64, 32, 32]
     mlp = "base_model.model.transformer.encoder.layers.0.mlp.dense_h_to_4h.lora_B.weight"
-    assert adapter_to_transformers(mlp, b, (64, 32, 32))[0][0] == "base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"
+    assert (adapter_to_transformers(mlp, b, (64, 32, 32))[0][0]
+            == "base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight")
     assert adapter_to_transformers("base_model.model.something.else", b, (64, 32, 32)) is None
     assert adapter_targets(["query_key_value", "dense"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     with pytest.raises(ValueError, match="mlp_proj"):

@@ -437,7 +437,8 @@ def test_missing_and_unexpected_keys_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="missing weights: lm_head.weight"):
         load_glm(missing)
     (tmp_path / "b").mkdir()
-    extra = _copy_golden("glm4", tmp_path / "b", edit_state=lambda s: s.update({"transformer.extra.weight": torch.ones(2)}))
+    extra = _copy_golden("glm4", tmp_path / "b",
+                         edit_state=lambda s: s.update({"transformer.extra.weight": torch.ones(2)}))
     with pytest.raises(CheckpointError, match="unexpected key transformer.extra.weight"):
         load_glm(extra)
 
@@ -553,7 +554,8 @@ def test_official_sharded_bin_checkpoint_loads(tmp_path):
     golden = GOLDEN["chatglm3"]
     state = load_file(golden.dir / "model.safetensors")
     keys = sorted(state)
-    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2], "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
+    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+              "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
     for name, names in shards.items():
         torch.save({k: state[k] for k in names}, tmp_path / name)
     index = {"metadata": {}, "weight_map": {k: name for name, names in shards.items() for k in names}}
@@ -569,7 +571,8 @@ def test_official_sharded_bin_checkpoint_loads(tmp_path):
 def test_save_pretrained_is_the_official_layout(tmp_path):
     model = GOLDEN["glm4"].model()
     model.save_pretrained(tmp_path, dtype=torch.float16)
-    assert "transformer.encoder.layers.0.self_attention.query_key_value.bias" in load_file(tmp_path / "model.safetensors")
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "transformer.encoder.layers.0.self_attention.query_key_value.bias" in saved
     with pytest.raises(TypeError, match="safe_serialization"):
         model.save_pretrained(tmp_path, safe_serialization=True)
     again = GlmForCausalLMWithPrefix.from_pretrained(tmp_path)

@@ -32,7 +32,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VERSIONS = ("chatglm2", "chatglm3", "glm4")
 FORMATS = ((8, 0), (4, 0), (4, 32))  # (bits, group_size); INT4 group-wise is our extension
 OFFICIAL_LINEARS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
-HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+              "mlp.down_proj")
 INV_FREQ = "transformer.rotary_pos_emb.inv_freq"
 
 
@@ -94,13 +95,15 @@ def test_the_reference_packing_is_the_spec():
     assert torch.equal(unpack_pairs(packed), q)
 
 
-def write_official_int(version: str, directory: Path, bits: int, *, config_bits: int | None = None, state_bits: int | None = None) -> Path:
+def write_official_int(version: str, directory: Path, bits: int, *, config_bits: int | None = None,
+                       state_bits: int | None = None) -> Path:
     """An official INT`bits` directory made from the golden fp16 weights with the official rule (what the
     official `model.quantize(bits)` + `save_pretrained` writes): `weight` int8 + fp16 `weight_scale` for the
     four Linears, everything else as is, `quantization_bit` in config.json."""
     state = load_file(golden_dir(version) / "model.safetensors")
     for key in linear_keys(state):
-        state[key], state[key.removesuffix("weight") + "weight_scale"] = official_quantize(state[key], state_bits or bits)
+        state[key], state[key.removesuffix("weight")
+                          + "weight_scale"] = official_quantize(state[key], state_bits or bits)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, directory / "model.safetensors")
     config = raw_config(version)
@@ -181,9 +184,11 @@ def test_q_k_v_hold_the_row_split_of_the_fused_official_quantization(bits):
     original = load_file(golden_dir(version) / "model.safetensors")
     rows = qkv_rows(model.config)
     for n in range(model.config.num_hidden_layers):
-        fused_q, fused_scale = official_quantize(original[f"transformer.encoder.layers.{n}.self_attention.query_key_value.weight"], bits)
+        fused = original[f"transformer.encoder.layers.{n}.self_attention.query_key_value.weight"]
+        fused_q, fused_scale = official_quantize(fused, bits)
         attn = model.model.layers[n].self_attn
-        for layer, q, scale in zip((attn.q_proj, attn.k_proj, attn.v_proj), split_rows(fused_q, rows), split_rows(fused_scale, rows)):
+        for layer, q, scale in zip((attn.q_proj, attn.k_proj, attn.v_proj), split_rows(fused_q, rows),
+                                   split_rows(fused_scale, rows)):
             assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, scale)
             assert layer.bias.dtype == torch.float16  # biases stay float
 
@@ -349,7 +354,8 @@ def test_wrong_bits_are_refused(tmp_path):
 def test_a_config_that_disagrees_with_the_weights_is_refused(tmp_path):
     version = "chatglm3"
     packed_says_8 = write_official_int(version, tmp_path / "a", 4, config_bits=8)
-    with pytest.raises(CheckpointError, match=r"\.weight of shape \[64, 64\], the model expects \[64, 128\] \(config.json's quantization_bit=8"):
+    with pytest.raises(CheckpointError, match=r"\.weight of shape \[64, 64\], the model expects \[64, 128\] "
+                                              r"\(config.json's quantization_bit=8"):
         load_glm(packed_says_8)
     floats_say_4 = tmp_path / "b"
     shutil.copytree(golden_dir(version), floats_say_4)
@@ -399,4 +405,5 @@ def test_ptuning_prefix_on_a_quantized_base():
     ids = torch.tensor([case["input_ids"]])
     model(ids, labels=ids).loss.backward()
     assert model.prefix_encoder.embedding.weight.grad is not None  # the prefix learns through the INT8 layers
-    assert not any(p.grad is not None for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parameters())
+    assert not any(p.grad is not None for m in model.modules() if isinstance(m, QuantizedLinear)
+                   for p in m.parameters())

@@ -119,7 +119,8 @@ def test_a_stored_int_checkpoint_gets_its_embedding_and_head_quantized_too(tmp_p
 
 def test_quantizing_twice_or_a_tied_pair_on_load_is_refused():
     model = load_glm(golden_dir("chatglm3"), quantize_embedding=True)
-    with pytest.raises(TypeError, match="needs a float nn.Embedding and a bias-free nn.Linear head, not QuantizedEmbedding"):
+    with pytest.raises(TypeError,
+                       match="needs a float nn.Embedding and a bias-free nn.Linear head, not QuantizedEmbedding"):
         quantize_embedding(model)
     tied = load_glm(golden_dir("chatglm3"))
     tied.lm_head.weight = tied.model.embed_tokens.weight
@@ -228,7 +229,8 @@ def test_lora_sits_on_a_base_with_an_int8_embedding_and_head():
 @pytest.mark.parametrize("version", GLM_VERSIONS)
 def test_saving_the_int8_embedding_is_refused_but_a_prefix_saves(version, tmp_path):
     model = load_glm(golden_dir(version), quantize_embedding=True, pre_seq_len=4)
-    with pytest.raises(ValueError, match=r"holds its embedding in INT8 \(quantize_embedding: model.embed_tokens.weight_scale, "
+    with pytest.raises(ValueError,
+                       match=r"holds its embedding in INT8 \(quantize_embedding: model.embed_tokens.weight_scale, "
                                          r"lm_head.weight_scale\), a runtime form"):
         model.save_pretrained(tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
@@ -257,11 +259,13 @@ def test_train_and_infer_with_quantize_embedding_on_a_glm4_run(tmp_path, capsys)
         assert json.loads((tmp_path / run / "run_args.json").read_text())["quantize_embedding"] is True
         source = loading.resolve_run(tmp_path / run)
         assert source.quantize_embedding and "INT8 embedding" in source.identity()
-        assert_int8_embedding_and_head(loading.load_model(source).get_base_model() if run == "lora" else loading.load_model(source))
+        assert_int8_embedding_and_head(loading.load_model(source).get_base_model() if run == "lora"
+                                       else loading.load_model(source))
         capsys.readouterr()
         in_process("infer.py", "--model", tmp_path / run, *text)
         assert capsys.readouterr().out.endswith("\n")  # its answer's line, empty where the model stops at once
-    merged = loading.load_model(loading.resolve_run(tmp_path / "lora"), quantization_bit=8)  # merged, then INT8 after loading
+    # merged, then INT8 after loading
+    merged = loading.load_model(loading.resolve_run(tmp_path / "lora"), quantization_bit=8)
     assert_int8_embedding_and_head(merged)
     assert merged.config.quantization_bit == 8
     in_process("infer.py", "--model", tmp_path / "lora", "--quantization-bit", 8, *text)

@@ -28,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from jinja2 import TemplateError
-from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeLiteConfig,
-                          Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
+from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
+                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
 
 from chatglm_tune import from_pretrained
 from chatglm_tune.batches import encode_record, prompt_ids
@@ -42,12 +42,12 @@ from chatglm_tune.models.glm.latent_attention import ABSORBED_MAX_QUERIES
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE
 from chatglm_tune.models.glm.modeling import (Glm4ForCausalLMWithPrefix, Glm4MoeForCausalLMWithPrefix,
                                               Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix)
-from chatglm_tune.quant.experts import QuantizedExperts
 from chatglm_tune.options import EncodingOptions
 from chatglm_tune.records import SPORecord
 from test_versions import assert_record_text_is_data
 
-CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", "Hello world, the fan turns slowly: 42.", "水泵_部件故障_漏油"] * 10
+CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", "Hello world, the fan turns slowly: 42.",
+          "水泵_部件故障_漏油"] * 10
 ARCHITECTURES = {"glm4-0414": (Glm4Config, Glm4ForCausalLM, Glm4ForCausalLMWithPrefix),
                  "glm-edge": (GlmConfig, GlmForCausalLM, GlmForCausalLMWithPrefix),
                  "glm4-moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeForCausalLMWithPrefix),
@@ -197,7 +197,8 @@ def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
     saved = load_file(tmp_path / "full" / "model.safetensors")
     assert "transformer.prefix_encoder.embedding.weight" in saved and "model.layers.0.self_attn.o_proj.weight" in saved
     prefix_only = tmp_path / "prefix"
-    tuned.save_pretrained(prefix_only, state_dict={k: v for k, v in tuned.state_dict().items() if k.startswith("prefix_encoder.")})
+    tuned.save_pretrained(prefix_only, state_dict={k: v for k, v in tuned.state_dict().items()
+                                                   if k.startswith("prefix_encoder.")})
     again = from_pretrained(directory)
     again.load_prefix(prefix_only)
     with torch.no_grad():
@@ -293,7 +294,8 @@ def test_training_rows_are_the_templates_conversation(tiny):
     row, prompt = encode_record(record, tokenizer, NO_INSTRUCTION), prompt_ids(record, tokenizer, NO_INSTRUCTION)
     user = {"role": "user", "content": record.text}
     kwargs = tokenizer.prompt_format.template_kwargs  # thinking off, where a template thinks
-    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+    assert prompt == fast.apply_chat_template([user], add_generation_prompt=True, tokenize=True,
+                                              return_dict=False, **kwargs)
     conversation = fast.apply_chat_template([user, {"role": "assistant", "content": record.response}], tokenize=True,
                                             return_dict=False, **kwargs)
     if version == "glm-edge":  # its template always ends with <|assistant|>, which a trained answer does not
@@ -316,7 +318,8 @@ def moe_directory(directory, template: str, model_type: str | None = "glm4_moe")
     config.json of `model_type` (None: none)."""
     train_released_bpe(CORPUS, directory, "glm4-moe")
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}, ensure_ascii=False),
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template},
+                                                                ensure_ascii=False),
                                                      encoding="utf-8")
     if model_type:
         (directory / "config.json").write_text(json.dumps({"model_type": model_type}), encoding="utf-8")

@@ -29,9 +29,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "openmp", "cores", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix", "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "shards", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading", "rundir", "auto", "serve",
-         "export", ""}  # "": __init__
+SHARED = {"options", "heap", "openmp", "cores", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix",
+          "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
+UPPER = {"training", "extraction", "shards", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading",
+         "rundir", "auto", "serve", "export", ""}  # "": __init__
 FAMILIES = {"chatglm6b", "glm"}
 COMMANDS = {"cli", "__main__"}  # the top: they import any room, and no module outside them imports them
 
@@ -110,7 +111,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
     """Imports against the direction of the rooms."""
-    allowed = {"shared": {"shared"}, "interface": {"shared", "interface"}, "registry": {"shared", "interface", "family"}}
+    allowed = {"shared": {"shared"}, "interface": {"shared", "interface"},
+               "registry": {"shared", "interface", "family"}}
     out = []
     for module, imports in sorted(graph.items()):
         mine = room(module)
@@ -130,7 +132,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_checks_catch_a_circle_and_imports_against_the_rooms():
-    graph = {"chatglm_tune.batches": {"chatglm_tune.decoding.generation"}, "chatglm_tune.decoding.generation": {"chatglm_tune.batches"},
+    graph = {"chatglm_tune.batches": {"chatglm_tune.decoding.generation"},
+             "chatglm_tune.decoding.generation": {"chatglm_tune.batches"},
              "chatglm_tune.models.glm.modeling": {"chatglm_tune.models.chatglm6b.config", "chatglm_tune.loading"},
              "chatglm_tune.prefix": {"chatglm_tune.models.registry"}, "chatglm_tune.models.chatglm6b.config": set(),
              "chatglm_tune.loading": {"chatglm_tune.cli.config"}, "chatglm_tune.models.registry": set(),
@@ -195,8 +198,9 @@ def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
 def test_no_comment_or_docstring_points_outside_the_repository():
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"),
              *(ROOT / name for name in ("train.py", "infer.py", "quantize.py", "serve.py", "export.py"))]
-    found = [f"{path.relative_to(ROOT)}:{line}: {m.group(0)!r}" for path in sorted(files) if "__pycache__" not in path.parts
-             for line, text in _comments_and_docstrings(path) for m in _OUTSIDE.finditer(text)]
+    found = [f"{path.relative_to(ROOT)}:{line}: {m.group(0)!r}" for path in sorted(files)
+             if "__pycache__" not in path.parts for line, text in _comments_and_docstrings(path)
+             for m in _OUTSIDE.finditer(text)]
     assert found == []
 
 
@@ -243,8 +247,9 @@ def long_files(paths, limit: int = MAX_BENCH_FILE_LINES) -> list[str]:
 
 def test_the_size_checks_name_file_line_and_function(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(80))
-    code = (f"def short():\n    pass\n\n\nclass Server:\n    async def handle(self):\n{body.replace('    ', '        ')}\n\n"
-            f"def outer():\n    def inner():\n{body.replace('    ', '        ')}    return inner\n")
+    code = ("def short():\n    pass\n\n\nclass Server:\n    async def "
+            f"handle(self):\n{body.replace('    ', '        ')}\n\ndef outer():\n    def "
+            f"inner():\n{body.replace('    ', '        ')}    return inner\n")
     probe = tmp_path / "probe.py"
     probe.write_text(code, encoding="utf-8")
     assert long_functions(probe) == [f"{probe}:6: Server.handle is 81 lines (at most 80)",

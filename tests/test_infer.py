@@ -47,7 +47,8 @@ def workdir(tmp_path_factory):
     tokenizer = train_tokenizer(texts, model_dir, vocab_size=1000)
     torch.manual_seed(0)
     config = ChatGLMConfig.from_name(
-        "tiny", hidden_size=32, num_layers=2, num_attention_heads=2, inner_hidden_size=64, **tokenizer.config_overrides()
+        "tiny", hidden_size=32, num_layers=2, num_attention_heads=2, inner_hidden_size=64,
+        **tokenizer.config_overrides()
     )
     model = ChatGLMForConditionalGeneration(config)
     records = lines[:N_RECORDS - 1] + [json.dumps({"text": "没有标注的记录：发动机异响。"}, ensure_ascii=False)]
@@ -67,7 +68,8 @@ def make_some_rows_stop(model, tokenizer, input_file) -> None:
                 p.mul_(20)  # weights large enough that the prompt decides what is generated
     records, _ = read_records(input_file)
     batch = collate_prompts([prompt_ids(r, tokenizer) for r in records], SpecialIds.of(tokenizer))
-    out = generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=1, eos_token_id=None, vocab_limit=len(tokenizer))
+    out = generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=1, eos_token_id=None,
+                   vocab_limit=len(tokenizer))
     special = set(tokenizer.all_special_ids) | {tokenizer.gmask_token_id}
     token = Counter(row[0] for row in out if row[0] not in special).most_common(1)[0][0]
     emb = model.transformer.word_embeddings.weight
@@ -83,7 +85,8 @@ def infer_main(argv):
 
 
 def run_infer(workdir, output, *extra):
-    infer_main(["--model", workdir / "model", "--input", workdir / "input.jsonl", "--output", output, "--max-new-tokens", 10, *extra])
+    infer_main(["--model", workdir / "model", "--input", workdir / "input.jsonl", "--output", output,
+                "--max-new-tokens", 10, *extra])
     return [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
 
 
@@ -139,13 +142,15 @@ def test_compile_decodes_as_before_and_refuses_the_cpus_integer_kernels(workdir,
     from chatglm_tune.decoding import static_decoding
 
     # the static cache, each step run uncompiled (tests/test_static_decoding.py compiles it for real)
-    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *a: static_decoding.forward_step(model, *a))
+    monkeypatch.setattr(static_decoding, "compiled_step",
+                        lambda model: lambda *a: static_decoding.forward_step(model, *a))
     glm = tiny_model("chatglm3", tmp_path / "chatglm3")
     rows = {}
     for name, flags in (("plain", []), ("compiled", ["--compile"])):
         infer_main(["--model", glm, "--input", workdir / "input.jsonl", "--output", tmp_path / f"{name}.jsonl",
                     "--max-new-tokens", 10, "--batch-size", 3, *flags])
-        rows[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        rows[name] = [json.loads(line)
+                      for line in (tmp_path / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
     assert "decode steps compiled on a static cache" in capsys.readouterr().err
     assert rows["compiled"] == rows["plain"] and len(rows["plain"]) == N_RECORDS
     chatglm6b = {name: run_infer(workdir, tmp_path / f"6b-{name}.jsonl", "--batch-size", 3, *flags)
@@ -153,13 +158,15 @@ def test_compile_decodes_as_before_and_refuses_the_cpus_integer_kernels(workdir,
     assert chatglm6b["compiled"] == chatglm6b["plain"]  # its 2D positions and both-ways prompts on a static cache
     with pytest.raises(SystemExit) as stop:  # the CPU's INT4 kernel chooses its work in C++ at every call
         run_infer(workdir, tmp_path / "refused.jsonl", "--compile", "--quantization-bit", 4)
-    assert stop.value.code == 2 and "infer.py: error: --compile: compiled decoding runs float weights" in capsys.readouterr().err
+    assert (stop.value.code == 2
+            and "infer.py: error: --compile: compiled decoding runs float weights" in capsys.readouterr().err)
     assert not (tmp_path / "refused.jsonl").exists()
 
 
-@pytest.mark.parametrize("flags, message", [(["--no-speculative", "--max-draft", "2"], "--max-draft applies only with --speculative"),
-                                            (["--compile", "--speculative"], "--compile and --speculative do not combine"),
-                                            (["--speculative", "--max-draft", "0"], "--max-draft must be >= 1, got 0")])
+@pytest.mark.parametrize("flags, message",
+                         [(["--no-speculative", "--max-draft", "2"], "--max-draft applies only with --speculative"),
+                          (["--compile", "--speculative"], "--compile and --speculative do not combine"),
+                          (["--speculative", "--max-draft", "0"], "--max-draft must be >= 1, got 0")])
 def test_max_draft_needs_speculation_and_a_positive_count(workdir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:
         run_infer(workdir, tmp_path / "out.jsonl", *flags)
@@ -169,9 +176,11 @@ def test_max_draft_needs_speculation_and_a_positive_count(workdir, tmp_path, cap
 def test_rows_equal_direct_generation(workdir):
     model, tokenizer = load_run(resolve_run(workdir / "model"))
     records, _ = read_records(workdir / "input.jsonl")
-    rows = [r for ready in extract(model, tokenizer, records[:4], ExtractionSettings(batch_size=4, max_new_tokens=10)) for r in ready]
+    rows = [r for ready in extract(model, tokenizer, records[:4], ExtractionSettings(batch_size=4, max_new_tokens=10))
+            for r in ready]
     for row, record in zip(rows, records):
-        ids = generate(model, torch.tensor([prompt_ids(record, tokenizer)]), max_new_tokens=10, vocab_limit=len(tokenizer))[0]
+        ids = generate(model, torch.tensor([prompt_ids(record, tokenizer)]), max_new_tokens=10,
+                       vocab_limit=len(tokenizer))[0]
         assert row["new_tokens"] == len(ids) and row["generated"] == tokenizer.decode(ids).strip()
 
 
@@ -190,7 +199,8 @@ def test_resume_after_sigkill_gives_the_uninterrupted_file(workdir, tmp_path):
         f"sys.argv = [{str(INFER)!r}, *{args!r}]; runpy.run_path({str(INFER)!r}, run_name='__main__')"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", stalled_infer], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", stalled_infer], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         wait_until(stalled.exists, "infer.py writing 3 rows", alive=lambda: proc.poll() is None)
         os.kill(proc.pid, signal.SIGKILL)
@@ -234,7 +244,8 @@ def test_resume_with_another_model_is_refused_naming_both(workdir, tmp_path, cap
     with pytest.raises(SystemExit) as stopped:
         run_infer(workdir, out, "--batch-size", 4, "--resume", "--quantization-bit", "8")
     assert stopped.value.code == 2
-    assert re.search(r"written by .*model, weights as stored; this run's model is .*model, INT8", capsys.readouterr().err)
+    assert re.search(r"written by .*model, weights as stored; this run's model is .*model, INT8",
+                     capsys.readouterr().err)
     assert out.read_bytes() == before
 
 
@@ -262,7 +273,8 @@ def test_seeded_sampling_is_resumable(workdir, tmp_path):
 def test_text_one_off(workdir, capsys):
     infer_main(["--model", workdir / "model", "--text", "故障现象：发动机异响。", "--max-new-tokens", 6])
     model, tokenizer = load_run(resolve_run(workdir / "model"))
-    row = next(r for ready in extract(model, tokenizer, [SPORecord("故障现象：发动机异响。", None)], ExtractionSettings(max_new_tokens=6)) for r in ready)
+    row = next(r for ready in extract(model, tokenizer, [SPORecord("故障现象：发动机异响。", None)],
+                                      ExtractionSettings(max_new_tokens=6)) for r in ready)
     assert capsys.readouterr().out.splitlines()[0] == row["generated"]
 
 
@@ -370,5 +382,6 @@ def test_a_train_run_directory_is_enough(train_runs, tuning, tmp_path):
     if tuning != "full":  # the same model through the adapter flags on the base
         flag = "--ptuning-checkpoint" if tuning == "ptuning" else "--lora"
         flagged = tmp_path / "flagged.jsonl"
-        infer_main(["--model", train_runs / "full", flag, run, "--input", train_runs / "dev.jsonl", "--output", flagged])
+        infer_main(["--model", train_runs / "full", flag, run, "--input", train_runs / "dev.jsonl",
+                    "--output", flagged])
         assert flagged.read_bytes() == out.read_bytes()

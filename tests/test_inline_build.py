@@ -63,7 +63,8 @@ def leftovers(cache: Path) -> list[str]:
 def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(gated, sig):
     environment, gate, cache = gated
     first = start_build(environment)
-    wait_until(lambda: gate.with_suffix(".started").exists(), "the first build's compiler", alive=lambda: first.poll() is None)
+    wait_until(lambda: gate.with_suffix(".started").exists(), "the first build's compiler",
+               alive=lambda: first.poll() is None)
     os.killpg(first.pid, sig)  # the process and its compiler, as Ctrl-C in a terminal or a job's end reaches both
     assert first.wait(HANG_S) != 0
     assert not library().exists()
@@ -81,7 +82,8 @@ def test_a_waiting_process_says_for_what_then_loads_the_others_build(gated, monk
     environment, gate, cache = gated
     monkeypatch.setattr(inline_build, "SAY_AFTER_S", 0.0)
     builder = start_build(environment)
-    wait_until(lambda: gate.with_suffix(".started").exists(), "the build's compiler", alive=lambda: builder.poll() is None)
+    wait_until(lambda: gate.with_suffix(".started").exists(), "the build's compiler",
+               alive=lambda: builder.poll() is None)
 
     def open_gate_once_said():
         wait_until(lambda: "to finish building the test kernel" in capfd.readouterr().err, "the waiting message")
@@ -102,7 +104,8 @@ def test_a_builder_that_is_stopped_not_ended_is_waited_for_no_longer_than_the_li
     monkeypatch.setattr(inline_build, "WAIT_LIMIT_S", 0.5)
     builder = start_build(environment)
     try:
-        wait_until(lambda: gate.with_suffix(".started").exists(), "the build's compiler", alive=lambda: builder.poll() is None)
+        wait_until(lambda: gate.with_suffix(".started").exists(), "the build's compiler",
+                   alive=lambda: builder.poll() is None)
         os.killpg(builder.pid, signal.SIGSTOP)
         gate.with_suffix(".open").touch()  # for this process's own compiler
         assert inline_build.build(NAME, SOURCE, [], "the test kernel", "nothing")
@@ -116,7 +119,8 @@ def test_each_kernel_source_flags_and_torch_install_has_its_own_folder(monkeypat
     monkeypatch.setenv("CHATGLM_TUNE_KERNELS", str(tmp_path))
     here = inline_build.library_path(NAME, SOURCE, [])
     assert here.parent.parent == tmp_path and torch.__version__.split("+")[0] in here.parent.name
-    assert len({here, inline_build.library_path(NAME, SOURCE + "\n", []), inline_build.library_path(NAME, SOURCE, ["-mavx2"]),
+    assert len({here, inline_build.library_path(NAME, SOURCE + "\n", []),
+                inline_build.library_path(NAME, SOURCE, ["-mavx2"]),
                 inline_build.library_path("chatglm_other", SOURCE, [])}) == 4
     monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
     assert inline_build.library_path(NAME, SOURCE, []) != here

@@ -152,6 +152,7 @@ def test_quantized_linear_falls_back_where_it_cannot_route_here(monkeypatch):
         x = torch.randn(1, 256)
         y = layer(x)
         assert layer.last_kernel == "int4cpu" and layer.held_layout is None
-        ref = F.linear(x, dequantize(layer.state_dict()["weight"], layer.weight_scale, 4, torch.float32), layer.bias.float())
+        ref = F.linear(x, dequantize(layer.state_dict()["weight"], layer.weight_scale, 4, torch.float32),
+                       layer.bias.float())
         assert rel_err(y, ref) < TOL[torch.float32]
     assert kernels.KERNELS.count("int4cpu") == 1

@@ -7,15 +7,16 @@ int8 there too where asked).
   to fp32 accumulation rounding (relative 1e-5; measured below 1e-6), on odd shapes: `in` not a multiple of 64
   or 128 (a partial chunk), of 32 (a partial block), `out` not a multiple of 4 (single rows), M = 1..5, on 1 and
   2 threads (bit-identical: each output is summed by one thread in one order), on every path this CPU runs.
-- The interleaved layout (`pack`, what QuantizedLinear holds for short rows) gives the same outputs bit for bit as the official
-  one, read by either path whatever path it was packed for, and `unpack` gives back the official rows.
+- The interleaved layout (`pack`, what QuantizedLinear holds for short rows) gives the same outputs bit for bit as the
+  official one, read by either path whatever path it was packed for, and `unpack` gives back the official rows.
 - Small-integer inputs (block absmax 127, so d = 1; unit weight scales) give the integer matmul exactly.
 - Against the fp32 dequantized math, int8 activations: relative error 0.5% with Gaussian activations (the toolkit's
   kernel tolerance is 1e-2; bf16 activations give 0.2%), 1.3% with a few outlier columns 50x the rest (bound
   2e-2), where one scale per row of x gives 8.3%: hence the blocks. int16 activations (INT8's default): < 1e-4.
 - QuantizedLinear routes decode (at most `MAX_ROWS` rows; INT8 and per-row INT4) here where it is available, and
   prefill where no gradient flows through x (INT4; INT8 in fp32, or bf16 up to `MAX_ROWS_INT8_BF16` rows), holds
-  the weight once (interleaved, the official one rebuilt for saving), and falls back to the previous kernels where it cannot build (one warning).
+  the weight once (interleaved, the official one rebuilt for saving), and falls back to the previous kernels where it
+  cannot build (one warning).
 Kernel tests skip where it cannot run (not x86-64 with AVX2, or no compiler).
 """
 
@@ -31,8 +32,10 @@ from chatglm_tune.quant.format import dequantize, pack_int4, quantize_weight
 from chatglm_tune.quant.modules import QuantizedLinear
 
 ISAS = int8dot_cpu.supported_isas()
-needs_kernel = pytest.mark.skipif(not int8dot_cpu.available(), reason="the int8 dot-product kernel cannot run or be built here")
-each_isa = pytest.mark.parametrize("isa", ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="no path runs here"))])
+needs_kernel = pytest.mark.skipif(not int8dot_cpu.available(),
+                                  reason="the int8 dot-product kernel cannot run or be built here")
+each_isa = pytest.mark.parametrize("isa",
+                                   ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="no path runs here"))])
 
 
 def rel_err(y, ref) -> float:
@@ -60,7 +63,8 @@ def test_activation_quantization_is_the_pytorch_one_bit_for_bit(in_features, act
     qmax, block = 2 ** (act - 1) - 1, int8dot_cpu.ACT_BLOCKS[act]
     x = activations(4, in_features, outliers=True)
     x[1] = 0  # a zero row: scale 0, integers 0
-    ties = torch.tensor([qmax, 0.5, -0.5, 1.5, 2.5, -2.5, qmax - 0.5])[:in_features]  # block absmax qmax: d = 1, exact ties
+    # block absmax qmax: d = 1, exact ties
+    ties = torch.tensor([qmax, 0.5, -0.5, 1.5, 2.5, -2.5, qmax - 0.5])[:in_features]
     x[2, :block] = 0
     x[2, : len(ties)] = ties  # round half to even: 0, -0, 2, 2, -2, qmax - 1
     q, d = int8dot_cpu.quantize_activations(x, act)
@@ -73,7 +77,8 @@ def test_activation_quantization_is_the_pytorch_one_bit_for_bit(in_features, act
 @needs_kernel
 @each_isa
 @pytest.mark.parametrize("bits, act", [(8, 16), (8, 8), (4, 8)])
-@pytest.mark.parametrize("out_features, in_features", [(36, 1056), (37, 200), (5, 130), (7, 96), (13, 4160), (3, 62), (1, 2)])
+@pytest.mark.parametrize("out_features, in_features",
+                         [(36, 1056), (37, 200), (5, 130), (7, 96), (13, 4160), (3, 62), (1, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_equals_the_same_arithmetic_in_pytorch(isa, bits, act, out_features, in_features, threads):
     weight, scale = official(bits, out_features, in_features)
@@ -107,7 +112,8 @@ def test_the_interleaved_layout_reads_back_and_serves_either_path(bits, out_feat
         assert torch.equal(int8dot_cpu.unpack(packed, 0, out_features, weight.shape[1]), weight)
         assert torch.equal(int8dot_cpu.unpack(packed, 3, min(11, out_features), weight.shape[1]), weight[3:11])
         for isa in ISAS:  # a layout made for one path is read right by the other
-            assert torch.equal(int8dot_cpu.matmul(x, packed, scale, bits, isa), int8dot_cpu.matmul(x, weight, scale, bits, isa))
+            assert torch.equal(int8dot_cpu.matmul(x, packed, scale, bits, isa),
+                               int8dot_cpu.matmul(x, weight, scale, bits, isa))
         # in place (no padding needed: out a multiple of 8, rows of whole chunks): the same bytes, rearranged
         own = weight.clone()
         in_place = int8dot_cpu.pack(own, packed_for, in_place=True)
@@ -148,7 +154,8 @@ def test_groups_of_rows_equal_one_call_a_group(isa, bits, act):
     for layout in ("official", "interleaved"):
         weights = [w if layout == "official" else int8dot_cpu.pack(w, isa) for w, _ in parts]
         for order in (range(4), (2, 0, 3, 1)):  # rows of x read in any order
-            want = torch.cat([int8dot_cpu.matmul(x[starts[g]:starts[g] + counts[g]], weights[g], parts[g][1], bits, isa, act)
+            want = torch.cat([int8dot_cpu.matmul(x[starts[g]:starts[g] + counts[g]], weights[g], parts[g][1],
+                                                 bits, isa, act)
                               for g in order if counts[g]])
             got = int8dot_cpu.matmul_groups(x, [starts[g] for g in order], [counts[g] for g in order],
                                             [weights[g] for g in order], [parts[g][1] for g in order], bits, isa, act)
@@ -265,7 +272,8 @@ def test_quantized_linear_routes_decode_and_prefill_here(bits):
     official_weight = layer.weight.clone()
     for rows in range(1, int8dot_cpu.MAX_ROWS + 1, 3):
         x = torch.randn(rows, 256, dtype=torch.bfloat16)
-        ref = F.linear(x.float(), dequantize(official_weight, layer.weight_scale, bits, torch.float32), layer.bias.float())
+        ref = F.linear(x.float(), dequantize(official_weight, layer.weight_scale, bits, torch.float32),
+                       layer.bias.float())
         y = layer(x)
         assert layer.last_kernel == "int8dot" and y.dtype == torch.bfloat16
         assert rel_err(y, ref) < 1e-2
@@ -399,8 +407,10 @@ def test_a_failed_build_keeps_the_previous_kernels_with_one_warning(monkeypatch,
 
 
 @needs_kernel
-@pytest.mark.parametrize("batch, rows, entries, width, rope", [(1, 20, 104, 512, 64), (2, 7, 33, 40, 12), (3, 1, 1, 8, 4)])
-def test_latent_attentions_products_are_exact_sums_with_the_same_bits_at_any_thread_count(batch, rows, entries, width, rope):
+@pytest.mark.parametrize("batch, rows, entries, width, rope",
+                         [(1, 20, 104, 512, 64), (2, 7, 33, 40, 12), (3, 1, 1, 8, 4)])
+def test_latent_attentions_products_are_exact_sums_with_the_same_bits_at_any_thread_count(batch, rows, entries, width,
+                                                                                          rope):
     """Latent attention's scores (q keys^T + q_rot shared^T) and weighted sums (p keys) from the cache's views (rows of
     a longer buffer): float32 sums within rounding of the float64 ones, and the same bits on one thread and two."""
     g = torch.Generator().manual_seed(entries)

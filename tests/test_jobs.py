@@ -62,7 +62,8 @@ def test_slurm_script_stops_on_usr1_requeues_and_the_requeued_job_finishes(data,
     assert 1 <= stopped_at < 40
     again = job()  # the requeued job: the same script
     out, _ = again.communicate(timeout=HANG_S)
-    assert again.returncode == 0 and "--resume auto: continuing the run" in out and f"at step {stopped_at}" in out, out[-3000:]
+    assert (again.returncode == 0 and "--resume auto: continuing the run" in out
+            and f"at step {stopped_at}" in out), out[-3000:]
     assert steps(run) == 40
     last = job()  # requeued once more (a node failure after the end): nothing to do
     out, _ = last.communicate(timeout=HANG_S)
@@ -81,7 +82,9 @@ def test_kubernetes_jobs_command_continues_after_sigterm_in_a_new_pod(data, tmp_
     argv = [places.get(a, a) for a in command[2:]] + shlex.split(SMALL.replace("--max-steps 40", "--max-steps 6"))[2:]
     pod_once = [sys.executable, str(ROOT / "train.py"), *argv]
     stopped = subprocess.run(pod_once, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
-                             env=os.environ | ONE_THREAD | {crashpoints.AT_ENV: crashpoints.spell("train-step", 3, "SIGTERM")})
+                             env=os.environ | ONE_THREAD
+                             | {crashpoints.AT_ENV: crashpoints.spell("train-step", 3, "SIGTERM")})
     assert stopped.returncode == 143 and "interrupted by SIGTERM after step 3" in stopped.stderr, stopped.stderr[-2000:]
-    restarted = subprocess.run(pod_once, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env=os.environ | ONE_THREAD)
+    restarted = subprocess.run(pod_once, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
+                               env=os.environ | ONE_THREAD)
     assert restarted.returncode == 0 and "continuing the run" in restarted.stderr and steps(tmp_path / "run") == 6

@@ -72,7 +72,8 @@ def test_chunks_are_recomputed_not_kept_in_the_backward():
 def test_no_grad_evaluation_equals_and_bad_chunk_is_refused():
     head, hidden, labels = case(seed=1)
     with torch.no_grad():
-        torch.testing.assert_close(causal_lm_loss(head, hidden, labels, chunk_tokens=3), plain_loss(head, hidden, labels))
+        torch.testing.assert_close(causal_lm_loss(head, hidden, labels, chunk_tokens=3),
+                                   plain_loss(head, hidden, labels))
     with pytest.raises(ValueError, match="chunk_tokens"):
         causal_lm_loss(head, hidden, labels, chunk_tokens=0)
 

@@ -108,6 +108,7 @@ def test_the_shipped_sets_are_what_the_generator_writes(name, tmp_path):
         pytest.skip(f"{shipped} not generated")
     md.write_splits(md.DOMAINS[name], tmp_path)  # the defaults of `--all`
     for split in ("train.jsonl", "dev.jsonl"):
-        assert (shipped / split).read_bytes() == (tmp_path / split).read_bytes(), f"{name}/{split}: rerun make_domains.py --all"
+        assert (shipped / split).read_bytes() == (tmp_path / split).read_bytes(), (
+            f"{name}/{split}: rerun make_domains.py --all")
     train, _ = read_records(shipped / "train.jsonl")
     assert 2000 <= len(train) + 200 <= 5000 and (shipped / "train.jsonl").stat().st_size < 2_000_000

@@ -22,7 +22,8 @@ D = Triple("万用表", "检测工具", "电压")
 
 
 def test_parse_strips_dedupes_and_counts_malformed_lines():
-    text = " 发动机 _ 部件故障 _异响 \n\n发动机_部件故障_异响\n水泵_部件故障\n水泵_部件故障_漏油_x\n_部件故障_漏油\n油压_性能故障_偏低\n"
+    text = (" 发动机 _ 部件故障 _异响 \n\n发动机_部件故障_异响\n水泵_部件故障\n"
+            "水泵_部件故障_漏油_x\n_部件故障_漏油\n油压_性能故障_偏低\n")
     parsed = parse_triples(text)
     assert parsed.triples == (A, C)
     assert parsed.malformed == ("水泵_部件故障", "水泵_部件故障_漏油_x", "_部件故障_漏油")
@@ -92,5 +93,6 @@ def test_incremental_equals_batch_and_to_dict():
     run = score_answers(generated, [SPORecord("文本", tuple(t)) for t in gold])  # the run-level scores
     assert run == {**d, "score": d["micro"]["f1"]}
     assert set(d) == {"records", "scored_records", "malformed_lines", "micro", "sample_f1", "per_relation"}
-    assert d["micro"] == {"precision": 2 / 3, "recall": 0.5, "f1": pytest.approx(4 / 7), "tp": 2, "n_pred": 3, "n_gold": 4}
+    assert d["micro"] == {"precision": 2 / 3, "recall": 0.5, "f1": pytest.approx(4 / 7), "tp": 2,
+                          "n_pred": 3, "n_gold": 4}
     assert list(d["per_relation"]) == sorted(d["per_relation"])

@@ -78,7 +78,8 @@ def test_transformers_generate_reproduces_golden_greedy(golden):
     for case in golden.of_kind("greedy"):
         ids = torch.tensor([case["input_ids"]])
         out = model.generate(ids, max_new_tokens=case["max_new_tokens"], do_sample=False, eos_token_id=None)
-        assert _greedy_ids_match(out[0, ids.shape[1]:].tolist(), case["expect_new_ids"], case["step_margins"]), case["name"]
+        assert _greedy_ids_match(out[0, ids.shape[1]:].tolist(), case["expect_new_ids"],
+                                 case["step_margins"]), case["name"]
     (case,) = golden.of_kind("batch_greedy")
     ids = torch.tensor(case["input_ids"])
     out = model.generate(ids, attention_mask=left_pad_mask(ids, model.config.pad_token_id),

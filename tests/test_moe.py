@@ -42,9 +42,9 @@ def expert_lora(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"{version}-lora")
     data = root / "data.jsonl"
     data.write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:8]) + "\n", encoding="utf-8")
-    in_process("train.py", "--model", directory, "--tuning", "lora", "--lora-target", "o_proj", *EXPERT_TARGETS, "--lora-dropout", 0,
-               "--train-file", data, "--max-src-len", 64, "--max-len", 96, "--batch-size", 4, "--threads", 1,
-               "--max-steps", 3, "--lr", "5e-2", "--output-dir", root / "lora")
+    in_process("train.py", "--model", directory, "--tuning", "lora", "--lora-target", "o_proj", *EXPERT_TARGETS,
+               "--lora-dropout", 0, "--train-file", data, "--max-src-len", 64, "--max-len", 96, "--batch-size", 4,
+               "--threads", 1, "--max-steps", 3, "--lr", "5e-2", "--output-dir", root / "lora")
     return root / "lora"
 
 
@@ -117,17 +117,21 @@ def test_int_experts_run_only_the_chosen_experts_as_the_float_ones_quantized(tin
     with torch.no_grad():
         for e in range(experts.gate_up_proj.shape[0]):
             expert = quantized.expert(e)
-            fused = [dequantize(p.weight, p.weight_scale, bits, torch.float32) for p in (expert.gate_proj, expert.up_proj)]
+            fused = [dequantize(p.weight, p.weight_scale, bits, torch.float32)
+                     for p in (expert.gate_proj, expert.up_proj)]
             experts.gate_up_proj[e] = torch.cat(fused)
-            experts.down_proj[e] = dequantize(expert.down_proj.weight, expert.down_proj.weight_scale, bits, torch.float32)
+            experts.down_proj[e] = dequantize(expert.down_proj.weight, expert.down_proj.weight_scale,
+                                              bits, torch.float32)
         want = experts(hidden, index, weights)
         calls = []
         for e in range(quantized.num_experts):
             quantized.expert(e).register_forward_pre_hook(lambda m, args, e=e: calls.append(e))
         got = quantized(hidden, index, weights)  # in grouped calls where the integer-dot kernel runs, else one by one
     ran = set(calls) | {e for e in range(quantized.num_experts)
-                        if all(getattr(quantized.expert(e), name).last_kernel for name in ("gate_proj", "up_proj", "down_proj"))}
-    assert sorted(calls) == sorted(set(calls)) and sorted(ran) == [0, 1, 2, 3, 5, 6, 7]  # each chosen expert once, no other
+                        if all(getattr(quantized.expert(e), name).last_kernel
+                               for name in ("gate_proj", "up_proj", "down_proj"))}
+    # each chosen expert once, no other
+    assert sorted(calls) == sorted(set(calls)) and sorted(ran) == [0, 1, 2, 3, 5, 6, 7]
     with torch.no_grad():
         for row in range(5):  # one token (a decode step) alone: what the batch gave it
             assert torch.allclose(quantized(hidden[row:row + 1], index[row:row + 1], weights[row:row + 1]),
@@ -297,9 +301,9 @@ def test_latent_decode_steps_over_int_weights_read_the_integer_kv_b_proj(tmp_pat
 @pytest.mark.parametrize("bits,dtype", ((4, torch.float32), (8, torch.bfloat16)))
 def test_a_latent_layers_decode_step_runs_in_cpp_with_the_same_bits(tmp_path_factory, monkeypatch, bits, dtype):
     """GLM-4.7-Flash over INT weights: a one-token decode step of a layer with experts, or of the dense first layer,
-    runs as one held C++ step (none of its projections' forwards called), its scores equal bit for bit to the Python step's, a left-padded prompt's
-    mask included; a norm's weight replaced is read by the step made again; a hook on one of its modules sends the step
-    back to the modules, and so does a float projection swapped in."""
+    runs as one held C++ step (none of its projections' forwards called), its scores equal bit for bit to the Python
+    step's, a left-padded prompt's mask included; a norm's weight replaced is read by the step made again; a hook on one
+    of its modules sends the step back to the modules, and so does a float projection swapped in."""
     from chatglm_tune import from_pretrained
     from chatglm_tune.decoding.batch_cache import BatchCache
     from chatglm_tune.models.glm.latent_layer import LatentLayer

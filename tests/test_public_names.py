@@ -21,18 +21,20 @@ PACKAGE = ROOT / "chatglm_tune"
 # A backticked dotted name in a docstring, optionally called: `a.b`, `a.b.c()`.
 CITED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`")
 # File names (`config.json`, `ice_text.model`) are not citations of code.
-FILE_SUFFIXES = {"json", "jsonl", "model", "bin", "safetensors", "py", "cpp", "md", "yaml", "txt", "jinja", "gguf", "html",
-                 "png", "so", "pt", "csv"}
+FILE_SUFFIXES = {"json", "jsonl", "model", "bin", "safetensors", "py", "cpp", "md", "yaml", "txt", "jinja",
+                 "gguf", "html", "png", "so", "pt", "csv"}
 # The first parts of dotted names that are objects or fields, not modules: `model.chat`, `config.pre_seq_len`,
 # `self.x`. A cited name that starts with none of these, no module of the package and no importable module fails, so
 # a docstring that names a module under an old name (`data.prompt_ids` after `data` became `batches`) is caught.
-OBJECTS = {"self", "cls", "model", "config", "tokenizer", "args", "run_args", "transformer", "mlp", "layers", "accelerator",
-           "call", "rope", "lora_B", "lora_A", "adapter_config", "adapter_model", "pytorch_model", "tokenizer_config",
-           "stream_options", "general", "embedding", "module", "page", "settings", "encoding", "family", "linear",
-           "options", "request", "ice_text", "infer", "train", "quantize", "exp_probs_b", "trainer_spec",
-           "modeling_chatglm", "tokenization_chatglm", "configuration_chatglm", "finetune", "finetune_hf"}
+OBJECTS = {"self", "cls", "model", "config", "tokenizer", "args", "run_args", "transformer", "mlp",
+           "layers", "accelerator", "call", "rope", "lora_B", "lora_A", "adapter_config", "adapter_model",
+           "pytorch_model", "tokenizer_config", "stream_options", "general", "embedding", "module", "page", "settings",
+           "encoding", "family", "linear", "options", "request", "ice_text", "infer", "train", "quantize",
+           "exp_probs_b", "trainer_spec", "modeling_chatglm", "tokenization_chatglm", "configuration_chatglm",
+           "finetune", "finetune_hf"}
 # Short names of outside modules and classes the docstrings use.
-ALIASES = {"aten": "torch.ops.aten", "nn": "torch.nn", "F": "torch.nn.functional", "AutoConfig": "transformers.AutoConfig"}
+ALIASES = {"aten": "torch.ops.aten", "nn": "torch.nn", "F": "torch.nn.functional",
+           "AutoConfig": "transformers.AutoConfig"}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -53,8 +55,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def test_every_public_name_is_imported_and_called(tiny_dir):
-    assert chatglm_tune.__all__ == ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel", "ChatGLMTokenizer",
-                                    "from_pretrained", "generate", "load_tokenizer"]
+    assert chatglm_tune.__all__ == ["ChatGLMConfig", "ChatGLMForConditionalGeneration", "ChatGLMModel",
+                                    "ChatGLMTokenizer", "from_pretrained", "generate", "load_tokenizer"]
     tokenizer = chatglm_tune.load_tokenizer(tiny_dir)
     assert isinstance(tokenizer, chatglm_tune.ChatGLMTokenizer)
     assert chatglm_tune.ChatGLMTokenizer(tokenizer.vocab_file).encode("制动钳") == tokenizer.encode("制动钳")
@@ -137,12 +139,14 @@ class Source:
             if isinstance(node, ast.ClassDef):
                 self.classes.setdefault(node.name, set()).update(top_level_names(node) | instance_names(node))
                 self.bases.setdefault(node.name, set()).update(ast.unparse(b).split(".")[-1] for b in node.bases)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)) and ast.get_docstring(node):
                 where = f"{path.relative_to(package.parent)}:{getattr(node, 'lineno', 1)}"
                 self.docstrings.append((where, ast.get_docstring(node)))
 
     def module_paths(self, name: str) -> list[str]:
-        """The package's modules that `name` may mean: a full dotted path, or its last parts (`apply`, `quant.apply`)."""
+        """The package's modules that `name` may mean: a full dotted path, or its last parts (`apply`,
+        `quant.apply`)."""
         if name == "chatglm_tune" or name.startswith("chatglm_tune."):  # a full path means that module only
             return [m for m in self.modules if m == name.removeprefix("chatglm_tune").removeprefix(".")]
         return [m for m in self.modules if m == name or m.endswith("." + name)]
@@ -157,7 +161,8 @@ class Source:
         for cut in range(len(parts), 0, -1):
             paths = self.module_paths(".".join(parts[:cut]))
             if paths:
-                return None if any(self._has(m, parts[cut:]) for m in paths) else f"{'.'.join(parts[cut:])} not in {paths}"
+                return None if any(self._has(m, parts[cut:])
+                                   for m in paths) else f"{'.'.join(parts[cut:])} not in {paths}"
         if parts[0] in self.classes:
             return None if self.member(parts[0], parts[1]) else "no such member"
         return None if resolves(cited) else "no module or class of that name"
@@ -202,8 +207,9 @@ def instance_names(node: ast.ClassDef) -> set[str]:
 
 def lazy_names(tree: ast.Module) -> set[str]:
     """The names a package hands out at first use: the keys of its top-level `_PUBLIC` table."""
-    return {k.value for n in tree.body if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_PUBLIC" for t in n.targets)
-            for k in n.value.keys if isinstance(k, ast.Constant)}
+    return {k.value for n in tree.body if isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "_PUBLIC" for t in n.targets) for k in n.value.keys
+            if isinstance(k, ast.Constant)}
 
 
 def submodules(path: Path) -> set[str]:
@@ -233,7 +239,8 @@ def test_a_stale_citation_is_caught(source, name):
 
 
 @pytest.mark.parametrize("name", ["batches.prompt_ids", "quant.apply", "sampling.row_generators", "config.json",
-                                  "model.chat", "torch.backends.cpu.get_cpu_capability", "decoding.generation.generate"])
+                                  "model.chat", "torch.backends.cpu.get_cpu_capability",
+                                  "decoding.generation.generate"])
 def test_a_live_citation_resolves(source, name):
     assert source.problem(name) is None
 
@@ -248,6 +255,7 @@ def test_the_registry_table_and_the_package_description_name_every_version():
     table = ast.get_docstring(ast.parse((PACKAGE / "models" / "registry.py").read_text(encoding="utf-8")))
     listed = {line.split()[0] for line in table.splitlines() if line.startswith("    ")}
     assert listed == set(registry.VERSIONS)
-    description = re.search(r'^description = "(.*)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
+    description = re.search(r'^description = "(.*)"$',
+                            (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
     for shown in ("ChatGLM-6B", "ChatGLM2", "ChatGLM3", "GLM-4", "GLM-4-0414", "GLM-Edge", "GLM-4.5", "GLM-4.7-Flash"):
         assert shown in description

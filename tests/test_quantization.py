@@ -184,9 +184,11 @@ def test_int4pack_per_row_scales_are_applied_to_the_output_and_the_unit_scales_s
     for layer in (a, b):
         layer.kernel = "int4pack"
     ya, yb = a(x), b(x)
-    assert a.weight_for("int4pack")[2] is b.weight_for("int4pack")[2] and torch.equal(a.weight_for("int4pack")[2][..., 0], torch.ones(1, 64).bfloat16())
+    assert (a.weight_for("int4pack")[2] is b.weight_for("int4pack")[2]
+            and torch.equal(a.weight_for("int4pack")[2][..., 0], torch.ones(1, 64).bfloat16()))
     assert torch.equal(yb, ya * 4)
-    assert rel_err(ya, F.linear(x, dequantize(a.state_dict()["weight"], a.weight_scale, 4, x.dtype))) < TOL[torch.bfloat16]
+    assert rel_err(ya, F.linear(x, dequantize(a.state_dict()["weight"], a.weight_scale, 4,
+                                              x.dtype))) < TOL[torch.bfloat16]
     grouped = make_layer(4, 128, in_features=256, out_features=64)
     grouped.kernel = "int4pack"
     grouped(x)
@@ -200,7 +202,8 @@ def test_auto_uses_the_kernel_for_decode_and_the_faster_path_for_prefill(bits):
     assert layer.last_kernel == AUTO_FAST[bits]
     # a bf16 prefill: INT4 stays on the integer-dot kernel where it builds, INT8 takes the dequantizing GEMM where
     # bf16 GEMMs are native
-    layer(torch.randn(max(QuantizedLinear.max_kernel_rows, int8dot_cpu.MAX_ROWS_INT8_BF16) + 1, 64, dtype=torch.bfloat16))
+    layer(torch.randn(max(QuantizedLinear.max_kernel_rows, int8dot_cpu.MAX_ROWS_INT8_BF16) + 1, 64,
+                      dtype=torch.bfloat16))
     integer_dot = int8dot_cpu.available() and (bits == 4 or not cpu_matmul.native_bf16_gemm())
     assert layer.last_kernel == ("int8dot" if integer_dot else "dequant")
 
@@ -224,7 +227,8 @@ def test_dequant_tiles_reuse_one_buffer_across_layers_and_calls(monkeypatch):
     for layer in layers:
         layer.kernel = "dequant"
         if layer.bits == 4:
-            layer.weight_for("int4pack")  # held in the kernel layout (whole blocks of 32 or 64 rows) where it reads back
+            # held in the kernel layout (whole blocks of 32 or 64 rows) where it reads back
+            layer.weight_for("int4pack")
     seen = set()
     for _ in range(2):
         for layer, expect in zip(layers, want):
@@ -280,7 +284,8 @@ def test_int4mm_calls_fit_pytorchs_tinygemm_ops(out_features, in_features, group
 
     with FakeTensorMode():
         weight = torch.empty(out_features, in_features // 2, dtype=torch.int8)
-        scale = torch.empty((out_features, in_features // group_size) if group_size else (out_features,), dtype=torch.float16)
+        scale = torch.empty((out_features, in_features // group_size) if group_size else (out_features,),
+                            dtype=torch.float16)
         packed, gs, scale_and_zeros, row_scale = cuda_matmul.int4mm_weight(weight, scale)
         gs_expected, tiles = cuda_matmul.int4mm_shape(in_features, out_features, group_size)
         assert gs == gs_expected and packed.dtype == torch.int32
@@ -378,7 +383,8 @@ def test_loading_new_weights_refreshes_the_repacked_int4_weight(int4pack_auto):
 
 
 int4pack_invertible = pytest.mark.skipif(
-    not kernels.int4pack_is_invertible(), reason="this CPU's int4pack layout is not one that reads back: both copies are kept"
+    not kernels.int4pack_is_invertible(),
+    reason="this CPU's int4pack layout is not one that reads back: both copies are kept"
 )
 
 
@@ -406,7 +412,8 @@ def test_int4_is_held_once_in_the_kernel_layout_and_nothing_changes(group_size, 
     assert torch.equal(load_file(tmp_path / "layer.safetensors")["weight"], official)
     other = make_layer(4, group_size, out_features=128, seed=1)
     layer.load_state_dict(other.state_dict())
-    assert torch.equal(layer(decode), other(decode)) and torch.equal(layer.state_dict()["weight"], other.state_dict()["weight"])
+    assert torch.equal(layer(decode), other(decode)) and torch.equal(layer.state_dict()["weight"],
+                                                                     other.state_dict()["weight"])
     layer.to(torch.float32)
     assert layer.held_layout is None and torch.equal(layer.weight, other.state_dict()["weight"])
 

@@ -97,7 +97,8 @@ def make_model_dir(path: Path, seed: int = 0, embedding_std: float = 1.0, **over
     offsets N(0, 0.02), embeddings N(0, embedding_std). `overrides`: config fields (default: a
     512-token vocabulary)."""
     torch.manual_seed(seed)
-    model = ChatGLMForConditionalGeneration(ChatGLMConfig.from_name("tiny", **{"vocab_size": 512, **SPECIAL, **overrides}))
+    model = ChatGLMForConditionalGeneration(ChatGLMConfig.from_name("tiny",
+                                                                    **{"vocab_size": 512, **SPECIAL, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("word_embeddings.weight"):
@@ -177,7 +178,8 @@ def test_exported_file_holds_the_official_integers(source, bits, group_size, h12
 @pytest.mark.parametrize("source", ["small-vocab", "h128"])
 def test_the_cpu_kernels_apply_to_both_test_models(source, bits, h128):
     """Widths 96/384 (golden) and 128/512 are multiples of 16 and 32: no layer falls back to dequant."""
-    model = ChatGLMForConditionalGeneration.from_pretrained(SMALL_VOCAB if source == "small-vocab" else h128, quantization_bit=bits)
+    model = ChatGLMForConditionalGeneration.from_pretrained(SMALL_VOCAB if source == "small-vocab" else h128,
+                                                            quantization_bit=bits)
     model(torch.tensor([[5, 6, 7, model.config.gmask_token_id, model.config.bos_token_id]]))
     kernels = {m.last_kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     int4 = "int4cpu" if int4_cpu.available() else "int4pack"  # int4cpu: the kernel for AVX2-only CPUs
@@ -189,7 +191,8 @@ def test_the_cpu_kernels_apply_to_both_test_models(source, bits, h128):
 
 @pytest.mark.parametrize("bits, group_size", FORMATS)
 def test_quantize_save_load_gives_identical_logits(bits, group_size, h128, tmp_path):
-    memory = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits, quantization_group_size=group_size)
+    memory = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits,
+                                                             quantization_group_size=group_size)
     memory.save_pretrained(tmp_path / "saved")
     reloaded = ChatGLMForConditionalGeneration.from_pretrained(tmp_path / "saved")
     run_quantize("--bits", bits, "--group-size", group_size, h128, tmp_path / "cli")
@@ -237,7 +240,8 @@ def test_each_quantized_linear_stays_close_on_golden_activations():
     for bits, group_size in FORMATS:
         layers = dict(quantized_copy(SMALL_VOCAB, bits, group_size).named_modules())
         errors[bits, group_size] = [
-            rel(layers[n](torch.cat([x.flatten(0, 1) for x, _ in pairs])), torch.cat([y.flatten(0, 1) for _, y in pairs]))
+            rel(layers[n](torch.cat([x.flatten(0, 1) for x, _ in pairs])),
+                torch.cat([y.flatten(0, 1) for _, y in pairs]))
             for n, pairs in seen.items()
         ]
     assert len(errors[8, 0]) == 8
@@ -300,7 +304,8 @@ def test_int8_embedding_is_one_official_int8_copy_read_by_lookup_and_head(h128):
 def test_int8_embedding_keeps_logits_and_greedy_tokens_close(bits, h128):
     """Bound: the INT8 head decodes through int8pack, which computes in bf16 (measured <= 0.009)."""
     base = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits or None)
-    model = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits or None, quantize_embedding=True)
+    model = ChatGLMForConditionalGeneration.from_pretrained(h128, quantization_bit=bits or None,
+                                                            quantize_embedding=True)
     ids = prompts(model.config)
     for a, b in zip(logits(model, ids), logits(base, ids)):
         assert a[-1].argmax() == b[-1].argmax()
@@ -342,7 +347,8 @@ def test_training_on_an_int4_base_lowers_the_loss_and_keeps_the_integers(base, t
     if base == "quantize.py output":  # what quantize.py tells the user to train on; it carries the tokenizer
         model_dir = tmp_path / "int4"
         run_quantize("--bits", 4, root / "model", model_dir)
-    options = TrainOptions(tuning=tuning, quantization_bit=4, pre_seq_len=4, lr=lr, quantize_embedding=base == "INT8 embedding too")
+    options = TrainOptions(tuning=tuning, quantization_bit=4, pre_seq_len=4, lr=lr,
+                           quantize_embedding=base == "INT8 embedding too")
     model, tokenizer = prepare_model(str(model_dir), records, tmp_path / "run", options)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == 4 * model.config.num_layers + options.quantize_embedding  # + the head
@@ -363,7 +369,8 @@ def test_training_on_an_int4_base_lowers_the_loss_and_keeps_the_integers(base, t
     for m, saved in frozen:
         assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
         assert all(not p.requires_grad and p.grad is None for p in m.parameters())
-    if (base, tuning) == ("quantize.py output", "ptuning"):  # quantize.py's advice: infer.py --model OUT --ptuning-checkpoint RUN
+    # quantize.py's advice: infer.py --model OUT --ptuning-checkpoint RUN
+    if (base, tuning) == ("quantize.py output", "ptuning"):
         rundir.save_trained(model, tokenizer, tmp_path / "run", "ptuning")
         reloaded, _ = load_run(resolve_run(model_dir, ptuning_checkpoint=tmp_path / "run"))
         assert reloaded.config.quantization_bit == 4
@@ -462,7 +469,8 @@ def test_cli_errors_are_clear_messages_with_exit_code_2(capsys, h128, tmp_path):
 
 
 def test_cli_error_as_a_process_prints_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--bits", "4", str(tmp_path / "missing"), str(tmp_path / "o")],
+    done = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--bits", "4", str(tmp_path / "missing"),
+                           str(tmp_path / "o")],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"quantize.py: error: {tmp_path / 'missing'}: no such directory"]

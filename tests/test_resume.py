@@ -30,7 +30,8 @@ def setup(tmp_path_factory):
     (root / "train.jsonl").write_text("\n".join(lines[:24]) + "\n", encoding="utf-8")
     (root / "dev.jsonl").write_text("\n".join(lines[24:28]) + "\n", encoding="utf-8")
     base = tiny_model("chatglm3", root / "base")
-    args = ["--model", str(base), "--train-file", str(root / "train.jsonl"), "--dev-file", str(root / "dev.jsonl"), *FLAGS]
+    args = ["--model", str(base), "--train-file", str(root / "train.jsonl"), "--dev-file",
+            str(root / "dev.jsonl"), *FLAGS]
     assert train(args, root / "whole") == 0
     return root, args
 
@@ -70,7 +71,8 @@ def test_sigterm_mid_step_saves_the_last_step_and_the_printed_command_ends_as_an
     assert train_cli.main(command[2:]) == 0
     assert "--resume auto: continuing the run" in capsys.readouterr().err
     assert log(run) == log(root / "whole")
-    assert (run / "adapter_model.safetensors").read_bytes() == (root / "whole" / "adapter_model.safetensors").read_bytes()
+    adapter = "adapter_model.safetensors"
+    assert (run / adapter).read_bytes() == (root / "whole" / adapter).read_bytes()
     assert temporary(run) == []
 
 
@@ -108,7 +110,8 @@ def test_a_run_killed_before_it_saved_a_state_starts_again_in_place(setup, capsy
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--output-dir", str(run)], cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_S,
                           env={**os.environ, **ONE_THREAD,
-                               crashpoints.AT_ENV: crashpoints.spell(moment.split("#")[0], int(moment.split("#")[1]), "SIGKILL")})
+                               crashpoints.AT_ENV: crashpoints.spell(moment.split("#")[0],
+                                                                     int(moment.split("#")[1]), "SIGKILL")})
     assert done.returncode == -9 and any(run.iterdir()) and not (run / "state").exists()
     assert train(args, run, "--resume", "auto") == 0
     said = capsys.readouterr().err

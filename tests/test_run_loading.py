@@ -184,7 +184,8 @@ def test_infer_names_both_versions_instead_of_a_tokenizer_error(runs):
     ("tiny-glm4", "tiny", 768, 512, "num_layers * 2 * kv_channels * multi_query_group_num = 2 * 2 * 16 * 8"),
     ("tiny", "tiny-chatglm3", 512, 768, "2 * num_layers * hidden_size = 2 * 3 * 128"),
 ])
-def test_a_prefix_of_another_width_is_refused_naming_both(runs, base_preset, prefix_preset, theirs, ours, width, tmp_path):
+def test_a_prefix_of_another_width_is_refused_naming_both(runs, base_preset, prefix_preset, theirs, ours,
+                                                          width, tmp_path):
     """A folder whose config.json says only pre_seq_len (no version to read): the shapes decide."""
     all_runs = runs[0]
     base = all_runs[base_preset]["base"]
@@ -214,10 +215,11 @@ def test_a_bare_prefix_or_adapter_takes_the_encoding_of_its_base_run(runs, prese
     assert {k: trained[k] for k in BUDGET} == BUDGET
     prefix = bare_prefix(run["ptuning"], tmp_path / "prefix")
     adapter = bare_copy(run["lora"], tmp_path / "adapter", ("adapter_config.json", "adapter_model.safetensors"))
-    for source in (loading.resolve_run(run["base"], ptuning_checkpoint=prefix), loading.resolve_run(run["base"], lora=adapter)):
+    for source in (loading.resolve_run(run["base"], ptuning_checkpoint=prefix),
+                   loading.resolve_run(run["base"], lora=adapter)):
         assert asdict(source.encoding) == trained, source.describe()
         assert source.encoding.answer_budget == 64
-    infer_main(["--model", run["base"], "--ptuning-checkpoint", prefix, "--input", data, "--output", tmp_path / "o.jsonl",
-                "--batch-size", 8])
+    infer_main(["--model", run["base"], "--ptuning-checkpoint", prefix, "--input", data, "--output",
+                tmp_path / "o.jsonl", "--batch-size", 8])
     summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text(encoding="utf-8"))
     assert summary["settings"]["encoding"] == trained

@@ -68,7 +68,8 @@ def test_two_processes_write_what_one_writes(work, tmp_path, kind, capsys):
     assert infer(work, model, tmp_path / "one.jsonl", *more) == 0
     two = tmp_path / "two.jsonl"
     assert infer(work, model, two, *more, env={**TWO, "RANK": "1"}) == 0  # the first to finish waits for nothing
-    assert two.exists() is False and left(two) == ["two.jsonl.part-1-of-2.jsonl", "two.jsonl.part-1-of-2.jsonl.done.json",
+    assert two.exists() is False and left(two) == ["two.jsonl.part-1-of-2.jsonl",
+                                                   "two.jsonl.part-1-of-2.jsonl.done.json",
                                                    "two.jsonl.part-1-of-2.jsonl.model.json"]
     capsys.readouterr()
     assert infer(work, model, two, *more, env={**TWO, "RANK": "0"}) == 0  # the last merges
@@ -81,14 +82,16 @@ def test_a_process_killed_mid_share_and_the_launch_resumed_ends_as_one_process(w
     assert infer(work, work / "base", tmp_path / "one.jsonl") == 0
     two = tmp_path / "two.jsonl"
     killed = subprocess.run([sys.executable, str(ROOT / "infer.py"), "--model", str(work / "base"), "--input",
-                             str(work / "in.jsonl"), "--output", str(two), "--batch-size", "3", "--max-new-tokens", "12"],
+                             str(work / "in.jsonl"), "--output", str(two), "--batch-size", "3",
+                             "--max-new-tokens", "12"],
                             cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
-                            env=os.environ | ONE_THREAD | TWO | {"RANK": "1",
-                                                                crashpoints.AT_ENV: crashpoints.spell("append", 2, "SIGKILL")})
+                            env=os.environ | ONE_THREAD | TWO
+                            | {"RANK": "1", crashpoints.AT_ENV: crashpoints.spell("append", 2, "SIGKILL")})
     assert killed.returncode == -9
     assert infer(work, work / "base", two, env={**TWO, "RANK": "0"}) == 0  # its share done, not merged: 1 is missing
     assert not two.exists()
-    assert infer(work, work / "base", two, "--resume", env={**TWO, "RANK": "0"}) == 0  # done already: nothing to extract
+    # done already: nothing to extract
+    assert infer(work, work / "base", two, "--resume", env={**TWO, "RANK": "0"}) == 0
     assert infer(work, work / "base", two, "--resume", env={**TWO, "RANK": "1"}) == 0  # resumes its part, merges
     assert rows(two) == rows(tmp_path / "one.jsonl") and left(two) == []
     assert infer(work, work / "base", two, "--resume", env={**TWO, "RANK": "1"}) == 0  # a requeued launch: complete

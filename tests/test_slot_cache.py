@@ -34,7 +34,8 @@ def tiny(request, tmp_path_factory):
 
 @pytest.fixture
 def eager_steps(monkeypatch):
-    monkeypatch.setattr(static_decoding, "compiled_step", lambda model, **_: lambda *a: static_decoding.forward_step(model, *a))
+    monkeypatch.setattr(static_decoding, "compiled_step",
+                        lambda model, **_: lambda *a: static_decoding.forward_step(model, *a))
 
 
 def serve_alone_and_together(model, tokenizer, n_requests: int, max_batch: int):
@@ -44,13 +45,14 @@ def serve_alone_and_together(model, tokenizer, n_requests: int, max_batch: int):
     jobs = []
     for i, prompt in enumerate(prompts_of(tokenizer, n_requests)):
         sampling, n = SAMPLINGS[i % 2], 4 + (i * 5) % 17
-        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=stop_ids,
-                         vocab_limit=len(tokenizer))[0]
+        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n, sampling=sampling, seed=i,
+                         eos_token_id=stop_ids, vocab_limit=len(tokenizer))[0]
         jobs.append((prompt, n, sampling, alone))
     options = ServingOptions(max_batch=max_batch, prefill_tokens=48, compiled=True)
     engine = Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=options)
     recorders = [Recorder() for _ in jobs]
-    requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop_ids) for i, (r, (p, n, s, _)) in enumerate(zip(recorders, jobs))]
+    requests = [r.request(p, n, sampling=s, seed=i, stop_ids=stop_ids)
+                for i, (r, (p, n, s, _)) in enumerate(zip(recorders, jobs))]
     third = max(1, n_requests // 3)
     run_until_idle(engine, {0: requests[:third], 2: requests[third:2 * third], 5: requests[2 * third:]})
     return [r.tokens for r in recorders], [job[3] for job in jobs], engine
@@ -123,7 +125,8 @@ def test_warm_up_runs_a_step_at_every_row_bucket_on_the_engines_thread(tiny, eag
 def test_chatglm6b_and_drafts_are_refused(tmp_path):
     torch.manual_seed(0)
     model, tokenizer = registry.VERSIONS["chatglm"].tiny(TEXTS, tmp_path)
-    with pytest.raises(ValueError, match="compiled serving: ChatGLMForConditionalGeneration carries two positions a row"):
+    with pytest.raises(ValueError,
+                       match="compiled serving: ChatGLMForConditionalGeneration carries two positions a row"):
         Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=ServingOptions(compiled=True))
     with pytest.raises(ValueError, match="compiled serving and speculative drafts do not combine"):
         ServingOptions(compiled=True, drafts=DraftOptions())

@@ -32,7 +32,8 @@ from chatglm_tune.quant.modules import QuantizedLinear
 from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:24]]
+TEXTS = [json.loads(line)["text"]
+         for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:24]]
 NEW = 24
 DRAFTS = DraftOptions()
 
@@ -118,7 +119,8 @@ def a_stop_id_in_mid_answer(model, tokenizer, ids, mask) -> list[int]:
     def lengths(token):
         return {row.index(token) if token in row else NEW for row in plain}
 
-    return [*tokenizer.prompt_format.stop_ids(tokenizer), max({t for row in plain for t in row}, key=lambda t: len(lengths(t)))]
+    return [*tokenizer.prompt_format.stop_ids(tokenizer),
+            max({t for row in plain for t in row}, key=lambda t: len(lengths(t)))]
 
 
 def test_greedy_ids_equal_with_and_without_speculation(tiny):
@@ -141,7 +143,8 @@ def test_greedy_ids_equal_with_and_without_speculation(tiny):
 def test_rejected_guesses_leave_the_ids_unchanged(tiny, monkeypatch):
     model, tokenizer = tiny
     guesses = random.Random(0)
-    monkeypatch.setattr(drafting, "guess", lambda tokens, n, k, *_: [guesses.randrange(len(tokenizer)) for _ in range(k)])
+    monkeypatch.setattr(drafting, "guess",
+                        lambda tokens, n, k, *_: [guesses.randrange(len(tokenizer)) for _ in range(k)])
     ids, mask = batch_of(tokenizer, TEXTS[6:12])
     stats = DecodeStats()
     plain, fast = both(model, tokenizer, ids, mask, a_stop_id_in_mid_answer(model, tokenizer, ids, mask), stats)

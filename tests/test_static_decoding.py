@@ -50,7 +50,8 @@ def both(model, tokenizer, ids, mask, **kwargs):
 @pytest.fixture
 def eager_steps(monkeypatch):
     """The static cache, each step the same function uncompiled."""
-    monkeypatch.setattr(static_decoding, "compiled_step", lambda model: lambda *args: static_decoding.forward_step(model, *args))
+    monkeypatch.setattr(static_decoding, "compiled_step",
+                        lambda model: lambda *args: static_decoding.forward_step(model, *args))
 
 
 @pytest.mark.parametrize("name", list(registry.VERSIONS))

@@ -79,7 +79,8 @@ def bleu4_by_definition(pred: str, ref: str) -> float:
 
 def test_identical_strings_score_100_and_exact_match_1():
     text = "这件白色上衣很适合夏天穿"
-    assert generation_scores([text], [text]) == {"rouge-1": 100.0, "rouge-2": 100.0, "rouge-l": 100.0, "bleu-4": 100.0, "exact_match": 1.0}
+    assert generation_scores([text], [text]) == {"rouge-1": 100.0, "rouge-2": 100.0, "rouge-l": 100.0, "bleu-4": 100.0,
+                                                 "exact_match": 1.0}
 
 
 def test_disjoint_strings_score_0():
@@ -121,7 +122,8 @@ def test_a_side_without_words_scores_rouge_0_without_raising(pred, ref):
 
 
 def test_set_scores_are_means_of_the_pair_scores():
-    pairs = [("这件白色上衣很适合夏天穿", "这件白色上衣很适合夏天穿"), ("", "有参考"), ("简约的设计", "简约大方的设计风格"), (" 一样 ", "一样")]
+    pairs = [("这件白色上衣很适合夏天穿", "这件白色上衣很适合夏天穿"), ("", "有参考"),
+             ("简约的设计", "简约大方的设计风格"), (" 一样 ", "一样")]
     per_pair = [GenerationScorer().add(p, r) for p, r in pairs]
     scores = generation_scores([p for p, _ in pairs], [r for _, r in pairs])
     assert set(scores) == set(KEYS)

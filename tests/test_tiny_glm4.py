@@ -25,8 +25,8 @@ from test_glm_tokenizer import _tiktoken_reference
 from test_versions import ASSETS, DEV, NO_INSTRUCTION, assert_infers, assert_record_text_is_data, tiny_runs
 
 # The official offsets of GLM-4's special tokens from its last rank (151329 + offset in glm-4-9b-chat).
-OFFICIAL_OFFSETS = {"<|endoftext|>": 0, "[MASK]": 1, "[gMASK]": 2, "[sMASK]": 3, "<sop>": 4, "<eop>": 5, "<|system|>": 6,
-                    "<|user|>": 7, "<|assistant|>": 8, "<|observation|>": 9, "<|begin_of_image|>": 10,
+OFFICIAL_OFFSETS = {"<|endoftext|>": 0, "[MASK]": 1, "[gMASK]": 2, "[sMASK]": 3, "<sop>": 4, "<eop>": 5,
+                    "<|system|>": 6, "<|user|>": 7, "<|assistant|>": 8, "<|observation|>": 9, "<|begin_of_image|>": 10,
                     "<|end_of_image|>": 11, "<|begin_of_video|>": 12, "<|end_of_video|>": 13}
 RECORDS = [json.loads(line) for line in DEV.read_text(encoding="utf-8").splitlines()[:60]]
 TEXTS, ANSWERS = [r["text"] for r in RECORDS], [r["answer"] for r in RECORDS]
@@ -52,7 +52,8 @@ def tiny4(tiny4_dir):
 
 def test_the_tiny_tokenizer_is_a_glm4_directory(tiny4_dir, tiny4):
     assert sorted(p.name for p in tiny4_dir.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
-    assert registry.detect_tokenizer(tiny4_dir) == "glm4" and isinstance(registry.load_tokenizer(tiny4_dir), GLM4Tokenizer)
+    assert (registry.detect_tokenizer(tiny4_dir) == "glm4"
+            and isinstance(registry.load_tokenizer(tiny4_dir), GLM4Tokenizer))
     ranks = read_tiktoken_ranks(tiny4_dir / "tokenizer.model")
     n = len(ranks)
     assert sorted(ranks.values()) == list(range(n)) and all(bytes([b]) in ranks for b in range(256))
@@ -82,18 +83,21 @@ def test_the_tiny_tokenizer_encodes_as_tiktoken_and_round_trips(tiny4_dir, tiny4
     for text in TEXTS[:20] + ANSWERS[:20] + ["Hello world, the tiny GLM-4 says: 42.", unseen]:
         assert tiny4.encode_text(text) == _tiktoken_reference(text, ranks), text  # the loader's BPE is the rank file's
         assert tiny4.decode(tiny4.encode_text(text)) == text
-        assert tiny4.encode(text) == [tiny4.get_command("[gMASK]"), tiny4.get_command("<sop>"), *tiny4.encode_text(text)]
+        assert tiny4.encode(text) == [tiny4.get_command("[gMASK]"), tiny4.get_command("<sop>"),
+                                      *tiny4.encode_text(text)]
     assert all(len(tiny4.encode_text(char)) == 1 for char in set("".join(TEXTS + ANSWERS)))  # a character is a token
     assert len(tiny4.encode_text(TEXTS[0])) == len(TEXTS[0])  # the preset's size: no merges past the characters
     merged = train_glm4_bpe(TEXTS + ANSWERS, tiny4_dir.parent / "merged", vocab_size=2000)
     assert len(merged.encode_text(TEXTS[0])) < len(TEXTS[0])  # a larger size merges characters into words
-    assert merged.encode_text(TEXTS[0]) == _tiktoken_reference(TEXTS[0], read_tiktoken_ranks(tiny4_dir.parent / "merged" / "tokenizer.model"))
+    ranks = read_tiktoken_ranks(tiny4_dir.parent / "merged" / "tokenizer.model")
+    assert merged.encode_text(TEXTS[0]) == _tiktoken_reference(TEXTS[0], ranks)
 
 
 def test_every_character_of_a_corpus_is_a_token_whatever_the_size(tmp_path):
     chars = "".join(chr(0x4E00 + i) for i in range(300))  # more characters than the ranks asked for
     tokenizer = train_glm4_bpe([chars, chars[::-1]], tmp_path / "tok", vocab_size=300)
-    assert all(len(tokenizer.encode_text(c)) == 1 for c in chars) and tokenizer.decode(tokenizer.encode_text(chars)) == chars
+    assert all(len(tokenizer.encode_text(c)) == 1
+               for c in chars) and tokenizer.decode(tokenizer.encode_text(chars)) == chars
     with pytest.raises(ValueError, match="vocab_size must be >= 256"):
         train_glm4_bpe(["abc"], tmp_path / "small", vocab_size=100)
 
@@ -103,8 +107,8 @@ def test_record_text_stays_data_and_rows_are_glm4s(tiny4):
     record = SPORecord("水泵<|user|>漏油。", None, response="水泵_部件故障_漏油")
     row, prompt = encode_record(record, tiny4, NO_INSTRUCTION), prompt_ids(record, tiny4, NO_INSTRUCTION)
     command = tiny4.get_command
-    assert prompt == [command("[gMASK]"), command("<sop>"), command("<|user|>"), *tiny4.encode_text("\n水泵<|user|>漏油。"),
-                      command("<|assistant|>")]
+    assert prompt == [command("[gMASK]"), command("<sop>"), command("<|user|>"),
+                      *tiny4.encode_text("\n水泵<|user|>漏油。"), command("<|assistant|>")]
     answer = tiny4.encode_text("\n水泵_部件故障_漏油") + [command("<|user|>")]  # GLM-4's finetune.py ends on <|user|>
     assert list(row.input_ids) == prompt + answer and row.labels == tuple([-100] * len(prompt) + answer)
 
@@ -125,13 +129,14 @@ def test_the_tiny_glm4_trains_tunes_and_infers_on_glm4s_prompt(runs4, tmp_path):
     assert isinstance(tokenizer, GLM4Tokenizer) and model.config.eos_token_id == tokenizer.stop_token_ids
     ids = prompt_ids(SPORecord("水泵漏油。", None), tokenizer, loading.resolve_run(base).encoding)
     command = tokenizer.get_command
-    assert ids[:3] == [command("[gMASK]"), command("<sop>"), command("<|user|>")] and ids[-1] == command("<|assistant|>")
+    assert ids[:3] == [command("[gMASK]"), command("<sop>"),
+                       command("<|user|>")] and ids[-1] == command("<|assistant|>")
     # the run keeps GLM-4's chat template (transformers 5 saves it apart, as chat_template.jinja)
     chat = [{"role": "user", "content": "水泵漏油。"}]
     assert tokenizer.encode_chat(chat) == load_glm_tokenizer(runs4 / "base", version="glm4").encode_chat(chat)
     assert tokenizer.encode_chat(chat)[-1] == command("<|assistant|>")
-    assert sorted(json.loads((runs4 / "lora" / "adapter_config.json").read_text())["target_modules"]) == ["k_proj", "q_proj",
-                                                                                                          "v_proj"]
+    adapter_config = json.loads((runs4 / "lora" / "adapter_config.json").read_text())
+    assert sorted(adapter_config["target_modules"]) == ["k_proj", "q_proj", "v_proj"]
     for name in ("base", "ptuning", "lora"):
         assert_infers(runs4 / name, runs4 / "data.jsonl", tmp_path / f"{name}.jsonl", min_f1=0.9, run=in_process)
 

@@ -29,4 +29,5 @@ def test_a_tiny_released_form_trains_then_ptunes_and_lora_tunes_end_to_end(prese
         assert model.config.chatglm_version == version, name
         assert (model.config.pre_seq_len == 4) == (name == "ptuning"), name
         in_process("infer.py", "--model", root / name, "--text", "水泵漏油。", "--max-new-tokens", 4, "--threads", 1)
-    assert sorted(json.loads((root / "lora" / "adapter_config.json").read_text())["target_modules"]) == sorted(registry.VERSIONS[version].lora_targets)
+    adapter_config = json.loads((root / "lora" / "adapter_config.json").read_text())
+    assert sorted(adapter_config["target_modules"]) == sorted(registry.VERSIONS[version].lora_targets)

@@ -67,7 +67,8 @@ def test_golden_record(tok, record):
 def test_special_ids_and_vocab(tok):
     assert tok.num_image_tokens == 0
     assert (tok.vocab_size, len(tok)) == (130344, 130344)
-    assert (tok.mask_token_id, tok.gmask_token_id, tok.bos_token_id, tok.eos_token_id) == (130000, 130001, 130004, 130005)
+    assert (tok.mask_token_id, tok.gmask_token_id, tok.bos_token_id,
+            tok.eos_token_id) == (130000, 130001, 130004, 130005)
     assert (tok.pad_token_id, tok.unk_token_id, tok.padding_side) == (3, 0, "left")
     assert tok.config_overrides() == {
         "vocab_size": 130368, "bos_token_id": 130004, "eos_token_id": 130005,
@@ -159,7 +160,8 @@ def test_standard_2d_mask(tok, plain_tok):
 def test_save_load_round_trip(tok, plain_tok, tmp_path):
     plain_tok.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    assert (config["tokenizer_class"], config["num_image_tokens"], config["glm_masks"]) == ("ChatGLMTokenizer", 0, False)
+    assert (config["tokenizer_class"], config["num_image_tokens"],
+            config["glm_masks"]) == ("ChatGLMTokenizer", 0, False)
     assert "auto_map" not in config
     loaded = ChatGLMTokenizer.from_pretrained(tmp_path)
     assert loaded.glm_masks is False
@@ -169,7 +171,8 @@ def test_save_load_round_trip(tok, plain_tok, tmp_path):
 
 
 def test_chat_prompt():
-    assert chat_prompt("你好", None) == "你好"  # chat() without history; a P-tuning history column, even empty, has rounds
+    # chat() without history; a P-tuning history column, even empty, has rounds
+    assert chat_prompt("你好", None) == "你好"
     assert chat_prompt("你好", []) == "[Round 0]\n问：你好\n答："
     assert chat_prompt("再见", [("你好", "你好！"), ("在吗", "在")]) == (
         "[Round 0]\n问：你好\n答：你好！\n[Round 1]\n问：在吗\n答：在\n[Round 2]\n问：再见\n答："
@@ -213,7 +216,8 @@ def test_trained_ids_match_config_overrides(trained):
     assert overrides["vocab_size"] % 64 == 0 and len(trained) <= overrides["vocab_size"] < len(trained) + 64
     for name in ("bos_token_id", "eos_token_id", "mask_token_id", "gmask_token_id", "pad_token_id"):
         assert overrides[name] == getattr(trained, name)
-    assert trained.convert_ids_to_tokens([overrides["gmask_token_id"], overrides["bos_token_id"]]) == ["[gMASK]", "<sop>"]
+    assert trained.convert_ids_to_tokens([overrides["gmask_token_id"],
+                                          overrides["bos_token_id"]]) == ["[gMASK]", "<sop>"]
     ChatGLMConfig.from_name("tiny", **overrides)  # the config accepts them
     ids = trained.encode("故障现象：发动机异响", "发动机_部件故障_异响")
     assert ids[-1] == trained.eos_token_id and max(ids) < overrides["vocab_size"]

@@ -43,7 +43,8 @@ def base_dir(tmp_path_factory, records):
 @pytest.fixture(scope="module")
 def train_file(tmp_path_factory, records):
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("".join(json.dumps({"text": r.text, "answer": r.answer}, ensure_ascii=False) + "\n" for r in records))
+    path.write_text("".join(json.dumps({"text": r.text, "answer": r.answer}, ensure_ascii=False) + "\n"
+                            for r in records))
     return path
 
 
@@ -84,8 +85,8 @@ def test_tiny_layers_sets_the_depth_of_a_preset_and_is_refused_for_a_model_direc
         depth = model.config.num_layers if preset == "tiny" else model.config.num_hidden_layers
         blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
         assert depth == layers and blocks, preset
-    assert train_cli.main(["--model", str(base_dir), "--tuning", "lora", "--train-file", str(train_file), "--output-dir",
-                           str(tmp_path / "refused"), "--tiny-layers", "3"]) == 2
+    assert train_cli.main(["--model", str(base_dir), "--tuning", "lora", "--train-file", str(train_file),
+                           "--output-dir", str(tmp_path / "refused"), "--tiny-layers", "3"]) == 2
     assert "--tiny-layers applies only to a tiny preset" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tiny_layers must be >= 1"):
         TrainOptions(tuning="full", tiny_layers=0)
@@ -174,7 +175,8 @@ def test_the_methods_accumulation_goes_with_its_batch_size():
     ("ptuning", ["--pre-seq-len", "4", "--prefix-projection", "--lr", "1e-2"]),
     ("lora", ["--lora-r", "4", "--lr", "1e-2"]),
 ])
-def test_short_run_learns_changes_only_trainable_weights_and_reloads(base_dir, train_file, records, tmp_path, tuning, flags):
+def test_short_run_learns_changes_only_trainable_weights_and_reloads(base_dir, train_file, records, tmp_path,
+                                                                     tuning, flags):
     out = tmp_path / tuning
     log = _run(base_dir, train_file, out, "--tuning", tuning, "--max-steps", "12", *flags)
     losses = _losses(log)
@@ -182,7 +184,8 @@ def test_short_run_learns_changes_only_trainable_weights_and_reloads(base_dir, t
 
     from safetensors.torch import load_file
 
-    saved = load_file(out / "model.safetensors") if tuning == "ptuning" else load_file(out / "adapter_model.safetensors")
+    saved = (load_file(out / "model.safetensors") if tuning == "ptuning"
+             else load_file(out / "adapter_model.safetensors"))
     trained_marker = "prefix_encoder" if tuning == "ptuning" else "lora_"
     assert saved and all(trained_marker in k for k in saved)
 
@@ -280,7 +283,8 @@ def test_non_finite_loss_stops_with_a_clear_message(base_dir, train_file, tmp_pa
 
 
 @pytest.mark.parametrize("flags", [(), ("--overwrite",), ("--resume", "auto")])
-def test_a_second_process_checks_the_directory_the_first_has_recorded(base_dir, train_file, tmp_path, monkeypatch, flags):
+def test_a_second_process_checks_the_directory_the_first_has_recorded(base_dir, train_file, tmp_path,
+                                                                      monkeypatch, flags):
     """Of several launched processes the first alone checks and records the run directory: another, checking once
     the first has recorded its start, goes on with the same run (no "not empty"; nothing of the record emptied)."""
     argv = ["--model", str(base_dir), "--train-file", str(train_file), "--output-dir", str(tmp_path / "run"),
@@ -295,7 +299,8 @@ def test_a_second_process_checks_the_directory_the_first_has_recorded(base_dir, 
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == recorded
 
 
-def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on_sigterm(base_dir, train_file, tmp_path):
+def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on_sigterm(base_dir, train_file,
+                                                                                         tmp_path):
     """Two CPU processes (DDP over gloo) follow one process's loss curve; SIGTERM to one of them (here the second:
     its peer never got it) stops both after the same step, its state saved once, and --resume then ends where the
     uninterrupted run did, loss for loss and weight for weight."""
@@ -303,14 +308,15 @@ def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on
               "--log-every", "1", "--lr", "1e-3", "--max-grad-norm", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # DDP over gloo on the CPU: accelerate's "--cpu" would start one process whatever --num_processes says
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-              str(REPO / "train.py")]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(free_port()), str(REPO / "train.py")]
     two = [*common, "--batch-size", "4"]
-    subprocess.run(launch + two + ["--output-dir", str(tmp_path / "two")], env=env, check=True, cwd=REPO, capture_output=True,
-                   timeout=HANG_S)
-    subprocess.run([sys.executable, str(REPO / "train.py")] + common + ["--batch-size", "8", "--output-dir", str(tmp_path / "one")],
-                   env=env, check=True, cwd=REPO, capture_output=True, timeout=HANG_S)
+    subprocess.run(launch + two + ["--output-dir", str(tmp_path / "two")], env=env, check=True, cwd=REPO,
+                   capture_output=True, timeout=HANG_S)
+    subprocess.run([sys.executable, str(REPO / "train.py")] + common
+                   + ["--batch-size", "8", "--output-dir", str(tmp_path / "one")], env=env, check=True, cwd=REPO,
+                   capture_output=True, timeout=HANG_S)
     two_log, one_log = _entries(tmp_path / "two"), _entries(tmp_path / "one")
     assert len(_losses(one_log)) == len(_losses(two_log)) == 4
     # DDP averages the two halves' mean losses, one process the mean over all labelled tokens: close, not equal.
@@ -320,11 +326,13 @@ def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on
     done = subprocess.run(launch + two + ["--output-dir", str(stopped)], cwd=REPO, capture_output=True, text=True,
                           env=env | {crashpoints.AT_ENV: crashpoints.spell("train-step", 2, "SIGTERM", rank=1)},
                           timeout=HANG_S)
-    assert done.returncode != 0 and "interrupted by SIGTERM after step 2: its state is saved" in done.stderr, done.stderr[-3000:]
+    assert (done.returncode != 0
+            and "interrupted by SIGTERM after step 2: its state is saved" in done.stderr), done.stderr[-3000:]
     assert json.loads((stopped / "state" / "progress.json").read_text())["step"] == 2
-    subprocess.run(launch + two + ["--output-dir", str(stopped), "--resume"], env=env, check=True, cwd=REPO, capture_output=True,
-                   timeout=HANG_S)
-    assert [{k: v for k, v in e.items() if k != "final" or "seconds" not in v} for e in _entries(stopped)][:-1] == two_log[:-1]
+    subprocess.run(launch + two + ["--output-dir", str(stopped), "--resume"], env=env, check=True, cwd=REPO,
+                   capture_output=True, timeout=HANG_S)
+    assert [{k: v for k, v in e.items() if k != "final" or "seconds" not in v}
+            for e in _entries(stopped)][:-1] == two_log[:-1]
     assert (stopped / "model.safetensors").read_bytes() == (tmp_path / "two" / "model.safetensors").read_bytes()
 
 
@@ -347,8 +355,8 @@ def _entries(out):
 
 def test_early_stopping_after_patience_evaluations_without_a_better_checkpoint(base_dir, train_file, tmp_path):
     # lr 0: the first evaluation sets the best and no later one beats it
-    flags = ["--tuning", "lora", "--lr", "0", "--eval-every", "1", "--dev-file", str(train_file), "--eval-batch-size", "48",
-             "--max-len", "136"]
+    flags = ["--tuning", "lora", "--lr", "0", "--eval-every", "1", "--dev-file", str(train_file),
+             "--eval-batch-size", "48", "--max-len", "136"]
     _run(base_dir, train_file, tmp_path / "run", *flags, "--max-steps", "10", "--patience", "2")
     entries = _entries(tmp_path / "run")
     assert [e["step"] for e in entries if "eval" in e] == [1, 2, 3]  # two evaluations no better: stop
@@ -372,8 +380,8 @@ def test_ties_of_dev_f1_keep_the_checkpoint_with_the_lower_dev_loss(base_dir, tr
 def test_the_logged_loss_is_the_mean_over_its_logging_window(base_dir, train_file, tmp_path):
     every_step = _losses(_run(base_dir, train_file, tmp_path / "a", "--tuning", "ptuning", "--pre-seq-len", "4",
                               "--max-steps", "6", "--log-every", "1"))
-    windows = _run(base_dir, train_file, tmp_path / "b", "--tuning", "ptuning", "--pre-seq-len", "4", "--max-steps", "6",
-                   "--log-every", "3")
+    windows = _run(base_dir, train_file, tmp_path / "b", "--tuning", "ptuning", "--pre-seq-len", "4",
+                   "--max-steps", "6", "--log-every", "3")
     logged = [e["loss"] for e in windows if "loss" in e]
     assert logged == pytest.approx([sum(every_step[:3]) / 3, sum(every_step[3:]) / 3], rel=1e-6)
 
@@ -400,10 +408,12 @@ def test_prompt_response_columns_train_and_infer_with_the_generation_metrics(tmp
     capsys.readouterr()
     infer_cli.main(["--model", str(out), "--input", str(ADVERTISE), "--output", str(tmp_path / "o.jsonl")])
     printed = capsys.readouterr().out
-    assert re.search(r"^rouge-1 [\d.]+  rouge-2 [\d.]+  rouge-l [\d.]+  bleu-4 [\d.]+  exact_match [\d.]+$", printed, re.M)
+    assert (re.search(r"^rouge-1 [\d.]+  rouge-2 [\d.]+  rouge-l [\d.]+  bleu-4 [\d.]+  exact_match [\d.]+$",
+                      printed, re.M))
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text(encoding="utf-8").splitlines()]
     gold = [json.loads(line) for line in ADVERTISE.read_text(encoding="utf-8").splitlines()]
-    assert [r["text"] for r in rows] == [g["content"] for g in gold] and [r["answer"] for r in rows] == [g["summary"] for g in gold]
+    assert ([r["text"] for r in rows] == [g["content"] for g in gold]
+            and [r["answer"] for r in rows] == [g["summary"] for g in gold])
     from chatglm_tune.textmetrics import generation_scores
 
     summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text(encoding="utf-8"))

@@ -46,9 +46,11 @@ def chat_record(version: str, chat: dict) -> SPORecord | None:
     """The record of an official chat whose history is plain (query, response) turns, else None."""
     if version == "chatglm2":
         return SPORecord(chat["query"], None, history=tuple(map(tuple, chat["history"])))
-    messages = chat["history"] + [{"role": "user", "content": chat["query"]}] if version == "chatglm3" else chat["messages"]
+    messages = chat["history"] + [{"role": "user",
+                                   "content": chat["query"]}] if version == "chatglm3" else chat["messages"]
     roles = [m["role"] for m in messages]
-    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] or any(set(m) - {"role", "content"} for m in messages):
+    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] or any(set(m) - {"role", "content"}
+                                                                            for m in messages):
         return None
     turns = tuple((q["content"], r["content"]) for q, r in zip(messages[:-1:2], messages[1::2]))
     return SPORecord(messages[-1]["content"], None, history=turns)
@@ -73,7 +75,8 @@ def test_the_tiny_sentencepiece_learns_word_pieces_but_keeps_chinese_and_digits_
     from chatglm_tune.tokenizing import sentencepiece_model_type
 
     tool = json.dumps([{"name": "get_weather", "parameters": {"city": "城市"}}], indent=4, ensure_ascii=False)
-    tokenizer = train_glm_sentencepiece([tool, "北京今天天气怎么样？把2500元换成美元。"] * 20, tmp_path, version="chatglm3")
+    tokenizer = train_glm_sentencepiece([tool, "北京今天天气怎么样？把2500元换成美元。"] * 20, tmp_path,
+                                        version="chatglm3")
     assert sentencepiece_model_type(tokenizer.sp_model) == "bpe"
     assert len(tokenizer.encode_text(tool)) < len(tool) / 3
     for text in ("北京今天天气怎么样？", "2500", "城市"):
@@ -142,15 +145,17 @@ def tiny_runs(root: Path, preset: str, *, base_steps: int = 300, run=cli, dev: b
     """`root` with `data.jsonl` (24 dev records), `base` (`--model preset --tuning full`, `base_steps` steps: it
     learns them) and 2-step P-tuning v2 (`ptuning`) and LoRA (`lora`) runs on top of it; `run(script, *args)`
     runs a command. `dev=False`: no dev file (no generation while training: a run that only has to work)."""
-    (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n", encoding="utf-8")
-    data = ["--train-file", root / "data.jsonl", *(["--dev-file", root / "data.jsonl"] if dev else []), "--max-src-len", 96,
-            "--max-len", 160, "--batch-size", 8, "--threads", 1]
+    (root / "data.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:24]) + "\n",
+                                     encoding="utf-8")
+    data = ["--train-file", root / "data.jsonl", *(["--dev-file", root / "data.jsonl"] if dev else []),
+            "--max-src-len", 96, "--max-len", 160, "--batch-size", 8, "--threads", 1]
     evaluation = ["--eval-every", base_steps] if dev else []
-    run("train.py", "--model", preset, "--tuning", "full", *data, "--max-steps", base_steps, "--lr", "5e-3", *evaluation,
-        "--output-dir", root / "base")
+    run("train.py", "--model", preset, "--tuning", "full", *data, "--max-steps", base_steps, "--lr",
+        "5e-3", *evaluation, "--output-dir", root / "base")
     adapters = [("train.py", "--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, "--prefix-projection",
                  *data, "--max-steps", 2, "--output-dir", root / "ptuning"),
-                ("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir", root / "lora")]
+                ("train.py", "--model", root / "base", "--tuning", "lora", *data, "--max-steps", 2, "--output-dir",
+                 root / "lora")]
     if run is cli:  # two interpreters on two cores
         commands.side_by_side(*adapters)
     else:
@@ -206,7 +211,8 @@ def test_a_chatglm3_run_quantizes_to_the_official_layout_and_keeps_its_answers(r
     cli("quantize.py", "--bits", bits, runs / "base", out)
     state = load_file(out / "model.safetensors")
     weight = state["transformer.encoder.layers.0.self_attention.query_key_value.weight"]
-    assert weight.dtype == torch.int8 and "transformer.encoder.layers.0.self_attention.query_key_value.weight_scale" in state
+    assert (weight.dtype == torch.int8
+            and "transformer.encoder.layers.0.self_attention.query_key_value.weight_scale" in state)
     assert json.loads((out / "config.json").read_text())["quantization_bit"] == bits
     model, _ = loading.load_run(loading.resolve_run(out))
     assert model.config.quantization_bit == bits

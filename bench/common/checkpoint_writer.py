@@ -1,7 +1,8 @@
 """A random-weight checkpoint in a version's official layout, written shard by shard (bench/scale/scale.py's
 `write` step).
 
-    python bench/common/checkpoint_writer.py DIR [--version {chatglm,chatglm3,glm4,glm4-0414,glm4-0414-32b}] [--num-layers N] [--shards M]
+    python bench/common/checkpoint_writer.py DIR [--version {chatglm,chatglm3,glm4,glm4-0414,glm4-0414-32b}]
+        [--num-layers N] [--shards M]
 
 Prints a JSON line. The version's row of bench/common/scale_versions.py gives the config and the shard count.
 
@@ -100,7 +101,8 @@ def glm_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 (layer + "post_attention_layernorm.weight", (h,), "ones"),
                 (layer + "mlp.dense_h_to_4h.weight", (2 * ffn, h), None),
                 (layer + "mlp.dense_4h_to_h.weight", (h, ffn), None)]
-    out += [("transformer.encoder.final_layernorm.weight", (h,), "ones"), ("transformer.output_layer.weight", (vocab, h), None)]
+    out += [("transformer.encoder.final_layernorm.weight", (h,), "ones"),
+            ("transformer.output_layer.weight", (vocab, h), None)]
     out = [(key, shape, init or key) for key, shape, init in out]
     _check_against_toolkit(raw, out)
     return out
@@ -154,7 +156,8 @@ def transformers_int4_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str
     for key, shape, init in transformers_tensors(raw):
         owner, _, leaf = key.rpartition(".")
         if leaf == "weight" and owner.rpartition(".")[2] in QUANTIZABLE_LINEARS and ".layers." in key:
-            out += [(key, (shape[0], shape[1] // 2), "int4:" + key), (owner + ".weight_scale", (shape[0],), f"scale:{shape[1]}")]
+            out += [(key, (shape[0], shape[1] // 2), "int4:" + key),
+                    (owner + ".weight_scale", (shape[0],), f"scale:{shape[1]}")]
         else:
             out.append((key, shape, init))
     return out
@@ -173,7 +176,8 @@ def quantized_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
     model = _meta_glm(raw)
     quantize_model(model, 4, 0, targets=quantizable_linears(model.config.chatglm_version), empty_init=True)
     quantize_experts(model, 4, 0, empty_init=True)
-    inputs = {f"{name}.weight_scale": str(m.in_features) for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    inputs = {f"{name}.weight_scale": str(m.in_features) for name, m in model.named_modules()
+              if isinstance(m, QuantizedLinear)}
     out = []
     for key, tensor in model.state_dict().items():
         if key.startswith("prefix_encoder."):
@@ -183,7 +187,8 @@ def quantized_tensors(raw: dict) -> list[tuple[str, tuple[int, ...], str]]:
         elif tensor.dtype == torch.int8:
             init = "int4:" + key
         else:
-            init = "ones" if key.endswith("norm.weight") else "zeros" if key.endswith("e_score_correction_bias") else key
+            init = ("ones" if key.endswith("norm.weight") else "zeros"
+                    if key.endswith("e_score_correction_bias") else key)
         out.append((key, tuple(tensor.shape), init))
     return out
 
@@ -271,10 +276,12 @@ LAYOUTS = {
     "chatglm6b": (lambda cfg: official_tensors(ChatGLMConfig.from_name("chatglm-6b", num_layers=cfg["num_layers"])),
                   "pytorch_model-{:05d}-of-{:05d}.bin", "pytorch_model.bin.index.json", _save_bin),
     "glm": (glm_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
-    "glm4-0414": (transformers_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
+    "glm4-0414": (transformers_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json",
+                  _save_safetensors),
     "glm4-0414-int4": (transformers_int4_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json",
                        _save_safetensors),
-    "moe-int4": (quantized_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json", _save_safetensors),
+    "moe-int4": (quantized_tensors, "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json",
+                 _save_safetensors),
 }
 
 
@@ -286,9 +293,9 @@ def write_released_tokenizer(assets: Path, directory: Path, version: str = "glm4
 
     load_glm4_tokenizer(assets).save_vocabulary(str(directory))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
-              "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
-              "do_lower_case": False, "remove_space": False, "model_input_names": ["input_ids", "attention_mask"],
-              "model_max_length": 128000}
+              "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+              "padding_side": "left", "do_lower_case": False, "remove_space": False,
+              "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 128000}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
 
 

@@ -156,7 +156,8 @@ def weight_bytes_per_token(model) -> int:
 
 
 def _routed_share(model) -> dict[int, float]:
-    """{id(module): the share of it a token reads} for every module inside a mixture-of-experts layer's routed experts."""
+    """{id(module): the share of it a token reads} for every module inside a mixture-of-experts layer's routed
+    experts."""
     config = getattr(model, "config", None)
     chosen, experts = getattr(config, "num_experts_per_tok", None), getattr(config, "n_routed_experts", None)
     if not (chosen and experts):

@@ -68,12 +68,14 @@ _GLM_COMMON = {
 }
 CHATGLM3_6B = {  # THUDM/chatglm3-6b config.json
     "_name_or_path": "THUDM/chatglm3-6b", **_GLM_COMMON, "layernorm_epsilon": 1e-05, "num_layers": 28,
-    "padded_vocab_size": 65024, "seq_length": 8192, "transformers_version": "4.30.2", "eos_token_id": 2, "pad_token_id": 0,
+    "padded_vocab_size": 65024, "seq_length": 8192, "transformers_version": "4.30.2", "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 GLM4_9B_CHAT = {  # THUDM/glm-4-9b-chat config.json (torch_dtype: see the module docstring)
-    "_name_or_path": "THUDM/glm-4-9b-chat", **_GLM_COMMON, "attn_implementation": "sdpa", "layernorm_epsilon": 1.5625e-07,
-    "num_hidden_layers": 40, "num_layers": 40, "rope_ratio": 500, "padded_vocab_size": 151552, "seq_length": 131072,
-    "transformers_version": "4.44.0", "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
+    "_name_or_path": "THUDM/glm-4-9b-chat", **_GLM_COMMON, "attn_implementation": "sdpa",
+    "layernorm_epsilon": 1.5625e-07, "num_hidden_layers": 40, "num_layers": 40, "rope_ratio": 500,
+    "padded_vocab_size": 151552, "seq_length": 131072, "transformers_version": "4.44.0",
+    "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
 }
 
 _GLM4_0414 = {  # transformers' Glm4ForCausalLM config.json (THUDM/GLM-4-9B-0414's fields; torch_dtype: see above)
@@ -89,8 +91,8 @@ GLM4_32B_0414 = {"_name_or_path": "THUDM/GLM-4-32B-0414", **_GLM4_0414, "hidden_
                  "num_attention_heads": 48, "num_hidden_layers": 61}
 
 GLM4_0414_NOTES = (
-    "Configs (`bench/common/scale_versions.py`): transformers' `Glm4Config` defaults, which are GLM-4-9B-0414's shapes, "
-    "give hidden 4096, 40 layers, 32 heads, head_dim 128, 2 KV heads, intermediate 13696, vocab 151552, "
+    "Configs (`bench/common/scale_versions.py`): transformers' `Glm4Config` defaults, which are GLM-4-9B-0414's "
+    "shapes, give hidden 4096, 40 layers, 32 heads, head_dim 128, 2 KV heads, intermediate 13696, vocab 151552, "
     "attention_bias true, partial_rotary_factor 0.5, rope_theta 10000, eos [151329, 151336, 151338], pad 151329, "
     "untied embeddings (checked against the installed transformers); rms_norm_eps 1e-5 and "
     "max_position_embeddings 32768 (the defaults say 1.5625e-07 and 131072) and GLM-4-32B-0414's hidden 6144, "
@@ -107,25 +109,27 @@ GLM4_0414_NOTES = (
 )
 
 GLM47_FLASH = {  # transformers' Glm4MoeLiteForCausalLM config.json: its Glm4MoeLiteConfig defaults (GLM-4.7-Flash's)
-    "_name_or_path": "zai-org/GLM-4.7-Flash", "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
-    "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 2048,
-    "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
-    "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64, "num_experts_per_tok": 4,
-    "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "kv_lora_rank": 512,
-    "q_lora_rank": 768, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "rope_interleave": True,
-    "mlp_layer_types": ["dense"] + ["sparse"] * 46, "max_position_embeddings": 202752, "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0, "vocab_size": 154880, "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329,
-    "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
+    "_name_or_path": "zai-org/GLM-4.7-Flash", "architectures": ["Glm4MoeLiteForCausalLM"],
+    "model_type": "glm4_moe_lite", "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_hidden_layers": 47,
+    "num_attention_heads": 20, "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
+    "num_experts_per_tok": 4, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256,
+    "rope_interleave": True, "mlp_layer_types": ["dense"] + ["sparse"] * 46, "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "vocab_size": 154880, "eos_token_id": [151329, 151336, 151338],
+    "pad_token_id": 151329, "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
 }
-GLM45_AIR = {  # GLM-4.5-Air's config.json (transformers' Glm4MoeForCausalLM; its Glm4MoeConfig defaults are these shapes)
+# GLM-4.5-Air's config.json (transformers' Glm4MoeForCausalLM; its Glm4MoeConfig defaults are these shapes)
+GLM45_AIR = {
     "_name_or_path": "zai-org/GLM-4.5-Air", "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
     "attention_bias": True, "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
     "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
     "num_key_value_heads": 8, "n_shared_experts": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1,
-    "partial_rotary_factor": 0.5, "use_qk_norm": False, "num_nextn_predict_layers": 1, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000, "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338],
-    "pad_token_id": 151329, "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
+    "partial_rotary_factor": 0.5, "use_qk_norm": False, "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "vocab_size": 151552,
+    "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "use_cache": True,
 }
 GLM45_AIR_NOTES = (
     "Config (`bench/common/scale_versions.py`): GLM-4.5-Air's config.json: hidden 4096, 46 layers (the first dense, "
@@ -134,8 +138,8 @@ GLM45_AIR_NOTES = (
     "about 60 GB: the bench writes and measures its first 4 layers (`slice_layers`), and gives the full size's memory "
     "from the loader's accounting (`bench/scale/scale_memory.py`, the `memory` step); the multi-token-prediction "
     "layer is not written (the toolkit does not load it).",
-    "Weights: written directly in the INT4 layout `quantize.py --bits 4` writes (as GLM-4.7-Flash's); the tokenizer.json "
-    "is GLM-4's BPE converted from the shared assets' rank file, with GLM-4.5's chat template.",
+    "Weights: written directly in the INT4 layout `quantize.py --bits 4` writes (as GLM-4.7-Flash's); the "
+    "tokenizer.json is GLM-4's BPE converted from the shared assets' rank file, with GLM-4.5's chat template.",
 )
 GLM47_FLASH_NOTES = (
     "Config (`bench/common/scale_versions.py`): transformers' `Glm4MoeLiteConfig` defaults, which are GLM-4.7-Flash's "
@@ -201,14 +205,16 @@ class BenchVersion:
     companions: tuple[str, ...] = ()  # versions whose rows (under their `results_prefix`) this report shows too
     compare_with: str | None = None  # a version whose results file's rows this report quotes (not rerun)
     notes: tuple[str, ...] = ()  # report paragraphs after the header (where the config comes from, ...)
-    slice_layers: int | None = None  # the checkpoint written and measured: its first N layers (the full size does not fit)
+    # the checkpoint written and measured: its first N layers (the full size does not fit)
+    slice_layers: int | None = None
 
     def config_json(self, num_layers: int | None = None) -> dict:
         """config.json of the bench checkpoint: full size, or the first `num_layers` layers."""
         if self.official_config is None:
             from chatglm_tune import ChatGLMConfig
 
-            cfg = ChatGLMConfig.from_name("chatglm-6b", **({} if num_layers is None else {"num_layers": num_layers})).to_dict()
+            cfg = ChatGLMConfig.from_name("chatglm-6b",
+                                          **({} if num_layers is None else {"num_layers": num_layers})).to_dict()
             cfg.update(architectures=["ChatGLMModel"], torch_dtype="float16")
             cfg.pop("dtype", None)
             return cfg
@@ -236,12 +242,14 @@ class BenchVersion:
         directory = ASSETS / self.tokenizer_assets
         if self.tokenizer_json:  # converted by the writer; the rank file is what it needs
             if not (directory / "tokenizer.model").is_file():
-                raise FileNotFoundError(f"{directory}: GLM-4's tokenizer.model (rank file) is not there; bench/scale/scale.py "
-                                        f"--version {self.name} converts it into the checkpoint's tokenizer.json")
+                raise FileNotFoundError(f"{directory}: GLM-4's tokenizer.model (rank file) is not there; "
+                                        f"bench/scale/scale.py --version {self.name} converts it into the checkpoint's "
+                                        "tokenizer.json")
             return directory
         if not (directory / "tokenizer_config.json").is_file() or not (directory / "tokenizer.model").is_file():
-            raise FileNotFoundError(f"{directory}: {self.title}'s tokenizer (tokenizer.model, tokenizer_config.json) is "
-                                    f"not there; bench/scale/scale.py --version {self.name} copies it into the checkpoint")
+            raise FileNotFoundError(f"{directory}: {self.title}'s tokenizer (tokenizer.model, tokenizer_config.json) "
+                                    f"is not there; bench/scale/scale.py --version {self.name} copies it into the "
+                                    "checkpoint")
         return directory
 
 
@@ -281,7 +289,8 @@ VERSIONS = {
         PromptFrame(("[gMASK]", "<sop>", "<|user|>"), ("<|assistant|>",), "<|user|>", (5, 151329)),
         targets={"inference": {"int4": 20.0}, "ptuning": {"int4": 24.0}}, official_config=GLM47_FLASH,
         tokenizer_assets="glm4", tokenizer_json=True,
-        fit_steps=("infer-int4-file", "train-ptuning-int4", "train-lora-int4"), written_bits=4, notes=GLM47_FLASH_NOTES),
+        fit_steps=("infer-int4-file", "train-ptuning-int4", "train-lora-int4"), written_bits=4,
+        notes=GLM47_FLASH_NOTES),
     "glm45-air": BenchVersion(
         "glm45-air", "GLM-4.5-Air", 0, "scale-glm45-air", "glm45-air", 4, "moe-int4",
         PromptFrame(("[gMASK]", "<sop>", "<|user|>"), ("<|assistant|>",), "<|user|>", (5, 151329)),

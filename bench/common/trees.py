@@ -37,7 +37,8 @@ DEFAULT_METRICS = r"(tokens_per_s|decode_tok_s|rss_load_mb|peak_rss_mib|load_s)$
 
 def export(revision: str, into: Path) -> str:
     """The tree of `revision` extracted into `into`; returns the full commit id."""
-    commit = subprocess.run(["git", "rev-parse", revision], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", revision], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
     archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
@@ -99,7 +100,8 @@ def main(argv=None) -> None:
                    f"(default {DEFAULT_METRICS!r})")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one benchmark run may take (default 1800)")
     p.add_argument("--name", help="results file name (default: the benchmark's file name)")
-    p.add_argument("--base-script", help="the benchmark script's path in the base tree, where it differs (default: the same)")
+    p.add_argument("--base-script",
+                   help="the benchmark script's path in the base tree, where it differs (default: the same)")
     p.add_argument("command", nargs="+", help="the benchmark script and its arguments, after --")
     args = p.parse_args(argv)
     if args.rounds < 1:

@@ -185,8 +185,9 @@ def table(rows: list[dict]) -> list[dict]:
     """A line a command and signal: kills, landed, hangs, failed reruns, differing outputs, leftovers."""
     lines = {}
     for row in rows:
-        line = lines.setdefault((row["command"], row["signal"]), dict(command=row["command"], signal=row["signal"], kills=0,
-                                                                      landed=0, hangs=0, failed=0, differs=0, leftovers=0))
+        line = lines.setdefault((row["command"], row["signal"]),
+                                dict(command=row["command"], signal=row["signal"], kills=0, landed=0, hangs=0,
+                                     failed=0, differs=0, leftovers=0))
         line["kills"] += 1
         for key, value in (("landed", row["landed"]), ("hangs", row["hang"]), ("failed", row["failed"]),
                            ("differs", row["differs"]), ("leftovers", bool(row["leftovers"]))):
@@ -195,17 +196,19 @@ def table(rows: list[dict]) -> list[dict]:
 
 
 def markdown(lines: list[dict], meta: dict) -> str:
-    head = "| command | signal | kills | landed | hangs | failed reruns | outputs that differ | leftovers |\n|---|---|---|---|---|---|---|---|\n"
-    body = "".join(f"| {l['command']} | {l['signal']} | {l['kills']} | {l['landed']} | {l['hangs']} | {l['failed']} | "
-                   f"{l['differs']} | {l['leftovers']} |\n" for l in lines)
+    head = ("| command | signal | kills | landed | hangs | failed reruns | outputs that differ | leftovers "
+            "|\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {row['command']} | {row['signal']} | {row['kills']} | {row['landed']} | {row['hangs']} | "
+                   f"{row['failed']} | {row['differs']} | {row['leftovers']} |\n" for row in lines)
     return f"# Crash test\n\n{json.dumps(meta)}\n\n{head}{body}"
 
 
 def crash_test(names: list[str], kills: int, signals, seed: int, root: Path, progress=print) -> tuple[list[dict], dict]:
     """(rows, the uninterrupted runs' seconds): the whole test in `root`."""
     warm = root / "kernels"
-    subprocess.run([sys.executable, "-c", WARM_UP], cwd=ROOT, env=quiet_env(**{KERNEL_CACHE_ENV: str(warm)}), check=True,
-                   timeout=HANG_S)  # built once here: the uninterrupted runs' durations leave the builds out
+    # built once here: the uninterrupted runs' durations leave the builds out
+    subprocess.run([sys.executable, "-c", WARM_UP], cwd=ROOT,
+                   env=quiet_env(**{KERNEL_CACHE_ENV: str(warm)}), check=True, timeout=HANG_S)
     inputs = prepare(root / "inputs")
     refs = {"train": reference(commands(inputs)["train"], root, warm)}  # its run is what the others read
     inputs = trained(inputs, refs["train"].work)
@@ -226,7 +229,8 @@ def main(argv=None) -> dict:
     p.add_argument("--commands", nargs="+", default=["train", "infer", "quantize", "export", "serve"])
     p.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", type=Path, help="folder for the runs (default: a new temporary one, removed if all passed)")
+    p.add_argument("--work", type=Path,
+                   help="folder for the runs (default: a new temporary one, removed if all passed)")
     p.add_argument("--results", action="store_true", help="write bench/results/crash.{json,md}")
     args = p.parse_args(argv)
     root = args.work or Path(tempfile.mkdtemp(prefix="crash-"))
@@ -240,7 +244,7 @@ def main(argv=None) -> dict:
             "kills_a_command_and_signal": args.kills, "uninterrupted_seconds": seconds,
             "minutes": round((time.monotonic() - start) / 60, 1)}
     print(markdown(lines, meta))
-    totals = {k: sum(l[k] for l in lines) for k in ("kills", "landed", "hangs", "failed", "differs", "leftovers")}
+    totals = {k: sum(line[k] for line in lines) for k in ("kills", "landed", "hangs", "failed", "differs", "leftovers")}
     result = {**meta, **totals, "table": lines, "problems": [r for r in rows if r.get("log")]}
     if args.results:
         (RESULTS / "crash.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")

@@ -64,7 +64,8 @@ def digest(path: Path) -> str:
 
 def files_of(folder: Path, skip=()) -> dict:
     """{relative path: content digest} of the files under `folder` (absent: {})."""
-    return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in skip}
+    return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name not in skip}
 
 
 def without_timing(entries: list[dict]) -> list[dict]:
@@ -100,7 +101,8 @@ def commands(inputs: Inputs) -> dict[str, Command]:
         run = work / "run"
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return {"weights": files_of(run, skip=("metrics.jsonl", "loss_curve.png", "progress.json", "data_report.json")),
-                "metrics": without_timing(metrics), "progress": json.loads((run / "state" / "progress.json").read_text())}
+                "metrics": without_timing(metrics),
+                "progress": json.loads((run / "state" / "progress.json").read_text())}
 
     def infer(work, *more):
         return script("infer.py", "--model", inputs.run, "--input", inputs.dev, "--output", work / "pred.jsonl",
@@ -157,7 +159,8 @@ def drive_serve(run: Path, answers: Path) -> int:
     where the server ran to its clean end. A signal that reaches the group ends both, as Ctrl-C in a terminal does."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(script("serve.py", "--model", run, "--port", port, "--threads", 1), cwd=ROOT, env=quiet_env())
+    server = subprocess.Popen(script("serve.py", "--model", run, "--port", port, "--threads", 1), cwd=ROOT,
+                              env=quiet_env())
     deadline = time.monotonic() + HANG_S
     while not _healthy(base):
         if server.poll() is not None:

@@ -1,7 +1,7 @@
 """Benchmark: decoding with each step one compiled forward over a static KV cache (`generate(..., compiled=True)`,
 infer.py --compile) against the cached loop (`generate`), side by side in one run.
 
-    python bench/decode/compiled.py                              # tiny, small and mid GLM-4, ChatGLM3, ChatGLM-6B; batch 1, 8
+    python bench/decode/compiled.py          # tiny, small and mid GLM-4, ChatGLM3, ChatGLM-6B; batch 1, 8
     python bench/decode/compiled.py --sizes mid --versions glm4 --batch-sizes 1 --threads 1
 
 Random models (the versions' tiny presets, and the serve bench's small and mid sizes: `serve_children.SIZES`), fp32,
@@ -114,7 +114,8 @@ def main(argv=None) -> None:
     results = []
     for version in args.versions.split(","):
         for size in args.sizes.split(","):
-            torch._dynamo.reset()  # each model compiles afresh (the step's compiled variants share one budget a process)
+            # each model compiles afresh (the step's compiled variants share one budget a process)
+            torch._dynamo.reset()
             with tempfile.TemporaryDirectory() as directory:
                 model = build(version, size, Path(directory))
             params = sum(t.numel() for t in model.parameters())
@@ -129,8 +130,8 @@ def main(argv=None) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     args.output.with_suffix(".md").write_text(
-        f"# Compiled decode steps on a static cache against the cached loop\n\n{made_by('bench/decode/compiled.py', on)}, "
-        f"fp32.\n\n{text}\n",
+        "# Compiled decode steps on a static cache against the cached "
+        f"loop\n\n{made_by('bench/decode/compiled.py', on)}, fp32.\n\n{text}\n",
         encoding="utf-8")
     print(json.dumps(summary))
 

@@ -94,7 +94,8 @@ def check(model, prompt: list[int], k: int, reps: int) -> float:
 
 def measure(model, ids: list[list[int]], special, args) -> dict:
     """{side: {"step_ms": {batch: ms}, "check_ms": {k: ms}, "tokens": {batch: ids}}} over alternated rounds."""
-    runs = {name: {"step": {b: [] for b in args.batches}, "check": {k: [] for k in GUESSES}, "tokens": {}} for name in SIDES}
+    runs = {name: {"step": {b: [] for b in args.batches}, "check": {k: [] for k in GUESSES}, "tokens": {}}
+            for name in SIDES}
     for r in range(args.rounds):
         for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
             with side(name):
@@ -114,9 +115,10 @@ def measure(model, ids: list[list[int]], special, args) -> dict:
 
 def page(result: dict, on: dict) -> str:
     p, f = result["pytorch"], result["fewrow"]
-    lines = [f"# Float decoding: PyTorch's few-row products against fewrow_cpu's\n",
+    lines = ["# Float decoding: PyTorch's few-row products against fewrow_cpu's\n",
              f"{made_by('bench/decode/fewrow_decode.py', on)}; {result['loaded']}.\n",
-             "| forward | PyTorch ms | fewrow ms | speedup | x a batch-1 step (PyTorch, fewrow) |", "|---|---|---|---|---|"]
+             "| forward | PyTorch ms | fewrow ms | speedup | x a batch-1 step (PyTorch, fewrow) |",
+             "|---|---|---|---|---|"]
     base = {"pytorch": p["step_ms"][1], "fewrow": f["step_ms"][1]}
     for b in p["step_ms"]:
         lines.append(f"| decode step, batch {b} | {p['step_ms'][b]} | {f['step_ms'][b]} | "
@@ -132,7 +134,8 @@ def page(result: dict, on: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="a model or run directory (default: the serve bench's random mid GLM-4)")
+    parser.add_argument("--model", type=Path,
+                        help="a model or run directory (default: the serve bench's random mid GLM-4)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)),

@@ -84,12 +84,14 @@ def project_recompute(model, batch: int, new_tokens: int, prompt_len: int) -> di
     long = {"input_ids": torch.cat([short["input_ids"], extra], dim=1),
             "attention_mask": torch.cat([short["attention_mask"], torch.ones_like(extra)], dim=1)}
     (first, peak_short), (last, peak_long) = timed(model, "recompute", short, 1), timed(model, "recompute", long, 1)
-    return result("recompute~", batch, new_tokens, prompt_len, new_tokens * (first + last) / 2, max(peak_short, peak_long))
+    return result("recompute~", batch, new_tokens, prompt_len, new_tokens * (first + last) / 2,
+                  max(peak_short, peak_long))
 
 
 def result(method, batch, new_tokens, prompt_len, seconds, peak) -> dict:
-    return {"method": method, "batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len, "seconds": round(seconds, 3),
-            "tokens_per_s": round(batch * new_tokens / seconds, 2), "peak_rss_mib": round(peak)}
+    return {"method": method, "batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "seconds": round(seconds, 3), "tokens_per_s": round(batch * new_tokens / seconds, 2),
+            "peak_rss_mib": round(peak)}
 
 
 def build_model(name: str, dtype: torch.dtype):
@@ -104,8 +106,8 @@ HEADER = (f"{'config':<6} {'dtype':<9} {'batch':>5} {'method':<10} {'new tok':>7
 def table_row(r: dict) -> str:
     per_token = 1000 * r["seconds"] / (r["batch"] * r["new_tokens"])
     speedup = f"{r['speedup']:.1f}x" if "speedup" in r else ""
-    return (f"{r['config']:<6} {r['dtype']:<9} {r['batch']:>5} {r['method']:<10} {r['new_tokens']:>7} {r['seconds']:>8.2f} "
-            f"{r['tokens_per_s']:>9.2f} {per_token:>8.2f} {r['peak_rss_mib']:>9} {speedup:>8}")
+    return (f"{r['config']:<6} {r['dtype']:<9} {r['batch']:>5} {r['method']:<10} {r['new_tokens']:>7} "
+            f"{r['seconds']:>8.2f} {r['tokens_per_s']:>9.2f} {per_token:>8.2f} {r['peak_rss_mib']:>9} {speedup:>8}")
 
 
 def batch_tokens(spec: str) -> dict[int, int]:
@@ -116,11 +118,16 @@ def batch_tokens(spec: str) -> dict[int, int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,mid", help="comma-separated presets (default %(default)s)")
-    p.add_argument("--dtypes", default="float32", help="comma-separated compute dtypes, e.g. float32,bfloat16 (default %(default)s)")
-    p.add_argument("--new-tokens", default="1:128,16:64", help="batch:tokens generated per row with the cache (default %(default)s)")
-    p.add_argument("--recompute-tokens", default="1:16,16:4", help="batch:tokens measured with the recompute loop (default %(default)s)")
-    p.add_argument("--project", default="1", help="batch sizes whose full-length recompute time is also estimated (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=48, help="longest prompt, [gMASK] <sop> included (default %(default)s)")
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated compute dtypes, e.g. float32,bfloat16 (default %(default)s)")
+    p.add_argument("--new-tokens", default="1:128,16:64",
+                   help="batch:tokens generated per row with the cache (default %(default)s)")
+    p.add_argument("--recompute-tokens", default="1:16,16:4",
+                   help="batch:tokens measured with the recompute loop (default %(default)s)")
+    p.add_argument("--project", default="1",
+                   help="batch sizes whose full-length recompute time is also estimated (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=48,
+                   help="longest prompt, [gMASK] <sop> included (default %(default)s)")
     p.add_argument("--threads", type=int, help=f"torch threads (default: torch's, {torch.get_num_threads()} here)")
     args = p.parse_args(argv)
     if args.threads:
@@ -128,7 +135,8 @@ def main(argv=None) -> None:
     new_tokens, recompute_tokens = batch_tokens(args.new_tokens), batch_tokens(args.recompute_tokens)
     projected = {int(b) for b in args.project.split(",") if b}
     load_before = os.getloadavg()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load_before[0]:.2f} on "
+          f"{os.cpu_count()} CPUs")
     print("speedup = kv-cache tok/s / that row's tok/s; recompute~ = estimated from its first and last step\n")
     print(HEADER)
     print("-" * len(HEADER))
@@ -158,8 +166,8 @@ def main(argv=None) -> None:
     if head is not None and ref is not None:
         met = head["tokens_per_s"] >= TARGET_TOKENS_PER_S and ref["speedup"] >= TARGET_SPEEDUP
         summary["headline"] = {"mid_fp32_batch1_tokens_per_s": head["tokens_per_s"], "new_tokens": head["new_tokens"],
-                               "speedup_vs_recompute": ref["speedup"], "target": f">= {TARGET_TOKENS_PER_S:g} tok/s and >= {TARGET_SPEEDUP:g}x",
-                               "met": met}
+                               "speedup_vs_recompute": ref["speedup"],
+                               "target": f">= {TARGET_TOKENS_PER_S:g} tok/s and >= {TARGET_SPEEDUP:g}x", "met": met}
         print(f"headline (mid, fp32, batch 1, {head['new_tokens']} new tokens): {head['tokens_per_s']:.1f} tok/s, "
               f"{ref['speedup']:.1f}x the recompute loop over the same tokens; target met: {met}")
     print(json.dumps(summary))

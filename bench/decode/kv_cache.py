@@ -92,12 +92,15 @@ def main(argv=None) -> None:
                      "speedup": round(median["DynamicCache"] / median["GrowingCache"], 3),
                      "same_ids": outputs["DynamicCache"] == outputs["GrowingCache"]})
         print(rows[-1], file=sys.stderr)
-    print(f"\ndecode step, ms (median of {args.rounds} alternated rounds, {args.threads} threads, {NEW_TOKENS} new tokens)")
-    print(f"{'model':14s} {'rows':>4s} {'prompt':>6s} {'DynamicCache':>12s} {'GrowingCache':>12s} {'speedup':>8s} {'same ids':>8s}")
+    print(f"\ndecode step, ms (median of {args.rounds} alternated rounds, {args.threads} threads, {NEW_TOKENS} new "
+          "tokens)")
+    print(f"{'model':14s} {'rows':>4s} {'prompt':>6s} {'DynamicCache':>12s} {'GrowingCache':>12s} {'speedup':>8s} "
+          f"{'same ids':>8s}")
     for r in rows:
-        print(f"{r['model']:14s} {r['rows']:4d} {r['prompt']:6d} {r['DynamicCache_ms']:12.1f} {r['GrowingCache_ms']:12.1f} "
-              f"{r['speedup']:7.2f}x {str(r['same_ids']):>8s}")
-    line = json.dumps({"kv_cache": {"threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability(), "cases": rows}})
+        print(f"{r['model']:14s} {r['rows']:4d} {r['prompt']:6d} {r['DynamicCache_ms']:12.1f} "
+              f"{r['GrowingCache_ms']:12.1f} {r['speedup']:7.2f}x {str(r['same_ids']):>8s}")
+    line = json.dumps({"kv_cache": {"threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability(),
+                                    "cases": rows}})
     if args.results:
         args.results.write_text(line + "\n", encoding="utf-8")
     print(line)

@@ -50,8 +50,9 @@ FULL = dict(new_tokens=32, rounds=3)
 # Variant -> (weights: "fp16" (the source) or "int8"/"int4" (quantize.py --bits), compute dtype, embedding:
 # "half" as stored (the official format) or "int8" (`from_pretrained(quantize_embedding=True)`: one INT8 copy
 # of the tied embedding / head, whose decode matmul then runs in the int8pack kernel)).
-VARIANTS = {"fp32": ("fp16", "float32", "half"), "bf16": ("fp16", "bfloat16", "half"), "int8": ("int8", "float32", "half"),
-            "int4": ("int4", "float32", "half"), "int8+e8": ("int8", "float32", "int8"), "int4+e8": ("int4", "float32", "int8")}
+VARIANTS = {"fp32": ("fp16", "float32", "half"), "bf16": ("fp16", "bfloat16", "half"),
+            "int8": ("int8", "float32", "half"), "int4": ("int4", "float32", "half"),
+            "int8+e8": ("int8", "float32", "int8"), "int4+e8": ("int4", "float32", "int8")}
 TARGETS = {"int8": 1.6, "int4": 2.0, "int8+e8": 1.6, "int4+e8": 2.0}  # decode tokens/s over bf16
 TARGET_INT4_DISK = 0.3  # INT4 bytes / fp16 bytes of the block Linears
 OP_GROUPS = {"aten::_weight_int8pack_mm": "int8pack", "aten::_weight_int4pack_mm_for_cpu": "int4pack",
@@ -62,7 +63,8 @@ OP_GROUPS = {"aten::_weight_int8pack_mm": "int8pack", "aten::_weight_int4pack_mm
 
 
 def load_variant(model_dir, dtype: str, embedding: str):
-    return ChatGLMForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype), quantize_embedding=embedding == "int8")
+    return ChatGLMForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                           quantize_embedding=embedding == "int8")
 
 
 def load_child(model_dir: str, dtype: str, embedding: str) -> None:
@@ -152,11 +154,14 @@ def layer_bytes(directory: Path) -> tuple[int, int]:
 
 def bench(args, mode: dict) -> dict:
     torch.set_num_threads(args.threads)
-    config = ChatGLMConfig.from_name("mid", **{**MID, **({"num_layers": mode["num_layers"]} if "num_layers" in mode else {})})
+    config = ChatGLMConfig.from_name("mid",
+                                     **{**MID, **({"num_layers": mode["num_layers"]} if "num_layers" in mode else {})})
     load = [os.getloadavg()[0]]
     print(f"torch {torch.__version__}, {args.threads} thread(s), load average {load[0]:.2f} on {os.cpu_count()} CPUs; "
-          f"hidden {config.hidden_size}, {config.num_layers} layers, inner {config.inner_hidden_size}, vocab {config.vocab_size}")
-    results = {name: {"dtype": dtype, "weights": weights, "embedding": emb} for name, (weights, dtype, emb) in VARIANTS.items()}
+          f"hidden {config.hidden_size}, {config.num_layers} layers, inner {config.inner_hidden_size}, vocab "
+          f"{config.vocab_size}")
+    results = {name: {"dtype": dtype, "weights": weights, "embedding": emb}
+               for name, (weights, dtype, emb) in VARIANTS.items()}
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
         dirs = {"fp16": Path(tmp) / "fp16", "int8": Path(tmp) / "int8", "int4": Path(tmp) / "int4"}
         start = time.perf_counter()
@@ -192,7 +197,8 @@ def bench(args, mode: dict) -> dict:
         for name, model in models.items():
             r = results[name]
             r.update(weight_bytes_per_token=bytes_per_token(model), decode_tok_s=statistics.median(rates[name]),
-                     rounds_tok_s=[round(v, 3) for v in rates[name]], profile_s=profile_decode(model, ids, args.profile_tokens))
+                     rounds_tok_s=[round(v, 3) for v in rates[name]],
+                     profile_s=profile_decode(model, ids, args.profile_tokens))
             r["bound_tok_s"] = bandwidth / r["weight_bytes_per_token"]
     load.append(os.getloadavg()[0])
     return {"config": config, "results": results, "quantize": quantize_runs, "bandwidth": bandwidth, "load": load}
@@ -202,35 +208,44 @@ def report(args, mode: dict, run: dict) -> None:
     results = run["results"]
     bf16, fp32 = results["bf16"]["decode_tok_s"], results["fp32"]["decode_tok_s"]
     for r in results.values():
-        r.update(x_bf16=r["decode_tok_s"] / bf16, x_fp32=r["decode_tok_s"] / fp32, of_bound=r["decode_tok_s"] / r["bound_tok_s"])
+        r.update(x_bf16=r["decode_tok_s"] / bf16, x_fp32=r["decode_tok_s"] / fp32,
+                 of_bound=r["decode_tok_s"] / r["bound_tok_s"])
     header = (f"{'variant':<8}{'loads':>7}{'embed':>6}{'disk MB':>9}{'RSS load MB':>12}{'MB read/tok':>12}{'tok/s':>8}"
               f"{'x bf16':>8}{'x fp32':>8}{'bound tok/s':>12}{'of bound':>9}")
     print(f"\n{header}\n{'-' * len(header)}")
     for name, r in results.items():
-        print(f"{name:<8}{r['weights']:>7}{r['embedding']:>6}{r['disk_bytes'] / 1e6:>9,.0f}{r['rss_load_mb']:>12,}{r['weight_bytes_per_token'] / 1e6:>12,.0f}"
-              f"{r['decode_tok_s']:>8.2f}{r['x_bf16']:>8.2f}{r['x_fp32']:>8.2f}{r['bound_tok_s']:>12.2f}{r['of_bound']:>9.0%}")
+        print(f"{name:<8}{r['weights']:>7}{r['embedding']:>6}{r['disk_bytes'] / 1e6:>9,.0f}{r['rss_load_mb']:>12,}"
+              f"{r['weight_bytes_per_token'] / 1e6:>12,.0f}{r['decode_tok_s']:>8.2f}{r['x_bf16']:>8.2f}"
+              f"{r['x_fp32']:>8.2f}{r['bound_tok_s']:>12.2f}{r['of_bound']:>9.0%}")
     linear_ratio = results["int4"]["disk_linear_bytes"] / results["fp32"]["disk_linear_bytes"]
     file_ratio = results["int4"]["disk_bytes"] / results["fp32"]["disk_bytes"]
-    print(f"\ncopy bandwidth {run['bandwidth'] / 1e9:.1f} GB/s (median of the rounds); RSS includes the process baseline "
-          f"({results['fp32']['rss_baseline_mb']:,} MB before loading); INT8/INT4 compute in float32 around the integer kernels.")
-    print(f"INT4 on disk / fp16: block Linears {linear_ratio:.3f}, whole file {file_ratio:.3f} (the fp16 embedding, the tied head, stays)")
-    targets = {f"{n}_tok_s_vs_bf16": {"value": round(results[n]["x_bf16"], 2), "target": t, "met": results[n]["x_bf16"] >= t}
+    print(f"\ncopy bandwidth {run['bandwidth'] / 1e9:.1f} GB/s (median of the rounds); RSS includes the process "
+          f"baseline ({results['fp32']['rss_baseline_mb']:,} MB before loading); INT8/INT4 compute in float32 around "
+          "the integer kernels.")
+    print(f"INT4 on disk / fp16: block Linears {linear_ratio:.3f}, whole file {file_ratio:.3f} (the fp16 embedding, "
+          "the tied head, stays)")
+    targets = {f"{n}_tok_s_vs_bf16": {"value": round(results[n]["x_bf16"], 2), "target": t,
+                                      "met": results[n]["x_bf16"] >= t}
                for n, t in TARGETS.items()}
     targets["int4_linear_disk_vs_fp16"] = {"value": round(linear_ratio, 3), "target": TARGET_INT4_DISK,
                                            "met": linear_ratio <= TARGET_INT4_DISK}
-    verdicts = (f"{k} {v['value']} (target {v['target']}: {'met' if v['met'] else 'MISSED'})" for k, v in targets.items())
+    verdicts = (f"{k} {v['value']} (target {v['target']}: {'met' if v['met'] else 'MISSED'})"
+                for k, v in targets.items())
     print("targets: " + "; ".join(verdicts))
-    print(f"\nwhere decode time goes (torch.profiler over {args.profile_tokens} tokens, the prompt step included; self CPU s):")
+    print(f"\nwhere decode time goes (torch.profiler over {args.profile_tokens} tokens, the prompt step included; self "
+          "CPU s):")
     for name, r in results.items():
         print(f"  {name:<5} " + ", ".join(f"{k} {v:.2f}" for k, v in r["profile_s"].items()))
     print(f"load average before/after: {run['load'][0]:.2f}/{run['load'][1]:.2f}")
     config = run["config"]
     summary = {
         "bench": "quant", "quick": args.quick, "threads": args.threads, "prompt_len": args.prompt_len, **mode,
-        "config": {k: getattr(config, k) for k in ("hidden_size", "num_layers", "num_attention_heads", "inner_hidden_size", "vocab_size")},
+        "config": {k: getattr(config, k)
+                   for k in ("hidden_size", "num_layers", "num_attention_heads", "inner_hidden_size", "vocab_size")},
         "load_average": [round(v, 2) for v in run["load"]], "copy_bandwidth_gb_s": round(run["bandwidth"] / 1e9, 2),
         "quantize": run["quantize"],
-        "variants": {n: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for n, r in results.items()},
+        "variants": {n: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                     for n, r in results.items()},
         "int4_disk_vs_fp16": {"block_linears": round(linear_ratio, 3), "whole_file": round(file_ratio, 3)},
         "targets": targets,
     }
@@ -240,11 +255,15 @@ def report(args, mode: dict, run: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} (default: {FULL}, 8 layers)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s: on 2 shared cores, OpenMP "
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default %(default)s: on 2 shared cores, OpenMP "
                    "barriers waiting for a descheduled thread cost more than the second core brings)")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens, [gMASK] <sop> included (default %(default)s)")
-    p.add_argument("--profile-tokens", type=int, default=6, help="tokens generated under torch.profiler (default %(default)s)")
-    p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # internal: load / quantize in a fresh process
+    p.add_argument("--prompt-len", type=int, default=16,
+                   help="prompt tokens, [gMASK] <sop> included (default %(default)s)")
+    p.add_argument("--profile-tokens", type=int, default=6,
+                   help="tokens generated under torch.profiler (default %(default)s)")
+    # internal: load / quantize in a fresh process
+    p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         torch.set_num_threads(args.threads)

@@ -84,10 +84,12 @@ def verdicts(threads: dict, speculation: dict) -> dict:
     busy, quiet = threads["busy"], threads["quiet"]
     best_busy = max(busy["--threads 1"]["records_per_s"], busy["--threads 2"]["records_per_s"])
     out = {"busy_default_vs_best": round(busy["default"]["records_per_s"] / best_busy, 3),
-           "quiet_default_vs_threads_2": round(quiet["default"]["records_per_s"] / quiet["--threads 2"]["records_per_s"], 3)}
+           "quiet_default_vs_threads_2": round(quiet["default"]["records_per_s"]
+                                               / quiet["--threads 2"]["records_per_s"], 3)}
     for batch, variants in speculation.items():
         better = max(variants["on"]["records_per_s"], variants["off"]["records_per_s"])
-        out[f"speculation_batch_{batch}_auto_vs_better"] = round(variants["auto (default)"]["records_per_s"] / better, 3)
+        auto = variants["auto (default)"]["records_per_s"]
+        out[f"speculation_batch_{batch}_auto_vs_better"] = round(auto / better, 3)
         out[f"speculation_batch_{batch}_rows_equal"] = len({v["rows"] for v in variants.values()}) == 1
     out["threads_rows_equal"] = len({v["rows"] for box in threads.values() for v in box.values()}) == 1
     out["met"] = (out["busy_default_vs_best"] >= 0.8 and out["quiet_default_vs_threads_2"] >= 0.95
@@ -111,7 +113,8 @@ def table(threads: dict, speculation: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a run directory (default: checkpoints/tiny, trained if absent)")
-    p.add_argument("--records", type=int, default=48, help="records of data/spo_dev.jsonl extracted (default %(default)s)")
+    p.add_argument("--records", type=int, default=48,
+                   help="records of data/spo_dev.jsonl extracted (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternated variants (default %(default)s)")
     p.add_argument("--results", action="store_true", help="write bench/results/shared-box.{json,md}")
     args = p.parse_args(argv)
@@ -121,8 +124,10 @@ def main(argv=None) -> dict:
         records = work / "records.jsonl"
         lines = (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[: args.records]
         records.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        threads = {box: rounds_of(THREADS, model, records, work, args.rounds, busy=box == "busy") for box in ("quiet", "busy")}
-        speculation = {b: rounds_of(SPECULATION, model, records, work, args.rounds, busy=False, extra=["--batch-size", str(b)])
+        threads = {box: rounds_of(THREADS, model, records, work, args.rounds, busy=box == "busy")
+                   for box in ("quiet", "busy")}
+        speculation = {b: rounds_of(SPECULATION, model, records, work, args.rounds, busy=False,
+                                    extra=["--batch-size", str(b)])
                        for b in (1, 8)}
     found = verdicts(threads, speculation)
     print(table(threads, speculation))
@@ -130,12 +135,14 @@ def main(argv=None) -> dict:
     result = {"bench": "shared_box", "model": str(model), "records": args.records, "rounds": args.rounds, **on,
               **found, "threads": {box: {k: {"records_per_s": v["records_per_s"], "runs": v["runs"], "line": v["line"]}
                                          for k, v in variants.items()} for box, variants in threads.items()},
-              "speculation": {str(b): {k: {"records_per_s": v["records_per_s"], "runs": v["runs"]} for k, v in variants.items()}
+              "speculation": {str(b): {k: {"records_per_s": v["records_per_s"], "runs": v["runs"]}
+                                       for k, v in variants.items()}
                               for b, variants in speculation.items()}}
     if args.results:
         (RESULTS / "shared-box.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
-        (RESULTS / "shared-box.md").write_text(f"# infer.py on a shared machine\n\n{made_by('bench/decode/shared_box.py', on)}"
-                                               f"\n\n{table(threads, speculation)}\n\n{json.dumps(found)}\n")
+        made = made_by("bench/decode/shared_box.py", on)
+        (RESULTS / "shared-box.md").write_text(f"# infer.py on a shared machine\n\n{made}\n\n"
+                                               f"{table(threads, speculation)}\n\n{json.dumps(found)}\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("threads", "speculation")}))
     return result
 

@@ -50,7 +50,8 @@ def load(model_dir: Path, threads: int | None, *, bits: int | None = None, dtype
 
     source = loading.resolve_run(str(model_dir))
     model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=dtype, threads=threads,
-                                                        quantization_bit=bits, quantize_embedding=bits is not None or None,
+                                                        quantization_bit=bits,
+                                                        quantize_embedding=bits is not None or None,
                                                         note=lambda _: None)
     return source, model, tokenizer, line
 
@@ -144,14 +145,16 @@ def measure_model(model_dir: Path, args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | batch | plain tok/s | speculative tok/s | speedup | target | tokens/forward | acceptance | same rows | dev F1 |",
+    lines = ["| model | batch | plain tok/s | speculative tok/s | speedup | target | tokens/forward | acceptance | "
+             "same rows | dev F1 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for run in result.get("runs", ()):
             target = TARGETS.get(run["batch"])
-            lines.append(f"| {Path(result['model']).name} | {run['batch']} | {run['plain_tok_s']} | {run['speculative_tok_s']} | "
-                         f"{run['speedup']}x | {'-' if target is None else f'{target}x'} | {run['tokens_per_forward']} | "
-                         f"{run['acceptance']:.0%} | {run['same_rows']} | {run['f1']} |")
+            lines.append(f"| {Path(result['model']).name} | {run['batch']} | {run['plain_tok_s']} | "
+                         f"{run['speculative_tok_s']} | {run['speedup']}x | {'-' if target is None else f'{target}x'} "
+                         f"| {run['tokens_per_forward']} | {run['acceptance']:.0%} | {run['same_rows']} "
+                         f"| {run['f1']} |")
     for result in results:
         if result.get("verify"):
             lines += ["", f"Cost of checking k guesses in one forward, batch 1 ({Path(result['model']).name}):", "",
@@ -190,8 +193,9 @@ def parse_args(argv=None):
     args.model = args.model or [ROOT / "checkpoints" / "tiny"]
     missing = [str(m) for m in args.model if not (m / "config.json").exists() and not (m / "run_args.json").exists()]
     if missing:
-        p.error(f"no model in {', '.join(missing)}; the README main job makes checkpoints/tiny: python train.py --model "
-                "tiny --tuning full --train-file data/spo_train.jsonl --dev-file data/spo_dev.jsonl --output-dir checkpoints/tiny")
+        p.error(f"no model in {', '.join(missing)}; the README main job makes checkpoints/tiny: python train.py "
+                "--model tiny --tuning full --train-file data/spo_train.jsonl --dev-file data/spo_dev.jsonl "
+                "--output-dir checkpoints/tiny")
     return args
 
 

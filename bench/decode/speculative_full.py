@@ -1,9 +1,9 @@
 """Benchmark: speculative extraction at full size, on a trained model's acceptance pattern, beside llama.cpp's plain
 decoding of the same weights, in one run.
 
-    python bench/peer/peer.py --version chatglm3 --step write        # a random ChatGLM3-6B checkpoint: /tmp/chatglm3-peer
-    python bench/peer/peer.py --version chatglm3 --step gguf-q4_0    # its GGUF, for llama.cpp's side
-    python bench/decode/speculative_full.py --threads 2              # needs checkpoints/tiny (the README main job)
+    python bench/peer/peer.py --version chatglm3 --step write      # a random ChatGLM3-6B checkpoint: /tmp/chatglm3-peer
+    python bench/peer/peer.py --version chatglm3 --step gguf-q4_0  # its GGUF, for llama.cpp's side
+    python bench/decode/speculative_full.py --threads 2            # needs checkpoints/tiny (the README main job)
 
 A random full-size model extracts nothing worth checking, but a forward's cost does not depend on what its tokens
 are. So the pattern comes from a trained model and the cost from the full-size one:
@@ -94,11 +94,14 @@ def acceptance_pattern(model, tokenizer, source, records, batch: int, drafts) ->
     for lo in range(0, len(records), batch):
         padded = left_padded(tokenizer, records[lo:lo + batch], source)
         drafter.forwards = []
-        new = generate(model, padded["input_ids"], padded["attention_mask"], max_new_tokens=source.encoding.answer_budget,
-                       eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), vocab_limit=len(tokenizer), drafts=drafter)
+        new = generate(model, padded["input_ids"], padded["attention_mask"],
+                       max_new_tokens=source.encoding.answer_budget,
+                       eos_token_id=tokenizer.prompt_format.stop_ids(tokenizer), vocab_limit=len(tokenizer),
+                       drafts=drafter)
         for row, answer in enumerate(new):  # the first token is the prefill's
             if sum(f[row][1] + 1 for f in drafter.forwards if row in f) != len(answer) - 1:
-                raise RuntimeError(f"batch at record {lo}, row {row}: the forwards do not add up to {len(answer)} tokens")
+                raise RuntimeError(f"batch at record {lo}, row {row}: the forwards do not add up to {len(answer)} "
+                                   "tokens")
         out.append({"tokens": [len(answer) for answer in new], "forwards": drafter.forwards})
     return out
 
@@ -199,35 +202,41 @@ def llama_plain(gguf: Path, prompt: list[int], threads: int) -> dict:
 
 def table(result: dict) -> str:
     llama = result["llama"]
-    lines = ["| batch | plain tok/s | speculative tok/s | speedup | target | tokens / forward (a row's) | forwards: plain, "
-             "speculative |", "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | plain tok/s | speculative tok/s | speedup | target | tokens / forward (a row's) | forwards: "
+             "plain, speculative |", "|---|---|---|---|---|---|---|"]
     for r in result["replay"]:
         target = TARGETS.get(r["batch"])
         lines.append(f"| {r['batch']} | {r['plain_tok_s']} | {r['speculative_tok_s']} | {r['speedup']}x | "
                      f"{'-' if target is None else f'{target}x'} | {r['tokens_per_forward']} | {r['plain_forwards']}, "
                      f"{r['speculative_forwards']} |")
     lines.append("")
-    lines.append(f"llama.cpp q4_0 of the same weights, plain, batch 1: {llama['tok_s']} tok/s ({llama['decode_ms']:.1f} ms a "
-                 f"token after the {llama['prompt_len']}-token prompt)" if "tok_s" in llama else f"llama.cpp: skipped: {llama['skipped']}")
-    lines += ["", "Cost of checking k guesses in one forward, batch 1:", "", "| k | ms | x plain step |", "|---|---|---|"]
+    lines.append(f"llama.cpp q4_0 of the same weights, plain, batch 1: {llama['tok_s']} tok/s "
+                 f"({llama['decode_ms']:.1f} ms a token after the {llama['prompt_len']}-token prompt)"
+                 if "tok_s" in llama else f"llama.cpp: skipped: {llama['skipped']}")
+    lines += ["", "Cost of checking k guesses in one forward, batch 1:", "", "| k | ms | x plain step |",
+              "|---|---|---|"]
     lines += [f"| {row['guesses']} | {row['ms']} | {row['x_plain_step']} |" for row in result["verify"]]
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("/tmp/chatglm3-peer"), help="the full-size model (default %(default)s)")
+    p.add_argument("--model", type=Path, default=Path("/tmp/chatglm3-peer"),
+                   help="the full-size model (default %(default)s)")
     p.add_argument("--gguf", type=Path, help="its q4_0 GGUF (default: where peer.py's gguf-q4_0 step writes it)")
-    p.add_argument("--pattern", type=Path, default=ROOT / "checkpoints" / "tiny", help="the trained model (default %(default)s)")
+    p.add_argument("--pattern", type=Path, default=ROOT / "checkpoints" / "tiny",
+                   help="the trained model (default %(default)s)")
     p.add_argument("--input", type=Path, default=ROOT / "data" / "spo_dev.jsonl", help="records (default %(default)s)")
     p.add_argument("--records", type=int, default=8, help="records replayed at full size (default %(default)s)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated (default %(default)s)")
     p.add_argument("--max-draft", type=int, help="guesses a forward at most (default: infer.py's, DraftOptions)")
-    p.add_argument("--quantization-bit", type=int, choices=[4, 8, 0], default=4, help="0: unquantized (default %(default)s)")
+    p.add_argument("--quantization-bit", type=int, choices=[4, 8, 0], default=4,
+                   help="0: unquantized (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="the full-size model's activations (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default %(default)s)")
     p.add_argument("--reps", type=int, default=5, help="timed forwards per k (default %(default)s)")
-    p.add_argument("--output", type=Path, default=RESULTS / "speculative-full.json", help="results (default %(default)s)")
+    p.add_argument("--output", type=Path, default=RESULTS / "speculative-full.json",
+                   help="results (default %(default)s)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for what, path in (("--model", args.model), ("--pattern", args.pattern)):
@@ -246,7 +255,8 @@ def main(argv=None) -> None:
 
     drafts = DEFAULT_DRAFTS.capped(args.max_draft)
     patterns = acceptance_patterns(args.pattern, args.input, args.records, args.batch_sizes, args.threads, drafts)
-    source, model, tokenizer, line = load(args.model, args.threads, bits=args.quantization_bit or None, dtype=args.dtype)
+    source, model, tokenizer, line = load(args.model, args.threads, bits=args.quantization_bit or None,
+                                          dtype=args.dtype)
     records = records_of(args.input, args.records, source)
     result = {"pattern": str(args.pattern), "model": str(args.model), "loaded": line, "drafts": asdict(drafts),
               "verify": verify_cost(model, tokenizer, records[0], source, args.reps),

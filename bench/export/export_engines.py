@@ -42,8 +42,9 @@ CPP_INSTALL = 'CMAKE_ARGS="-DCMAKE_POLICY_VERSION_MINIMUM=3.5" pip install chatg
 NEW_TOKENS = 16
 Q8_NEAR_TIE = 0.25  # a first-step top-1 / top-2 logit margin that q8_0's rounding may reverse
 FULL_STEPS, LORA_STEPS = 300, 100
-EDGE_STRINGS = ["", " ", "  two  spaces", "\n", "line\nbreak\n\n", "\ttab", "数字123456和English混合", "3.1415926", "émoji 😀 ü ß",
-                "<|user|> typed", "[gMASK]sop as text", "</s>", "a_b_c", "ＡＢＣ全角", "  leading", "trailing  "]
+EDGE_STRINGS = ["", " ", "  two  spaces", "\n", "line\nbreak\n\n", "\ttab", "数字123456和English混合", "3.1415926",
+                "émoji 😀 ü ß", "<|user|> typed", "[gMASK]sop as text", "</s>", "a_b_c", "ＡＢＣ全角",
+                "  leading", "trailing  "]
 
 
 def installed(module: str) -> bool:
@@ -74,11 +75,13 @@ def make_runs(root: Path) -> dict[str, tuple[Path, bool]]:
     for version, preset in (("chatglm3", "tiny-chatglm3"), ("glm4", "tiny-glm4"), ("glm4-0414", "tiny-glm4-0414"),
                             ("glm-edge", "tiny-glm-edge"), ("chatglm", "tiny")):
         full = root / f"{version}-full"
-        train(full, "--model", preset, "--tuning", "full", "--lr", "4e-3", "--max-steps", FULL_STEPS, "--train-file", sets["full"])
+        train(full, "--model", preset, "--tuning", "full", "--lr", "4e-3", "--max-steps", FULL_STEPS,
+              "--train-file", sets["full"])
         runs[f"{version}-full"] = (full, False)
         if version != "chatglm":
             lora = root / f"{version}-lora"
-            train(lora, "--model", full, "--tuning", "lora", "--lr", "1e-2", "--max-steps", LORA_STEPS, "--train-file", sets["lora"])
+            train(lora, "--model", full, "--tuning", "lora", "--lr", "1e-2", "--max-steps", LORA_STEPS,
+                  "--train-file", sets["lora"])
             runs[f"{version}-lora"] = (lora, True)
     return runs
 
@@ -152,7 +155,8 @@ def check_llama(run: Path, lora: bool, work: Path, n_plain: int, n_chat: int, n_
 
     chats = [[{"role": "user", "content": t}] for t in plain[len(EDGE_STRINGS):][:n_chat]]
     chat_equal = sum(
-        llm.tokenize(Template(template).render(messages=m, add_generation_prompt=True).encode(), add_bos=False, special=True)
+        llm.tokenize(Template(template).render(messages=m, add_generation_prompt=True).encode(),
+                     add_bos=False, special=True)
         == tokenizer.prompt_format.chat_ids(tokenizer, m) for m in chats)
     asks = prompts(tokenizer, source.source, n_prompts)
     expected = [toolkit_greedy(model, ids, NEW_TOKENS) for ids in asks]
@@ -218,8 +222,8 @@ def run_all(work: Path, quick: bool) -> dict:
         import llama_cpp
 
         result["llama_cpp_version"] = llama_cpp.__version__
-        result["llama_cpp"] = [check_llama(d, lora, work, n_plain, n_chat, n_prompts) for name, (d, lora) in runs.items()
-                               if not name.startswith("chatglm-")]
+        result["llama_cpp"] = [check_llama(d, lora, work, n_plain, n_chat, n_prompts)
+                               for name, (d, lora) in runs.items() if not name.startswith("chatglm-")]
     else:
         result["skipped"].append(f"llama.cpp: llama-cpp-python is not installed ({LLAMA_INSTALL})")
     if installed("chatglm_cpp"):
@@ -231,13 +235,17 @@ def run_all(work: Path, quick: bool) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = ["| engine | run | tokenization equal | greedy equal (f16) | q8_0 steps equal | q8_0 first top-1 | q4_0 generates |",
+    lines = ["| engine | run | tokenization equal | greedy equal (f16) | q8_0 steps equal | q8_0 first top-1 "
+             "| q4_0 generates |",
              "|---|---|---|---|---|---|---|"]
     for r in result["llama_cpp"]:
-        lines.append(f"| llama.cpp | {r['run']}{' (merged)' if r['lora_merged'] else ''} | {r['tokenization_equal']}/{r['strings']} "
-                     f"(plain {r['plain_equal']}, chat {r['chat_equal']}) | {r['f16_greedy_equal']}/{r['prompts']} prompts x "
-                     f"{r['new_tokens']} ({r['toolkit_distinct_tokens']} distinct ids) | {r['q8_0_steps_equal']:.1%} | {'yes' if r['q8_0_first_top1_equal'] else 'no (toolkit margin %.3f)' % r['q8_0_first_unequal_margin']} | "
-                     f"{r['q4_0_generated']} tokens ({r['q4_0_distinct']} distinct) |")
+        first_top1 = ("yes" if r["q8_0_first_top1_equal"]
+                      else "no (toolkit margin %.3f)" % r["q8_0_first_unequal_margin"])
+        lines.append(f"| llama.cpp | {r['run']}{' (merged)' if r['lora_merged'] else ''} | "
+                     f"{r['tokenization_equal']}/{r['strings']} (plain {r['plain_equal']}, chat {r['chat_equal']}) | "
+                     f"{r['f16_greedy_equal']}/{r['prompts']} prompts x {r['new_tokens']} "
+                     f"({r['toolkit_distinct_tokens']} distinct ids) | {r['q8_0_steps_equal']:.1%} | "
+                     f"{first_top1} | {r['q4_0_generated']} tokens ({r['q4_0_distinct']} distinct) |")
     for r in result["chatglm_cpp"]:
         lines.append(f"| chatglm.cpp | {r['run']} (GGML) | ids fed | {r['f16_greedy_equal']}/{r['prompts']} prompts x "
                      f"{r['new_tokens']} ({r['toolkit_distinct_tokens']} distinct ids) | | | |")
@@ -248,7 +256,8 @@ def report(result: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer strings and prompts, results into /tmp")
-    p.add_argument("--work", type=Path, default=Path("/tmp/export-engines"), help="runs and files (default %(default)s)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/export-engines"),
+                   help="runs and files (default %(default)s)")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     result = run_all(args.work, args.quick)

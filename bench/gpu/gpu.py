@@ -75,8 +75,8 @@ def run_tests(k: str | None = None, timeout: float | None = None) -> dict:
               for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b", summary)}
     failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     return {**counts, "returncode": done.returncode, "seconds": round(time.perf_counter() - start, 1),
-            "summary": (summary + (f" (-k {k!r})" if k else "")) if summary else done.stdout[-500:] + done.stderr[-500:],
-            "not_passed": failures}
+            "summary": (summary + (f" (-k {k!r})" if k else "")) if summary
+            else done.stdout[-500:] + done.stderr[-500:], "not_passed": failures}
 
 
 def _error(e: Exception) -> str:
@@ -113,8 +113,8 @@ def table_row(r: dict) -> str:
     if "error" in r:
         return f"{r['model']:<12} {r['precision']:<9} {r['impl']:<18} {r['what']:<13} error: {r['error']}"
     decode = f"{r['decode_tok_s']:12.1f}" if "decode_tok_s" in r else f"{'':12}"
-    return (f"{r['model']:<12} {r['precision']:<9} {r['impl']:<18} {r['what']:<13} {r['batch']:>5} {r['seconds']:>8.3f} "
-            f"{r['tok_s']:>9.1f} {decode} {r['peak_gb']:>8.2f}")
+    return (f"{r['model']:<12} {r['precision']:<9} {r['impl']:<18} {r['what']:<13} {r['batch']:>5} "
+            f"{r['seconds']:>8.3f} {r['tok_s']:>9.1f} {decode} {r['peak_gb']:>8.2f}")
 
 
 def bench_model(name: str, args, rows: list, notes: dict, save) -> None:
@@ -177,7 +177,8 @@ def decode_rows(rows: list, toolkit: dict, model, prompts: dict, args, save) -> 
             compiled = {**toolkit, "impl": "toolkit-compiled", "what": "decode"}
             row = measure(rows, compiled, G.decode, G.toolkit_decoder(model, compiled=True), ids, args.new_tokens)
         if row is not None and eager is not None:
-            row.update(attempt(rows, {**compiled, "what": "agreement"}, G.agreement, model, ids, eager["ids"], row["ids"])
+            row.update(attempt(rows, {**compiled, "what": "agreement"}, G.agreement, model, ids,
+                               eager["ids"], row["ids"])
                        or {})
             print(f"{'':12} compiled ids against the cached loop's: {agreement_text(row)}", flush=True)
         for done in (eager, row):  # the ids served the comparison: not kept in the results
@@ -199,9 +200,11 @@ def training_rows(rows: list, base: dict, model, twin, batch: dict, steps: int, 
 
 def device_info() -> dict:
     props = torch.cuda.get_device_properties(0)
-    return {"device": torch.cuda.get_device_name(0), "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+    return {"device": torch.cuda.get_device_name(0),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
             "memory_gb": round(props.total_memory / 1e9, 1), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": _version("transformers"), "peft": _version("peft"), "bitsandbytes": _version("bitsandbytes")}
+            "transformers": _version("transformers"), "peft": _version("peft"),
+            "bitsandbytes": _version("bitsandbytes")}
 
 
 def _version(package: str) -> str | None:
@@ -217,7 +220,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the mid-size model only, 16 new tokens, 1 timed step")
     p.add_argument("--models", help=f"comma-separated, of {', '.join(DEFAULT_MODELS)} (default: all; --quick: mid)")
-    p.add_argument("--precisions", help="comma-separated, of bf16, int8, int4, bnb-int8, bnb-nf4 (default: bf16,int8,int4, "
+    p.add_argument("--precisions",
+                   help="comma-separated, of bf16, int8, int4, bnb-int8, bnb-nf4 (default: bf16,int8,int4, "
                    "and bnb-int8,bnb-nf4 where bitsandbytes imports; --quick: bf16,int8,int4)")
     p.add_argument("--batches", default="1,32", help="decode batch sizes (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=64, help="decode prompt tokens (default %(default)s)")
@@ -266,7 +270,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     if not torch.cuda.is_available():
         build = "a CPU build" if torch.version.cuda is None else "no GPU found"
-        print(f"bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, {build})",
+        print(f"bench/gpu/gpu.py: needs a CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+              f"{build})",
               file=sys.stderr)
         return 2
     from bench.gpu import gpu_models as G
@@ -281,7 +286,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(f"\n{HEADER}\n{'-' * len(HEADER)}", flush=True)
     rows, notes = [], {}
-    settings = {k: getattr(args, k) for k in ("batches", "prompt_len", "new_tokens", "train_batch", "train_len", "steps", "quick")}
+    settings = {k: getattr(args, k) for k in ("batches", "prompt_len", "new_tokens", "train_batch", "train_len",
+                                              "steps", "quick")}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> dict:

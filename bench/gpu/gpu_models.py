@@ -39,7 +39,8 @@ GB = 1e9
 DEVICE = "cuda"  # where every model, prompt and batch is put
 MID = {**CHATGLM3_6B, "num_layers": 8, "hidden_size": 2048, "ffn_hidden_size": 6848, "num_attention_heads": 16}
 MODELS = {"mid": ("chatglm3", MID), "chatglm3-6b": ("chatglm3", CHATGLM3_6B), "glm4-9b": ("glm4", GLM4_9B_CHAT)}
-# (head ids, tail ids, ordinary ids below): ChatGLM3 [gMASK] sop <|user|> | <|assistant|>; GLM-4 [gMASK] <sop> <|user|> | <|assistant|>
+# (head ids, tail ids, ordinary ids below): ChatGLM3 [gMASK] sop <|user|> | <|assistant|>;
+# GLM-4 [gMASK] <sop> <|user|> | <|assistant|>
 FRAMES = {"chatglm3": ((64790, 64792, 64795), (64796,), 64789), "glm4": ((151331, 151333, 151336), (151337,), 151329)}
 
 
@@ -100,8 +101,9 @@ def transformers_twin(model):
 
     c = model.config
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "attention_bias",
-              "attention_dropout", "rope_parameters", "pad_token_id", "eos_token_id", "tie_word_embeddings", "use_cache")
+              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+              "attention_bias", "attention_dropout", "rope_parameters", "pad_token_id", "eos_token_id",
+              "tie_word_embeddings", "use_cache")
     config = GlmConfig(**{k: getattr(c, k) for k in fields})
     with torch.device("meta"):
         twin = GlmForCausalLM(config)
@@ -301,7 +303,8 @@ def lora_step(model, batch: dict, steps: int, ckpt: bool, *, transformers: bool 
     checkpointing(model, ckpt)
     if transformers:
         o = LoraOptions()
-        tuned = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.alpha, lora_dropout=o.dropout,
+        tuned = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.alpha,
+                                                 lora_dropout=o.dropout,
                                                  target_modules=list(VERSIONS["glm4"].lora_targets)))  # every GLM
     else:
         tuned = set_trainable(model, TrainOptions(tuning="lora"))

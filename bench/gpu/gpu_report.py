@@ -70,7 +70,8 @@ def headline(results: dict) -> dict:
 
         batches = sorted({r["batch"] for r in rows if r["what"] == "decode"})
         entry = {f"bf16_decode_b{b}_tok_s": {impl: pick("bf16", impl, "decode", b)
-                                             for impl in ("toolkit", "toolkit-compiled", "transformers")} for b in batches}
+                                             for impl in ("toolkit", "toolkit-compiled", "transformers")}
+                 for b in batches}
         read = notes.get("read_gb_per_token", {}).get("bf16")
         compiled = pick("bf16", "toolkit-compiled", "decode", 1, key="decode_tok_s")
         if copy and read and compiled:
@@ -84,7 +85,8 @@ def headline(results: dict) -> dict:
         precisions = sorted({r["precision"] for r in rows})
         for b in batches:
             entry[f"decode_b{b}_tok_s"] = {p: {"cached": pick(p, "toolkit", "decode", b),
-                                               "compiled": pick(p, "toolkit-compiled", "decode", b)} for p in precisions}
+                                               "compiled": pick(p, "toolkit-compiled", "decode", b)}
+                                           for p in precisions}
         out[name] = entry
     return out
 
@@ -94,28 +96,31 @@ def markdown(results: dict) -> str:
     s = results["settings"]
     copy = f"{info['copy_gb_s']:.0f} GB/s" if info.get("copy_gb_s") else "not measured"
     lines = [f"# The toolkit on a CUDA GPU: {info['device']}", "",
-             f"GPU: {info['device']} (compute capability {info['capability']}, {info['memory_gb']} GB); torch {info['torch']}, "
-             f"CUDA {info['cuda']}, transformers {info['transformers']}, peft {info['peft']}, bitsandbytes "
-             f"{info['bitsandbytes'] or 'not installed'}. Device-to-device copy (bytes read + written): {copy}. "
-             f"Made by `python bench/gpu/gpu.py` (latest run {results['when']}; each row says its run); GB = 1e9 bytes.", "",
+             f"GPU: {info['device']} (compute capability {info['capability']}, {info['memory_gb']} GB); torch "
+             f"{info['torch']}, CUDA {info['cuda']}, transformers {info['transformers']}, peft {info['peft']}, "
+             f"bitsandbytes {info['bitsandbytes'] or 'not installed'}. Device-to-device copy (bytes read + written): "
+             f"{copy}. Made by `python bench/gpu/gpu.py` (latest run {results['when']}; each row says its run); GB = "
+             "1e9 bytes.", "",
              f"Tests (`pytest -m cuda tests/test_cuda.py`): {tests.get('summary', 'not run')}", ""]
     lines += [f"- not passed: `{line}`" for line in tests.get("not_passed", [])]
-    lines += ["", f"Decode: {s['prompt_len']}-token prompt, {s['new_tokens']} greedy tokens, no early stop; tok/s over the "
+    lines += ["",
+              f"Decode: {s['prompt_len']}-token prompt, {s['new_tokens']} greedy tokens, no early stop; tok/s over the "
               "whole call, decode tok/s of the steps after the first token. impl `toolkit`: the cached loop "
               "(`generate`); `toolkit-compiled`: `generate(compiled=True)` (static cache, the steps one compiled "
               "function, CUDA graphs); `transformers`: `GlmForCausalLM.generate`. \"same ids\": the compiled steps' "
               "ids against the cached loop's at the same batch, or the step where a row first parts and the top-2 "
               "logit margin there (in standard deviations of that step's logits). Steps: batch "
-              f"{s['train_batch']} x {s['train_len']} tokens (half labelled), AdamW, median of {s['steps']} after a warm-up; "
-              "P-tuning v2 pre_seq_len 128, LoRA r 8 on q/k/v. Peak = `torch.cuda.max_memory_allocated` (weights included). "
-              "Random weights (bench/gpu/gpu_models.py).", ""]
+              f"{s['train_batch']} x {s['train_len']} tokens (half labelled), AdamW, median of {s['steps']} after a "
+              "warm-up; P-tuning v2 pre_seq_len 128, LoRA r 8 on q/k/v. Peak = `torch.cuda.max_memory_allocated` "
+              "(weights included). Random weights (bench/gpu/gpu_models.py).", ""]
     for name, notes in results["models"].items():
         lines += model_section(name, notes, [r for r in results["rows"] if r["model"] == name])
     return "\n".join(lines)
 
 
 def model_section(name: str, notes: dict, rows: list) -> list[str]:
-    lines = [f"## {name}: {notes['layers']} layers, hidden {notes['hidden']}, {notes['parameters'] / 1e9:.2f} B parameters", ""]
+    lines = [f"## {name}: {notes['layers']} layers, hidden {notes['hidden']}, {notes['parameters'] / 1e9:.2f} B "
+             "parameters", ""]
     if "skipped" in notes:
         return lines + [f"Skipped: {notes['skipped']}.", ""]
     lines += [f"Gradient checkpointing: {'on' if notes.get('gradient_checkpointing') else 'off'}. Weights on the GPU: "
@@ -125,7 +130,8 @@ def model_section(name: str, notes: dict, rows: list) -> list[str]:
                      + ", ".join(f"{p} {gb:.2f} GB" for p, gb in notes["read_gb_per_token"].items()) + ".")
     if notes.get("kernel_vs_dequant_error"):
         lines.append("Logits of the INT8 / INT4 kernels against the dequantizing path, relative error: "
-                     + ", ".join(f"{p} {e:.2g}" for p, e in notes["kernel_vs_dequant_error"].items() if e is not None) + ".")
+                     + ", ".join(f"{p} {e:.2g}" for p, e in notes["kernel_vs_dequant_error"].items()
+                                 if e is not None) + ".")
     if notes.get("not_reached"):
         lines.append(f"Not reached before the run's deadline: {', '.join(notes['not_reached'])}.")
     served = [r for r in rows if r["what"] == "serve"]
@@ -133,7 +139,8 @@ def model_section(name: str, notes: dict, rows: list) -> list[str]:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["what"] != "serve"):
         if "error" in r:
-            lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | | error: {r['error']} | | | | | {r.get('run', '')} |")
+            lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | | error: {r['error']} | | | | | "
+                         f"{r.get('run', '')} |")
             continue
         decode = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else ""
         lines.append(f"| {r['precision']} | {r['impl']} | {r['what']} | {r['batch']} | {r['seconds']:.3f} | "
@@ -145,7 +152,8 @@ def serve_table(rows: list) -> list[str]:
     """serve.py on the GPU (`--serve` rows): streaming clients against each server."""
     lines = ["serve.py on this GPU (bench/serve/serve.py --device cuda; the server named by its --max-batch, "
              "`-compiled`: --compile):", "",
-             "| precision | server | streams | requests (failed) | tok/s | TTFT p50 / p95 ms | inter-token p50 / p95 ms | run |",
+             "| precision | server | streams | requests (failed) | tok/s | TTFT p50 / p95 ms | inter-token p50 / p95 "
+             "ms | run |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['precision']} | {r['impl']} | {r['streams']} | {r.get('requests')} ({r.get('failed')}) | "
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--serve", type=Path, required=True, help="bench/serve/serve.py's results JSON of a GPU run")
     p.add_argument("--model", default="chatglm3-6b", help="the rows' model name (default %(default)s)")
     p.add_argument("--precision", default="bf16", help="the rows' precision (default %(default)s)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where gpu.json is (default %(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                   help="where gpu.json is (default %(default)s)")
     args = p.parse_args(argv)
     path = args.out / "gpu.json"
     if not path.exists():

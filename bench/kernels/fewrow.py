@@ -68,10 +68,11 @@ def measure(n: int, k: int, dtype: torch.dtype, rows: tuple[int, ...], rounds: i
 
 
 def table(rows: list[dict], names: dict) -> str:
-    lines = ["| layer | shape | dtype | rows | PyTorch ms | fewrow ms | speedup | fewrow GB/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| layer | shape | dtype | rows | PyTorch ms | fewrow ms | speedup | fewrow GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {names[(r['out'], r['in'])]} | {r['out']}x{r['in']} | {r['dtype']} | {r['rows']} | {r['pytorch_ms']} "
-                     f"| {r['fewrow_ms']} | {r['speedup']}x | {r['fewrow_gb_s']} |")
+        lines.append(f"| {names[(r['out'], r['in'])]} | {r['out']}x{r['in']} | {r['dtype']} | {r['rows']} | "
+                     f"{r['pytorch_ms']} | {r['fewrow_ms']} | {r['speedup']}x | {r['fewrow_gb_s']} |")
     return "\n".join(lines)
 
 

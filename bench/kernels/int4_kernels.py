@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.common.kernel_timing import child_argv, kernel_bench_args, time_rounds, time_rows  # noqa: E402
 from bench.common.measure import RESULTS, copy_bandwidth, run_python  # noqa: E402
 
-SHAPES = [(4096, 4096, "dense"), (12288, 4096, "query_key_value"), (16384, 4096, "dense_h_to_4h"), (4096, 16384, "dense_4h_to_h")]
+SHAPES = [(4096, 4096, "dense"), (12288, 4096, "query_key_value"), (16384, 4096, "dense_h_to_4h"),
+          (4096, 16384, "dense_4h_to_h")]
 QUICK_SHAPES = [(1024, 1024, "small")]
 CANDIDATES = ["int8pack", "int4pack", "int4cpu", "tiles", "compile-sum", "compile-mm"]
 ROW_CANDIDATES = ["int8pack", "int4pack", "int4cpu-direct", "int4cpu-buffered", "dequant"]
@@ -106,7 +107,8 @@ def _candidates(torch, N: int, K: int, copies: int):
         q = torch.stack((w >> 4, (w << 4) >> 4), dim=-1).flatten(-2)  # (N, K)
         return x.float() @ (q.float() * s.float()[:, None]).t()
 
-    fns = {"int8pack": (int8pack, N * K + 2 * N), "int4pack": (int4pack, N * K // 2 + 4 * N * K // layers[0]["int4pack"][1]),
+    fns = {"int8pack": (int8pack, N * K + 2 * N),
+           "int4pack": (int4pack, N * K // 2 + 4 * N * K // layers[0]["int4pack"][1]),
            "int4cpu": (int4cpu, N * K // 2 + 2 * N), "tiles": (tiles, N * K // 2 + 2 * N)}
     for name, body in (("compile-sum", deq_sum), ("compile-mm", deq_mm)):
         compiled = torch.compile(body, dynamic=False)
@@ -204,7 +206,8 @@ def _rows_sweep(torch, args) -> dict:
     chosen = {"int8pack": fns["int8pack"][0], "int4pack": fns["int4pack"][0],
               "dequant": lambda i, x: dequant[i](x)}
     if int4_cpu.compiled():
-        chosen["int4cpu-direct"] = lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], direct_rows=1 << 20)
+        chosen["int4cpu-direct"] = lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"],
+                                                                direct_rows=1 << 20)
         chosen["int4cpu-buffered"] = lambda i, x: int4_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], direct_rows=0)
     return time_rows(torch, chosen, copies, K, max(3, args.rounds // 2), max(4, args.calls // 4))
 
@@ -218,11 +221,13 @@ def report(runs: dict) -> dict:
         if "error" in run:
             lines.append(f"\n## {cap_name}: {run['error']}")
             continue
-        lines.append(f"\n## capability {run['capability']} ({cap_name}; int4pack layout {run['int4pack_layout']}), torch {run['torch']}")
+        lines.append(f"\n## capability {run['capability']} ({cap_name}; int4pack layout {run['int4pack_layout']}), "
+                     f"torch {run['torch']}")
         for threads, entry in run["threads"].items():
             bw = entry["bandwidth"]
-            lines.append(f"\n{threads} thread(s): read bandwidth {bw['read_gb_s']:.1f} GB/s, copy {bw['copy_gb_s']:.1f} GB/s. "
-                         "ms per call at M=1 (x int8pack's speed; GB/s of weight bytes read; relative error vs the fp32 dequantized math)")
+            lines.append(f"\n{threads} thread(s): read bandwidth {bw['read_gb_s']:.1f} GB/s, copy "
+                         f"{bw['copy_gb_s']:.1f} GB/s. ms per call at M=1 (x int8pack's speed; GB/s of weight bytes "
+                         "read; relative error vs the fp32 dequantized math)")
             header = f"| shape | {' | '.join(CANDIDATES)} |"
             lines += [header, "|---" * (len(CANDIDATES) + 1) + "|"]
             for shape, row in entry["shapes"].items():
@@ -236,7 +241,8 @@ def report(runs: dict) -> dict:
                 lines.append(f"| {shape} {row['layer']} | " + " | ".join(cells) + " |")
             if "rows" in entry:
                 names = list(next(iter(entry["rows"].values())))
-                lines += ["", f"16384x4096, M rows of x, ms per call: | M | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+                lines += ["", f"16384x4096, M rows of x, ms per call: | M | {' | '.join(names)} |",
+                          "|---" * (len(names) + 1) + "|"]
                 for M, r in entry["rows"].items():
                     lines.append(f"| {M} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |")
     lines.append(f"\n{BNB_NOTE}.")
@@ -271,7 +277,8 @@ def main(argv=None) -> None:
             runs[cap] = {**done.last_json(), "peak_rss_gb": done.peak_rss / 1e9}
         except RuntimeError as e:
             runs[cap] = {"error": str(e)[-500:]}
-    if args.out.exists() and not args.quick:  # a partial re-run (some threads or candidates) replaces only what it measured
+    # a partial re-run (some threads or candidates) replaces only what it measured
+    if args.out.exists() and not args.quick:
         kept = json.loads(args.out.read_text()).get("runs", {})
         for cap, run in runs.items():
             if "threads" in run and "threads" in kept.get(cap, {}):
@@ -288,7 +295,8 @@ def main(argv=None) -> None:
                 kept[cap] = run
         runs = kept
     rep = report(runs)
-    result = {"bench": "int4_kernels", "quick": args.quick, "load_average": list(os.getloadavg()), "runs": runs, "bitsandbytes": BNB_NOTE}
+    result = {"bench": "int4_kernels", "quick": args.quick, "load_average": list(os.getloadavg()), "runs": runs,
+              "bitsandbytes": BNB_NOTE}
     if not args.quick or args.out != p.get_default("out"):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -10,8 +10,8 @@ Candidates (same random official-format weights, side by side in interleaved rou
   the path it picks at this capability, int16 activations, the official layout as it is), `int8dot-interleaved` (the
   same on `int8dot_cpu.pack`'s layout), `int8dot-interleaved-2m` (that layout in 2 MB pages: what QuantizedLinear
   holds where the system offers them, `heap.huge_pages_empty`),
-  `int8dot-avx2` (its AVX2 path, forced, at the native capability), `int8dot-act8` (int8 activations, q8_0, as llama.cpp's q8_0 x q8_0: faster in principle, not routed:
-  its error broke the toolkit's INT8 accuracy bounds);
+  `int8dot-avx2` (its AVX2 path, forced, at the native capability), `int8dot-act8` (int8 activations, q8_0, as
+  llama.cpp's q8_0 x q8_0: faster in principle, not routed: its error broke the toolkit's INT8 accuracy bounds);
 - INT4: `int4pack` (PyTorch's kernel on its repacked weight: the previous INT4 path at the AVX512 level),
   `int4cpu` (the fp32 AVX2 kernel: the previous path at the AVX2 level), `int4dot`, `int4dot-interleaved`,
   `int4dot-interleaved-2m`, `int4dot-avx2`.
@@ -20,8 +20,8 @@ its AVX2 path). Weights rotate over enough copies (>= 256 MB per candidate) that
 memory, as a decode step does. Per shape and thread count: ms per call, GB/s of weight bytes read, and that
 rate over `measure.copy_bandwidth` (read + written bytes of a 256 MiB copy) at the same thread count, on 4 KB
 pages, and for the `-2m` candidates on 2 MB ones (a stream over 4 KB pages also pays a TLB miss per page); relative
-error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x (decode, batched) and 64..512 (prefill) at 12288x4096. The load average
-is recorded: timings taken beside other work are only comparable within one run.
+error against the fp32 dequantized math. `--rows` adds M = 1..32 rows of x (decode, batched) and 64..512 (prefill) at
+12288x4096. The load average is recorded: timings taken beside other work are only comparable within one run.
 Results go to bench/results/int8dot_kernels.json (`--out`); the last printed line is JSON.
 """
 
@@ -38,11 +38,13 @@ from bench.common.kernel_timing import child_argv, kernel_bench_args, time_round
 from bench.common.measure import RESULTS, copy_bandwidth, run_python  # noqa: E402
 
 # (out, in, layer)
-SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"), (12288, 4096, "query_key_value (ChatGLM-6B)"),
-          (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"), (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
+SHAPES = [(4096, 4096, "dense"), (4608, 4096, "query_key_value (ChatGLM2/3)"),
+          (12288, 4096, "query_key_value (ChatGLM-6B)"), (27392, 4096, "dense_h_to_4h (ChatGLM2/3)"),
+          (4096, 13696, "dense_4h_to_h (ChatGLM2/3)")]
 QUICK_SHAPES = [(1024, 1024, "small")]
-CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-interleaved-2m", "int8dot-avx2", "int8dot-act8", "int4pack",
-              "int4cpu", "int4dot", "int4dot-interleaved", "int4dot-interleaved-2m", "int4dot-avx2"]
+CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-interleaved-2m", "int8dot-avx2",
+              "int8dot-act8", "int4pack", "int4cpu", "int4dot", "int4dot-interleaved", "int4dot-interleaved-2m",
+              "int4dot-avx2"]
 
 
 def _layers(torch, N: int, K: int, copies: int, seed: int):
@@ -75,7 +77,8 @@ def _candidates(torch, layers, N: int, K: int) -> dict:
     from chatglm_tune.quant.kernels import int4pack_mm
 
     fns = {
-        "int8pack": (lambda i, x: torch._weight_int8pack_mm(x.bfloat16(), layers[i]["q8"], layers[i]["s8b"]), N * K + 2 * N, 8),
+        "int8pack": (lambda i, x: torch._weight_int8pack_mm(x.bfloat16(), layers[i]["q8"], layers[i]["s8b"]),
+                     N * K + 2 * N, 8),
         "int4pack": (lambda i, x: int4pack_mm(x.bfloat16(), *layers[i]["int4pack"]),
                      N * K // 2 + 4 * N * K // layers[0]["int4pack"][1] + 4 * N, 4),
     }
@@ -84,16 +87,22 @@ def _candidates(torch, layers, N: int, K: int) -> dict:
     isa = int8dot_cpu.isa()
     if isa:
         fns["int8dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8), N * K + 2 * N, 8)
-        fns["int8dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8i"], layers[i]["s8"], 8), N * K + 2 * N, 8)
-        fns["int4dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
-        fns["int4dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4i"], layers[i]["s4"], 4), N * K // 2 + 2 * N, 4)
+        fns["int8dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8i"], layers[i]["s8"], 8),
+                                      N * K + 2 * N, 8)
+        fns["int4dot"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4),
+                          N * K // 2 + 2 * N, 4)
+        fns["int4dot-interleaved"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4i"], layers[i]["s4"], 4),
+                                      N * K // 2 + 2 * N, 4)
         if "q8h" in layers[0]:
-            fns["int8dot-interleaved-2m"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8h"], layers[i]["s8"], 8), N * K + 2 * N, 8)
+            fns["int8dot-interleaved-2m"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8h"], layers[i]["s8"], 8),
+                                             N * K + 2 * N, 8)
             fns["int4dot-interleaved-2m"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4h"], layers[i]["s4"], 4),
                                              N * K // 2 + 2 * N, 4)
-        fns["int8dot-act8"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, act=8), N * K + 2 * N, 8)
+        fns["int8dot-act8"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, act=8),
+                               N * K + 2 * N, 8)
         if isa != "avx2":
-            fns["int8dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, "avx2"), N * K + 2 * N, 8)
+            fns["int8dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["q8"], layers[i]["s8"], 8, "avx2"),
+                                   N * K + 2 * N, 8)
             fns["int4dot-avx2"] = (lambda i, x: int8dot_cpu.matmul(x, layers[i]["p4"], layers[i]["s4"], 4, "avx2"),
                                    N * K // 2 + 2 * N, 4)
     return fns
@@ -130,10 +139,12 @@ def child(args) -> dict:
                 ref = x @ dequantize(w, s, bits, torch.float32).t()
                 y = fn(0, x)
                 row["candidates"][cname] = {"bytes": nbytes, "rel_err": ((y.float() - ref).norm() / ref.norm()).item()}
-            for cname, sec in time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds, args.calls).items():
+            for cname, sec in time_rounds({c: v[0] for c, v in fns.items()}, copies, x, args.rounds,
+                                          args.calls).items():
                 c = row["candidates"][cname]
                 gb_s = c["bytes"] / sec / 1e9
-                c.update(ms=sec * 1e3, gb_s=gb_s, of_copy_bw=gb_s / (copy_gb_s_2m if cname.endswith("-2m") else copy_gb_s))
+                c.update(ms=sec * 1e3, gb_s=gb_s,
+                         of_copy_bw=gb_s / (copy_gb_s_2m if cname.endswith("-2m") else copy_gb_s))
             per_shape[f"{N}x{K}"] = {"layer": name, **row}
             print(f"[{capability} {threads}t] {N}x{K}: " + ", ".join(
                 f"{k} {v['ms']:.2f} ms ({v['of_copy_bw']:.0%})" for k, v in row["candidates"].items()), flush=True)
@@ -178,21 +189,23 @@ def report(runs: dict) -> str:
         if "error" in run:
             lines.append(f"\n## {cap}: {run['error']}")
             continue
-        lines.append(f"\n## capability {run['capability']} ({cap}), int8dot path {run['int8dot_isa']}, torch {run['torch']}, "
-                     f"load average {run['load_average_start'][0]:.1f} -> {run['load_average_end'][0]:.1f}")
+        lines.append(f"\n## capability {run['capability']} ({cap}), int8dot path {run['int8dot_isa']}, torch "
+                     f"{run['torch']}, load average {run['load_average_start'][0]:.1f} -> "
+                     f"{run['load_average_end'][0]:.1f}")
         for threads, entry in run["threads"].items():
             names = [c for c in CANDIDATES if any(c in r["candidates"] for r in entry["shapes"].values())]
             huge = f", {entry['copy_gb_s_2m']:.1f} on 2 MB pages" if entry.get("copy_gb_s_2m") else ""
-            lines.append(f"\n{threads} thread(s), copy bandwidth {entry['copy_gb_s']:.1f} GB/s{huge}: ms per call at M=1 "
-                         "(GB/s of weight bytes read, share of the copy bandwidth on the same pages)")
+            lines.append(f"\n{threads} thread(s), copy bandwidth {entry['copy_gb_s']:.1f} GB/s{huge}: ms per call at "
+                         "M=1 (GB/s of weight bytes read, share of the copy bandwidth on the same pages)")
             lines += [f"| shape | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
             for shape, row in entry["shapes"].items():
-                cells = [f"{v['ms']:.2f} ({v['gb_s']:.1f}, {v['of_copy_bw']:.0%})" if (v := row["candidates"].get(c)) else "-"
-                         for c in names]
+                cells = [f"{v['ms']:.2f} ({v['gb_s']:.1f}, {v['of_copy_bw']:.0%})"
+                         if (v := row["candidates"].get(c)) else "-" for c in names]
                 lines.append(f"| {shape} {row['layer']} | " + " | ".join(cells) + " |")
             if entry.get("rows"):
                 rn = list(next(iter(entry["rows"].values())))
-                lines += ["", f"12288x4096, M rows of x, ms per call: | M | {' | '.join(rn)} |", "|---" * (len(rn) + 1) + "|"]
+                lines += ["", f"12288x4096, M rows of x, ms per call: | M | {' | '.join(rn)} |",
+                          "|---" * (len(rn) + 1) + "|"]
                 lines += [f"| {M} | " + " | ".join(f"{r[n]:.2f}" if n in r else "-" for n in rn) + " |"
                           for M, r in entry["rows"].items()]
     text = "\n".join(lines)
@@ -217,7 +230,8 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             runs[cap] = {"error": str(e)[-500:]}
     text = report(runs)
-    result = {"bench": "int8dot_kernels", "quick": args.quick, "load_average": list(os.getloadavg()), "runs": runs, "text": text}
+    result = {"bench": "int8dot_kernels", "quick": args.quick, "load_average": list(os.getloadavg()),
+              "runs": runs, "text": text}
     if not args.quick or args.out != p.get_default("out"):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -7,8 +7,8 @@ cached latents: scores q keys^T + q_rot shared^T, then the weighted sum p keys),
 GLM-4.7-Flash's sizes (kv_lora_rank 512, qk_rope_head_dim 64, 20 heads, one query), the cache as the toolkit's cache
 gives it (views of longer buffers). Both candidates side by side in interleaved rounds, the median of each kept; a
 layer's two products are run 46 times a decode step. Each thread count runs in a process of its own: in one process,
-after calls on one thread, calls asking for two still ran on one. Results in bench/results/latent_products.json; the last printed
-line is JSON. Timings beside other work are only comparable within one run.
+after calls on one thread, calls asking for two still ran on one. Results in bench/results/latent_products.json; the
+last printed line is JSON. Timings beside other work are only comparable within one run.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def candidates(entries: int) -> dict:
     p = torch.rand(1, HEADS, entries, generator=g).softmax(-1)
     return {
         "pytorch bmm": lambda: (q @ keys.transpose(1, 2) + q_rot @ shared.transpose(1, 2), p @ keys),
-        "int8dot threaded": lambda: (int8dot_cpu.latent_scores(q, q_rot, keys, shared), int8dot_cpu.latent_mix(p, keys)),
+        "int8dot threaded": lambda: (int8dot_cpu.latent_scores(q, q_rot, keys, shared),
+                                     int8dot_cpu.latent_mix(p, keys)),
     }
 
 
@@ -81,7 +82,8 @@ def main() -> None:
         more = ["--quick"] if args.quick else []
         child = run_python(Path(__file__), "--child", threads, "--entries", *args.entries, *more)
         rows += json.loads(child.stdout.strip().splitlines()[-1])
-    print(f"{'threads':>7} {'entries':>7} {'pytorch bmm us':>15} {'int8dot us':>11} {'speedup':>8} {'ms a step (46)':>15}")
+    print(f"{'threads':>7} {'entries':>7} {'pytorch bmm us':>15} {'int8dot us':>11} {'speedup':>8} "
+          f"{'ms a step (46)':>15}")
     for row in rows:
         torch_us, ours = row["us"]["pytorch bmm"], row["us"]["int8dot threaded"]
         row["speedup"] = round(torch_us / ours, 2)

@@ -13,9 +13,9 @@ q8_0, routers f32): the same model, each engine in its own 4-bit format. `measur
 process of its own on a quiet machine, the two taking turns `--rounds` times (`measure`; this machine's speed drifts
 by more than the engines differ over minutes, and a turn-taking run lays that drift on both):
 - the toolkit (`from_pretrained(dir, dtype=bf16, quantize_embedding=True)`; `--dtype float32` for fp32 activations:
-  INT4 blocks and experts, INT8 embedding and head): load seconds (the page cache warm, as the writer or the previous run left it), prefill of 64 and of 512
-  tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens after the 64-token prompt (the
-  median of `DECODE_RUNS` runs), peak RSS;
+  INT4 blocks and experts, INT8 embedding and head): load seconds (the page cache warm, as the writer or the previous
+  run left it), prefill of 64 and of 512 tokens (seconds to the first new token), decode tokens/s over 32 greedy tokens
+  after the 64-token prompt (the median of `DECODE_RUNS` runs), peak RSS;
 - llama.cpp's own server (`--ctx-size 1024`, one slot, its defaults): seconds from start to /health (the load), the
   prompt and decode timings its /completion reports for the same prompt ids (`cache_prompt` off), peak RSS sampled.
 Prompts are the bench frame's ids (`scale_versions.framed_ids`). `load`: each engine's load alone, one thread, from a
@@ -90,8 +90,9 @@ def write_gguf_file() -> dict:
     raw = json.loads((MODEL_DIR / "config.json").read_text())
     config = glm_config(raw, version=detect(raw))
     start = time.perf_counter()
-    written = write_gguf(GGUF, config, load_tokenizer(MODEL_DIR), DequantizedTensors(MODEL_DIR, raw["quantization_bit"]),
-                         "q4_0", name="GLM-4.7-Flash (random weights)")
+    written = write_gguf(GGUF, config, load_tokenizer(MODEL_DIR),
+                         DequantizedTensors(MODEL_DIR, raw["quantization_bit"]), "q4_0",
+                         name="GLM-4.7-Flash (random weights)")
     return {**written, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -154,8 +155,9 @@ def _llama_server(binary: Path, threads: int):
     """llama-server on the GGUF, one slot of 1024 tokens, `threads` threads for prompts and decoding (not started)."""
     from bench.serve.serve_servers import Server, free_port
 
-    cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(free_port()), "--threads", str(threads),
-           "--threads-batch", str(threads), "--parallel", "1", "--ctx-size", "1024", "--no-webui"]
+    cmd = [str(binary), "--model", str(GGUF), "--host", "127.0.0.1", "--port", str(free_port()),
+           "--threads", str(threads), "--threads-batch", str(threads), "--parallel", "1", "--ctx-size",
+           "1024", "--no-webui"]
     return Server("llama-server", cmd, {}, Path(f"/tmp/{VERSION.slug}-llama-server.log"), engine_stats=False)
 
 
@@ -187,7 +189,8 @@ def measure(threads: list[int], binary: Path | None, dtype: str, rounds: int) ->
     for n in threads:
         if f"llama_{n}t" in runs:
             pairs = zip(runs[f"toolkit_{n}t"], runs[f"llama_{n}t"])
-            rows[f"decode_ratio_{n}t"] = round(statistics.median(t["decode_tok_s"] / l["decode_tok_s"] for t, l in pairs), 3)
+            rows[f"decode_ratio_{n}t"] = round(statistics.median(ours["decode_tok_s"] / theirs["decode_tok_s"]
+                                                                 for ours, theirs in pairs), 3)
     return rows
 
 
@@ -266,7 +269,8 @@ def main() -> None:
         print(json.dumps(child_toolkit(args.child, args.dtype) if args.child else child_load()))
         return
     if not (MODEL_DIR / "config.json").is_file():
-        sys.exit(f"{MODEL_DIR}: no checkpoint; write it first: python bench/scale/scale.py --version glm47-flash --step write")
+        sys.exit(f"{MODEL_DIR}: no checkpoint; write it first: python bench/scale/scale.py --version glm47-flash "
+                 "--step write")
     if args.step == "gguf":
         print(json.dumps(write_gguf_file()))
         return
@@ -280,7 +284,8 @@ def main() -> None:
         rows = {**{k: v for k, v in earlier.items() if k != "load"}, "load": load_times(binary)}
         print(table(rows["load"]))
     else:
-        rows = {**measure(args.threads, binary, args.dtype, args.rounds), **({"load": earlier["load"]} if "load" in earlier else {})}
+        rows = {**measure(args.threads, binary, args.dtype, args.rounds),
+                **({"load": earlier["load"]} if "load" in earlier else {})}
         print(table({k: v for k, v in rows.items() if isinstance(v, dict) and k != "load"}))
         print(", ".join(f"{k} {v}" for k, v in rows.items() if k.startswith("decode_ratio")))
     args.out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -6,12 +6,14 @@ speed, prefill time and peak memory side by side, and batched extraction records
     python bench/peer/peer.py --step cpp-q4_0 --threads 2       # chatglm.cpp: cpp-f16, cpp-q8_0, cpp-q4_0
     python bench/peer/peer.py --version chatglm3 --step gguf-q4_0              # GGUF files: gguf-{f16,q8_0,q4_0}
     python bench/peer/peer.py --version chatglm3 --step llama-q4_0 --threads 2 # llama.cpp: llama-{f16,q8_0,q4_0}
-    python bench/peer/peer.py --version chatglm3 --step llama-batch-q4_0-b8 --threads 2  # llama-batch-{q8_0,q4_0}-b{1,8,32}
+    python bench/peer/peer.py --version chatglm3 --step llama-batch-q4_0-b8 --threads 2
+                                                                # llama-batch-{q8_0,q4_0}-b{1,8,32}
     python bench/peer/peer.py --step toolkit-int4 --threads 2   # the toolkit: toolkit-bf16, toolkit-int8, toolkit-int4
     python bench/peer/peer.py --step toolkit-int4 --threads 2 --quantize-embedding   # ... with the INT8 embedding/head
     python bench/peer/peer.py --step batch-int4-b8 --threads 2  # batched extraction: batch-{bf16,int8,int4}-b{1,8,32}
     python bench/peer/peer.py --version chatglm3 --step toolkit-int4 --threads 2 --quantize-embedding --again
-                                                                # one more run: the record is the median one (alternate sides)
+                                                                # one more run: the record is the median one
+                                                                # (alternate sides)
     python bench/peer/peer.py --version chatglm3 --step llama-q4_0 --capability avx2 --llama-cpp DIR
                                                                 # without AVX-512: llama.cpp's AVX2 build in DIR (+avx2)
     python bench/peer/peer.py --step report                     # peer.json, peer.md, the closing JSON line
@@ -41,8 +43,8 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
   q4_0 blocks (32 weights and an fp16 scale each; q4_0 scaled by the block's signed absmax / -8) for the
   embedding, the head and the block Linears, f32 norms and biases.
 - `cpp-*`: `chatglm_cpp.Pipeline(file).model.generate_next_token` (0.4.2's `Pipeline.generate` is broken),
-  greedy, after an 8-token warm-up that also faults the mapped weights in: a 64-token prompt (`--prompt-len`) then 64 new
-  tokens (prefill = the first call; decode ms/token = the other 63 calls), then one extraction record (a
+  greedy, after an 8-token warm-up that also faults the mapped weights in: a 64-token prompt (`--prompt-len`) then 64
+  new tokens (prefill = the first call; decode ms/token = the other 63 calls), then one extraction record (a
   64-token prompt, 32 new tokens: chatglm.cpp decodes one sequence at a time, so records/s = 1 / its time).
   Threads: 0.4.2's Python API has no thread setting (`cpp_threads`: the online CPUs, up to 4); cpp steps run
   only with `--threads` equal to that number.
@@ -66,13 +68,14 @@ What each step measures, each in a fresh process (`measure.run`: the process's o
 - `batch-*-bN`: what infer.py does per batch (`extraction._decode_batch` -> `generation.generate`): N prompts of
   64 tokens (ending [gMASK] <sop>, no padding), 32 new tokens each; records/s = N / wall time of the call.
 `--prompt-len N` gives toolkit-*, cpp-* and llama-* steps a prompt of N tokens instead of 64 (prefill of long prompts),
-kept under a `+pN` suffix. `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's kernels as on a CPU
-without AVX-512), and llama-* steps on a llama.cpp built with ggml's AVX2 kernels only, which `--llama-cpp DIR` names
-(built as `peer_llama.INSTALL_AVX2` says, into DIR, 10-15 minutes on 2 cores; a build reporting AVX512 = 1 is refused); results are kept
-beside the native ones under a `+avx2` suffix, as `+e8` marks `--quantize-embedding` (the toolkit's steps only).
-chatglm.cpp is built for the machine it runs on (ggml's native build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers'
-GLM attention (ChatGLM3-6B) then reaches PyTorch's bf16 flash attention, which fails under that setting
-("pack_vnni2 is only supported when avx512 is supported").
+kept under a `+pN` suffix. `--capability avx2` runs toolkit/batch steps with `ATEN_CPU_CAPABILITY=avx2` (PyTorch's
+kernels as on a CPU without AVX-512), and llama-* steps on a llama.cpp built with ggml's AVX2 kernels only, which
+`--llama-cpp DIR` names (built as `peer_llama.INSTALL_AVX2` says, into DIR, 10-15 minutes on 2 cores; a build reporting
+AVX512 = 1 is refused); results are kept beside the native ones under a `+avx2` suffix, as `+e8` marks
+`--quantize-embedding` (the toolkit's steps only). chatglm.cpp is built for the machine it runs on (ggml's native
+build). On a CPU with AMX, `--capability avx2` works for ChatGLM-6B only: transformers' GLM attention (ChatGLM3-6B) then
+reaches PyTorch's bf16 flash attention, which fails under that setting ("pack_vnni2 is only supported when avx512 is
+supported").
 
 Step records accumulate in `peer_steps.json` (bench/results at full size; ChatGLM3-6B: `peer-chatglm3_steps.json`);
 `report` (`bench/peer/peer_report.py`) writes `peer.json` (the reported shape: the fastest honest setting of each
@@ -101,16 +104,18 @@ from bench.common.measure import RESULTS, run_python  # noqa: E402
 from bench.common.scale_versions import VERSIONS, frame_json  # noqa: E402
 from bench.peer.peer_children import BATCHES, BITS, GB, PROMPT_LEN, child_batch, child_toolkit  # noqa: E402
 from bench.peer.peer_cpp import CPP_TYPES, INSTALL, child_convert, child_cpp, cpp_threads, has_chatglm_cpp  # noqa: E402
-from bench.peer.peer_llama import BATCH_TYPES, LLAMA_TYPES, NO_CHATGLM6B, export_args, gguf_path, has_llama_cpp, remove_gguf, workload  # noqa: E402
+from bench.peer.peer_llama import (BATCH_TYPES, LLAMA_TYPES, NO_CHATGLM6B, export_args, gguf_path,  # noqa: E402
+                                   has_llama_cpp, remove_gguf, workload)
 from bench.peer.peer_llama import INSTALL as LLAMA_INSTALL  # noqa: E402
 from bench.peer.peer_llama import INSTALL_AVX2 as LLAMA_INSTALL_AVX2  # noqa: E402
 from bench.peer.peer_report import report  # noqa: E402
 
 QUICK_LAYERS = 2
 PEER_VERSIONS = ("chatglm", "chatglm3")  # what chatglm.cpp 0.4.2 and `peer_cpp.write_ggml` both run here
-STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES] + [f"gguf-{t}" for t in LLAMA_TYPES]
-         + [f"llama-{t}" for t in LLAMA_TYPES] + [f"llama-batch-{t}-b{n}" for t in BATCH_TYPES for n in BATCHES]
-         + [f"toolkit-{b}" for b in BITS] + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
+STEPS = (["write"] + [f"convert-{t}" for t in CPP_TYPES] + [f"cpp-{t}" for t in CPP_TYPES]
+         + [f"gguf-{t}" for t in LLAMA_TYPES] + [f"llama-{t}" for t in LLAMA_TYPES]
+         + [f"llama-batch-{t}-b{n}" for t in BATCH_TYPES for n in BATCHES] + [f"toolkit-{b}" for b in BITS]
+         + [f"batch-{b}-b{n}" for b in BITS for n in BATCHES] + ["report"])
 PEERS = ("cpp", "convert", "gguf", "llama")  # steps of a peer: no +e8 (the toolkit's loading)
 BUILT_FOR_CAPABILITY = ("toolkit", "batch", "llama")  # steps that --capability avx2 runs as without AVX-512 (+avx2)
 
@@ -168,12 +173,14 @@ class Bench:
         a = self.args
         suffix = ("+e8" if a.quantize_embedding and not step.startswith(PEERS) else "")
         suffix += f"+{a.capability}" if a.capability and step.startswith(BUILT_FOR_CAPABILITY) else ""
-        long_prompt = step.startswith(("toolkit-", "llama-", "cpp-")) and not step.startswith("llama-batch-")  # what --prompt-len sets
+        # what --prompt-len sets
+        long_prompt = step.startswith(("toolkit-", "llama-", "cpp-")) and not step.startswith("llama-batch-")
         suffix += f"+p{a.prompt_len}" if a.prompt_len != PROMPT_LEN and long_prompt else ""
         return f"{step}@{a.threads}t{suffix}" if step.split("-")[0] in ("cpp", "toolkit", "batch", "llama") else step
 
     def child(self, kind: str, *extra, env: dict | None = None):
-        return run_python(__file__, "--child", kind, "--threads", self.args.threads, "--version", self.args.version, *extra, env=env)
+        return run_python(__file__, "--child", kind, "--threads", self.args.threads, "--version", self.args.version,
+                          *extra, env=env)
 
     def run(self, step: str) -> None:
         a = self.args
@@ -182,7 +189,8 @@ class Bench:
         if step == "write":
             done = run_python(HERE.parent / "common" / "checkpoint_writer.py", self.model_dir, "--version", a.version,
                               *(["--num-layers", QUICK_LAYERS, "--shards", 3] if a.quick else []))
-            self.save(step, {**done.last_json(), "seconds": done.seconds, "peak_rss_gb": done.peak_rss / GB, "dir": str(self.model_dir)})
+            self.save(step, {**done.last_json(), "seconds": done.seconds, "peak_rss_gb": done.peak_rss / GB,
+                             "dir": str(self.model_dir)})
         elif step.startswith(("convert-", "cpp-")) and not has_chatglm_cpp():
             print(f"[{step}] skipped: chatglm_cpp is not installed (optional, this bench only: {INSTALL})", flush=True)
         elif step.startswith("convert-"):
@@ -200,13 +208,16 @@ class Bench:
         elif step.startswith(("gguf-", "llama-")):
             self.run_llama(step)
         elif step.startswith("toolkit-"):
-            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir, "--frame", self.frame(),
-                              "--prompt-len", a.prompt_len, *e8, env=env)
-            self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
+            done = self.child("toolkit", "--variant", step.split("-", 1)[1], "--model-dir", self.model_dir,
+                              "--frame", self.frame(), "--prompt-len", a.prompt_len, *e8, env=env)
+            self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB,
+                                       "process_s": done.seconds})
         elif step.startswith("batch-"):
             _, variant, b = step.split("-")
-            done = self.child("batch", "--variant", variant, "--batch", b[1:], "--model-dir", self.model_dir, "--frame", self.frame(), *e8, env=env)
-            self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB, "process_s": done.seconds})
+            done = self.child("batch", "--variant", variant, "--batch", b[1:], "--model-dir", self.model_dir, "--frame",
+                              self.frame(), *e8, env=env)
+            self.save(self.key(step), {**done.last_json(), "peak_rss_gb": done.peak_rss / GB,
+                                       "process_s": done.seconds})
         elif step == "report":
             report(self.load(), self.out, a.threads, title=self.version.title, stem=self.stem, quick=a.quick)
         elif step == "clean":
@@ -225,7 +236,8 @@ class Bench:
             print(f"[{step}] not run: {NO_CHATGLM6B}", flush=True)
             self.save(self.key(step), {"skipped": NO_CHATGLM6B})
         elif not has_llama_cpp():
-            print(f"[{step}] skipped: llama_cpp is not installed (optional, this bench only: {LLAMA_INSTALL})", flush=True)
+            print(f"[{step}] skipped: llama_cpp is not installed (optional, this bench only: {LLAMA_INSTALL})",
+                  flush=True)
         elif step.startswith("gguf-"):
             self.export_gguf(step.split("-", 1)[1])
         elif step.startswith("llama-batch-"):
@@ -249,10 +261,13 @@ class Bench:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: run --step gguf-{dtype} first")
         a = self.args
-        paths = [str(a.llama_cpp), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))] if a.llama_cpp else []
-        build = {"PYTHONPATH": os.pathsep.join(paths)} if paths else None  # an empty entry would add the working directory
-        done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch", "--gguf", path,
-                          "--threads", a.threads, "--workload", workload(json.loads(self.frame()), batch, a.prompt_len),
+        paths = ([str(a.llama_cpp), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+                 if a.llama_cpp else [])
+        # an empty entry would add the working directory
+        build = {"PYTHONPATH": os.pathsep.join(paths)} if paths else None
+        done = run_python(HERE / "peer_llama.py", "--child", "llama" if batch is None else "llama-batch",
+                          "--gguf", path, "--threads", a.threads, "--workload",
+                          workload(json.loads(self.frame()), batch, a.prompt_len),
                           *(["--capability", a.capability] if a.capability else []), env=build)
         record = done.last_json()
         if "skipped" not in record:  # a binding missing in the installed llama-cpp-python: recorded as not run
@@ -263,22 +278,30 @@ class Bench:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--step", choices=STEPS + ["all", "clean"], help="one step per command at full size; `all` runs every step")
+    p.add_argument("--step", choices=STEPS + ["all", "clean"],
+                   help="one step per command at full size; `all` runs every step")
     p.add_argument("--version", choices=PEER_VERSIONS, default="chatglm", help="ChatGLM-6B (default) or ChatGLM3-6B")
-    p.add_argument("--quick", action="store_true", help=f"a {QUICK_LAYERS}-layer slice, results in /tmp/<version>-peer-quick")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a {QUICK_LAYERS}-layer slice, results in /tmp/<version>-peer-quick")
     p.add_argument("--threads", type=int, default=2, help="threads of the measured process (default %(default)s)")
-    p.add_argument("--quantize-embedding", action="store_true", help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
-    p.add_argument("--capability", choices=["avx2"], help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels; "
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="toolkit/batch steps: the embedding / head in INT8 (+e8)")
+    p.add_argument("--capability", choices=["avx2"],
+                   help="toolkit/batch steps: ATEN_CPU_CAPABILITY for PyTorch's kernels; "
                    "llama-* steps: a llama.cpp built without AVX-512 (--llama-cpp), refused otherwise (+avx2)")
     p.add_argument("--llama-cpp", type=Path, help="llama-* steps: a directory holding another llama-cpp-python build "
                    f"(`{LLAMA_INSTALL_AVX2}`), first on their import path")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
-                   help="toolkit-*/cpp-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds +pN to the step's key)")
+                   help="toolkit-*/cpp-*/llama-* steps: the prompt's tokens (default %(default)s; another length adds "
+                        "+pN to the step's key)")
     p.add_argument("--again", action="store_true",
-                   help="keep the step's earlier runs: its record becomes the run of median speed, with every run in `runs` "
-                        "(alternate the two sides' steps: this machine's memory bandwidth drifts by 20%% within minutes)")
-    p.add_argument("--model-dir", type=Path, help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML and GGUF files go beside it")
-    p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
+                   help="keep the step's earlier runs: its record becomes the run of median speed, with every run in "
+                        "`runs` (alternate the two sides' steps: this machine's memory bandwidth drifts by 20%% within "
+                        "minutes)")
+    p.add_argument("--model-dir", type=Path,
+                   help="the random checkpoint (default /tmp/<version>-peer[-2l]); GGML and GGUF files go beside it")
+    p.add_argument("--out", type=Path,
+                   help="results folder (default bench/results; --quick: /tmp/<version>-peer-quick)")
     p.add_argument("--child", choices=["convert", "cpp", "toolkit", "batch"], help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--ggml", help=argparse.SUPPRESS)
@@ -287,7 +310,8 @@ def main(argv=None) -> None:
     p.add_argument("--frame", type=json.loads, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps({"convert": child_convert, "cpp": child_cpp, "toolkit": child_toolkit, "batch": child_batch}[args.child](args)))
+        print(json.dumps({"convert": child_convert, "cpp": child_cpp, "toolkit": child_toolkit,
+                          "batch": child_batch}[args.child](args)))
         return
     if args.step is None:
         p.error("pass --step (one of: " + ", ".join(STEPS) + ", clean), or --step all")

@@ -3,8 +3,8 @@
 The workload is shared with chatglm.cpp's process (bench/peer/peer_cpp.py): random prompts of ids both
 runtimes accept, in the version's frame (`--frame`, resolved by peer.py: ChatGLM-6B's end [gMASK] <sop>),
 an 8-token warm-up of 2 new tokens, a 64-token prompt (`--prompt-len`: another length) then 64 new tokens, and
-extraction records of 64 + 32 tokens. Each child runs fresh (started by peer.py with `--child`), returns one dict that peer.py prints as a
-JSON line, and is measured from outside (its peak RSS and wall time) by `measure.run`.
+extraction records of 64 + 32 tokens. Each child runs fresh (started by peer.py with `--child`), returns one dict that
+peer.py prints as a JSON line, and is measured from outside (its peak RSS and wall time) by `measure.run`.
 """
 
 from __future__ import annotations
@@ -57,12 +57,14 @@ def child_toolkit(args) -> dict:
     calls: list[float] = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(time.perf_counter()))
     start = time.perf_counter()
-    out = generate(model, torch.tensor(prompt(args.frame, args.prompt_len, 0)), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
+    out = generate(model, torch.tensor(prompt(args.frame, args.prompt_len, 0)), max_new_tokens=NEW_TOKENS,
+                   eos_token_id=None)[0]
     end = time.perf_counter()
     hook.remove()
     assert len(out) == NEW_TOKENS == len(calls), (len(out), len(calls))
-    return {"load_s": load_s, "prompt_len": args.prompt_len, "prefill_ms": (calls[1] - start) * 1e3, "decode_ms": (end - calls[1]) / (NEW_TOKENS - 1) * 1e3,
-            "rss_load_gb": rss_load / GB, "kernels": _kernels(model), "distinct_tokens": len(set(out)), "first_tokens": list(out[:8]),
+    return {"load_s": load_s, "prompt_len": args.prompt_len, "prefill_ms": (calls[1] - start) * 1e3,
+            "decode_ms": (end - calls[1]) / (NEW_TOKENS - 1) * 1e3, "rss_load_gb": rss_load / GB,
+            "kernels": _kernels(model), "distinct_tokens": len(set(out)), "first_tokens": list(out[:8]),
             "weight_bytes_per_token": weight_bytes_per_token(model), "huge_pages_gb": huge_pages_gb(),
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gb_s": copy_gb_s}
 

@@ -40,7 +40,8 @@ def _tiny_sentencepiece() -> bytes:
     words = ["chatglm", "benchmark", "decode", "prefill", "memory", "tokens", "speed", "weights", "quantized", "layer"]
     lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(8)) for i in range(200)]
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40, hard_vocab_limit=False, model_type="unigram",
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40,
+                                   hard_vocab_limit=False, model_type="unigram",
                                    user_defined_symbols=["[MASK]", "[gMASK]", "<sop>", "<eop>"], pad_id=3, unk_id=0,
                                    bos_id=1, eos_id=2, minloglevel=2)
     return model.getvalue()
@@ -51,7 +52,8 @@ def _shard_reader(model_dir: Path):
     import torch
     from safetensors import safe_open
 
-    index = next(model_dir / n for n in ("pytorch_model.bin.index.json", "model.safetensors.index.json") if (model_dir / n).is_file())
+    index = next(model_dir / n for n in ("pytorch_model.bin.index.json", "model.safetensors.index.json")
+                 if (model_dir / n).is_file())
     weight_map = json.loads(index.read_text())["weight_map"]
     shards: dict[str, dict] = {}
 
@@ -60,7 +62,8 @@ def _shard_reader(model_dir: Path):
         if name not in shards:
             shards.clear()  # keys come shard by shard: keep one open
             path = model_dir / name
-            shards[name] = safe_open(path, "pt") if path.suffix == ".safetensors" else torch.load(path, mmap=True, weights_only=True)
+            shards[name] = (safe_open(path, "pt") if path.suffix == ".safetensors"
+                            else torch.load(path, mmap=True, weights_only=True))
         shard = shards[name]
         return shard[key] if isinstance(shard, dict) else shard.get_tensor(key)
 
@@ -82,7 +85,8 @@ def write_ggml(out: Path, model_dir: Path, dtype: str, version: str = "chatglm")
         assert torch.equal(head[:64], tensor("transformer.word_embeddings.weight")[:64]), "the head must be tied"
         proto = _tiny_sentencepiece()
     else:
-        proto = (model_dir / "tokenizer.model").read_bytes()  # a serialized SentencePiece model, as chatglm.cpp stores it
+        # a serialized SentencePiece model, as chatglm.cpp stores it
+        proto = (model_dir / "tokenizer.model").read_bytes()
     return write(out, {"chatglm": 1, "chatglm3": 3}[version], config, tensor, proto, dtype)
 
 
@@ -133,5 +137,5 @@ def child_cpp(args) -> dict:
     record, _ = run(prompt(args.frame, PROMPT_LEN, 2)[0], EXTRACT_NEW_TOKENS)
     return {"load_s": load_s, "prompt_len": args.prompt_len, "prefill_ms": (stamps[1] - stamps[0]) * 1e3,
             "decode_ms": (stamps[-1] - stamps[1]) / (NEW_TOKENS - 1) * 1e3, "record_s": record[-1] - record[0],
-            "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "first_tokens": out[:8], "os_threads": threads,
-            "threads": cpp_threads()}
+            "records_per_s": 1 / (record[-1] - record[0]), "distinct_tokens": len(set(out)), "first_tokens": out[:8],
+            "os_threads": threads, "threads": cpp_threads()}

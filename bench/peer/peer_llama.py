@@ -47,8 +47,8 @@ LLAMA_TYPES = ("f16", "q8_0", "q4_0")  # the GGUF files written (`export.py --ty
 BATCH_TYPES = ("q8_0", "q4_0")  # llama-batch-*: the quantized files, which extraction runs on
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python'
 # A second build, for CPUs without AVX-512 (peer.py --capability avx2 --llama-cpp DIR): ggml's AVX2 kernels only
-INSTALL_AVX2 = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
-                '-DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" '
+INSTALL_AVX2 = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                '-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" '
                 'pip install --no-deps --target DIR llama-cpp-python')
 NO_CHATGLM6B = ("llama.cpp has no ChatGLM-6B architecture (GLM's 2D positions, bidirectional attention over the "
                 "prompt; export.py writes no GGUF of it); chatglm.cpp runs it (convert-*/cpp-*)")
@@ -94,7 +94,8 @@ def workload(frame: dict, batch: int | None = None, prompt_len: int | None = Non
     """The prompt ids of `llama-*` (batch None: the one prompt of `prompt_len` tokens, default 64, the other runtimes
     decode 64 tokens after) or `llama-batch-*-bN` (the N prompts of `batch-*-bN`), with the warm-up, as JSON for
     `--workload`."""
-    from bench.peer.peer_children import EXTRACT_NEW_TOKENS, NEW_TOKENS, PROMPT_LEN, WARMUP_PROMPT, WARMUP_TOKENS, prompt
+    from bench.peer.peer_children import (EXTRACT_NEW_TOKENS, NEW_TOKENS, PROMPT_LEN, WARMUP_PROMPT,
+                                          WARMUP_TOKENS, prompt)
 
     prompts = prompt(frame, prompt_len or PROMPT_LEN, 0) if batch is None else prompt(frame, PROMPT_LEN, 3, batch)
     return json.dumps({"warmup": prompt(frame, WARMUP_PROMPT, 1)[0], "warmup_new": WARMUP_TOKENS, "prompts": prompts,

@@ -7,11 +7,14 @@ GLM-4-9B-0414's results (`scale-glm4-0414.json`, keys `32b:<step>`; `--step repo
 `glm47-flash` GLM-4.7-Flash in INT4; `glm45-air` GLM-4.5-Air, its first 4 layers in INT4 (the full size does not fit:
 the `memory` step gives its memory from the loader's accounting, `scale_memory.py`).
 
-    python bench/scale/scale.py --quick [--version V]              # 2-layer slice of the real config, every step in one go
+    python bench/scale/scale.py --quick [--version V]              # 2-layer slice of the real config,
+                                                                    #   every step in one go
     python bench/scale/scale.py [--version V] --step write          # full size, one step per command:
-    python bench/scale/scale.py [--version V] --step quantize-int8  #   write, quantize-int8, quantize-int4, infer-bf16,
-    ...                                                             #   infer-int8-load, infer-int8-file, infer-int4-load,
-    python bench/scale/scale.py [--version V] --step report         #   infer-int4-file, train-{ptuning,lora}-{bf16,int8,int4}, report
+    python bench/scale/scale.py [--version V] --step quantize-int8  #   write, quantize-int8, quantize-int4,
+    ...                                                             #   infer-bf16, infer-int8-load, infer-int8-file,
+    ...                                                             #   infer-int4-load, infer-int4-file,
+    ...                                                             #   train-{ptuning,lora}-{bf16,int8,int4}, report
+    python bench/scale/scale.py [--version V] --step report
     python bench/scale/scale.py [--version V] --step clean          # then delete the checkpoints
 
 Steps:
@@ -40,10 +43,10 @@ Steps:
   in the version's frame, 128 labelled answer tokens), gradient checkpointing on
   (`activation_checkpointing_enable` + `enable_input_require_grads`), bf16 compute; the library's
   defaults: P-tuning v2 with `TrainOptions()`'s pre_seq_len (128) and no projection, LoRA with
-  `LoraOptions()` (r 8 on the version's targets: query_key_value; q_proj k_proj v_proj), each at `training.DEFAULT_LR` (2e-2, 2e-4). INT8/INT4 bases
-  are quantized at load (what `train.py --quantization-bit` does), and glibc's large blocks are mmap'd as
-  train.py has them (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s` (the
-  10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
+  `LoraOptions()` (r 8 on the version's targets: query_key_value; q_proj k_proj v_proj), each at `training.DEFAULT_LR`
+  (2e-2, 2e-4). INT8/INT4 bases are quantized at load (what `train.py --quantization-bit` does), and glibc's large
+  blocks are mmap'd as train.py has them (`heap.mmap_large_blocks`). A step that would not finish inside `--budget-s`
+  (the 10-minute command limit) is stopped at the budget: the forward pass and the backward of the layers done
   are measured, the rest of the backward is extrapolated per layer, and the result says `partial`.
 - `memory`: the loader's accounting of the model's memory at full size and as written (`scale_memory.py`): what each
   part takes in INT4 with the INT8 embedding and head; the report sets it beside the written copy's measured peak.
@@ -89,8 +92,8 @@ from bench.scale.scale_children import GB, INFER, TRAIN  # noqa: E402
 from bench.scale.scale_memory import accounting  # noqa: E402
 from bench.scale.scale_report import report  # noqa: E402
 
-STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN), "memory",
-         "report"]
+STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER),
+         *(f"train-{k}" for k in TRAIN), "memory", "report"]
 CLEAN = "clean"  # not part of `all`: deletes the checkpoint and the quantize.py outputs beside it
 
 
@@ -134,7 +137,8 @@ class Bench:
         tmp = self.results_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=1))
         os.replace(tmp, self.results_file)
-        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items() if not k.startswith("status")}
+        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()
+                 if not k.startswith("status")}
         print(f"[{name}] {json.dumps(shown)}", flush=True)
 
     def variant(self) -> tuple[str, dict | None]:
@@ -180,8 +184,9 @@ class Bench:
             raise SystemExit(self.not_applicable(step))
         if step == "write":
             layers = ["--num-layers", self.num_layers] if self.num_layers else []
-            done = run_python(HERE.parent / "common" / "checkpoint_writer.py", self.model_dir, "--version", self.version.name, *layers,
-                              "--shards", QUICK_SHARDS if self.quick else self.version.shards)
+            done = run_python(HERE.parent / "common" / "checkpoint_writer.py", self.model_dir, "--version",
+                              self.version.name, *layers, "--shards",
+                              QUICK_SHARDS if self.quick else self.version.shards)
             info = done.last_json()
             info.update(seconds=round(done.seconds, 1), peak_rss_gb=done.peak_rss / GB, dir=str(self.model_dir))
             self.save("write", info)
@@ -202,7 +207,8 @@ class Bench:
                 self.check_memory(step)
             bandwidth = self.child("bandwidth").last_json()
             suffix, env = self.variant()
-            done = self.child("infer", "--bits", bits, "--model-dir", self.dirs(source), "--frame", self.frame(), env=env)
+            done = self.child("infer", "--bits", bits, "--model-dir", self.dirs(source), "--frame",
+                              self.frame(), env=env)
             r = done.last_json()
             r.update(peak_rss_gb=done.peak_rss / GB, process_s=round(done.seconds, 1), copy_gb_s=bandwidth / GB,
                      bound_tok_s=bandwidth / r["weight_bytes_per_token"])
@@ -252,13 +258,16 @@ def main(argv=None) -> None:
                    "quantize.py outputs go beside it (DIR-int8, DIR-int4)")
     p.add_argument("--out", type=Path, help="results folder (default bench/results; --quick: "
                    "/tmp/{chatglm6b,chatglm3,glm4}-scale-quick)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default %(default)s: on 2 cores shared with other processes, one thread measured faster than two for every kernel used here, fp32 GEMMs included)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default %(default)s: "
+                                                          "on 2 cores shared with other processes, one thread measured "
+                                                          "faster than two for every kernel used here, fp32 GEMMs "
+                                                          "included)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="a training process stops its step after this many seconds from its start and extrapolates "
                         "(default 540: under the 10-minute command limit; --quick 90)")
     p.add_argument("--quantize-embedding", action="store_true",
-                   help="infer-*/train-* steps: load with the embedding and head in INT8 (ChatGLM-6B's tied pair as one "
-                        "copy); results are kept under '<step>+e8' beside the as-is ones (default: off)")
+                   help="infer-*/train-* steps: load with the embedding and head in INT8 (ChatGLM-6B's tied pair as "
+                        "one copy); results are kept under '<step>+e8' beside the as-is ones (default: off)")
     p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="train-* steps: the float weights' and the compute's dtype; float32 (train.py's default, for "
                         "CPUs without native bf16 matmuls, where a bf16 one is ~100x slower) is kept under "
@@ -266,10 +275,12 @@ def main(argv=None) -> None:
     p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
                    help="infer-*/train-* steps: run the measuring process with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: "
                         "allocations from this size are mmap'd and returned to the system when freed, instead of "
-                        "staying in a fragmented heap); results are kept under '<step>+mmap<K>k' (default: glibc's own)")
+                        "staying in a fragmented heap); results are kept under '<step>+mmap<K>k' (default: glibc's "
+                        "own)")
     p.add_argument("--max-kernel-rows", type=int, metavar="N",
-                   help="infer-*/train-* steps: set QuantizedLinear.max_kernel_rows = N (inputs of up to N rows use the "
-                        "int8pack/int4pack kernels instead of dequantizing); results under '<step>+krN' (default: the class's)")
+                   help="infer-*/train-* steps: set QuantizedLinear.max_kernel_rows = N (inputs of up to N rows use "
+                        "the int8pack/int4pack kernels instead of dequantizing); results under '<step>+krN' (default: "
+                        "the class's)")
     args = p.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 90.0 if args.quick else 540.0

@@ -2,8 +2,10 @@
 outside (its peak RSS and wall time) by `measure.run`.
 
     python bench/scale/scale_children.py bandwidth [--threads N]
-    python bench/scale/scale_children.py infer --model-dir DIR --frame JSON --bits {0,8,4} [--quantize-embedding] [--max-kernel-rows N]
-    python bench/scale/scale_children.py train {ptuning,lora}-{bf16,int8,int4} --model-dir DIR --frame JSON [--budget-s S] ...
+    python bench/scale/scale_children.py infer --model-dir DIR --frame JSON --bits {0,8,4} [--quantize-embedding]
+        [--max-kernel-rows N]
+    python bench/scale/scale_children.py train {ptuning,lora}-{bf16,int8,int4} --model-dir DIR --frame JSON
+        [--budget-s S] ...
 
 Any version: the model loads through `chatglm_tune.from_pretrained` (the version read from config.json),
 and the prompts are built from `--frame` (`scale_versions.PromptFrame.resolve`: the version's special
@@ -90,7 +92,8 @@ def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool, dt
     from chatglm_tune.training import set_trainable
 
     defaults = TrainOptions(tuning=tuning)
-    extra = {"pre_seq_len": defaults.pre_seq_len, "prefix_projection": defaults.prefix_projection} if tuning == "ptuning" else {}
+    extra = {"pre_seq_len": defaults.pre_seq_len,
+             "prefix_projection": defaults.prefix_projection} if tuning == "ptuning" else {}
     core = from_pretrained(model_dir, dtype=dtype, quantization_bit=bits or None,
                            quantize_embedding=quantize_embedding, **extra)
     core.activation_checkpointing_enable()
@@ -112,7 +115,8 @@ def _train_batch(frame: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _blocks(core) -> torch.nn.ModuleList:
     """The transformer blocks (`transformer.layers` of ChatGLM-6B, `model.layers` of the GLM family)."""
-    return next(m for name, m in core.named_modules() if name.rpartition(".")[2] == "layers" and isinstance(m, torch.nn.ModuleList))
+    return next(m for name, m in core.named_modules() if name.rpartition(".")[2] == "layers"
+                and isinstance(m, torch.nn.ModuleList))
 
 
 def child_train(args) -> dict:
@@ -128,13 +132,14 @@ def child_train(args) -> dict:
         time.sleep(max(0.0, deadline - time.perf_counter()))
         with lock:
             now = time.perf_counter()
-            result.update(partial=True, stopped_in=phase["name"], rss_at_stop_gb=peak_rss() / GB, status_end_mb=memory_status(),
-                          rss_end_gb=peak_rss() / GB)
+            result.update(partial=True, stopped_in=phase["name"], rss_at_stop_gb=peak_rss() / GB,
+                          status_end_mb=memory_status(), rss_end_gb=peak_rss() / GB)
             if phase["t0"] is not None:
                 result["stopped_after_s"] = round(now - phase["t0"], 1)
             fwd, bwd = marks["forward"], marks["backward"]
             if phase["name"] == "forward" and len(fwd) > 1:
-                result.update(forward_layers_done=len(fwd) - 1, forward_per_layer_s=round((fwd[-1] - fwd[0]) / (len(fwd) - 1), 2))
+                result.update(forward_layers_done=len(fwd) - 1,
+                              forward_per_layer_s=round((fwd[-1] - fwd[0]) / (len(fwd) - 1), 2))
             if phase["name"] == "backward":
                 done = max(0, len(bwd) - 1)  # layers whose recompute + backward finished
                 result["backward_layers_done"] = done
@@ -153,8 +158,10 @@ def child_train(args) -> dict:
     ids, labels = _train_batch(args.frame)
     layers = _blocks(core)
     # Hooks on a child of each block: they fire in the forward and again in the checkpoint recompute.
-    handles = [layer.input_layernorm.register_forward_pre_hook(lambda *_: marks[phase["name"]].append(time.perf_counter()))
-               for layer in layers]
+    def mark(*_):
+        marks[phase["name"]].append(time.perf_counter())
+
+    handles = [layer.input_layernorm.register_forward_pre_hook(mark) for layer in layers]
     with lock:
         result.update(load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params),
                       rss_load_gb=peak_rss() / GB, status_load_mb=memory_status())
@@ -190,7 +197,8 @@ def main(argv=None) -> None:
     p.add_argument("name", nargs="?", choices=TRAIN, help="train: which step")
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--frame", type=json.loads, help="infer/train: the prompt frame's ids, JSON "
-                   '{"head": [...], "tail": [...], "end": ID, "plain": [LOW, HIGH]} (scale_versions.PromptFrame.resolve)')
+                   '{"head": [...], "tail": [...], "end": ID, "plain": [LOW, HIGH]} '
+                   '(scale_versions.PromptFrame.resolve)')
     p.add_argument("--bits", type=int, default=0, help="infer: 0 (bf16), 8 or 4")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=540.0, help="train: stop the step this long after the start")

@@ -45,7 +45,8 @@ def summary(results: dict) -> dict:
         values = [v for v in values if v is not None]
         return max(values) if values else None
 
-    infer = {"bf16": ["infer-bf16"], "int8": ["infer-int8-load", "infer-int8-file"], "int4": ["infer-int4-load", "infer-int4-file"]}
+    infer = {"bf16": ["infer-bf16"], "int8": ["infer-int8-load", "infer-int8-file"],
+             "int4": ["infer-int4-load", "infer-int4-file"]}
     file_step = {"bf16": "infer-bf16", "int8": "infer-int8-file", "int4": "infer-int4-file"}
 
     def block(choose) -> dict:
@@ -68,7 +69,8 @@ def summary(results: dict) -> dict:
     for name in TRAIN:
         r = results.get(f"train-{name}")
         if r is not None and r.get("partial"):
-            as_is[name.replace("-", "_")] = {k: r.get(k) for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
+            as_is[name.replace("-", "_")] = {k: r.get(k)
+                                             for k in ("forward_s", "stopped_in", "stopped_after_s", "peak_rss_gb")
                                               if r.get(k) is not None}
             if r.get("step_s") is not None:
                 as_is[name.replace("-", "_")]["extrapolated_step_s"] = r["step_s"]
@@ -76,7 +78,8 @@ def summary(results: dict) -> dict:
         out["as_is_training"] = as_is
     best = block(most_changes)
     best["variants"] = {s: variant_label(most_changes(s)[1]) for s in
-                        [*(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN)] if most_changes(s)[0] is not None}
+                        [*(f"infer-{k}" for k in INFER), *(f"train-{k}" for k in TRAIN)]
+                        if most_changes(s)[0] is not None}
     del best["training_source"]
     out["with_options"] = best
 
@@ -109,9 +112,11 @@ def report(results: dict, out: Path, version: BenchVersion = VERSIONS[DEFAULT_VE
         lines += ["", "## Targets with the measured options (see `code` above)", ""]
         lines += [f"- {t}" for t in target_lines(s["with_options"], version)]
     if version.e8_targets:
-        lines += ["", "## Targets with the INT8 embedding / head (`+e8` rows)", ""] + [f"- {t}" for t in e8_target_lines(results, version)]
+        lines += ["", "## Targets with the INT8 embedding / head (`+e8` rows)",
+                  ""] + [f"- {t}" for t in e8_target_lines(results, version)]
     if version.fit_steps:
-        lines += ["", f"## Fits this machine ({machine_gb():.1f} GB of memory)", ""] + [f"- {t}" for t in fit_lines(results, version)]
+        lines += ["", f"## Fits this machine ({machine_gb():.1f} GB of memory)",
+                  ""] + [f"- {t}" for t in fit_lines(results, version)]
     for name in version.companions:
         companion = VERSIONS[name]
         rows = companion_results(results, companion)
@@ -144,9 +149,9 @@ def _companion_section(rows: dict, version: BenchVersion) -> list[str]:
     lines = ["", f"# {version.title} (`--version {version.name}`)", ""]
     written = (f" written directly as `quantize.py --bits {version.written_bits}` would write it (no fp16 checkpoint; "
                "`bench/common/checkpoint_writer.py`)" if version.written_bits else "")
-    lines.append(f"Config: {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, vocab {cfg.get('vocab_size')}; "
-                 f"random weights{written}. Steps that need the fp16 checkpoint (bf16 / INT8 rows, quantize-*, "
-                 "quantized-at-load rows) do not apply and are left out.")
+    lines.append(f"Config: {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, vocab "
+                 f"{cfg.get('vocab_size')}; random weights{written}. Steps that need the fp16 checkpoint (bf16 / INT8 "
+                 "rows, quantize-*, quantized-at-load rows) do not apply and are left out.")
     only = None
     if version.written_bits:
         only = {f"int{version.written_bits}-file"}
@@ -176,12 +181,12 @@ def _partial_lines(rows: dict, layers) -> list[str]:
         if r.get("forward_s") is not None:
             text += f"; forward {r['forward_s']} s"
         if r.get("step_s") is not None:
-            text += (f"; the whole step, its backward at {r.get('backward_per_layer_s')} s per layer for {layers} layers, "
-                     f"about {r['step_s']:.0f} s: over one command's budget, so time, not memory "
+            text += (f"; the whole step, its backward at {r.get('backward_per_layer_s')} s per layer for {layers} "
+                     f"layers, about {r['step_s']:.0f} s: over one command's budget, so time, not memory "
                      f"({r['peak_rss_gb']:.2f} of {machine_gb():.1f} GB), is what stops it here")
         elif done and per_layer:
-            text += (f"; {done}/{layers} layers forward at {per_layer} s each, so about {per_layer * layers:.0f} s for the "
-                     "forward alone")
+            text += (f"; {done}/{layers} layers forward at {per_layer} s each, so about {per_layer * layers:.0f} s for "
+                     "the forward alone")
         out.append(text + ".")
     return ["", *out] if out else []
 
@@ -200,9 +205,10 @@ def _comparison(results: dict, quoted: dict, version: BenchVersion, other: Bench
             disk = r.get("disk_gb", r.get("bytes", 0) / GB if "bytes" in r else None)
             decode = r.get("decode_tok_s")
             lines.append(f"| {step} | {title} | {r['peak_rss_gb']:.2f} | {fmt(r.get('load_s'), '.0f')} | "
-                         f"{fmt(decode, '.3f')} | {r.get('forward_s', '-')} | {r.get('step_s', r.get('seconds', '-'))} | "
-                         f"{fmt(disk)} | {r['load_average'][0]} | {r.get('when', '-')} |")
-    loads = [[rows[k]["load_average"][0] for k in rows if not k.startswith("_") and ":" not in k and "load_average" in rows[k]]
+                         f"{fmt(decode, '.3f')} | {r.get('forward_s', '-')} | {r.get('step_s', r.get('seconds', '-'))} "
+                         f"| {fmt(disk)} | {r['load_average'][0]} | {r.get('when', '-')} |")
+    loads = [[rows[k]["load_average"][0] for k in rows if not k.startswith("_") and ":" not in k
+              and "load_average" in rows[k]]
              for rows in (results, quoted)]
     if all(loads):
         lines += ["", f"Load average (1 min) over all rows: {version.title} {sum(loads[0]) / len(loads[0]):.1f}, "
@@ -285,22 +291,26 @@ def chart(path: Path, s: dict, cfg: dict, version: BenchVersion) -> None:
     for ax, (title, key, seed, target) in zip(axes, groups):
         ours, prop = s[key], best.get(key, {})
         xs = list(range(len(BITS)))
-        ax.bar([x - w for x in xs], [seed[b] for b in BITS], w, label="seed: official code, GPU memory", color="#bbbbbb")
+        ax.bar([x - w for x in xs], [seed[b] for b in BITS], w, label="seed: official code, GPU memory",
+               color="#bbbbbb")
         ax.bar(xs, [ours.get(b) or 0 for b in BITS], w, color="#3a7bd5",
                label="this toolkit: peak RSS, CPU (defaults)")
-        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with --quantize-embedding", color="#59a14f",
+        ax.bar([x + w for x in xs], [prop.get(b) or 0 for b in BITS], w, label="with --quantize-embedding",
+               color="#59a14f",
                hatch="//", edgecolor="white")
         for x, b in zip(xs, BITS):
             for dx, v in ((0, ours.get(b)), (w, prop.get(b))):
                 if v:
                     ax.text(x + dx, v + 0.2, f"{v:.1f}", ha="center", fontsize=7)
             if target:
-                ax.plot([x - 0.5 * w, x + 1.5 * w], [target[b]] * 2, color="#d62728", lw=2, label="target" if x == 0 else None)
+                ax.plot([x - 0.5 * w, x + 1.5 * w], [target[b]] * 2, color="#d62728", lw=2,
+                        label="target" if x == 0 else None)
         ax.set_xticks(xs, [b.upper() if b != "bf16" else "half (bf16)" for b in BITS])
         ax.set_title(title)
     axes[0].set_ylabel("GB")
     axes[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{version.title}{' (2-layer slice)' if cfg.get('quick') else ''}: memory beside the seed's GPU figures")
+    fig.suptitle(f"{version.title}{' (2-layer slice)' if cfg.get('quick') else ''}: memory beside the seed's GPU "
+                 "figures")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -2,11 +2,12 @@
 same server one request at a time (--max-batch 1, as the official ChatGLM demos and chatglm.cpp serve), side
 by side in one run; then a soak test of the batching server (bad inputs, abandoned streams, RSS growth).
 
-    python bench/serve/serve.py                    # random mid GLM-4 (1024 hidden, 8 layers), 1/4/16/32 streams (~8 min)
+    python bench/serve/serve.py                    # random mid GLM-4 (1024 hidden, 8 layers), 1/4/16/32 streams
+                                                   #   (~8 min)
     python bench/serve/serve.py --quick            # a small model, 1/4/16 streams, 120-request soak (~1-2 min)
     python bench/serve/serve.py --model DIR --streams 1,16 --requests-per-stream 8 --soak 0
     python bench/serve/serve.py --llama-server PATH  # + llama.cpp's llama-server on the same load (a q4_0 GGUF of it)
-    python bench/serve/serve.py --speculative --streams 1,4,16 --no-baseline   # + the batching server with --speculative
+    python bench/serve/serve.py --speculative --streams 1,4,16 --no-baseline  # + the batching server, --speculative
     python bench/serve/serve.py --compile --streams 1,16,32 --soak 0   # + the batching server with --compile
     python bench/serve/serve.py --schema --streams 1,16 --no-baseline --soak 0  # chats plain and under a JSON schema
     python bench/serve/serve.py --device cuda --compile --streams 1,16,64 --max-batch 64 --soak 0  # on a GPU
@@ -18,8 +19,9 @@ token is a stream chunk and TTFT times the first token, not the first whole char
 
 Servers: each a fresh `python serve.py --model DIR --threads T --max-batch N` (OMP_NUM_THREADS=T) on a free
 loopback port, ready when GET /health answers, warmed up by two short requests, stopped with SIGTERM (killed
-if still there 15 s later). The model: `--model DIR`, or a random one built once into /tmp (bench/serve/serve_children.py
-build: `registry.VERSIONS[v].tiny(...)` with the --size fields, its tokenizer trained on data/spo_dev.jsonl).
+if still there 15 s later). The model: `--model DIR`, or a random one built once into /tmp
+(bench/serve/serve_children.py build: `registry.VERSIONS[v].tiny(...)` with the --size fields, its tokenizer trained on
+data/spo_dev.jsonl).
 
 Load: S concurrent streams (threads, one `openai.OpenAI` client each, max_retries 0), each sending
 --requests-per-stream requests one after another, every one streamed with stream_options.include_usage,
@@ -32,8 +34,8 @@ Per configuration:
   (prefills included; the tail where fewer streams are left included). req/s the same for requests.
 - TTFT: request sent -> first chunk carrying text (the chat role chunk does not count): the prefill, and for
   ChatGLM-6B one decode step more (its post-processing looks one character ahead, so a stream holds the last
-  character until the next token: `PromptFormat.stream_lookahead`). Every stream sends its first request at the same moment: the
-  p95 "later" leaves those out (steady state, where requests arrive as others finish).
+  character until the next token: `PromptFormat.stream_lookahead`). Every stream sends its first request at the same
+  moment: the p95 "later" leaves those out (steady state, where requests arrive as others finish).
 - ITL: the gaps between consecutive text chunks of a request, pooled over all requests (chunks/token says
   how often tokens came without a chunk of their own: an incomplete UTF-8 character held, a random model's
   special token that renders as nothing). TPOT, per request: (last text chunk - first) / (tokens - 1), the
@@ -78,8 +80,9 @@ otherwise (continuous batching, flash attention). Its completions are sent the i
 text (`serve_children.py prompts`: the run's prompt format around the text; the usage chunks' prompt tokens
 match), its chats the same messages (the GGUF's chat template renders the official prompt), with `ignore_eos`
 so that its answers run to max_tokens. Targets at 16 streams: serve.py's tok/s >= llama-server's (aim 1.5x),
-TTFT p95 no worse, peak RSS lower. Without a binary the run says it was skipped and why. Results: bench/results/serve.json (--quick: /tmp/serve-quick.json; --full-size:
-bench/results/serve-full.json) and a .md beside it; the last stdout line is one line of JSON.
+TTFT p95 no worse, peak RSS lower. Without a binary the run says it was skipped and why. Results:
+bench/results/serve.json (--quick: /tmp/serve-quick.json; --full-size: bench/results/serve-full.json) and a .md beside
+it; the last stdout line is one line of JSON.
 """
 
 from __future__ import annotations
@@ -122,12 +125,14 @@ def quiet_child_json(what: str, *args, tries: int = 3) -> dict:
         busy0, mine0, start = busy_cpu_seconds(), self_cpu_seconds(), time.perf_counter()
         out = child_json(what, *args)
         wall = time.perf_counter() - start
-        out["others_cpu_pct"] = round(max(0.0, 100 * (busy_cpu_seconds() - busy0 - (self_cpu_seconds() - mine0)) / wall), 1)
+        out["others_cpu_pct"] = round(max(0.0,
+                                          100 * (busy_cpu_seconds() - busy0 - (self_cpu_seconds() - mine0)) / wall), 1)
         if best is None or out["others_cpu_pct"] < best["others_cpu_pct"]:
             best = out
         if best["others_cpu_pct"] <= OTHERS_LIMIT_PCT:
             break
-        print(f"{what}: other processes took {out['others_cpu_pct']:.0f}% of a core meanwhile; measuring again", flush=True)
+        print(f"{what}: other processes took {out['others_cpu_pct']:.0f}% of a core meanwhile; measuring again",
+              flush=True)
     return best
 
 
@@ -136,10 +141,11 @@ def prepare_model(args) -> tuple[Path, dict]:
     if args.full_size:
         directory = args.full_size_dir
         if not (directory / "config.json").exists():
-            print(f"writing ChatGLM3-6B random fp16 shards to {directory} (bench/peer/peer.py --version chatglm3 --step write)",
+            print(f"writing ChatGLM3-6B random fp16 shards to {directory} (bench/peer/peer.py --version chatglm3 "
+                  "--step write)",
                   flush=True)
-            subprocess.run([sys.executable, str(HERE.parent / "peer" / "peer.py"), "--version", "chatglm3", "--step", "write",
-                            "--model-dir", str(directory)], cwd=ROOT, check=True)
+            subprocess.run([sys.executable, str(HERE.parent / "peer" / "peer.py"), "--version", "chatglm3",
+                            "--step", "write", "--model-dir", str(directory)], cwd=ROOT, check=True)
         return directory, {"version": "chatglm3", "size": "full (6B), INT4", "dir": str(directory)}
     if args.model:
         return args.model, {"dir": str(args.model)}
@@ -158,17 +164,22 @@ def prepare_model(args) -> tuple[Path, dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="a model directory to serve (default: a random --version --size model, built once "
+    p.add_argument("--model", type=Path,
+                   help="a model directory to serve (default: a random --version --size model, built once "
                                                "into /tmp)")
-    p.add_argument("--version", default="glm4", choices=("glm4", "chatglm3"), help="random model's version (default %(default)s)")
-    p.add_argument("--size", choices=("mid", "small", "6b"), help="random model's size (default mid; --quick: small; 6b: "
+    p.add_argument("--version", default="glm4", choices=("glm4", "chatglm3"),
+                   help="random model's version (default %(default)s)")
+    p.add_argument("--size", choices=("mid", "small", "6b"),
+                   help="random model's size (default mid; --quick: small; 6b: "
                    "ChatGLM3-6B's blocks, for a GPU)")
     p.add_argument("--streams", help="concurrent streams per configuration (default 1,4,16,32; --quick 1,4,16; "
                                      "--full-size 1,4,8)")
     p.add_argument("--requests-per-stream", type=int,
-                   help="requests each stream sends (default 3: one of each of 16/32/64 tokens; --quick 3; --full-size 2)")
+                   help="requests each stream sends (default 3: one of each of 16/32/64 tokens; --quick 3; --full-size "
+                        "2)")
     p.add_argument("--max-tokens", help="max_tokens of the requests, in turn (default 16,32,64; --full-size 16,32)")
-    p.add_argument("--threads", type=int, default=2, help="server threads (--threads and OMP_NUM_THREADS; default %(default)s)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="server threads (--threads and OMP_NUM_THREADS; default %(default)s)")
     p.add_argument("--max-batch", type=int, default=32, help="the batching server's --max-batch (default %(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the --max-batch 1 server")
     p.add_argument("--speculative", action="store_true", help="also the batching server with --speculative (every "
@@ -179,24 +190,33 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "`batchN-schema`, tok/s of the second over the first `schema_vs_plain`")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on "
                                                      "PATH); without one its side is skipped")
-    p.add_argument("--gguf", type=Path, help="llama-server's GGUF of the served model (default: export.py --type q4_0 of it, "
+    p.add_argument("--gguf", type=Path,
+                   help="llama-server's GGUF of the served model (default: export.py --type q4_0 of it, "
                                              "written once beside the checkpoint)")
     p.add_argument("--soak", type=int, help="soak requests after the table, 0 = none (default 1000; --quick 120; "
                                             "--full-size 0)")
     p.add_argument("--soak-clients", type=int, default=16, help="concurrent soak clients (default %(default)s)")
-    p.add_argument("--soak-time-limit", type=float, default=300.0, help="seconds the soak may send for (default %(default)s)")
+    p.add_argument("--soak-time-limit", type=float, default=300.0,
+                   help="seconds the soak may send for (default %(default)s)")
     p.add_argument("--no-floor", action="store_true", help="skip timing the model alone and the cores' ceilings")
-    p.add_argument("--quick", action="store_true", help="a ~1-2 minute smoke run: small model, fewer streams and requests")
-    p.add_argument("--full-size", action="store_true", help="ChatGLM3-6B at full size, INT4 (+INT8 embedding): written by "
-                                                           f"bench/peer/peer.py into {FULL_DIR} when absent (12 GB); long")
-    p.add_argument("--full-size-dir", type=Path, default=FULL_DIR, help="--full-size: the checkpoint (default %(default)s)")
-    p.add_argument("--compile", action="store_true", help="also the batching server with --compile (compiled steps on a "
+    p.add_argument("--quick", action="store_true",
+                   help="a ~1-2 minute smoke run: small model, fewer streams and requests")
+    p.add_argument("--full-size", action="store_true",
+                   help="ChatGLM3-6B at full size, INT4 (+INT8 embedding): written by "
+                                                           f"bench/peer/peer.py into {FULL_DIR} when absent (12 GB); "
+                                                           "long")
+    p.add_argument("--full-size-dir", type=Path, default=FULL_DIR,
+                   help="--full-size: the checkpoint (default %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="also the batching server with --compile (compiled steps on a "
                    "slot cache: CUDA graphs on a GPU)")
     p.add_argument("--device", help="the servers' --device (cpu, cuda; default serve.py's own); a GPU's runs skip the "
                    "CPU floors (--no-floor)")
     p.add_argument("--server-arg", action="append", default=[], help="extra serve.py argument (repeatable)")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start (default %(default)s)")
-    p.add_argument("--out", type=Path, help="results JSON (default bench/results/serve.json; --quick /tmp/serve-quick.json; "
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds a server may take to start (default %(default)s)")
+    p.add_argument("--out", type=Path,
+                   help="results JSON (default bench/results/serve.json; --quick /tmp/serve-quick.json; "
                                             "--full-size bench/results/serve-full.json)")
     args = p.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full_size else "default"
@@ -286,7 +306,8 @@ def run_llama_server(args, model_dir: Path, texts: list[str], log_dir: Path, row
     """llama.cpp's own server on the model's GGUF under the same load, or why it was skipped (into `skipped`)."""
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        skipped["llama-server"] = f"no llama-server binary (--llama-server PATH or $LLAMA_SERVER; build: {LLAMA_SERVER_BUILD})"
+        skipped["llama-server"] = ("no llama-server binary (--llama-server PATH or $LLAMA_SERVER; build: "
+                                   f"{LLAMA_SERVER_BUILD})")
         print(f"llama-server skipped: {skipped['llama-server']}", flush=True)
         return
     gguf = gguf_for(args, model_dir)
@@ -297,8 +318,9 @@ def run_llama_server(args, model_dir: Path, texts: list[str], log_dir: Path, row
     load_s = server.start(args.start_timeout)
     try:
         run_streams(server, args, texts, rows)
-        servers_info["llama-server"] = {"load_s": round(load_s, 1), "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB),
-                                        "binary": str(binary), "gguf": str(gguf), "gguf_mb": round(gguf.stat().st_size / MB),
+        servers_info["llama-server"] = {"load_s": round(load_s, 1),
+                                        "vmhwm_mb": round(server.memory().get("VmHWM", 0) / MB), "binary": str(binary),
+                                        "gguf": str(gguf), "gguf_mb": round(gguf.stat().st_size / MB),
                                         "slots": max(args.streams), "slot_context": slot_context, "command": server.cmd}
     finally:
         servers_info.setdefault("llama-server", {})["stop"] = server.stop()
@@ -311,8 +333,8 @@ def checked_targets(rows: list[dict], floor: dict | None, batch_name: str) -> di
     if reachable and "speedup_at_16" in got:
         got["speedup_at_16"]["model_alone"] = reachable
         got["speedup_at_16"]["text"] += (f"; the model alone allows {reachable['ratio']:.2f}x for this work "
-                                         f"({reachable['one_at_a_time_s']:.1f} s one at a time / {reachable['batched_s']:.1f} s "
-                                         f"at the batching run's rows per step)")
+                                         f"({reachable['one_at_a_time_s']:.1f} s one at a time / "
+                                         f"{reachable['batched_s']:.1f} s at the batching run's rows per step)")
     return got
 
 
@@ -326,8 +348,8 @@ def print_findings(got: dict, limit_lines: list[str], soak_result: dict | None) 
             print("  " + line)
     if soak_result:
         s = soak_result
-        print(f"\nsoak: {s['sent']}/{s['requests']} requests in {s['wall_s']} s, {s['by_category']}, failures {s['failures']}, "
-              f"RSS {s['rss_after_first_mb']} -> {s['rss_end_mb']} MB ({s['rss_growth_pct']}%): "
+        print(f"\nsoak: {s['sent']}/{s['requests']} requests in {s['wall_s']} s, {s['by_category']}, failures "
+              f"{s['failures']}, RSS {s['rss_after_first_mb']} -> {s['rss_end_mb']} MB ({s['rss_growth_pct']}%): "
               f"{'PASS' if s['passed'] else 'FAIL'}")
         for k, v in s["checks"].items():
             print(f"  {'ok    ' if v else 'FAILED'} {k}")

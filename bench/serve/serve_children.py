@@ -60,11 +60,13 @@ def build(args) -> dict:
 
     from chatglm_tune.models import registry
 
-    texts = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()]
+    texts = [json.loads(line)["text"]
+             for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()]
     directory = Path(args.model_dir)
     torch.manual_seed(0)
     start = time.perf_counter()
-    model, tokenizer = registry.VERSIONS[args.version].tiny(texts + ["你好，世界。Hello!"], directory, **SIZES[args.size])
+    model, tokenizer = registry.VERSIONS[args.version].tiny(texts + ["你好，世界。Hello!"], directory,
+                                                            **SIZES[args.size])
     special = set(tokenizer.all_special_ids)
     printable = [i for i in range(len(tokenizer)) if i not in special and _renders(tokenizer.decode([i]))]
     silent = torch.ones(model.get_output_embeddings().weight.shape[0], dtype=torch.bool)
@@ -134,7 +136,8 @@ def ceilings(args) -> dict:
     from bench.common.measure import copy_bandwidth
 
     torch.set_num_threads(args.threads)
-    out = {"threads": torch.get_num_threads(), "copy_bandwidth_gbs": round(copy_bandwidth() / 1e9, 2), "gemm_gflops": {}}
+    out = {"threads": torch.get_num_threads(), "copy_bandwidth_gbs": round(copy_bandwidth() / 1e9, 2),
+           "gemm_gflops": {}}
     # Linear weights [out, in], 11.5 MB each, cycled through: 277 MB in all, as a model's weights far more than the
     # CPU's caches hold, so every product reads its weight from memory as a decode step does.
     weights = [torch.randn(GEMM_N, GEMM_K) for _ in range(GEMM_WEIGHTS)]
@@ -181,7 +184,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,4,16,32")
     args = p.parse_args(argv)
-    print(json.dumps({"build": build, "floor": floor, "ceilings": ceilings, "prompts": prompts}[args.what](args)), flush=True)
+    print(json.dumps({"build": build, "floor": floor, "ceilings": ceilings,
+                      "prompts": prompts}[args.what](args)), flush=True)
 
 
 if __name__ == "__main__":

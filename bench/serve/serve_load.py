@@ -89,7 +89,8 @@ def openai_client(server: Server):
 def stream_one(client, server: Server, spec: Spec) -> Outcome:
     """One streamed request to `server` through the openai client, timed chunk by chunk."""
     kw = dict(model=server.model_id, max_tokens=spec.max_tokens, temperature=0, stream=True,
-              stream_options={"include_usage": True}, **({"extra_body": server.extra_body} if server.extra_body else {}))
+              stream_options={"include_usage": True},
+              **({"extra_body": server.extra_body} if server.extra_body else {}))
     start = time.perf_counter()
     out = Outcome(ok=False)
     last = None

@@ -33,7 +33,8 @@ def proc_status(pid: int) -> dict:
     """VmRSS and VmHWM of a process, bytes ({} once it is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("VmRSS", "VmHWM")}
     except (FileNotFoundError, ProcessLookupError):
         return {}
 
@@ -150,8 +151,8 @@ class Server:
 
 def toolkit_server(name: str, model_dir: Path, threads: int, max_batch: int, extra: list[str], log_dir: Path) -> Server:
     port = free_port()
-    cmd = [sys.executable, str(ROOT / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--threads", str(threads), "--max-batch", str(max_batch), *extra]
+    cmd = [sys.executable, str(ROOT / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch), *extra]
     return Server(name, cmd, {"OMP_NUM_THREADS": str(threads)}, log_dir / f"{name}.log")
 
 
@@ -175,7 +176,8 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int, slot_contex
     (flash attention auto: on for a CPU; the chat template and sampling defaults the GGUF carries)."""
     port = free_port()
     cmd = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
-           "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--no-webui"]
+           "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size",
+           str(slots * slot_context), "--no-webui"]
     return Server("llama-server", cmd, {}, log_dir / "llama-server.log", engine_stats=False, prompt_of=prompt_of,
                   extra_body={"ignore_eos": True})  # answers run to max_tokens, as the random model's do in serve.py
 

@@ -50,7 +50,8 @@ def soak_specs(n: int, texts: list[str], seed: int = 0) -> list[SoakSpec]:
 def soak_body(spec: SoakSpec, model: str) -> tuple[str, bytes]:
     """(path, body) of a soak request."""
     if spec.category == "bad":
-        body = {"model": model, "messages": [{"role": "user", "content": chat_content(spec.text)}], "max_tokens": spec.max_tokens}
+        body = {"model": model, "messages": [{"role": "user", "content": chat_content(spec.text)}],
+                "max_tokens": spec.max_tokens}
         if spec.kind == "temperature":
             body["temperature"] = -1
         elif spec.kind == "model":
@@ -108,7 +109,8 @@ def soak_one(session, base: str, model: str, spec: SoakSpec) -> str | None:
     chunks = [json.loads(e) for e in events[:-1]]
     if any("error" in c for c in chunks):
         return f"good/{spec.kind}/stream: an error event {[c for c in chunks if 'error' in c][0]}"
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")
+                and c["choices"][0].get("finish_reason")]
     usage = [c["usage"] for c in chunks if c.get("usage")]
     return _check_answer(spec, finishes, usage[-1] if len(usage) == 1 else None, len(usage) == 1)
 
@@ -120,7 +122,8 @@ def _check_answer(spec: SoakSpec, finishes: list, usage: dict | None, one_usage:
     if usage is None or not one_usage:
         return f"{what}: no (single) usage"
     n = usage["completion_tokens"]
-    if not (n == spec.max_tokens and finishes[0] == "length") and not (finishes[0] == "stop" and 1 <= n <= spec.max_tokens):
+    if not (n == spec.max_tokens and finishes[0] == "length") and not (finishes[0] == "stop"
+                                                                       and 1 <= n <= spec.max_tokens):
         return f"{what}: {n} completion tokens with finish_reason {finishes[0]!r}, max_tokens {spec.max_tokens}"
     return None
 

@@ -94,14 +94,16 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").propagate = False  # its errors are rows of the table
-    texts = [json.loads(line)["text"] for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+    texts = [json.loads(line)["text"]
+             for line in (ROOT / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="transformers-cb-"))  # the tiny models' tokenizer files
     for name in ("glm4", "chatglm"):
         version = registry.VERSIONS[name]
         torch.manual_seed(0)
         model, tokenizer = version.tiny(texts, scratch / name)
-        prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, SPORecord(t, None), EncodingOptions())[0] for t in texts[:3]]
+        prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, SPORecord(t, None), EncodingOptions())[0]
+                   for t in texts[:3]]
         variants = [("toolkit class", model.eval())]
         if name == "glm4":
             plain = GlmForCausalLM(copy.deepcopy(model.config)).eval()  # CB rewrites its model's config
@@ -117,7 +119,8 @@ def main(argv=None) -> None:
             alone = [generate(same_weights, torch.tensor([p]), max_new_tokens=NEW_TOKENS, eos_token_id=None)[0]
                      for p in prompts]
             # the engine first: transformers' batching switches its model to paged attention
-            ours, our_seconds = engine_ids(m, tokenizer, prompts) if not label.startswith("transformers") else (None, None)
+            ours, our_seconds = (engine_ids(m, tokenizer, prompts) if not label.startswith("transformers")
+                                 else (None, None))
             ids, seconds, error = transformers_cb(m, prompts, tokenizer.pad_token_id)
             rows.append({"model": f"{version.title}: {label}", "runs": ids is not None and not error,
                          "equal_to_alone": ids == alone, "seconds": round(seconds, 2), "error": error,
@@ -126,8 +129,10 @@ def main(argv=None) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     print(f"{'model':58} {'transformers CB':>16} {'equal':>6} {'s':>6} | {'engine equal':>12} {'s':>6}")
     for r in rows:
-        engine = "-" if r["engine_seconds"] is None else f"{str(r['engine_equal_to_alone']):>12} {r['engine_seconds']:6.3f}"
-        print(f"{r['model']:58} {'runs' if r['runs'] else 'FAILS':>16} {str(r['equal_to_alone']):>6} {r['seconds']:6.2f} | {engine}")
+        engine = ("-" if r["engine_seconds"] is None
+                  else f"{str(r['engine_equal_to_alone']):>12} {r['engine_seconds']:6.3f}")
+        print(f"{r['model']:58} {'runs' if r['runs'] else 'FAILS':>16} {str(r['equal_to_alone']):>6} "
+              f"{r['seconds']:6.2f} | {engine}")
         if r["error"]:
             print(f"    {r['error']}")
     summary = {"threads": args.threads, "new_tokens": NEW_TOKENS, "prompts": 3, "rows": rows,

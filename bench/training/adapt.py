@@ -89,17 +89,17 @@ or latent attention, and routed experts) take the same: on the tiny GLM-4.5 base
 relations, 0.000 on the new ones) P-tuning 0.994 (性能故障 0.988, 组成 0.997; stopped at step 4000 and continued
 with --resume, so its train_seconds hold the last 16000 steps), LoRA 1.000 (bench/results/adapt-glm4-moe.json). On the
 tiny GLM-4.7-Flash base (8 epochs; 1.000 / 0.000; the base's and LoRA's train_seconds include about 45 minutes the
-process was stopped for other measurements) LoRA reaches 1.000 and P-tuning v2 0.936 (性能故障 0.907, 组成 0.956; 0.44, 0.71, 0.89, 0.91,
-0.94 at each 4000 steps; its train_seconds include ~12 minutes beside the test suite): bench/results/adapt-glm4-moe-lite.json.
-Its prefix was at first what latent attention caches, the normed key/value latent and the rotary key of each entry:
-32 + 8 numbers an entry and layer on the tiny preset (the release's 512 + 64), one latent giving every head's key and
-value at once. With these settings that prefix learnt far slower: dev F1 0.041, 0.080, 0.101 and 0.122 at steps
-4000, 8000, 12000 and 16000 (dev loss 0.90, 0.72, 0.63, 0.59). It wrote the format and the new relations' names but
-recalled entities and state words from the new relations' pools instead of copying them (密封圈 -> 密封, 喉箍 -> 柱塞,
-忽高忽低 -> 磨损), or answered nothing, and took 84-98% of the attention of every head of every layer. Tried, each at
-step 2000 (dev loss / F1): these settings in 40 epochs 0.97 / 0.023; lr 1.2e-1 1.13 / 0.009; the MLP
-reparameterisation at lr 1e-2 1.21 / 0.013; pre_seq_len 32 1.34 / 0.008; pre_seq_len 512 (80 epochs) 0.91 / 0.023.
-The prefix is now each head's own keys and values (glm/prefix.py: 8 heads x (24 + 16) = 320 numbers an entry and
+process was stopped for other measurements) LoRA reaches 1.000 and P-tuning v2 0.936 (性能故障 0.907, 组成 0.956; 0.44,
+0.71, 0.89, 0.91, 0.94 at each 4000 steps; its train_seconds include ~12 minutes beside the test suite):
+bench/results/adapt-glm4-moe-lite.json. Its prefix was at first what latent attention caches, the normed key/value
+latent and the rotary key of each entry: 32 + 8 numbers an entry and layer on the tiny preset (the release's 512 + 64),
+one latent giving every head's key and value at once. With these settings that prefix learnt far slower: dev F1 0.041,
+0.080, 0.101 and 0.122 at steps 4000, 8000, 12000 and 16000 (dev loss 0.90, 0.72, 0.63, 0.59). It wrote the format and
+the new relations' names but recalled entities and state words from the new relations' pools instead of copying them
+(密封圈 -> 密封, 喉箍 -> 柱塞, 忽高忽低 -> 磨损), or answered nothing, and took 84-98% of the attention of every head of
+every layer. Tried, each at step 2000 (dev loss / F1): these settings in 40 epochs 0.97 / 0.023; lr 1.2e-1 1.13 / 0.009;
+the MLP reparameterisation at lr 1e-2 1.21 / 0.013; pre_seq_len 32 1.34 / 0.008; pre_seq_len 512 (80 epochs) 0.91 /
+0.023. The prefix is now each head's own keys and values (glm/prefix.py: 8 heads x (24 + 16) = 320 numbers an entry and
 layer here, zero latents in their place in the cache), of which a prefix of latents is one case (each head's expansion
 of them): train loss 0.93 at step 1000 against 1.67, dev loss 0.25 at step 4000 against 0.90, and the F1 above.
 --ptuning-epochs, --lora-epochs, --ptuning-lr, --lora-lr: the run length and rate of each adaptation.
@@ -167,7 +167,8 @@ ADAPTATIONS = {
 # after the MLP bound what the prefix adds to the residual stream, and at lr 2e-2 P-tuning reached 0.600 in 40
 # epochs, at 4e-2 in 80 epochs 0.829 (module docstring).
 _GLM4_0414_PTUNING = {"ptuning": {"--lr": "4e-2", "--epochs": "80"}}
-VERSION_SETTINGS = {"glm4-0414": _GLM4_0414_PTUNING, "glm4-moe": _GLM4_0414_PTUNING, "glm4-moe-lite": _GLM4_0414_PTUNING}
+VERSION_SETTINGS = {"glm4-0414": _GLM4_0414_PTUNING, "glm4-moe": _GLM4_0414_PTUNING,
+                    "glm4-moe-lite": _GLM4_0414_PTUNING}
 PRESET_OF_VERSION = {version: preset for preset, version in TINY_PRESETS.items()}
 
 
@@ -200,7 +201,8 @@ def make_data(work: Path, n_base: int, n_new: int, per_domain: int) -> tuple[dic
             texts += [r.text for r in drawn[per_domain:]]
         random.Random(MIX_SEED).shuffle(base_train)
     files = {}
-    for name, records in (("base_train", base_train), ("base_dev", base_dev), ("new_train", new_train), ("new_dev", new_dev)):
+    for name, records in (("base_train", base_train), ("base_dev", base_dev), ("new_train", new_train),
+                          ("new_dev", new_dev)):
         files[name] = work / f"{name}.jsonl"
         make_spo.write_jsonl(records, files[name])
     return files, texts
@@ -235,7 +237,8 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     tokenizer, model = version.load_tokenizer(directory), version.load_model(directory)
     special = SpecialIds.of(tokenizer)
     # The version's own prompt format (as its training rows): COPY_PROMPT + text, answered by the text.
-    prompt_tokens = len(version.format.prompt_ids(tokenizer, SPORecord("", None), EncodingOptions(prompt=COPY_PROMPT))[0])
+    prompt_tokens = len(version.format.prompt_ids(tokenizer, SPORecord("", None),
+                                                  EncodingOptions(prompt=COPY_PROMPT))[0])
     encoding = EncodingOptions(prompt=COPY_PROMPT, max_src_len=prompt_tokens + COPY_TOKENS,
                                max_len=prompt_tokens + 2 * COPY_TOKENS + 4)
     rows = [version.format.training_row(tokenizer, SPORecord(text, None, response=text), encoding) for text in texts]
@@ -244,7 +247,8 @@ def pretrain(directory: Path, texts: list[str], epochs: int) -> None:
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=sampler,
                                          collate_fn=lambda batch: collate_train(batch, special))
     total = epochs * len(loader)
-    options = TrainOptions(tuning="full", lr=BASE_LR, warmup_ratio=TINY_DEMO["warmup_ratio"], weight_decay=BASE_WEIGHT_DECAY)
+    options = TrainOptions(tuning="full", lr=BASE_LR, warmup_ratio=TINY_DEMO["warmup_ratio"],
+                           weight_decay=BASE_WEIGHT_DECAY)
     optimizer, scheduler = optimizer_and_schedule(model.parameters(), options, total)
     model.train()
     with tqdm(total=total, desc="pretrain (copy)") as bar:
@@ -288,29 +292,44 @@ def run(argv: list[str]) -> float:
     return time.time() - start
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", choices=tuple(PRESET_OF_VERSION), default="chatglm", help="the tiny base's version")
-    parser.add_argument("--work-dir", type=Path, help="data and runs go here (default /tmp/chatglm_tune_adapt[-VERSION])")
-    parser.add_argument("--results", type=Path, help="also write the closing JSON here (e.g. bench/results/adapt-chatglm3.json)")
-    parser.add_argument("--base-records", type=int, default=10000, help="train records of the base, and texts of its pretraining corpus")
+    parser.add_argument("--version", choices=tuple(PRESET_OF_VERSION), default="chatglm",
+                        help="the tiny base's version")
+    parser.add_argument("--work-dir", type=Path,
+                        help="data and runs go here (default /tmp/chatglm_tune_adapt[-VERSION])")
+    parser.add_argument("--results", type=Path,
+                        help="also write the closing JSON here (e.g. bench/results/adapt-chatglm3.json)")
+    parser.add_argument("--base-records", type=int, default=10000,
+                        help="train records of the base, and texts of its pretraining corpus")
     parser.add_argument("--new-records", type=int, default=4000, help="train records of the adaptations")
     parser.add_argument("--other-domain-records", type=int, default=1500,
-                        help="records of each other domain (make_domains.py) in the base's train file (0: none, the earlier design)")
+                        help="records of each other domain (make_domains.py) in the base's train file (0: none, the "
+                             "earlier design)")
     parser.add_argument("--base-layers", type=int, default=4, help="blocks of the base (the tiny presets have 2 or 3)")
     parser.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of the copy pretraining (0: none)")
-    parser.add_argument("--base-epochs", type=int, default=8, help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
+    parser.add_argument("--base-epochs", type=int, default=8,
+                        help="epochs of the base (bench/results/adapt-chatglm3.json: 6)")
     parser.add_argument("--reuse-base", action="store_true", help="keep a base already trained in the work dir")
     parser.add_argument("--only", nargs="+", choices=tuple(ADAPTATIONS), default=list(ADAPTATIONS))
     parser.add_argument("--resume", action="store_true",
-                        help="continue an adaptation stopped midway from its saved state (train.py --resume), with --reuse-base")
+                        help="continue an adaptation stopped midway from its saved state (train.py --resume), with "
+                             "--reuse-base")
     for name in ADAPTATIONS:
-        parser.add_argument(f"--{name}-epochs", type=int, help=f"epochs of {name} (default: its flags, VERSION_SETTINGS)")
-        parser.add_argument(f"--{name}-lr", type=float, help=f"learning rate of {name} (default: its flags, VERSION_SETTINGS)")
+        parser.add_argument(f"--{name}-epochs", type=int,
+                            help=f"epochs of {name} (default: its flags, VERSION_SETTINGS)")
+        parser.add_argument(f"--{name}-lr", type=float,
+                            help=f"learning rate of {name} (default: its flags, VERSION_SETTINGS)")
     args = parser.parse_args()
     if args.resume and not args.reuse_base:
         parser.error("--resume continues an adaptation of the base already trained: give --reuse-base too")
-    epochs = {n: getattr(args, f"{n}_epochs") or int(adaptation_setting(n, "--epochs", args.version)) for n in args.only}
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    epochs = {n: getattr(args, f"{n}_epochs") or int(adaptation_setting(n, "--epochs", args.version))
+              for n in args.only}
     lrs = {n: getattr(args, f"{n}_lr") or float(adaptation_setting(n, "--lr", args.version)) for n in args.only}
     torch.set_num_threads(1)
     work = args.work_dir or Path("/tmp/chatglm_tune_adapt" + ("" if args.version == "chatglm" else f"-{args.version}"))
@@ -327,7 +346,8 @@ def main() -> None:
         line = json.dumps({"adapt": earlier | {
             "version": args.version, "other_domain_records": args.other_domain_records,
             "base_epochs": json.loads((work / "base" / "run_args.json").read_text())["epochs"],  # as the base ran
-            "adaptation_epochs": earlier.get("adaptation_epochs", {}) | {n: epochs[n] for n in epochs if seconds.get(n)},
+            "adaptation_epochs": earlier.get("adaptation_epochs", {})
+            | {n: epochs[n] for n in epochs if seconds.get(n)},
             "adaptation_lr": earlier.get("adaptation_lr", {}) | {n: lrs[n] for n in lrs if seconds.get(n)},
             **{k: round(s["micro"]["f1"], 4) for k, s in scores.items()}, "train_seconds": stages}}, ensure_ascii=False)
         if args.results:
@@ -369,7 +389,8 @@ def main() -> None:
         print(f"{label:34s} {m['precision']:6.3f} {m['recall']:6.3f} {m['f1']:6.3f} {took}")
     for name in args.only:
         per = scores[f"{name}_on_new_relations"]["per_relation"]
-        print(f"  {name} per relation: " + ", ".join(f"{rel} {per[rel]['f1']:.3f}" for rel in NEW_RELATIONS if rel in per))
+        print(f"  {name} per relation: "
+              + ", ".join(f"{rel} {per[rel]['f1']:.3f}" for rel in NEW_RELATIONS if rel in per))
     print(f"whole bench: {time.time() - bench_start:.0f} s")
     print(write_results(scores))
 

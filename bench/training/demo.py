@@ -42,7 +42,8 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[list[str]]:
             commands = [p for p in parts if p[:1] == ["python"] and p[1] in ("train.py", "infer.py")]
             if [c[1] for c in commands] == ["train.py", "infer.py"]:
                 return commands
-    raise SystemExit(f"bench/training/demo.py: {readme} has no line running `python train.py --model tiny ... && python infer.py ...`")
+    raise SystemExit(f"bench/training/demo.py: {readme} has no line running `python train.py --model tiny ... && "
+                     "python infer.py ...`")
 
 
 def cpu_name() -> str:
@@ -87,9 +88,11 @@ def main(argv=None) -> None:
     reached = next((step for f1_at, step in dev_f1s(read_entries(work / "metrics.jsonl")) if f1_at >= TARGET_F1), None)
     print(f"dev micro-F1 (infer.py): {f1:.4f}; the first checkpoint with F1 >= {TARGET_F1}: step {reached}")
     print(f"target: F1 >= {TARGET_F1} within {TARGET_SECONDS} s: "
-          f"{'met' if f1 >= TARGET_F1 and total <= TARGET_SECONDS else 'missed'} ({total / TARGET_SECONDS:.2f} of the time)")
-    line = json.dumps({"demo": {**machine, "train_s": round(train_s, 1), "infer_s": round(infer_s, 1), "total_s": round(total, 1),
-                                "dev_f1": round(f1, 4), "first_step_f1_0.9": reached, "target_s": TARGET_SECONDS}},
+          f"{'met' if f1 >= TARGET_F1 and total <= TARGET_SECONDS else 'missed'} ({total / TARGET_SECONDS:.2f} of the "
+          "time)")
+    line = json.dumps({"demo": {**machine, "train_s": round(train_s, 1), "infer_s": round(infer_s, 1),
+                                "total_s": round(total, 1), "dev_f1": round(f1, 4), "first_step_f1_0.9": reached,
+                                "target_s": TARGET_SECONDS}},
                       ensure_ascii=False)
     if args.results:
         args.results.write_text(line + "\n", encoding="utf-8")

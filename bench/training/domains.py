@@ -78,7 +78,8 @@ def run_set(name: str, data: Path, work_dir: Path, extra: list[str]) -> dict:
     if out.exists():
         raise SystemExit(f"bench/training/domains.py: {out} exists; give another --work-dir")
     cmd = [sys.executable, str(REPO / "train.py"), "--model", "tiny", "--tuning", "full",
-           "--train-file", str(data / "train.jsonl"), "--dev-file", str(data / "dev.jsonl"), "--output-dir", str(out), *extra]
+           "--train-file", str(data / "train.jsonl"), "--dev-file", str(data / "dev.jsonl"), "--output-dir",
+           str(out), *extra]
     print("$ " + shlex.join(["python", "train.py", *cmd[2:]]), flush=True)
     log = work_dir / f"{name}.log"
     started = time.time()
@@ -87,7 +88,8 @@ def run_set(name: str, data: Path, work_dir: Path, extra: list[str]) -> dict:
     seconds = round(time.time() - started, 1)
     if code != 0 or not (out / "metrics.jsonl").exists():
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"bench/training/domains.py: train.py failed on {name} (exit {code}); the end of {log}:\n{tail}")
+        raise SystemExit(f"bench/training/domains.py: train.py failed on {name} (exit {code}); the end of "
+                         f"{log}:\n{tail}")
     train_records = sum(1 for line in open(data / "train.jsonl", encoding="utf-8") if line.strip())
     return {**read_run(out / "metrics.jsonl"), "seconds": seconds, "train_records": train_records}
 
@@ -96,17 +98,21 @@ def table(results: dict[str, dict]) -> str:
     rows = [f"{'set':<12} {'train':>6} {'dev F1':>7} {'best@':>6} {'steps':>6} {'seconds':>8}"]
     for name, r in results.items():
         f1 = "n/a" if r["f1"] is None else f"{r['f1']:.3f}"
-        rows.append(f"{name:<12} {r['train_records']:>6} {f1:>7} {str(r['best_step']):>6} {r['steps']:>6} {r['seconds']:>8.1f}")
+        rows.append(f"{name:<12} {r['train_records']:>6} {f1:>7} {str(r['best_step']):>6} {r['steps']:>6} "
+                    f"{r['seconds']:>8.1f}")
     return "\n".join(rows)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[-4:]))
     p.add_argument("--data-dir", type=Path, action="append",
-                   help=f"a set directory or a parent of sets; repeatable (default {DEFAULT_DATA_DIR.relative_to(REPO)})")
+                   help="a set directory or a parent of sets; repeatable (default "
+                        f"{DEFAULT_DATA_DIR.relative_to(REPO)})")
     p.add_argument("--work-dir", type=Path, help="where the runs go, <work-dir>/<name> (default: a new temporary dir)")
-    p.add_argument("--extra", default="", help='flags appended to every train.py command, e.g. --extra="--max-steps 20"')
+    p.add_argument("--extra", default="",
+                   help='flags appended to every train.py command, e.g. --extra="--max-steps 20"')
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="JSON written here (default %(default)s)")
     args = p.parse_args(argv)
     sets = find_sets(args.data_dir or [DEFAULT_DATA_DIR])

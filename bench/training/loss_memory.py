@@ -7,7 +7,8 @@ tokens, the last `--labelled` share of each row labelled (an answer after its pr
 variant, each in a fresh process (its peak RSS is its own); the two losses and hidden-state gradients compared.
 Printed side by side; the last line is JSON.
 
-    python bench/training/loss_memory.py [--rows 4 --length 1024 --labelled 0.5] [--results bench/results/loss_memory.json]
+    python bench/training/loss_memory.py [--rows 4 --length 1024 --labelled 0.5]
+        [--results bench/results/loss_memory.json]
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ def main(argv=None) -> None:
         name = variant if variant == "transformers" else f"toolkit, chunks of {chunk}"
         rows[name] = {**done.last_json(), "peak_rss_gb": round(done.peak_rss / 2**30, 2)}
     base = rows["transformers"]
-    print(f"\nloss of {args.rows} x {args.length} tokens ({args.labelled:.0%} labelled), hidden {HIDDEN} -> vocabulary {VOCAB}")
+    print(f"\nloss of {args.rows} x {args.length} tokens ({args.labelled:.0%} labelled), hidden {HIDDEN} -> vocabulary "
+          f"{VOCAB}")
     print(f"{'variant':28s} {'peak RSS GB':>11s} {'seconds':>8s} {'loss':>9s} {'|grad| sum':>12s}")
     for name, r in rows.items():
         print(f"{name:28s} {r['peak_rss_gb']:11.2f} {r['seconds']:8.2f} {r['loss']:9.5f} {r['grad_sum']:12.2f}")
-    same = all(abs(r["loss"] - base["loss"]) < 1e-4 and abs(r["grad_sum"] / base["grad_sum"] - 1) < 1e-4 for r in rows.values())
+    same = all(abs(r["loss"] - base["loss"]) < 1e-4 and abs(r["grad_sum"] / base["grad_sum"] - 1) < 1e-4
+               for r in rows.values())
     print(f"losses and gradients equal: {same}")
     line = json.dumps({"loss_memory": {"rows": args.rows, "length": args.length, "labelled": args.labelled,
                                        "vocab": VOCAB, "variants": rows, "equal": same}})

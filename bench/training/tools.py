@@ -38,14 +38,15 @@ from bench.serve.serve_servers import Server, find_llama_server, free_port, tool
 TARGET = 0.9
 DATA = {"chatglm3": ("data/tools_train.jsonl", "data/tools_dev.jsonl"),
         "glm4": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl"),
-        "glm4-0414": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}  # GLM-4's records, its template's form
+        "glm4-0414": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}  # GLM-4's records and form
 DEFAULT_VERSIONS = ["chatglm3", "glm4"]
 # a conversation of the set is under 700 tokens of the tiny tokenizers (~400 with the tools' JSON in word pieces)
 # no early stopping: the dev exact match sits near 0 for the first ~1000 steps, until the model copies arguments;
 # 3 layers: the 2-layer tiny ChatGLM3 plateaued at 0.76-0.79 (the first character of a name whose second is shared
 # by another: 东京 -> 南京), the 3-layer one reached 0.96 at 2000 steps and 1.00 at 2500
 TINY_LAYERS = 3
-TRAIN_FLAGS = ["--tuning", "full", "--tiny-layers", str(TINY_LAYERS), "--max-src-len", "700", "--max-len", "800", "--patience", "0"]
+TRAIN_FLAGS = ["--tuning", "full", "--tiny-layers", str(TINY_LAYERS), "--max-src-len", "700", "--max-len", "800",
+               "--patience", "0"]
 
 
 def openai_request(raw: dict) -> tuple[list[dict], list[dict], dict]:
@@ -88,7 +89,8 @@ def served_calls(run: Path, requests: list, work: Path) -> list[dict | None]:
             reply = client.chat.completions.create(model=server.model_id, messages=messages, tools=tools,
                                                    temperature=0, max_tokens=64).choices[0].message
             function = reply.tool_calls[0].function if reply.tool_calls else None
-            calls.append(None if function is None else {"name": function.name, "arguments": json.loads(function.arguments)})
+            calls.append(None if function is None
+                         else {"name": function.name, "arguments": json.loads(function.arguments)})
         return calls
     finally:
         server.stop()
@@ -125,7 +127,8 @@ def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work
 def _post(server: Server, path: str, body: dict) -> dict:
     import urllib.request
 
-    request = urllib.request.Request(server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(server.base + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:
         return json.loads(r.read())
 
@@ -190,7 +193,8 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     trained = train_all(args.versions, args, work)
     results = {version: measure(version, trained[version], args, work) for version in args.versions}
-    print(f"\n{'version':9s} {'train s':>8s} {'at 0.9':>7s} {'infer EM':>9s} {'served EM':>10s} {'=infer':>7s} {'llama ids':>10s}")
+    print(f"\n{'version':9s} {'train s':>8s} {'at 0.9':>7s} {'infer EM':>9s} {'served EM':>10s} {'=infer':>7s} "
+          f"{'llama ids':>10s}")
     for version, r in results.items():
         llama = "n/a" if r["llama_prompt_ids_equal"] is None else f"{r['llama_prompt_ids_equal']:.2f}"
         print(f"{version:9s} {r['train_s']:8.1f} {str(r['first_step_at_target']):>7s} {r['infer_exact_match']:9.2f} "

@@ -67,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (default 3)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
-                        help="comma-separated, of fp32,bf16 (default both; bf16 is slow on CPUs without AVX-512 BF16/AMX)")
+                        help="comma-separated, of fp32,bf16 (default both; bf16 is slow on CPUs without AVX-512 "
+                             "BF16/AMX)")
     parser.add_argument("--variant", nargs=3, help=argparse.SUPPRESS)  # internal: run one variant, print JSON
     args = parser.parse_args()
     if args.variant:
@@ -75,11 +76,13 @@ def main() -> None:
         return
     precisions = args.precisions.split(",")
     results = {}
-    for variant in [(t, p, l) for t in ("ptuning", "lora") for p in precisions for l in ("official-style", "ours")]:
+    for variant in [(t, p, kind) for t in ("ptuning", "lora") for p in precisions
+                    for kind in ("official-style", "ours")]:
         done = run_python(__file__, "--steps", args.steps, "--variant", *variant)
         results["/".join(variant)] = {**done.last_json(), "peak_rss_gb": round(done.peak_rss / 2**30, 2)}
         print(f"  {'/'.join(variant):28s} {results['/'.join(variant)]}", file=sys.stderr)
-    print(f"\nmid config (hidden 1024, 8 layers, vocab 130528), batch {BATCH} x {SEQ}, {ANSWER} labelled positions per row")
+    print(f"\nmid config (hidden 1024, 8 layers, vocab 130528), batch {BATCH} x {SEQ}, {ANSWER} labelled positions per "
+          "row")
     print(f"{'tuning':8s} {'precision':9s} {'official-style s/step':>22s} {'ours s/step':>12s} {'speed-up':>9s} "
           f"{'RSS official':>13s} {'RSS ours':>9s}")
     summary = {}
@@ -88,7 +91,8 @@ def main() -> None:
             ref, ours = results[f"{tuning}/{precision}/official-style"], results[f"{tuning}/{precision}/ours"]
             speedup = ref["step_s"] / ours["step_s"]
             summary[f"{tuning}_{precision}"] = {"official_style_s": ref["step_s"], "ours_s": ours["step_s"],
-                                                "speedup": round(speedup, 2), "official_style_rss_gb": ref["peak_rss_gb"],
+                                                "speedup": round(speedup, 2),
+                                                "official_style_rss_gb": ref["peak_rss_gb"],
                                                 "ours_rss_gb": ours["peak_rss_gb"]}
             print(f"{tuning:8s} {precision:9s} {ref['step_s']:22.2f} {ours['step_s']:12.2f} {speedup:8.2f}x "
                   f"{ref['peak_rss_gb']:12.2f}G {ours['peak_rss_gb']:8.2f}G")

@@ -15,5 +15,6 @@
 
 Each version declares what this needs as data: its Jinja / ollama chat templates and stop texts
 (`PromptFormat`), its GGUF tensor names (`models.glm.weights.gguf_name`), the formats it cannot be written as
-and its chatglm.cpp model type (`Version`). Needs the `export` extra (`pip install -e ".[export]"`: gguf-py) for the GGUF and GGML files.
+and its chatglm.cpp model type (`Version`). Needs the `export` extra (`pip install -e ".[export]"`: gguf-py) for the
+GGUF and GGML files.
 """

@@ -62,16 +62,17 @@ def jinja_list(texts) -> str:
 
 # Characters Python's repr escapes, past the ASCII controls (which `tojson` escapes): DEL, C1 controls, format,
 # space (but " ") and line / paragraph separator characters.
-_ESCAPED_BY_REPR = [chr(c) for c in range(0x7F, 0x110000) if unicodedata.category(chr(c)) in ("Cc", "Cf", "Zs", "Zl", "Zp")]
+_ESCAPED_BY_REPR = [chr(c) for c in range(0x7F, 0x110000)
+                    if unicodedata.category(chr(c)) in ("Cc", "Cf", "Zs", "Zl", "Zp")]
 _NOT_IN_NAMES = [c for c in map(chr, range(0x20, 0x7F)) if not (c.isalnum() or c == "_")]
 _REFUSE = ("{%- macro _refuse_any(chars, text, why) -%}{%- for char in chars -%}{%- if char in text -%}"
            "{{- raise_exception(why) -}}{%- endif -%}{%- endfor -%}{%- endmacro -%}")
 _NO_FLOATS = (  # a float anywhere in `value` raises: engines write floats unlike json.dumps and repr
     "{%- macro _no_floats(value) -%}{%- if value is float -%}"
-    "{{- raise_exception('a tool call argument is a float (' ~ value ~ '), which this template cannot write exactly') -}}"
-    "{%- elif value is mapping -%}{%- for item in value.values() -%}{{- _no_floats(item) -}}{%- endfor -%}"
-    "{%- elif value is iterable and value is not string -%}{%- for item in value -%}{{- _no_floats(item) -}}{%- endfor -%}"
-    "{%- endif -%}{%- endmacro -%}"
+    "{{- raise_exception('a tool call argument is a float (' ~ value ~ '), which this template cannot write exactly') "
+    "-}}{%- elif value is mapping -%}{%- for item in value.values() -%}{{- _no_floats(item) -}}{%- endfor -%}"
+    "{%- elif value is iterable and value is not string -%}{%- for item in value -%}{{- _no_floats(item) -}}{%- endfor "
+    "-%}{%- endif -%}{%- endmacro -%}"
 )
 _GLM4_ARGUMENTS = "{%- macro _arguments(value) -%}{{- _no_floats(value) -}}{{- value | tojson -}}{%- endmacro -%}"
 _PYTHON_STRING = r"""{%- macro _repr_string(value) -%}
@@ -84,7 +85,7 @@ _PYTHON_STRING = r"""{%- macro _repr_string(value) -%}
 {%- set text = value.replace('\\', '\\\\') -%}
 {%- if quote == "'" -%}{%- set text = text.replace("'", "\\'") -%}{%- endif -%}
 {{- quote ~ text.replace('\n', '\\n').replace('\r', '\\r').replace('\t', '\\t') ~ quote -}}
-{%- endmacro -%}"""
+{%- endmacro -%}"""  # noqa: E501 -- the template's text is exported as it is: its long lines are kept, not wrapped
 _PYTHON_ARGUMENTS = r"""{%- macro _repr(value) -%}
 {%- if value is none -%}None{%- elif value is boolean -%}{{- 'True' if value else 'False' -}}
 {%- elif value is integer -%}{{- value | string -}}{%- elif value is string -%}{{- _repr_string(value) -}}
@@ -97,7 +98,7 @@ tool_call({%- for name, item in value.items() -%}
 {{- raise_exception(why) -}}{%- endif -%}{{- _refuse_any(NOT_IN_NAMES, name, why) -}}
 {{- (', ' if not loop.first else '') ~ name ~ '=' ~ _repr(item) -}}
 {%- endfor -%})
-```{%- endmacro -%}"""
+```{%- endmacro -%}"""  # noqa: E501 -- the template's text is exported as it is: its long lines are kept, not wrapped
 _CHATGLM3_ARGUMENTS = (_PYTHON_STRING.replace("\n{", "{").replace("ESCAPED", jinja_list(_ESCAPED_BY_REPR))
                        + _PYTHON_ARGUMENTS.replace("-%}\n{", "-%}{").replace("KEYWORDS", jinja_list(keyword.kwlist))
                        .replace("NOT_IN_NAMES", jinja_list(_NOT_IN_NAMES)))
@@ -106,14 +107,18 @@ _GLM_MESSAGES = r"""{%- set glm = namespace(messages=[]) -%}
 {%- for message in messages -%}
 {%- set role = {'tool': 'observation', 'developer': 'system'}.get(message['role'], message['role']) -%}
 {%- if message['tool_calls'] is defined and message['tool_calls'] -%}
-{%- if message['content'] -%}{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}{%- endif -%}
+{%- if message['content'] -%}
+{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}
+{%- endif -%}
 {%- for call in message['tool_calls'] -%}
 {%- if call['function']['arguments'] is string -%}
 {{- raise_exception('tool call arguments as a JSON string: this template takes them parsed, as an object') -}}
 {%- endif -%}
-{%- set glm.messages = glm.messages + [{'role': 'assistant', 'metadata': call['function']['name'], 'content': _arguments(call['function']['arguments'])}] -%}
+{%- set glm.messages = glm.messages + [{'role': 'assistant', 'metadata': call['function']['name'],
+ 'content': _arguments(call['function']['arguments'])}] -%}
 {%- endfor -%}
-{%- elif role != message['role'] -%}{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}
+{%- elif role != message['role'] -%}
+{%- set glm.messages = glm.messages + [{'role': role, 'content': message['content']}] -%}
 {%- else -%}{%- set glm.messages = glm.messages + [message] -%}{%- endif -%}
 {%- endfor -%}
 {%- if tools is defined and tools -%}OFFER{%- endif -%}
@@ -121,13 +126,16 @@ _GLM_MESSAGES = r"""{%- set glm = namespace(messages=[]) -%}
 # ChatGLM3: a system message of its own, first: its tool prompt and the functions (OpenAI's tools unwrapped).
 _CHATGLM3_OFFER = r"""{%- set functions = namespace(list=[]) -%}
 {%- for tool in tools -%}
-{%- set functions.list = functions.list + [tool['function'] if tool['type'] == 'function' and tool['function'] is defined else tool] -%}
+{%- set functions.list = functions.list + [tool['function'] if tool['type'] == 'function'
+ and tool['function'] is defined else tool] -%}
 {%- endfor -%}
 {%- set glm.messages = [{'role': 'system', 'content': PROMPT, 'tools': functions.list}] + glm.messages -%}"""
 # GLM-4: the tools as sent, in the first system message, or in a new one first.
 _GLM4_OFFER = r"""{%- if glm.messages and glm.messages[0]['role'] == 'system' -%}
-{%- set glm.messages = [{'role': 'system', 'content': glm.messages[0]['content'], 'tools': tools}] + glm.messages[1:] -%}
-{%- else -%}{%- set glm.messages = [{'role': 'system', 'content': '', 'tools': tools}] + glm.messages -%}{%- endif -%}"""
+{%- set glm.messages = [{'role': 'system', 'content': glm.messages[0]['content'], 'tools': tools}]
+ + glm.messages[1:] -%}
+{%- else -%}{%- set glm.messages = [{'role': 'system', 'content': '', 'tools': tools}] + glm.messages -%}
+{%- endif -%}"""
 # GLM-4-0414: a first system message's tools (GLM-4's form, as serve.py offers them) are the template's `tools`.
 _LIFT_TOOLS = ("{%- if messages and messages[0]['tools'] is defined and messages[0]['tools'] and not (tools is defined "
                "and tools) -%}{%- set tools = messages[0]['tools'] -%}{%- if messages[0]['content'] -%}"
@@ -135,8 +143,8 @@ _LIFT_TOOLS = ("{%- if messages and messages[0]['tools'] is defined and messages
                "{%- else -%}{%- set messages = messages[1:] -%}{%- endif -%}{%- endif -%}")
 # GLM-4-0414 with tools offered: the prompt ends at `<|assistant|>` (the model writes a call's name or a text answer's
 # "\n" there), not at the template's generation prompt, which the template then does not write.
-_HOLD_GENERATION_PROMPT = ("{%- set tool_prompt = false -%}{%- if add_generation_prompt and tools is defined and tools -%}"
-                           "{%- set tool_prompt = true -%}{%- set add_generation_prompt = false -%}{%- endif -%}")
+_HOLD_GENERATION_PROMPT = ("{%- set tool_prompt = false -%}{%- if add_generation_prompt and tools is defined and tools "
+                           "-%}{%- set tool_prompt = true -%}{%- set add_generation_prompt = false -%}{%- endif -%}")
 _TOOL_PROMPT_END = "{%- if tool_prompt %}<|assistant|>{% endif -%}"
 
 
@@ -152,7 +160,8 @@ class ToolForm:
 
 
 _TOOL_FORMS = {
-    "chatglm3": ToolForm(_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT", jinja_string(TOOL_PROMPT.removesuffix("\n"))),
+    "chatglm3": ToolForm(_CHATGLM3_OFFER.replace("\n", "").replace("PROMPT",
+                                                                   jinja_string(TOOL_PROMPT.removesuffix("\n"))),
                          _CHATGLM3_ARGUMENTS),
     "glm4": ToolForm(_GLM4_OFFER.replace("\n", ""), _NO_FLOATS + _GLM4_ARGUMENTS),
     # its template writes the `tools` it is given itself

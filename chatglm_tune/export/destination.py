@@ -4,10 +4,11 @@
 existing directory above it one this process may write into, or the command stops with one line naming the
 path. A finished output holds `.made_by.json`, the command, its settings and its source files' sizes and times
 (`made_by`): the same command run again on it (a requeued job, a kill that landed after the rename) finds it
-finished and has nothing to do; another command's output is refused naming what differs. `writing_into` gives the export a directory beside the destination, `.NAME.partial`, and renames it onto
-the destination when the export is complete; an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by
-export.py) removes it with whatever was written, so the destination is as it was and the same command runs
-again. One that a SIGKILL left behind is removed by the next export to that destination.
+finished and has nothing to do; another command's output is refused naming what differs. `writing_into` gives the export
+a directory beside the destination, `.NAME.partial`, and renames it onto the destination when the export is complete; an
+error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by export.py) removes it with whatever was written, so the
+destination is as it was and the same command runs again. One that a SIGKILL left behind is removed by the next export
+to that destination.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Layout, all little-endian: `ggml`, the model type (1 ChatGLM-6B, 2 ChatGLM2, 3 C
 version 2, the ggml type of the matrices, then the config record (vocabulary, width, heads, KV heads, layers,
 FFN width, norm epsilon, 0, rope base = 10000 x rope_ratio, max length, eos id, pad id), the tokenizer as a
 length-prefixed serialized SentencePiece model, then per tensor: the length-prefixed name, the number of
-dimensions, the shape (as the checkpoint has it), the ggml type, padding to 16 bytes, the data. Tensors come in chatglm.cpp's order
-under the official keys; norms and biases in f32, matrices in f16 or ggml's q8_0 / q4_0 blocks (gguf-py's
-quantizer, ggml's reference). ChatGLM-6B's head is its embedding (tied) and is not written.
+dimensions, the shape (as the checkpoint has it), the ggml type, padding to 16 bytes, the data. Tensors come in
+chatglm.cpp's order under the official keys; norms and biases in f32, matrices in f16 or ggml's q8_0 / q4_0 blocks
+(gguf-py's quantizer, ggml's reference). ChatGLM-6B's head is its embedding (tied) and is not written.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def _chatglm6b_layout(config: dict) -> tuple[tuple, list[tuple[str, bool]]]:
     keys = [("transformer.word_embeddings.weight", True)]
     for i in range(config["num_layers"]):
         p = f"transformer.layers.{i}."
-        for module, matrix in (("input_layernorm", False), ("attention.query_key_value", True), ("attention.dense", True),
-                               ("post_attention_layernorm", False), ("mlp.dense_h_to_4h", True), ("mlp.dense_4h_to_h", True)):
+        for module, matrix in (("input_layernorm", False), ("attention.query_key_value", True),
+                               ("attention.dense", True), ("post_attention_layernorm", False),
+                               ("mlp.dense_h_to_4h", True), ("mlp.dense_4h_to_h", True)):
             keys += [(p + module + ".weight", matrix), (p + module + ".bias", False)]
     return record, keys + [("transformer.final_layernorm.weight", False), ("transformer.final_layernorm.bias", False)]
 
@@ -43,9 +44,9 @@ def _chatglm6b_layout(config: dict) -> tuple[tuple, list[tuple[str, bool]]]:
 def _chatglm2_layout(config: dict) -> tuple[tuple, list[tuple[str, bool]]]:
     """ChatGLM2/3's config record and tensors, the untied head last."""
     record = (config["padded_vocab_size"], config["hidden_size"], config["num_attention_heads"],
-              config["multi_query_group_num"], config["num_layers"], config["ffn_hidden_size"], config["layernorm_epsilon"],
-              0, 10000.0 * (config.get("rope_ratio") or 1), config["seq_length"], config["eos_token_id"],
-              config["pad_token_id"])
+              config["multi_query_group_num"], config["num_layers"], config["ffn_hidden_size"],
+              config["layernorm_epsilon"], 0, 10000.0 * (config.get("rope_ratio") or 1), config["seq_length"],
+              config["eos_token_id"], config["pad_token_id"])
     keys = [("transformer.embedding.word_embeddings.weight", True)]
     for i in range(config["num_layers"]):
         p = f"transformer.encoder.layers.{i}."
@@ -53,7 +54,8 @@ def _chatglm2_layout(config: dict) -> tuple[tuple, list[tuple[str, bool]]]:
                  (p + "self_attention.query_key_value.bias", False), (p + "self_attention.dense.weight", True),
                  (p + "post_attention_layernorm.weight", False), (p + "mlp.dense_h_to_4h.weight", True),
                  (p + "mlp.dense_4h_to_h.weight", True)]
-    return record, keys + [("transformer.encoder.final_layernorm.weight", False), ("transformer.output_layer.weight", True)]
+    return record, keys + [("transformer.encoder.final_layernorm.weight", False),
+                           ("transformer.output_layer.weight", True)]
 
 
 def write_ggml(out: Path, model_type: int, config: dict, tensor: Callable, tokenizer_proto: bytes, kind: str,

@@ -19,8 +19,8 @@ whose tensors and hyperparameters export/gguf_moe.py writes (`tensor_layout`; a 
   toolkit's render defaults for llama.cpp: `answering.template_defaults`);
 - norms and biases in F32; the matrices (embedding, head, block Linears) in the `--type`: F16, BF16, or ggml's
   blocks of 32 weights, Q8_0 (an fp16 scale absmax / 127 and 32 int8) or Q4_0 (an fp16 scale and 16 bytes of
-  nibbles), quantized by gguf-py exactly as ggml's reference quantizer; a q4_0 file keeps the head in Q8_0 (llama.cpp's own
-  q4_0 keeps it above 4 bits, in Q6_K, which gguf-py cannot write). A matrix whose rows are not whole blocks
+  nibbles), quantized by gguf-py exactly as ggml's reference quantizer; a q4_0 file keeps the head in Q8_0 (llama.cpp's
+  own q4_0 keeps it above 4 bits, in Q6_K, which gguf-py cannot write). A matrix whose rows are not whole blocks
   stays F16.
 Tensors are converted and written one at a time (quantized in slices of rows), from a loaded model or straight
 from a checkpoint's files (export/tensors.py): beside their source, memory holds one tensor. The file is
@@ -103,7 +103,8 @@ def hyperparameters(writer: gguf.GGUFWriter, config, kind: str) -> None:
                          f"{config.num_attention_heads} x {config.head_dim} != {config.hidden_size}")
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"this model's rotary embedding is scaled ({rope_type}), which is not written into GGUF files here")
+        raise ValueError(f"this model's rotary embedding is scaled ({rope_type}), which is not written into GGUF files "
+                         "here")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)

@@ -60,7 +60,8 @@ def _sentencepiece(writer, tokenizer) -> tuple[list[bytes], list[int], list[floa
         tokens.append(sp.id_to_piece(i).encode("utf-8"))
         scores.append(sp.get_score(i))
         types.append(TokenType.UNKNOWN if sp.is_unknown(i) else TokenType.CONTROL if sp.is_control(i)
-                     else TokenType.UNUSED if sp.is_unused(i) else TokenType.BYTE if sp.is_byte(i) else TokenType.NORMAL)
+                     else TokenType.UNUSED if sp.is_unused(i) else TokenType.BYTE if sp.is_byte(i)
+                     else TokenType.NORMAL)
     for name, token_id in sorted(tokenizer.special_ids.items(), key=lambda item: item[1]):
         if token_id != len(tokens):
             raise ValueError(f"special token {name} has id {token_id}; expected the next after {len(tokens)} pieces")

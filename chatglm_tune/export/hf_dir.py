@@ -80,7 +80,8 @@ def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Call
     if prefix:
         start = " ".join(prefix)
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{start} $A", pair=f"{start} $A $B", special_tokens=[(names[i], i) for i in tokenizer.get_prefix_tokens()])
+            single=f"{start} $A", pair=f"{start} $A $B",
+            special_tokens=[(names[i], i) for i in tokenizer.get_prefix_tokens()])
     else:  # whatever the source's tokenizer.json adds, this one adds no token (byte-level offsets only)
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     backend.save(str(out / "tokenizer.json"))
@@ -109,8 +110,8 @@ def _sentencepiece_backend(tokenizer) -> Tokenizer:
         model = models.Unigram(pieces, unk_id=sp.unk_id(), byte_fallback=True)
     backend = Tokenizer(model)
     dummy_prefix = adds_dummy_prefix(sp)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE, prepend_scheme="always" if dummy_prefix else "never",
-                                                     split=False)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE,
+                                                     prepend_scheme="always" if dummy_prefix else "never", split=False)
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE, " "), decoders.ByteFallback(), decoders.Fuse(),
                                          *([decoders.Strip(" ", 1, 0)] if dummy_prefix else [])])
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -25,8 +25,8 @@ def modelfile(prompt_format, gguf_name: str, instruction: str = "", sampling: Sa
     if not prompt_format.ollama_template:
         raise ValueError(f"{prompt_format.title} has no ollama template")
     if any(bad in instruction for bad in ('"""', "{{", "}}")):
-        raise ValueError(f"the run's prompt {instruction!r} holds \"\"\", {{{{ or }}}}, which an ollama TEMPLATE cannot "
-                         "hold as plain text; send the instruction with each message instead")
+        raise ValueError(f"the run's prompt {instruction!r} holds \"\"\", {{{{ or }}}}, which an ollama TEMPLATE "
+                         "cannot hold as plain text; send the instruction with each message instead")
     template = prompt_format.ollama_template
     if not instruction:
         template = _WRAPPED_MARK.sub("", template)

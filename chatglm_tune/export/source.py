@@ -97,8 +97,9 @@ def open_export(model_dir, *, lora=None, dtype: str = "auto", form: str | None =
         raise ExportError(refusal)
     notes = []
     if source.lora_dir is not None and source.quantization_bit:
-        notes.append(f"{source.lora_dir} trained on its base quantized to INT{source.quantization_bit} at load (QLoRA); it "
-                     "is merged into the float base, which differs from the weights it trained against by that rounding")
+        notes.append(f"{source.lora_dir} trained on its base quantized to INT{source.quantization_bit} at load "
+                     "(QLoRA); it is merged into the float base, which differs from the weights it trained against by "
+                     "that rounding")
     tokenizer = loading.load_tokenizer(source)
     files = CheckpointTensors(source.base) if form == "gguf" and source.lora_dir is None else None
     if files is not None:

@@ -11,8 +11,8 @@ mixture-of-experts layouts read to stack experts (export/gguf_moe.py).
 - `CheckpointTensors`: a checkpoint directory read as it lies, each tensor in the file's own dtype: what a model
   directory or a full fine-tuning run needs, without loading the model (the memory of one tensor, not of the
   model); a released checkpoint's experts per expert. `__iter__` reads one weight file at a time; `get` keeps
-  the safetensors files it reads memory-mapped (a torch file is searched for the key each time). `names_every_tensor` says
-  whether each of its keys has a GGUF name (an official-layout or a transformers-form checkpoint).
+  the safetensors files it reads memory-mapped (a torch file is searched for the key each time). `names_every_tensor`
+  says whether each of its keys has a GGUF name (an official-layout or a transformers-form checkpoint).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
 and says as data what the shared layers need: the Linears LoRA targets (`lora_targets`) and quantization
 swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`), what export.py
-cannot write it as (`export_refusals`) and whether its transformers directory is transformers' own (`hf_native`). It loads its model
-and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
+cannot write it as (`export_refusals`) and whether its transformers directory is transformers' own (`hf_native`). It
+loads its model and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
 (`models/registry.py`) maps names and directories to versions; the families never import it.
 """
 
@@ -53,8 +53,8 @@ class Version:
     def check_tokenizer(self, tokenizer, config) -> None:
         """ValueError unless the tokenizer's vocabulary fits the model."""
         if len(tokenizer) > config.vocab_size:
-            raise ValueError(f"the tokenizer does not belong to this model: vocabulary: tokenizer {len(tokenizer)} tokens, "
-                             f"model {config.vocab_size} rows")
+            raise ValueError(f"the tokenizer does not belong to this model: vocabulary: tokenizer {len(tokenizer)} "
+                             f"tokens, model {config.vocab_size} rows")
 
     def mismatch_hint(self, theirs: str, config_file) -> str:
         """What to add to the error when a P-tuning prefix's config.json names version `theirs` instead."""

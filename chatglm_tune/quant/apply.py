@@ -33,12 +33,15 @@ def quantize_embedding(model: nn.Module, *, empty_init: bool = False, dtype: tor
     and a lookup computes in (default: the float embedding's). Returns `model`.
     """
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(embedding, nn.Embedding) or type(head) not in (nn.Linear, cpu_matmul.Linear) or head.bias is not None:
+    if (not isinstance(embedding, nn.Embedding) or type(head) not in (nn.Linear, cpu_matmul.Linear)
+        or head.bias is not None):
         raise TypeError(f"quantize_embedding needs a float nn.Embedding and a bias-free nn.Linear head, not "
-                        f"{type(embedding).__name__} and {type(head).__name__} (load the model without quantize_embedding)")
+                        f"{type(embedding).__name__} and {type(head).__name__} (load the model without "
+                        "quantize_embedding)")
     dtype, tied = dtype or embedding.weight.dtype, head.weight is embedding.weight
     if tied and empty_init:
-        raise ValueError("empty_init is for an untied embedding and head: a tied one is quantized as it is read (QuantizeOnLoad)")
+        raise ValueError("empty_init is for an untied embedding and head: a tied one is quantized as it is read "
+                         "(QuantizeOnLoad)")
 
     def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:  # (int8 [rows, cols], fp16 scales [rows])
         if empty_init:
@@ -60,7 +63,8 @@ def install_int8_embedding(model: nn.Module, weight: Tensor, weight_scale: Tenso
     input embedding (computing in `dtype`); also used by the loader, which quantizes them while reading."""
     embedding = QuantizedEmbedding.from_parts(weight, weight_scale, dtype)
     model.set_input_embeddings(embedding)
-    model.set_output_embeddings(QuantizedLinear.from_parts(embedding.weight, embedding.weight_scale, None, 8, shared=True))
+    model.set_output_embeddings(QuantizedLinear.from_parts(embedding.weight, embedding.weight_scale, None,
+                                                           8, shared=True))
 
 
 def refuse_int8_embedding(state: dict[str, Tensor], scale_keys: tuple[str, ...]) -> None:
@@ -148,8 +152,9 @@ class QuantizeOnLoad:
     embedding becomes one INT8 copy (`install_int8_embedding`). No whole float weight ever exists:
     `quantize_rows` reads a few rows at a time and releases their file pages."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, bits: int = 0, group_size: int = 0, *, embedding: bool = False,
-                 embedding_key: str = "transformer.word_embeddings.weight", targets: tuple[str, ...]):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, bits: int = 0, group_size: int = 0, *,
+                 embedding: bool = False, embedding_key: str = "transformer.word_embeddings.weight",
+                 targets: tuple[str, ...]):
         self.model, self.dtype, self.bits, self.group_size = model, dtype, bits, group_size
         self.embedding_key = embedding_key if embedding else None
         self.linears = {f"{name}.weight": name for _, _, name in _target_slots(model, targets)} if bits else {}

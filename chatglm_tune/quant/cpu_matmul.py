@@ -1,16 +1,15 @@
 """bf16 matmuls and attention on CPUs without native bf16 GEMMs (AVX2 only: no AVX-512 BF16, no AMX).
 
-There PyTorch runs a bf16 `x @ W.T` in its fallback kernels: about 11 GFLOP/s, and about 0.3 GFLOP/s
-for the input gradient `grad @ W` of a backward pass, against 40-60 GFLOP/s in fp32 on the same core
-(measured by bench/scale/scale.py on an AMD EPYC). `linear` runs such matmuls in fp32 instead, on row tiles
-of the weight upcast on the fly (a full fp32 copy never exists), and returns bf16: faster by 4x
-forward and by two orders of magnitude backward, and more exact. It applies to inputs of at least
+There PyTorch runs a bf16 `x @ W.T` in its fallback kernels, several times slower than fp32 on the same core, and
+the input gradient `grad @ W` of a backward pass two orders of magnitude slower (bench/scale/scale.py; figures:
+bench/results/kernel-notes.md). `linear` runs such matmuls in fp32 instead, on row tiles of the weight upcast on
+the fly (a full fp32 copy never exists), and returns bf16: faster, and more exact. It applies to inputs of at least
 `MIN_ROWS` rows (prefill, training); decoding (a few rows, no gradient) reads the bf16 weight as it is, in
 `fewrow_cpu`'s kernel, which takes fp32 products of a few rows too. Under
 `torch.autocast("cpu", dtype=torch.bfloat16)` the same matmuls likewise run in fp32 and return bf16, as autocast
 would. `scaled_dot_product_attention`
 does the same for attention over at least `MIN_ROWS` queries: PyTorch's bf16 flash-attention backward
-there is about 8x slower than its fp32 one (3.4 s against 0.4 s in a mid-size P-tuning step). On CPUs
+there is several times slower than its fp32 one. On CPUs
 with native bf16 GEMMs, on CUDA and for every other dtype, both are PyTorch's own functions (but for the
 few-row fp32 products, `fewrow_cpu`'s on every CPU).
 
@@ -35,8 +34,8 @@ from chatglm_tune.quant import fewrow_cpu
 
 MIN_ROWS = 33  # as QuantizedLinear.max_kernel_rows + 1: the GEMV side of the same measured crossover
 # Weight elements upcast or dequantized at a time: 8 MB of fp32 (512 rows at ChatGLM-6B's 4096 columns,
-# 128 at 16384). Tiles of 8-32 MB ran within 10% of one another for 64-256 rows of activations (INT8/INT4
-# dequantize at 4096x16384; 8 MB the fastest at 64 rows); the smaller, the leaner.
+# 128 at 16384). Tiles of 8-32 MB ran about as fast for 64-256 rows of activations (figures:
+# bench/results/kernel-notes.md); the smaller, the leaner.
 TILE_ELEMENTS = 1 << 21
 
 
@@ -74,8 +73,8 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Ten
     of at least MIN_ROWS positions where bf16 is slow (module docstring); bf16 out, as autocast gives.
 
     One fp32 query a row with no mask (a decode step) is two matmuls and a softmax: PyTorch's CPU flash
-    kernel, which SDPA picks there, took 3.0 ms a layer for a tiny ChatGLM-6B's 24 cached tokens (of a 24 ms
-    step), the matmuls 0.1 ms."""
+    kernel, which SDPA picks there, costs many times what the two matmuls do over a few cached tokens (figures:
+    bench/results/kernel-notes.md)."""
     if q.device.type == "cpu" and q.shape[-2] == 1 and attn_mask is None and q.dtype == k.dtype == torch.float32 \
             and not (q.requires_grad or k.requires_grad or v.requires_grad):
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))

@@ -56,7 +56,8 @@ def tinygemm_runs(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= INT4MM_CAPABILITY
 
 
-def int4mm_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 4096) -> tuple[Tensor, int, Tensor, Tensor | None]:
+def int4mm_weight(weight: Tensor, weight_scale: Tensor,
+                  tile_rows: int = 4096) -> tuple[Tensor, int, Tensor, Tensor | None]:
     """An official INT4 weight (int8 [out, in/2] on a CUDA GPU) in tinygemm's layout: (packed, gs, scale_and_zeros
     bf16 (in/gs, out, 2), row_scale float32 [out] or None); see the module docstring. Repacked `tile_rows` rows at a
     time (the layout's rows are independent in blocks of 8). The tensors are marked as static addresses: a compiled

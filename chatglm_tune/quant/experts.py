@@ -8,10 +8,10 @@ fused gate/up rows exact: a quantized gate and up are the quantized fused rows. 
 tokens were routed to, each on the rows routed to it (a decode step reads k experts' weights, never all E).
 A decode step runs its k experts in two calls of the integer-dot kernel (`int8dot_cpu.matmul_multi`: every gate and
 up, then every down), the same products as expert by expert, bit for bit, without 3k calls' overheads; `decoder` holds
-that step with its router in C++ (one call a layer: at 2 threads a GLM-4.7-Flash decode step went from 170 to 151 ms).
+that step with its router in C++ (one call a layer instead of Python's many small ones).
 A prompt's tokens without gradients run every chosen expert on its rows in two calls too (`grouped_rows`,
-`int8dot_cpu.matmul_groups`), bit for bit as expert by expert (a GLM-4.7-Flash prefill at 2 threads, the mean of two
-runs each, interleaved: 64 tokens 3.61 -> 3.34 s; 512 tokens 27.0 -> 26.9 s, where the kernel's own work dominates).
+`int8dot_cpu.matmul_groups`), bit for bit as expert by expert; that saves a short prompt's call overheads, while a
+long one's time is the kernel's own work. Figures for both: bench/results/kernel-notes.md.
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ class QuantizedExperts(nn.Module):
     def grouped_rows(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, order: Tensor,
                      chosen: list[tuple[int, int]]) -> Tensor:
         """The forward's sum over many tokens (`order`: the (token, choice) pairs grouped by expert; `chosen`: each
-        chosen expert with its count of pairs, in expert order) in two integer-dot calls for all experts (`int8dot_cpu.matmul_groups`: every gate and up, then every down),
-        each expert on the rows routed to it: what the forward's expert-by-expert loop computes, bit for bit, without
-        its 3 calls an expert (a 64-token prompt of GLM-4.7-Flash chooses nearly every expert of each layer)."""
+        chosen expert with its count of pairs, in expert order) in two integer-dot calls for all experts
+        (`int8dot_cpu.matmul_groups`: every gate and up, then every down), each expert on the rows routed to it: what
+        the forward's expert-by-expert loop computes, bit for bit, without its 3 calls an expert (a 64-token prompt
+        of GLM-4.7-Flash chooses nearly every expert of each layer)."""
         sizes = [count for _, count in chosen]
         starts = [0, *itertools.accumulate(sizes)][:-1]
         pairs = order[: sum(sizes)]  # an index of E (a dropped choice) sorts last

@@ -1,16 +1,13 @@
 """Few-row float matmuls on CPU: `x @ W.T (+ b)` for up to `MAX_ROWS` rows of x, fp32 or bf16 weights read once.
 
 A decode step multiplies one row per sequence by every weight; a speculative check a few rows; a small batch a
-few more. PyTorch sends fp32 products to MKL, which on an AMD EPYC (AVX2, 2 threads) reads an fp32 weight at
-14-18 GB/s in its GEMV and packs the whole weight first at 2 or more rows: 5632x1024 took 1.47 ms at 1 row, 3.59
-at 2 and 6.00 at 9; 27392x4096 24.7, 49.4 and 145 ms. bf16 without native bf16 GEMMs is no better (ChatGLM3-6B's
-head, 65024x4096: 29.4 ms at 1 row, 53.8 at 2, 232 at 9). This kernel (fewrow_cpu.cpp, AVX2 + FMA) streams 4
-weight rows side by side and multiplies each 8-column piece with up to 3 rows of x before the next, so the weight
-comes from memory once for every row of x: on the same CPU 1.15 / 1.44 / 1.86 ms, 12.0 / 16.8 / 26.7 ms and
-19.5 / 21.6 / 48.6 ms (bench/kernels/fewrow.py, bench/results/fewrow.md: faster at every shape and row count
-measured, up to 32 rows, but for a 3 MB bf16 weight at 1 row, 0.88x). A mid-size GLM-4 in fp32 decodes a step 1.45x
-faster at batch 1, 1.9x at 8, 1.6x at 16 and 1.3x at 32, and checks 4 speculative guesses in 1.8x a step instead
-of 2.9x (bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md).
+few more. PyTorch sends fp32 products to MKL, whose GEMV reads an fp32 weight well below the memory's bandwidth
+and which packs the whole weight first at 2 or more rows; bf16 without native bf16 GEMMs is no better. This kernel
+(fewrow_cpu.cpp, AVX2 + FMA) streams 4 weight rows side by side and multiplies each 8-column piece with up to 3
+rows of x before the next, so the weight comes from memory once for every row of x. It is chosen for up to
+`MAX_ROWS` rows, where it beat PyTorch's products on an AVX2 CPU at nearly every shape and row count, and sped up a
+mid-size GLM-4's fp32 decode steps and speculative checks (bench/kernels/fewrow.py, bench/results/fewrow.md,
+bench/decode/fewrow_decode.py, bench/results/fewrow-decode.md; figures: bench/results/kernel-notes.md).
 
 The arithmetic of a row of x does not depend on the other rows: each output is one fp32 accumulator over K in steps
 of 8 columns (a fused multiply-add each), summed across its 8 lanes, plus the last K % 8 columns in order, then the
@@ -36,9 +33,9 @@ from torch import Tensor
 
 from chatglm_tune.quant import inline_build
 
-# Rows of x up to which the kernel runs (bench/kernels/fewrow.py): on the AVX2 EPYC it led PyTorch's fp32 product at
-# every shape measured, 1.5-2.8x at 32 rows; beyond, PyTorch's GEMM reuses each weight tile from cache for many rows,
-# which this kernel, 3 rows at a time, does not.
+# Rows of x up to which the kernel runs: up to 32 it led PyTorch's fp32 product at every shape of
+# bench/kernels/fewrow.py (figures: bench/results/kernel-notes.md); beyond, PyTorch's GEMM reuses each weight tile
+# from cache for many rows, which this kernel, 3 rows at a time, does not.
 MAX_ROWS = 32
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -105,7 +105,8 @@ def check_bits(stored: int, requested: int | None, where) -> None:
         raise ValueError(f"{where} holds INT{stored} weights; cannot load them as INT{requested}")
 
 
-def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int, release=None) -> tuple[Tensor, Tensor]:
+def quantize_rows(weight: Tensor, dtype: torch.dtype, bits: int, group_size: int,
+                  release=None) -> tuple[Tensor, Tensor]:
     """`quantize_weight(weight.to(dtype), ...)` (packed for INT4), computed a few rows at a time: the
     rule is per row, so the result is identical, and no full-size float temporary ever exists.
     `release(chunk)` is called on each chunk of `weight` once it is read (a file map's pages). On the CPU the

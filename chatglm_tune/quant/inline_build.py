@@ -69,8 +69,9 @@ def library_path(name: str, source: str, cflags: list[str]) -> Path:
     """Where the built library of `name` lives: <kernel cache>/<name>-<torch version>-<hash>/<name>.so."""
     import torch
 
-    identity = "\0".join([source, *cflags, torch.__version__, os.path.dirname(torch.__file__), sys.implementation.cache_tag,
-                          sys.abiflags, platform.machine(), os.environ.get("CXX", "c++"), *_compile_flags([])])
+    identity = "\0".join([source, *cflags, torch.__version__, os.path.dirname(torch.__file__),
+                          sys.implementation.cache_tag, sys.abiflags, platform.machine(), os.environ.get("CXX", "c++"),
+                          *_compile_flags([])])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return kernel_cache() / f"{name}-{torch.__version__.replace('+', '_')}-{digest}" / f"{name}.so"
 
@@ -140,7 +141,8 @@ def _wait_for(lock, folder: Path, what: str) -> bool:
             return False
         if waited >= SAY_AFTER_S and (first or time.monotonic() - said >= SAY_EVERY_S):
             print(f"chatglm_tune: waiting for {_holder(lock)} to finish building {what} in {folder} "
-                  f"({waited:.0f} s so far; it is built once per machine and torch install)", file=sys.stderr, flush=True)
+                  f"({waited:.0f} s so far; it is built once per machine and torch install)",
+                  file=sys.stderr, flush=True)
             first, said = False, time.monotonic()
         time.sleep(POLL_S)
 
@@ -150,7 +152,8 @@ def _say_if_taken_over(lock, what: str) -> None:
     this process builds in its place (the library is not in place, or no build would be under way)."""
     lock.seek(0)
     holder = lock.read().split()
-    if len(holder) == 2 and holder[0] == socket.gethostname() and holder[1].isdigit() and not leftovers.alive(int(holder[1])):
+    if (len(holder) == 2 and holder[0] == socket.gethostname() and holder[1].isdigit()
+        and not leftovers.alive(int(holder[1]))):
         print(f"chatglm_tune: the build of {what} by process {holder[1]} ended before it finished; "
               "building it in this process", file=sys.stderr, flush=True)
 

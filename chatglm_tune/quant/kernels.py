@@ -1,18 +1,19 @@
 """The matmuls behind `QuantizedLinear` (`x2d` is (M, in)), and which one runs.
 
 The weight-only kernels run near the memory-bandwidth limit on AVX-512/AMX CPUs; on AVX2-only CPUs they
-are compute-bound, about 3-4 G weights/s a core (bench/decode/quant.py), so INT4 decodes no faster than INT8 there.
+are compute-bound (bench/decode/quant.py; figures: bench/results/kernel-notes.md), so INT4 decodes no faster than
+INT8 there.
 - "int8pack" (CPU): `torch._weight_int8pack_mm`, bf16 activations, per-row scales;
 - "int4pack" (CPU): `aten._weight_int4pack_mm_for_cpu` on a weight repacked once per process (the
   packed layout depends on the CPU's ISA, so it is never saved); official per-row scales are applied to
   its output in fp32, the kernel's own group scales being one shared tensor of ones;
 - "int4cpu" (AVX2-only CPUs): `int4_cpu`, which reads the official packed weight as it is;
 - "int8dot" (CPU, INT8 and per-row INT4, AVX2 or AVX-512 VNNI): `int8dot_cpu`, the weight as it is (short rows:
-  rearranged once per process into its interleaved layout) times activations quantized once per call (INT4: int8 in blocks of 32, q8_0; INT8:
-  int16 in blocks of 64), integer dot products; the first choice at decode;
+  rearranged once per process into its interleaved layout) times activations quantized once per call (INT4: int8 in
+  blocks of 32, q8_0; INT8: int16 in blocks of 64), integer dot products; the first choice at decode;
 - "intmm" / "int4mm" (CUDA; intmm anywhere when forced): `cuda_matmul`, weight-only kernels that read the integers;
-- "dequant" (everywhere, CUDA's where a gradient flows through x): dequantize to the activation dtype (in row tiles on CPU) and
-  run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
+- "dequant" (everywhere, CUDA's where a gradient flows through x): dequantize to the activation dtype (in row tiles on
+  CPU) and run an ordinary matmul; it also serves prefill/large batches, where the weight-only kernels lose.
 Backward (`QuantizedMatmul`) always gives the input gradient through the dequantized weight, never a
 weight gradient.
 """
@@ -50,7 +51,8 @@ def int8pack_mm(x2d: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     return y.to(x2d.dtype)
 
 
-def int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) -> tuple[Tensor, int, Tensor, Tensor | None]:
+def int4pack_weight(weight: Tensor, weight_scale: Tensor,
+                    tile_rows: int = 128) -> tuple[Tensor, int, Tensor, Tensor | None]:
     """Repack an official INT4 weight for `_weight_int4pack_mm_for_cpu` (run by `int4pack_mm`).
 
     The kernel computes w = (u - 8) * scale + zero for u in [0, 15]; with u = q + 8 and zero = 0 that is
@@ -59,8 +61,8 @@ def int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) 
     Group-wise scales go into scale_and_zeros (rounded to bf16, the kernel's dtype), row_scale None.
     Per-row scales (the official format) are constant along a row, so they are applied to the output
     instead: row_scale is the fp16 scale as fp32 [out], and scale_and_zeros the unit scales that every
-    layer of that shape shares (`cuda_matmul.tinygemm_scales`); one (in/gs, out, 2) tensor per layer would be 4 bytes per
-    group and row, 0.16 GB at GLM-4-9B. Built `tile_rows` rows at a time (a multiple of the kernel's
+    layer of that shape shares (`cuda_matmul.tinygemm_scales`); one (in/gs, out, 2) tensor per layer would be 4 bytes
+    per group and row, 0.16 GB at GLM-4-9B. Built `tile_rows` rows at a time (a multiple of the kernel's
     row blocks, so the bytes equal a whole-matrix conversion): no full-size int32 temporary; 128 rows
     are 8 MB of int32 at ChatGLM-6B's widest layer (1024 rows added ~0.15 GB to the peak RSS of a load).
     """
@@ -71,7 +73,8 @@ def int4pack_weight(weight: Tensor, weight_scale: Tensor, tile_rows: int = 128) 
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     for start in range(0, out_features, tile_rows):
         q = unpack_int4(weight[start : start + tile_rows])  # (rows, in) in [-7, 7]
-        packed[start : start + tile_rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 1)
+        unsigned = (q + 8).to(torch.int32)
+        packed[start : start + tile_rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
     return packed, gs, *cuda_matmul.tinygemm_scales(scale, in_features, gs)
 
 
@@ -119,7 +122,8 @@ def int4pack_block_rows() -> int | None:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
     except RuntimeError:  # no such kernel here
         return None
-    return next((b for b in INT4PACK_BLOCKS if torch.equal(int4pack_to_int(packed, 64, block=b).int() + 8, probe)), None)
+    return next((b for b in INT4PACK_BLOCKS
+                 if torch.equal(int4pack_to_int(packed, 64, block=b).int() + 8, probe)), None)
 
 
 def int4pack_is_invertible() -> bool:

@@ -72,17 +72,16 @@ class QuantizedLinear(nn.Module):
     The first int8dot or int4pack call repacks the weight into that kernel's layout and releases the official one
     (`held_layout`; a weight shared with a tied embedding stays as it is).
 
-    `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu", "intmm", "int4mm"
-    or "dequant"; a forced kernel whose requirements are not met (shape, device, bits) falls back to "dequant", never
-    crashes. On a CUDA GPU "auto" runs `cuda_matmul`'s weight-only kernels where no gradient flows through x (tinygemm's
-    int4mm for INT4 under bf16, else intmm), the dequantizing path where one does.
+    `kernel` picks the matmul: "auto" (default), or force "int8dot", "int8pack", "int4pack", "int4cpu", "intmm",
+    "int4mm" or "dequant"; a forced kernel whose requirements are not met (shape, device, bits) falls back to "dequant",
+    never crashes. On a CUDA GPU "auto" runs `cuda_matmul`'s weight-only kernels where no gradient flows through x
+    (tinygemm's int4mm for INT4 under bf16, else intmm), the dequantizing path where one does.
     `last_kernel` records the path that ran. "auto" uses `int8dot_cpu` (activations quantized to int8 blocks for
     INT4, int16 ones for INT8; integer dot products) for INT8 and per-row INT4 where it builds, for decode (at most
     `int8dot_cpu.MAX_ROWS` rows) and, where no gradient flows through x, for prefill where it beats the dequantizing
     GEMM (`int8dot_cpu.routes`); else the other CPU kernels for at most `max_kernel_rows`
-    rows of x: measured at 16384x4096 on 2 cores, dequantizing in 512-row tiles then an fp32 matmul
-    ties int8pack near M = 64 and wins beyond it, and the notes' AMX machine has bf16 GEMMs that win
-    sooner.
+    rows of x: beyond, dequantizing in 512-row tiles then an fp32 matmul catches up with int8pack (a tie near 64
+    rows) and then wins (figures: bench/results/kernel-notes.md).
     """
 
     max_kernel_rows = 32
@@ -208,7 +207,8 @@ class QuantizedLinear(nn.Module):
             return (self.bits == 4 and int4_cpu.usable(self.in_features, self.out_features, self.group_size)
                     and int4_cpu.available())
         if kernel == "int8dot":  # INT8 and per-row INT4, wherever it builds (AVX2 or AVX-512 VNNI)
-            return int8dot_cpu.usable(self.in_features, self.out_features, self.bits, self.group_size) and int8dot_cpu.available()
+            return int8dot_cpu.usable(self.in_features, self.out_features, self.bits,
+                                      self.group_size) and int8dot_cpu.available()
         return True  # dequant
 
     @property
@@ -223,8 +223,8 @@ class QuantizedLinear(nn.Module):
 
         A kernel's layout is built at its first use and kept for this process only. The official weight is then
         released (one resident copy, not two; int8dot's layout is made a tile at a time) where the layout reads back
-        (int8dot's always, int4pack's where `int4pack_block_rows` knows it: AVX2 and AVX-512): the dequantize path reads its
-        integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
+        (int8dot's always, int4pack's where `int4pack_block_rows` knows it: AVX2 and AVX-512): the dequantize path reads
+        its integers from that layout, and `state_dict`, `load_state_dict` and `.to()` rebuild the official one.
         """
         as_is = kernel not in ("int8dot", "int4pack", "int4mm") or (kernel == "int8dot" and self.shares_weight)
         if as_is:  # the official weight, back from a layout another kernel left
@@ -280,10 +280,12 @@ class QuantizedLinear(nn.Module):
     def grouped_kernel_runs(self) -> bool:
         """Whether grouped integer-dot calls (`int8dot_cpu.matmul_multi`, which add no bias) can run this layer as it
         stands: the automatic kernel, on the CPU, no bias."""
-        return self.kernel == "auto" and self.weight.device.type == "cpu" and self.bias is None and self._usable("int8dot")
+        return (self.kernel == "auto" and self.weight.device.type == "cpu" and self.bias is None
+                and self._usable("int8dot"))
 
     def record_kernel(self, kernel: str) -> None:
-        """Set `last_kernel` (a plain attribute, set past nn.Module's `__setattr__`: a decode step sets it ~700 times)."""
+        """Set `last_kernel` (a plain attribute, set past nn.Module's `__setattr__`: a decode step sets it ~700
+        times)."""
         self.__dict__["last_kernel"] = kernel
 
     @property
@@ -346,7 +348,8 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, *,
                  device: torch.device | str | None = None):
-        """Empty (uninitialized) rows, e.g. on "meta" before a loader quantizes into them; `dtype`: the compute dtype."""
+        """Empty (uninitialized) rows, e.g. on "meta" before a loader quantizes into them; `dtype`: the compute
+        dtype."""
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = _frozen(torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))

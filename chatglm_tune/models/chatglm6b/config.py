@@ -63,9 +63,11 @@ class ChatGLMConfig(PreTrainedConfig):
     def validate_architecture(self):
         problems = []
         if self.hidden_size % self.num_attention_heads:
-            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                            f"{self.num_attention_heads}")
         elif (self.hidden_size // self.num_attention_heads) % 4:
-            problems.append(f"head_dim {self.hidden_size // self.num_attention_heads} must be a multiple of 4 (2D rotary)")
+            problems.append(f"head_dim {self.hidden_size // self.num_attention_heads} must be a multiple of 4 (2D "
+                            "rotary)")
         if self.quantization_bit not in (0, 4, 8):
             problems.append(f"quantization_bit must be 0, 4 or 8, got {self.quantization_bit}")
         if self.pre_seq_len is not None and self.pre_seq_len < 1:

@@ -206,8 +206,8 @@ class ChatGLMModel(ChatGLMPreTrainedModel):
             raise TypeError(f"cache must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}")
         n_prefix = cfg.pre_seq_len or 0
         if n_prefix and (cache is None or cache_empty(cache)):
-            prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg.num_layers, cfg.num_attention_heads,
-                                       cfg.head_dim, b, x.dtype)
+            prefix = prefix_key_values(self.prefix_encoder, self.prefix_dropout, cfg.num_layers,
+                                       cfg.num_attention_heads, cfg.head_dim, b, x.dtype)
             if cache is None and not use_cache:  # a training forward: the prefix, and nothing kept
                 cache = PrefixCache(prefix)
             else:
@@ -345,7 +345,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         with torch.device("meta"):
             model = cls(config)
         if stored_bits:
-            quantize_model(model, stored_bits, config.quantization_group_size, targets=QUANTIZABLE_LINEARS, empty_init=True)
+            quantize_model(model, stored_bits, config.quantization_group_size, targets=QUANTIZABLE_LINEARS,
+                           empty_init=True)
         load_bits = 0 if stored_bits else (quantization_bit or 0)
         place = QuantizeOnLoad(model, dtype, load_bits, quantization_group_size, embedding=quantize_embedding,
                                      targets=QUANTIZABLE_LINEARS)
@@ -389,12 +390,14 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         """
         cfg = self.config
         if cfg.pre_seq_len is None:
-            raise ValueError("this model has no prefix encoder: load the base with pre_seq_len (and prefix_projection) set")
+            raise ValueError("this model has no prefix encoder: load the base with pre_seq_len (and prefix_projection) "
+                             "set")
         source = Path(path)
         saved = source / "config.json"
         if source.is_dir() and saved.exists():
             theirs = json.loads(saved.read_text())
-            if (theirs.get("pre_seq_len"), bool(theirs.get("prefix_projection"))) != (cfg.pre_seq_len, cfg.prefix_projection):
+            if (theirs.get("pre_seq_len"),
+                bool(theirs.get("prefix_projection"))) != (cfg.pre_seq_len, cfg.prefix_projection):
                 raise checkpoint.CheckpointError(
                     f"{source} was trained with pre_seq_len={theirs.get('pre_seq_len')}, "
                     f"prefix_projection={bool(theirs.get('prefix_projection'))}; this model has "
@@ -408,7 +411,8 @@ class ChatGLMForConditionalGeneration(ChatGLMPreTrainedModel, GenerationMixin, C
         shapes = {key: t.shape for file in checkpoint.weight_files(path) for key, t in checkpoint.iter_tensors(file)}
         foreign = {k: s for k, s in shapes.items() if (k.endswith("embedding.weight") and s[-1] not in (hidden, width))
                    or (k.endswith("trans.2.weight") and s[0] != width)}
-        check_prefix_shapes(source, foreign, expected, width, f"2 * num_layers * hidden_size = 2 * {cfg.num_layers} * {hidden}")
+        check_prefix_shapes(source, foreign, expected, width,
+                            f"2 * num_layers * hidden_size = 2 * {cfg.num_layers} * {hidden}")
         _check_prefix_config(source)
         missing = checkpoint.load_weights(self, path, dtype=torch.float32, only_prefix=True)
         missing = [k for k in missing if k.startswith(checkpoint.PREFIX_KEY)]

@@ -98,7 +98,8 @@ def packed_inputs(input_ids: torch.Tensor, segment_ids: torch.Tensor, *, bos_tok
             if k:  # an example (0: pads)
                 ids = input_ids[r : r + 1, start:end]
                 positions[r, :, start:end] = build_position_ids(ids, bos_token_id=bos_token_id,
-                                                                gmask_token_id=gmask_token_id, mask_token_id=mask_token_id)[0]
+                                                                gmask_token_id=gmask_token_id,
+                                                                mask_token_id=mask_token_id)[0]
                 blocked[r, :, start:end, start:end] = build_attention_mask(ids, bos_token_id=bos_token_id)[0]
             start = end
     return positions, blocked

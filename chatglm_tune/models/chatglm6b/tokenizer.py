@@ -186,7 +186,8 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
             text = text.replace(before, after)
         return text
 
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
+    def build_inputs_with_special_tokens(self, token_ids_0: list[int],
+                                         token_ids_1: list[int] | None = None) -> list[int]:
         """`a [gMASK] <sop>`, or `a [gMASK] <sop> b <eop>` for a pair (the training layout)."""
         return pair_inputs(token_ids_0 + [self.gmask_token_id, self.bos_token_id], token_ids_1, self.eos_token_id)
 
@@ -218,7 +219,8 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
         if max_length is None:
             if self.glm_masks:
                 return encoded_inputs
-            return super()._pad(encoded_inputs, None, padding_strategy, pad_to_multiple_of, "left", return_attention_mask)
+            return super()._pad(encoded_inputs, None, padding_strategy, pad_to_multiple_of, "left",
+                                return_attention_mask)
         if pad_to_multiple_of is not None and max_length % pad_to_multiple_of:
             max_length = (max_length // pad_to_multiple_of + 1) * pad_to_multiple_of
         n_pad = 0 if padding_strategy == PaddingStrategy.DO_NOT_PAD else max(0, max_length - len(ids))

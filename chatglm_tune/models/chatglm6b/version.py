@@ -41,7 +41,8 @@ class ChatGLM6B(Version):
     def check_tokenizer(self, tokenizer, config) -> None:
         """Also: its special ids equal the config's."""
         ours, theirs = SpecialIds.of(tokenizer), SpecialIds.of(config)
-        problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items() if v != getattr(theirs, k)]
+        problems = [f"{k}: tokenizer {v}, model {getattr(theirs, k)}" for k, v in asdict(ours).items()
+                    if v != getattr(theirs, k)]
         raise_problems(problems, "the tokenizer does not belong to this model: ")
         super().check_tokenizer(tokenizer, config)
 

@@ -2,11 +2,11 @@
 
 A decode step (one query per row) with no mask reaches PyTorch's `scaled_dot_product_attention(enable_gqa=True)`
 from transformers' SDPA attention. On a CPU that path is slow: for ChatGLM3-6B's 32 query heads over 2 key/value
-heads, bf16, 2 threads, it took 0.30 ms a layer at 80 cached tokens and 2.0 ms at 576, against 0.03 and 0.12 ms
-for the same attention with the 16 query heads of each group as 16 queries of one head (`pack_gqa`, what
-transformers itself does when a mask is given). That is 8 ms of a 113 ms INT4 decode step, and 56 ms after a
-512-token prompt. `ATTENTION` therefore sends every one-query step through that form (a mask that is the same for
-all heads rides along) and anything else to transformers' own function; the result is the same attention.
+heads it takes ten times as long or more as the same attention with the 16 query heads of each group as 16 queries
+of one head (`pack_gqa`, what transformers itself does when a mask is given), a noticeable part of an INT4 decode
+step (figures: bench/results/kernel-notes.md). `ATTENTION` therefore sends every one-query step through that form
+(a mask that is the same for all heads rides along) and anything else to transformers' own function; the result is
+the same attention.
 
 `PrefixModel` switches a model built with "sdpa" (transformers' default) to `ATTENTION`; "eager", flash attention
 and others stay as the user set them.

@@ -47,7 +47,8 @@ LATENT_QUANTIZABLE_LINEARS = (*LATENT_LORA_TARGETS, "o_proj", "gate_proj", "up_p
 
 def quantizable_linears(version: str) -> tuple[str, ...]:
     """The Linears INT8 / INT4 swaps in a version's blocks (its routed experts are `quant.experts`' business)."""
-    return {"glm4-moe": MOE_QUANTIZABLE_LINEARS, "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
+    return {"glm4-moe": MOE_QUANTIZABLE_LINEARS,
+            "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
 GLM4_VOCAB = 151552
 GLM4_PROMPT_START = "[gMASK]<sop>"  # how GLM-4's chat template begins every prompt (GLM-Edge's does not)
 # The versions whose released form is transformers' own (config.json's `model_type`, transformers' key
@@ -66,8 +67,8 @@ ARCHITECTURES = {
     "glm4_moe": ("Glm4MoeForCausalLM", (*GLM_FIELDS, *_EXPERT_FIELDS, "first_k_dense_replace", "use_qk_norm",
                                         "num_nextn_predict_layers")),
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", (*_COMMON_FIELDS, *_EXPERT_FIELDS, "kv_lora_rank", "q_lora_rank",
-                                                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
-                                                 "mlp_layer_types", "num_nextn_predict_layers")),
+                                                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                                 "rope_interleave", "mlp_layer_types", "num_nextn_predict_layers")),
 }
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
@@ -242,7 +243,8 @@ class _FamilyConfig:
         if "padded_vocab_size" not in config_dict and config_dict.get("model_type") not in ARCHITECTURES:
             return super().from_dict(config_dict, **kwargs)
         config = glm_config(config_dict, version=read_version(config_dict))
-        return (config, {k: v for k, v in kwargs.items() if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
+        return (config, {k: v for k, v in kwargs.items()
+                         if k != "return_unused_kwargs"}) if kwargs.get("return_unused_kwargs") \
             else config
 
 
@@ -263,7 +265,8 @@ CONFIG_CLASSES = {"glm": ChatGLMFamilyConfig, "glm4": ChatGLMFamilyConfig, "glm4
                   "glm4_moe_lite": ChatGLMMoeLiteConfig}  # by config.json's model_type
 
 
-def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None, prefix_projection: bool | None = None) -> GlmConfig:
+def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None,
+               prefix_projection: bool | None = None) -> GlmConfig:
     """transformers' `GlmConfig` for an official (or -hf) config.json dict of `version`.
 
     `pre_seq_len` / `prefix_projection` override the config.json's (None = keep them).
@@ -304,7 +307,8 @@ def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projecti
     serves both.)"""
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "model_type")}
     fields["pre_seq_len"] = fields.get("pre_seq_len") if pre_seq_len is None else pre_seq_len
-    fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None else prefix_projection)
+    fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None
+                                       else prefix_projection)
     fields["chatglm_version"] = version
     fields["official_config"] = None
     fields.update(stored_format(raw))
@@ -319,8 +323,8 @@ def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projecti
 def transformers_form(config: GlmConfig, dtype: torch.dtype | None = None, *, toolkit_fields: bool = True) -> dict:
     """config.json in transformers' own form: `GlmForCausalLM` (`model_type: glm`), or the class of the version's
     `TRANSFORMERS_FORMS` (`ARCHITECTURES`); `rope_theta` and `partial_rotary_factor` also at the top level, where
-    transformers 4 reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type: glm`),
-    P-tuning settings and INT format where set; without them, what any transformers reads (export)."""
+    transformers 4 reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type:
+    glm`), P-tuning settings and INT format where set; without them, what any transformers reads (export)."""
     model_type = TRANSFORMERS_FORMS.get(config.chatglm_version, "glm")
     architecture, fields = ARCHITECTURES[model_type]
     rope = dict(config.rope_parameters)
@@ -365,10 +369,12 @@ def official_config(config: GlmConfig, dtype: torch.dtype | None = None) -> dict
     """
     out = dict(getattr(config, "official_config", None) or _OFFICIAL_TEMPLATE)
     theta = config.rope_parameters["rope_theta"]
-    if config.rope_parameters.get("partial_rotary_factor", 0.5) != 0.5 or config.rope_parameters["rope_type"] != "default":
+    if (config.rope_parameters.get("partial_rotary_factor", 0.5) != 0.5
+        or config.rope_parameters["rope_type"] != "default"):
         raise ValueError(f"rope {config.rope_parameters} has no official ChatGLM equivalent")
     # groups == heads is plain multi-head attention, which the official code spells either way
-    multi_query = config.num_key_value_heads != config.num_attention_heads or bool(out.get("multi_query_attention", True))
+    multi_query = (config.num_key_value_heads != config.num_attention_heads
+                   or bool(out.get("multi_query_attention", True)))
     out.update(model_type="chatglm", multi_query_attention=multi_query, tie_word_embeddings=False)
     out.update({official: getattr(config, ours) for official, ours, _ in _FIELDS})
     ratio = theta / ROPE_BASE

@@ -75,8 +75,8 @@ class ExpertAssembler:
         rows = target.shape[1] // 2
         shape = [*target.shape[1:]] if part == "down" else [rows, target.shape[2]]
         if expert >= target.shape[0] or list(tensor.shape) != shape:
-            raise CheckpointError(f"{file}: {key} has shape {list(tensor.shape)}; {name} holds {target.shape[0]} experts "
-                                  f"of {shape}: does config.json match these weights?")
+            raise CheckpointError(f"{file}: {key} has shape {list(tensor.shape)}; {name} holds {target.shape[0]} "
+                                  f"experts of {shape}: does config.json match these weights?")
         where = target.data[expert] if part == "down" else target.data[expert, :rows] if part == "gate" \
             else target.data[expert, rows:]
         where.copy_(tensor)

@@ -102,7 +102,8 @@ class ChatGLM2Format(_GLMFormat):
         history, max_len = list(record.history or ()), options.max_src_len
 
         def encode(text: str) -> list[int]:
-            return tokenizer.get_prefix_tokens() + tokenizer.encode_text(options.prompt + tokenizer.build_prompt(text, history))
+            return tokenizer.get_prefix_tokens() + tokenizer.encode_text(options.prompt
+                                                                         + tokenizer.build_prompt(text, history))
 
         ids, kept = encode(record.text), record.text
         while len(ids) > max_len and kept:
@@ -149,7 +150,8 @@ class _RoleFormat(_GLMFormat):
         if dialogue is None or (options.loss_on == "last" and record.history is not None):
             return super().training_row(tokenizer, record, options)
         if dialogue.answer is None:
-            raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training example")
+            raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training "
+                             "example")
         return self.dialogue_row(tokenizer, dialogue if options.loss_on == "all" else dialogue.loss_on_last(), options,
                                  record.source)
 
@@ -165,11 +167,12 @@ class _RoleFormat(_GLMFormat):
         ids.append(self.end_id(tokenizer))
         labels = [IGNORE_INDEX] + [token if loss else IGNORE_INDEX for token, loss in zip(ids[1:], carried)]
         if all(label == IGNORE_INDEX for label in labels):
-            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained: its assistant turns with a "
-                             f"loss are empty, and {self.title}'s chat template writes nothing for an empty message")
+            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained: its assistant turns with "
+                             f"a loss are empty, and {self.title}'s chat template writes nothing for an empty message")
         if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
-            raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len {options.max_len} cuts "
-                             f"it before any trained token: raise --max-len to {len(ids)} or more")
+            raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len "
+                             f"{options.max_len} cuts it before any trained token: raise --max-len to {len(ids)} or "
+                             "more")
         cut = len(ids) > options.max_len
         return EncodedExample(tuple(ids[:options.max_len]), tuple(labels[:options.max_len]), False, False, origin, cut)
 
@@ -255,7 +258,8 @@ class ChatGLM3Format(_RoleFormat):
     title = "ChatGLM3-6B"
     tool_arguments_form = "python"
     sop = "sop"
-    jinja_template = (  # `build_chat_input`: metadata, "\n", then the content (a system message's tools as JSON after it)
+    # `build_chat_input`: metadata, "\n", then the content (a system message's tools as JSON after it)
+    jinja_template = (
         "{% for message in messages %}{% if loop.first %}[gMASK]sop{% endif %}<|{{ message['role'] }}|>"
         "{{ message['metadata'] if message['metadata'] is defined and message['metadata'] else '' }}\n"
         "{% set content = message['content'] %}{% if message['role'] == 'system' and message['tools'] is defined %}"
@@ -435,7 +439,8 @@ class TemplateFormat(GLM4Format):
             raise ValueError(f"{self.title}'s chat template writes a message after its tools otherwise than alone")
         return ids[:len(ids) - len(tail)]
 
-    def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+    def chat_ids(self, tokenizer, messages: list[dict], generation_prompt: bool = True,
+                 tools: list | None = None) -> list[int]:
         """The template's render; a first system message's `tools` (GLM-4's form, `offer_tools`) are passed as the
         template's `tools` (the message itself kept where it has text). With tools the prompt ends at
         `<|assistant|>`, where the model writes a call's name or a text answer's "\n"."""
@@ -470,7 +475,8 @@ class TemplateFormat(GLM4Format):
         if tokenizer.chat_template in self._leads:
             return self._leads[tokenizer.chat_template]
         user = {"role": "user", "content": "q"}
-        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False,
+                                               **self.template_kwargs)
         turn = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _MARK}], tokenize=False,
                                              **self.template_kwargs)
         before = turn[: turn.index(_MARK)]
@@ -491,13 +497,14 @@ class TemplateFormat(GLM4Format):
         """The call's first line as the template writes it between `<|assistant|>` and the arguments."""
         if not self.tool_calls:
             return super().tool_call_lead(tokenizer, name)
-        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": _MARK}], tokenize=False,
-                                             **self.template_kwargs)
+        text = tokenizer.apply_chat_template([{"role": "assistant", "metadata": name, "content": _MARK}],
+                                             tokenize=False, **self.template_kwargs)
         return tokenizer.encode_text(text[: text.index(_MARK)].rpartition("<|assistant|>")[2])
 
 
 def process_chat_response(segments: Sequence[str], history: Sequence[dict], training_time: str | None,
-                          tool_call: Callable[[str, str, list | None], dict | None] | None) -> tuple[str | dict, list[dict]]:
+                          tool_call: Callable[[str, str, list | None], dict | None]
+                          | None) -> tuple[str | dict, list[dict]]:
     """ChatGLM3 / GLM-4's official post-processing of an answer: (response, history + its assistant messages).
 
     `segments`: the decoded answer split where the model wrote `<|assistant|>` (one text for a plain answer).
@@ -510,7 +517,8 @@ def process_chat_response(segments: Sequence[str], history: Sequence[dict], trai
     (in the response only, as officially; None: left as it is).
     """
     history = list(history)
-    tools = history[0].get("tools") if history and history[0].get("role") == "system" and "tools" in history[0] else None
+    tools = (history[0].get("tools") if history and history[0].get("role") == "system"
+             and "tools" in history[0] else None)
     response: str | dict = ""
     for text in segments:
         metadata, content = text.split("\n", 1) if "\n" in text else ("", text)
@@ -529,7 +537,8 @@ CHATGLM2, CHATGLM3, GLM4 = ChatGLM2Format(), ChatGLM3Format(), GLM4Format()
 # ollama's templates of the released chat templates: GLM-4-0414's ends its generation prompt with "\n".
 GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT
                            + "{{ end }}<|assistant|>\n")
-GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge", _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
+GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge",
+                          _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
                           "its chat template has no tool form (it writes system, user and assistant messages only)")
 _NO_XML_TOOLS = ("its tool calls (<tool_call> with <arg_key> / <arg_value>) are not read by this toolkit yet; "
                  "conversations without tools train")

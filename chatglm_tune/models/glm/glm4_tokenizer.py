@@ -63,7 +63,8 @@ OFFICIAL_SPECIALS = (EOS_TOKEN, "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>"
 # tools are left out: a tiny tokenizer is not trained for them, and such a tool is refused rather than dropped).
 OFFICIAL_SYSTEM_PROMPT = ("你是一个名为 ChatGLM 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
                           "你的任务是针对用户的问题和要求提供适当的答复和支持。")
-TOOL_PROMPT_TEXT = OFFICIAL_SYSTEM_PROMPT + "\n\n# 可用工具\n\n## \n\n在调用上述函数时，请使用 Json 格式表示调用的参数。"  # what it writes
+TOOL_PROMPT_TEXT = (OFFICIAL_SYSTEM_PROMPT
+                    + "\n\n# 可用工具\n\n## \n\n在调用上述函数时，请使用 Json 格式表示调用的参数。")  # what it writes
 FUNCTION_TOOLS_CHAT_TEMPLATE = (
     "[gMASK]<sop>{% for item in messages %}{% if item['tools'] is defined %}<|system|>\n" + OFFICIAL_SYSTEM_PROMPT
     + "\n\n# 可用工具{% set tools = item['tools'] %}{% for tool in tools %}{% if tool['type'] == 'function' %}\n\n"
@@ -408,7 +409,8 @@ def train_glm4_bpe(texts, output_dir: str | Path, *, vocab_size: int = TINY_GLM4
     with open(output_dir / TIKTOKEN_FILE, "wb") as f:
         f.writelines(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate(ranks))
     config = glm4_tokenizer_config(len(ranks), specials)
-    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2),
+                                                      encoding="utf-8")
     return load_glm4_tokenizer(output_dir)
 
 
@@ -423,18 +425,19 @@ RELEASED_CHAT_TEMPLATES = {
                   "{%- set function = tool['function'] if tool['function'] is defined else tool -%}"
                   "{{ '\\n\\n## ' ~ function['name'] ~ '\\n\\n' ~ (function | tojson(indent=4)) }}"
                   "{{ '\\n在调用上述函数时，请使用 Json 格式表示调用的参数。' }}{%- endfor -%}{%- endif -%}"
-                  "{%- for m in messages %}{%- if m['role'] == 'assistant' and m['metadata'] is defined and m['metadata'] %}"
-                  "<|assistant|>{{ m['metadata'] }}\n{{ m['content'] }}"
+                  "{%- for m in messages %}{%- if m['role'] == 'assistant' and m['metadata'] is defined and "
+                  "m['metadata'] %}<|assistant|>{{ m['metadata'] }}\n{{ m['content'] }}"
                   "{%- else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{%- endif %}{%- endfor %}"
                   "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"),
     "glm-edge": ("{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"
-                 "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}{% elif item['role'] == 'assistant' %}"
-                 "<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
+                 "{% elif item['role'] == 'user' %}<|user|>\n{{ item['content'] }}{% elif item['role'] == 'assistant' "
+                 "%}<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
     "glm4-moe": GLM4_MOE_TEMPLATE,
     "glm4-moe-lite": GLM4_MOE_LITE_TEMPLATE,
 }
 # The special tokens of each released form after the ranks (the mixture-of-experts versions add theirs to GLM-4's).
-RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
+RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),
+                     "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
 
 
 def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB,
@@ -448,9 +451,10 @@ def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_siz
                    specials=specials).save_vocabulary(str(output_dir))
     (output_dir / TIKTOKEN_FILE).unlink()
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
-              "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
-              "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 128000}
-    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+              "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+              "padding_side": "left", "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 128000}
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2),
+                                                      encoding="utf-8")
     return load_glm4_tokenizer(output_dir, version)
 
 
@@ -530,6 +534,6 @@ def glm4_tokenizer_config(n_ranks: int, specials: tuple[str, ...] = OFFICIAL_SPE
     added = {str(n_ranks + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
                                 "single_word": False, "special": True} for i, token in enumerate(specials)}
     return {"added_tokens_decoder": added, "additional_special_tokens": list(specials),
-            "chat_template": FUNCTION_TOOLS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "do_lower_case": False,
-            "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left", "remove_space": False,
-            "tokenizer_class": "ChatGLM4Tokenizer"}
+            "chat_template": FUNCTION_TOOLS_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+            "do_lower_case": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "padding_side": "left",
+            "remove_space": False, "tokenizer_class": "ChatGLM4Tokenizer"}

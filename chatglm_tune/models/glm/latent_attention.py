@@ -10,12 +10,12 @@ which reads each cached latent once and never expands it. `LatentAttention` runs
 and a forward has few queries (`ABSORBED_MAX_QUERIES`: decode steps, a speculative step's guesses), transformers'
 own forward otherwise (prefill, training), so the cache, the P-tuning prefix in it and the parameters are
 transformers' own. A query that sees no key (a left pad's, in a padded prompt of few tokens) gets zero weights and a
-zero output, as SDPA gives it in transformers' forward (`_softmax`). Over INT8 / INT4 weights W_UV is `kv_b_proj`'s own value rows and W_UK^T its key rows transposed
-and quantized to INT8, every head in one grouped call of the integer-dot kernel (`IntAbsorbed`; a GLM-4.7-Flash layer
-reads 3.3 MB for them a step, against 18.4 MB of float32 copies: 0.71 GB less a token, and a decode step at 2 threads
-went from 142 to 123 ms). Float weights keep float32 copies (`FloatAbsorbed`), remade when `kv_b_proj`'s weight
-changes; the step's attention runs in float32 (in bf16 its small batched products took 1 ms each on a 2-core AVX-512
-EPYC, most of a GLM-4.7-Flash decode step's attention). A `kv_b_proj` wrapped by a LoRA adapter runs transformers'
+zero output, as SDPA gives it in transformers' forward (`_softmax`). Over INT8 / INT4 weights W_UV is `kv_b_proj`'s own
+value rows and W_UK^T its key rows transposed and quantized to INT8, every head in one grouped call of the integer-dot
+kernel (`IntAbsorbed`; a GLM-4.7-Flash layer reads 3.3 MB for them a step, against 18.4 MB of float32 copies: 0.71 GB
+less a token, and a faster decode step). Float weights keep float32 copies (`FloatAbsorbed`), remade when `kv_b_proj`'s
+weight changes; the step's attention runs in float32 (in bf16 its small batched products were most of a decode step's
+attention on a CPU). Figures: bench/results/kernel-notes.md. A `kv_b_proj` wrapped by a LoRA adapter runs transformers'
 forward.
 
 A P-tuning prefix is each head's own keys and values (`head_prefix`, which the model hands every layer whenever it

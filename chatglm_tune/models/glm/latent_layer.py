@@ -1,20 +1,19 @@
 """GLM-4.7-Flash's decoder layer with its one-token decode step held in C++.
 
 Over INT8 / INT4 weights a decode step of a layer is the input norm, latent attention against the cached latents
-(`latent_attention.LatentAttention`), the residual, the post-attention norm, the mixture-of-experts step
-(`moe_layer`, already one C++ call) and the residual: about 60 small operations besides the kernels' products, each
-paying Python's and nn.Module's cost. `LatentLayer` runs all of it as two calls of one C++ object
-(`int8dot_cpu.latent_layer`) around the cache's own update, computing what the Python step computes, bit for bit
-(full size, INT4, fp32 activations, 2 threads, steps of the two paths interleaved in one process: 169 -> 133 ms a
-step, the scores equal at every step). It is made once from the layer's modules as they stand and made again when a
-layout, a submodule or a parameter changes (`modules.layouts_epoch`, as the experts' step); a step with more than
-one token, gradients, training, a hook on any of the layer's modules, a P-tuning prefix, or a module the C++ step
-does not know (an adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts'
-step with no routed experts (`experts.dense_decoder`).
+(`latent_attention.LatentAttention`), the residual, the post-attention norm, the mixture-of-experts step (`moe_layer`,
+already one C++ call) and the residual: about 60 small operations besides the kernels' products, each paying Python's
+and nn.Module's cost. `LatentLayer` runs all of it as two calls of one C++ object (`int8dot_cpu.latent_layer`) around
+the cache's own update, computing what the Python step computes, bit for bit, in less time (figures:
+bench/results/kernel-notes.md). It is made once from the layer's modules as they stand and made again when a layout, a
+submodule or a parameter changes (`modules.layouts_epoch`, as the experts' step); a step with more than one token,
+gradients, training, a hook on any of the layer's modules, a P-tuning prefix, or a module the C++ step does not know
+(an adapter, a float layer) runs transformers' forward. The dense first layer's MLP runs as the experts' step with no
+routed experts (`experts.dense_decoder`).
 
 `LatentModel`, the model's trunk, decodes a token over the toolkit's own cache (`GrowingCache`) without the layers'
 module calls: each held layer's step is one C++ call (`run`) that writes its entries into views the cache made one
-longer, the other layers are called as transformers calls them. A step's Python cost was ~0.1 ms a layer.
+longer, the other layers are called as transformers calls them.
 """
 
 from __future__ import annotations

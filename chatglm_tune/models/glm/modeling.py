@@ -166,7 +166,8 @@ class PrefixModel(Chat):
             if self.pre_seq_len and any(_reentrant(layer) for layer in self.model.layers):
                 # Reentrant checkpointing only differentiates its positional inputs: the prefix, held in
                 # the cache, would be backpropagated once per layer through one shared graph.
-                raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
+                raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the "
+                                 "default)")
             use_cache = False
         use_cache = self.config.use_cache if use_cache is None else use_cache
         keep_cache = True
@@ -200,7 +201,8 @@ class PrefixModel(Chat):
         else:  # the output layer on the labelled positions only, in chunks (loss.causal_lm_loss)
             trunk = self.model(**inputs)
             out = CausalLMOutputWithPast(loss=causal_lm_loss(self.lm_head, trunk.last_hidden_state, labels),
-                                         cache=trunk.cache, hidden_states=trunk.hidden_states, attentions=trunk.attentions)
+                                         cache=trunk.cache, hidden_states=trunk.hidden_states,
+                                         attentions=trunk.attentions)
         if not keep_cache or not use_cache:
             out.cache = None
         return out
@@ -223,7 +225,8 @@ class PrefixModel(Chat):
         for file in checkpoint.weight_files(source):
             for key, tensor in checkpoint.iter_tensors(file):
                 if not key.startswith(OFFICIAL_PREFIX_ENCODER):
-                    raise CheckpointError(f"{file}: {key} is not a prefix-encoder weight (expected only {OFFICIAL_PREFIX_ENCODER}*)")
+                    raise CheckpointError(f"{file}: {key} is not a prefix-encoder weight (expected only "
+                                          f"{OFFICIAL_PREFIX_ENCODER}*)")
                 tensors[key.removeprefix(OFFICIAL_PREFIX_ENCODER)] = tensor
         if "embedding.weight" not in tensors:
             raise CheckpointError(f"{source}: no {OFFICIAL_PREFIX_ENCODER}embedding.weight")
@@ -231,9 +234,9 @@ class PrefixModel(Chat):
         if source.is_dir() and (source / "config.json").exists():
             saved = json.loads((source / "config.json").read_text())
             if "pre_seq_len" in saved and (saved["pre_seq_len"], bool(saved.get("prefix_projection"))) != theirs:
-                raise CheckpointError(f"{source}: config.json says pre_seq_len={saved['pre_seq_len']}, prefix_projection="
-                                      f"{bool(saved.get('prefix_projection'))}, its weights pre_seq_len={theirs[0]}, "
-                                      f"prefix_projection={theirs[1]}")
+                raise CheckpointError(f"{source}: config.json says pre_seq_len={saved['pre_seq_len']}, "
+                                      f"prefix_projection={bool(saved.get('prefix_projection'))}, its weights "
+                                      f"pre_seq_len={theirs[0]}, prefix_projection={theirs[1]}")
         encoder = self.prefix_encoder
         if encoder is None:  # built aside, and kept only once the checkpoint fits it
             settings = copy.copy(self.config)
@@ -323,8 +326,9 @@ class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
         return [(zeros(*shape, self.config.kv_lora_rank), zeros(*shape, self.config.qk_rope_head_dim)) for _ in pairs]
 
 
-MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix, "glm4_moe": Glm4MoeForCausalLMWithPrefix,
-                 "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix}  # by TRANSFORMERS_FORMS' model_type
+# by TRANSFORMERS_FORMS' model_type
+MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix,
+                 "glm4_moe": Glm4MoeForCausalLMWithPrefix, "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix}
 
 
 def model_class(version: str) -> type[PrefixModel]:
@@ -344,7 +348,8 @@ def load_glm(
     quantization_group_size: int | None = None,
     quantize_embedding: bool = False,
 ) -> PrefixModel:
-    """A ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model from a local directory (or weights file beside its config.json).
+    """A ChatGLM2/3, GLM-4, GLM-4-0414 or GLM-Edge model from a local directory (or weights file beside its
+    config.json).
 
     dtype: the compute dtype (default float32; "auto" = config.json's `torch_dtype`); the prefix encoder
         stays float32. pre_seq_len / prefix_projection: P-tuning v2 settings, overriding config.json's.
@@ -443,7 +448,8 @@ def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bo
     config.quantization_bit, config.quantization_group_size = 0, 0
     if bits:
         try:
-            quantize_model(model, bits, group_size, targets=quantizable_linears(config.chatglm_version), empty_init=True)
+            quantize_model(model, bits, group_size, targets=quantizable_linears(config.chatglm_version),
+                           empty_init=True)
             quantize_experts(model, bits, group_size, empty_init=True)
         except ValueError as e:
             raise CheckpointError(f"{path}: cannot hold INT{bits} weights (group_size={group_size}): {e}") from e
@@ -494,8 +500,8 @@ def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict,
     if part.is_floating_point() != target.is_floating_point():
         raise CheckpointError(_wrong_type(file, key, part, target, raw))
     if tuple(part.shape) != tuple(target.shape):
-        layout = (f" (config.json's quantization_bit={raw.get('quantization_bit')}: INT8 weights are [out, in], INT4 ones "
-                  "packed [out, in/2])" if attr == "weight" and not target.is_floating_point() else "")
+        layout = (f" (config.json's quantization_bit={raw.get('quantization_bit')}: INT8 weights are [out, in], INT4 "
+                  "ones packed [out, in/2])" if attr == "weight" and not target.is_floating_point() else "")
         raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
                               f"{list(target.shape)}{layout}; does config.json match these weights?")
     value = checkpoint.copy_out(name, part, dtype, pages, prefix_key=PREFIX_ENCODER)
@@ -547,8 +553,8 @@ def _wrong_type(file, key: str, part: torch.Tensor, target: torch.Tensor, raw: d
     if not part.is_floating_point():
         return (f"{file}: {key} holds {part.dtype} weights but config.json says no quantization_bit; an official "
                 "INT8/INT4 checkpoint says quantization_bit 8 or 4 in its config.json")
-    return (f"{file}: {key} holds {part.dtype} weights where an INT{raw.get('quantization_bit')} checkpoint (config.json's "
-            f"quantization_bit) stores {target.dtype}")
+    return (f"{file}: {key} holds {part.dtype} weights where an INT{raw.get('quantization_bit')} checkpoint "
+            f"(config.json's quantization_bit) stores {target.dtype}")
 
 
 def save_official(
@@ -605,7 +611,8 @@ def _reentrant(layer: nn.Module) -> bool:
 
 def _unexpected(file, key: str, name: str, config) -> str:
     if name.startswith(PREFIX_ENCODER):
-        return (f"{file}: holds P-tuning weights ({key}) but the model has pre_seq_len={getattr(config, 'pre_seq_len', None)}, "
-                f"prefix_projection={getattr(config, 'prefix_projection', False)}; load with the settings it was trained "
-                "with, or load the base and call load_prefix")
+        return (f"{file}: holds P-tuning weights ({key}) but the model has "
+                f"pre_seq_len={getattr(config, 'pre_seq_len', None)}, "
+                f"prefix_projection={getattr(config, 'prefix_projection', False)}; load with the settings it was "
+                "trained with, or load the base and call load_prefix")
     return f"{file}: unexpected key {key} (not a weight of this config)"

@@ -14,8 +14,8 @@ key, which every head expands into its own key and value. Its prefix is each hea
 (W = num_layers * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)), what every head attends to: a prefix
 of cache latents is one such (each head's expansion of them; the prefixed model then equals transformers' with those
 latents as the first cache entries), but one latent gives a head's key and value at once, and every head's from the
-same few numbers: a prefix of latents learnt new relations on the tiny GLM-4.7-Flash at a tenth of the pace (dev F1
-0.041 after 4000 steps where each head's own reached 0.436, and 0.936 after 20000; bench/training/adapt.py). The
+same few numbers: a prefix of latents learnt new relations on the tiny GLM-4.7-Flash at a tenth of the pace
+(bench/training/adapt.py; figures: bench/results/kernel-notes.md). The
 cache keeps P zero latents in the prefix's place (its lengths and masks as for any prefix); each layer's attention
 puts its heads' prefix there (`latent_attention.LatentAttention.head_prefix`).
 
@@ -57,12 +57,13 @@ def prefix_formula(config) -> str:
         c = config
         return (f"num_layers * heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) = {c.num_hidden_layers} * "
                 f"{c.num_attention_heads} * ({c.qk_nope_head_dim} + {c.qk_rope_head_dim} + {c.v_head_dim})")
-    return (f"num_layers * 2 * kv_channels * multi_query_group_num = {config.num_hidden_layers} * 2 * {config.head_dim} * "
-            f"{config.num_key_value_heads}")
+    return (f"num_layers * 2 * kv_channels * multi_query_group_num = {config.num_hidden_layers} * 2 * "
+            f"{config.head_dim} * {config.num_key_value_heads}")
 
 
 def prefix_encoder(config) -> PrefixEncoder:
     """The encoder of this family: its projection starts from an embedding of width W (ChatGLM-6B's from hidden)."""
     width = prefix_width(config)
-    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection), embedding_dim=width)
+    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection),
+                            embedding_dim=width)
     return cpu_matmul.adopt(encoder)  # as the model's own Linears

@@ -62,10 +62,12 @@ class GLMFamilyTokenizer(PreTrainedTokenizer):
 
     def _cleaned(self, text: str, clean_up_tokenization_spaces: bool | None) -> str:
         """A decode's text, with transformers' clean-up where asked (None: the tokenizer's setting)."""
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        clean = (self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None
+                 else clean_up_tokenization_spaces)
         return self.clean_up_tokenization(text) if clean else text
 
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int], token_ids_1: list[int] | None = None) -> list[int]:
+    def build_inputs_with_special_tokens(self, token_ids_0: list[int],
+                                         token_ids_1: list[int] | None = None) -> list[int]:
         """`[gMASK] sop a`, or `[gMASK] sop a b <eos>` for a pair (official)."""
         return pair_inputs(self.get_prefix_tokens() + token_ids_0, token_ids_1, self.eos_token_id)
 
@@ -86,4 +88,5 @@ class GLMFamilyTokenizer(PreTrainedTokenizer):
 
     def _pad(self, encoded_inputs, max_length=None, padding_strategy=PaddingStrategy.DO_NOT_PAD,
              pad_to_multiple_of=None, padding_side=None, return_attention_mask=None) -> dict:
-        return left_pad(encoded_inputs, self.pad_token_id, max_length, padding_strategy, pad_to_multiple_of, padding_side)
+        return left_pad(encoded_inputs, self.pad_token_id, max_length, padding_strategy,
+                        pad_to_multiple_of, padding_side)

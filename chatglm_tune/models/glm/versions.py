@@ -71,9 +71,10 @@ class GLMVersion(Version):
         tokenizer = self.load_tokenizer(directory)
         # 8 KV groups (the real models have 2 of 128 dims): with 16-dim heads, 2 groups held the tiny ChatGLM3
         # demo at dev F1 0.865 (lr 4e-3, 3200 steps); 8 reached 0.955.
-        raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8, "kv_channels": 16,
-               "multi_query_group_num": 8, "ffn_hidden_size": 384, "padded_vocab_size": -(-len(tokenizer) // 64) * 64,
-               "layernorm_epsilon": 1e-5, "add_qkv_bias": True, "seq_length": context, "eos_token_id": self.config_eos(tokenizer),
+        raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
+               "kv_channels": 16, "multi_query_group_num": 8, "ffn_hidden_size": 384,
+               "padded_vocab_size": -(-len(tokenizer) // 64) * 64, "layernorm_epsilon": 1e-5, "add_qkv_bias": True,
+               "seq_length": context, "eos_token_id": self.config_eos(tokenizer),
                "pad_token_id": tokenizer.pad_token_id, "rmsnorm": True, "post_layer_norm": True, **config_overrides}
         return GlmForCausalLMWithPrefix(glm_config(raw, version=self.name)), tokenizer
 
@@ -173,8 +174,8 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
                                 export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 # What the registry reads of this family: config.json's model_type of its versions (the official one, and
-# transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and Glm4MoeLiteForCausalLM), and tokenizer_config.json's tokenizer_class of each version
-# (ours, and the official GLM-4 one).
+# transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and Glm4MoeLiteForCausalLM), and
+# tokenizer_config.json's tokenizer_class of each version (ours, and the official GLM-4 one).
 MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite")
 TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
                      "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge",

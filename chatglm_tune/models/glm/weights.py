@@ -49,7 +49,8 @@ RENAMES = (
     ("transformer.prefix_encoder", "prefix_encoder"),
 )
 QKV = "transformer.encoder.layers.{n}.self_attention.query_key_value"
-QKV_PARTS = ("model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.k_proj", "model.layers.{n}.self_attn.v_proj")
+QKV_PARTS = ("model.layers.{n}.self_attn.q_proj", "model.layers.{n}.self_attn.k_proj",
+             "model.layers.{n}.self_attn.v_proj")
 
 
 # official module -> llama.cpp's name in a GGUF file (its `chatglm` architecture); q|k|v stay fused as
@@ -149,7 +150,8 @@ def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for (n, name), parts in pending.items():
         if len(parts) != 3:
             have = ", ".join(QKV_PARTS[i].format(n=n) for i in sorted(parts))
-            raise ValueError(f"layer {n}: {name} of q/k/v must be saved together to fuse query_key_value; got only {have}")
+            raise ValueError(f"layer {n}: {name} of q/k/v must be saved together to fuse query_key_value; got only "
+                             f"{have}")
         out[QKV.format(n=n) + "." + name] = fuse_rows([parts[0], parts[1], parts[2]])
     return out
 
@@ -218,7 +220,8 @@ def adapter_targets(targets) -> list[str]:
     return sorted({name for t in targets for name in ADAPTER_TARGETS[t]})
 
 
-def adapter_to_transformers(key: str, tensor: torch.Tensor, rows: Sequence[int]) -> list[tuple[str, torch.Tensor]] | None:
+def adapter_to_transformers(key: str, tensor: torch.Tensor,
+                            rows: Sequence[int]) -> list[tuple[str, torch.Tensor]] | None:
     """The transformers adapter (key, tensor) pairs for one tensor of an official adapter; None if unknown.
 
     `key`: `base_model.model.<official key>`, e.g. `...self_attention.query_key_value.lora_B.weight`.
