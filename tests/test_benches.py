@@ -89,8 +89,8 @@ def test_serve_bench_runs_both_servers_and_its_soak(tmp_path):
     pytest.importorskip("openai", reason="bench/serve/serve.py drives the server with the openai client")
     out = tmp_path / "serve.json"
     done = subprocess.run(
-        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2", "--soak", "120",
-         "--no-floor", "--threads", "1", "--speculative", "--schema", "--out", str(out)],
+        [sys.executable, "bench/serve/serve.py", "--quick", "--streams", "1,2", "--requests-per-stream", "2",
+         "--soak", "120", "--no-floor", "--threads", "1", "--speculative", "--schema", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]

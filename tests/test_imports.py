@@ -2,7 +2,8 @@
 
     command lines: cli/ (train, infer, quantize, serve, export, the `chatglm-tune` dispatcher, --config files) and
     __main__ (`python -m chatglm_tune`); the scripts train.py, infer.py, ... at the repository's root run cli/'s
-      -> training, extraction, metrics (callmetrics, textmetrics), lora, loading, rundir, auto, serve/, export/ (the upper layers)
+      -> training, extraction, metrics (callmetrics, textmetrics), lora, loading, rundir, auto, serve/, export/
+         (the upper layers)
       -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
       -> shared layers: batches, records, dialogues, decoding/ (generation, the engine, chat), prefix, checkpoint,
          tokenizing, quant/, heap, openmp

@@ -28,7 +28,8 @@ def bench_paths(text: str) -> list[str]:
     for match in BENCH_PATH.finditer(text):
         path = match.group(0)
         braces = re.search(r"\{([^{}]*)\}", path)
-        out += [path[: braces.start()] + alt + path[braces.end():] for alt in braces.group(1).split(",")] if braces else [path]
+        out += ([path[: braces.start()] + alt + path[braces.end():] for alt in braces.group(1).split(",")]
+                if braces else [path])
     return out
 
 

@@ -137,12 +137,14 @@ def test_chat_is_the_versions_chat(served):
     # chat() on the same turn: the system message (role formats) is history before the pairs
     chat_history = messages[:-1] if not served.tokenizer.prompt_format.chat_in_pairs else history
     prompt_len = reply.usage.prompt_tokens
-    expected, _ = chat(served.model, served.tokenizer, "刹车失灵", chat_history, max_length=prompt_len + 12, sampling=GREEDY)
+    expected, _ = chat(served.model, served.tokenizer, "刹车失灵", chat_history, max_length=prompt_len + 12,
+                       sampling=GREEDY)
     assert reply.choices[0].message.content == expected
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens <= 12
     text, finish, use = streamed(served.client().chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
     assert (text, finish) == (expected, reply.choices[0].finish_reason)
     assert use == reply.usage.model_dump()
 
@@ -162,7 +164,8 @@ def test_completion_and_extraction_are_infer_rows(served, monkeypatch):
         done = client.completions.create(model="tiny", prompt=text, max_tokens=10)
         assert done.choices[0].text == row["generated"]
         assert done.usage.completion_tokens == row["new_tokens"]
-        text_streamed, finish, _ = streamed(client.completions.create(model="tiny", prompt=text, max_tokens=10, stream=True))
+        text_streamed, finish, _ = streamed(client.completions.create(model="tiny", prompt=text, max_tokens=10,
+                                                                      stream=True))
         assert text_streamed == row["generated"] and finish == done.choices[0].finish_reason
     status, body = served.post("/v1/extract", {"texts": texts, "max_tokens": 10})
     assert status == 200, body
@@ -235,7 +238,8 @@ def test_each_stop_id_of_the_version_ends_the_answer(served):
 def test_bad_requests_get_400_naming_the_parameter(served):
     client = served.client()
     ok = [{"role": "user", "content": "你好"}]
-    cases = [(dict(model="other", messages=ok), "model"), (dict(model="tiny", messages=ok, temperature=5), "temperature"),
+    cases = [(dict(model="other", messages=ok), "model"),
+             (dict(model="tiny", messages=ok, temperature=5), "temperature"),
              (dict(model="tiny", messages=ok, top_p=0), "top_p"), (dict(model="tiny", messages=[]), "messages"),
              (dict(model="tiny", messages=ok, max_tokens=0), "max_tokens"),
              (dict(model="tiny", messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
@@ -385,7 +389,8 @@ def runs(tmp_path_factory):
              "--max-steps", 2]
     train = lambda *args: train_cli.main([str(a) for a in args]) == 0  # noqa: E731
     assert train("--model", "tiny-glm4", "--tuning", "full", *flags, "--output-dir", root / "base")
-    assert train("--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, *flags, "--output-dir", root / "ptuning")
+    assert train("--model", root / "base", "--tuning", "ptuning", "--pre-seq-len", 4, *flags,
+                 "--output-dir", root / "ptuning")
     assert train("--model", root / "base", "--tuning", "lora", "--lr", "1e-2", *flags, "--output-dir", root / "lora")
     return root
 
@@ -523,8 +528,8 @@ def test_a_multi_line_chat_answer_keeps_every_line(version, tmp_path):
 
 def test_train_and_infer_import_nothing_of_the_server():
     check = ("import sys, train, infer; loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('starlette', 'uvicorn', 'openai') or m.startswith(('chatglm_tune.serve', 'chatglm_tune.decoding.engine'))); "
-             "print(loaded)")
+             "('starlette', 'uvicorn', 'openai') or m.startswith(('chatglm_tune.serve', "
+             "'chatglm_tune.decoding.engine'))); print(loaded)")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"

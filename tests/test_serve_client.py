@@ -308,7 +308,8 @@ def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
         done = client.completions.create(model="tiny", prompt="水泵漏油", max_tokens=12, temperature=0, logprobs=2)
         stops = s.tokenizer.prompt_format.stop_ids(s.tokenizer)
         for i, (entries, top) in enumerate([
-                ([(e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in chat.choices[0].logprobs.content], 3),
+                ([(e.logprob, [(a.token, a.logprob) for a in e.top_logprobs])
+                  for e in chat.choices[0].logprobs.content], 3),
                 (list(zip(done.choices[0].logprobs.token_logprobs,
                           [list(t.items()) for t in done.choices[0].logprobs.top_logprobs])), 2)]):
             ids = answers.ids[i][:-1] if answers.ids[i][-1] in stops else answers.ids[i]
@@ -332,20 +333,21 @@ def test_logprobs_are_the_models_own(models, monkeypatch, drafts):
         assert err.value.body["param"] == "top_logprobs"
         # streamed: each chunk carries the log probabilities of its tokens; together, the whole answer's
         chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "制动钳异响"}],
-                                                max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+                                                max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                                                stream=True)
         pieces = [e.model_dump() for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
         assert pieces == [e.model_dump() for e in chat.choices[0].logprobs.content]
         texts, logprobs = [], []
-        for chunk in client.completions.create(model="tiny", prompt="水泵漏油", max_tokens=12, temperature=0, logprobs=2,
-                                               stream=True):
+        for chunk in client.completions.create(model="tiny", prompt="水泵漏油", max_tokens=12, temperature=0,
+                                               logprobs=2, stream=True):
             for choice in chunk.choices:
                 texts.append(choice.text)
                 if choice.logprobs:
                     logprobs.append(choice.logprobs)
         assert "".join(texts) == done.choices[0].text
-        assert [t for l in logprobs for t in l.tokens] == done.choices[0].logprobs.tokens
-        assert [v for l in logprobs for v in l.token_logprobs] == done.choices[0].logprobs.token_logprobs
-        assert [o for l in logprobs for o in l.text_offset] == done.choices[0].logprobs.text_offset
+        assert [t for part in logprobs for t in part.tokens] == done.choices[0].logprobs.tokens
+        assert [v for part in logprobs for v in part.token_logprobs] == done.choices[0].logprobs.token_logprobs
+        assert [o for part in logprobs for o in part.text_offset] == done.choices[0].logprobs.text_offset
 
 
 def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(models, monkeypatch):
@@ -369,7 +371,8 @@ def test_an_echoed_token_id_prompt_scores_as_lm_evals_loglikelihood_reads_it(mod
             assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
             assert len(logprobs.token_logprobs) == len(prompt) + (answer[0] not in s.tokenizer.prompt_format.stop_ids(
                 s.tokenizer))
-            want = [expected[k, token].item() for k, token in enumerate((prompt[1:] + answer[:1])[:len(logprobs.token_logprobs) - 1])]
+            following = (prompt[1:] + answer[:1])[:len(logprobs.token_logprobs) - 1]
+            want = [expected[k, token].item() for k, token in enumerate(following)]
             assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
             loglikelihood = sum(logprobs.token_logprobs[len(context): len(prompt)])
             assert loglikelihood == pytest.approx(sum(want[len(context) - 1: len(prompt) - 1]), abs=1e-4)
@@ -408,7 +411,8 @@ def test_versions_without_tool_calls_refuse_them(version, models):
         for kwargs, param in ((dict(messages=round_trip(None)[:2] + [{"role": "user", "content": "好"}]),
                                "messages[1].tool_calls"),
                               (dict(messages=[{"role": "user", "content": "好"}], tools=[WEATHER]), "tools"),
-                              (dict(messages=[{"role": "user", "content": "好"}], tool_choice="required"), "tool_choice")):
+                              (dict(messages=[{"role": "user", "content": "好"}], tool_choice="required"),
+                               "tool_choice")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="tiny", max_tokens=2, **kwargs)
             assert err.value.body["param"] == param, (kwargs, err.value.body)
@@ -424,16 +428,16 @@ def call_of(name: str) -> dict:
 ASKED = {"role": "user", "content": "北京天气"}
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "晴"}
 REFUSED_TOOL_USE = [  # (version, messages, tools, the parameter named, the code: training's reason)
-    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_time")]}, RESULT], [WEATHER],
-     "messages[1].tool_calls[0].function.name", "undeclared_tool"),
+    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_time")]}, RESULT],
+     [WEATHER], "messages[1].tool_calls[0].function.name", "undeclared_tool"),
     ("chatglm3", [ASKED, {"role": "assistant", "content": "", "tool_calls": [call_of("get_weather")]}, RESULT], None,
      "messages[1].tool_calls[0].function.name", "undeclared_tool"),
     ("chatglm3", [ASKED], [WEATHER, {"type": "function", "function": {"parameters": {}}}], "tools[1]", "bad_tool"),
     ("chatglm3", [ASKED, RESULT], [WEATHER], "messages[1].role", "observation_without_call"),
     ("chatglm3", [ASKED, {"role": "assistant", "content": "好"}, RESULT, ASKED], [WEATHER], "messages[2].role",
      "observation_without_call"),
-    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_weather")]}, RESULT, RESULT],
-     [WEATHER], "messages[3].role", "observation_without_call"),  # two results of one call
+    ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_weather")]}, RESULT,
+                  RESULT], [WEATHER], "messages[3].role", "observation_without_call"),  # two results of one call
     ("glm4-moe", [ASKED, {"role": "assistant", "content": "好"}, RESULT], None, "messages[2].role", None),
 ]
 
@@ -561,21 +565,24 @@ def test_fields_that_change_the_answer_are_refused_naming_them(models):
         chat_cases = [(dict(response_format={"type": "xml"}), "response_format"),
                       (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}),
                        "response_format.json_schema"),
-                      (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1), "frequency_penalty"),
+                      (dict(presence_penalty=0.5), "presence_penalty"),
+                      (dict(frequency_penalty=-1), "frequency_penalty"),
                       (dict(logit_bias={"5": 10}), "logit_bias"), (dict(top_logprobs=2), "top_logprobs")]
         for kwargs, param in chat_cases:
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="tiny", messages=ok, max_tokens=2, **kwargs)
             assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
-        completion_cases = [(dict(echo=True), "echo"), (dict(suffix="。"), "suffix"), (dict(logit_bias={"5": -100}), "logit_bias"),
+        completion_cases = [(dict(echo=True), "echo"), (dict(suffix="。"), "suffix"),
+                            (dict(logit_bias={"5": -100}), "logit_bias"),
                             (dict(presence_penalty=1.0), "presence_penalty"),
                             (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format")]
         for kwargs, param in completion_cases:
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(model="tiny", prompt="你好", max_tokens=2, **kwargs)
             assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
-        reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2, response_format={"type": "text"},
-                                               presence_penalty=0, frequency_penalty=0.0, logit_bias={})
+        reply = client.chat.completions.create(model="tiny", messages=ok, max_tokens=2,
+                                               response_format={"type": "text"}, presence_penalty=0,
+                                               frequency_penalty=0.0, logit_bias={})
         assert reply.choices[0].finish_reason in ("stop", "length")
         done = client.completions.create(model="tiny", prompt="你好", max_tokens=2, echo=False, suffix=None)
         assert done.choices[0].finish_reason in ("stop", "length")
@@ -798,7 +805,8 @@ def test_a_body_over_the_limit_is_413(models):
     assert serve.parse_args(["--model", "m", "--max-body-mb", "2"]).options.max_body_mb == 2
     assert serve.parse_args(["--model", "m"]).options.max_body_mb == ServingOptions().max_body_mb
     with serving(models("glm4"), options=ServingOptions(max_body_mb=1)) as s:
-        big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "好" * 7_000_000}]}).encode()  # 20 MB
+        big = json.dumps({"model": "tiny",
+                          "messages": [{"role": "user", "content": "好" * 7_000_000}]}).encode()  # 20 MB
         assert len(big) > 20 * 2 ** 20  # a client still sending when refused reads the 413, not a reset connection
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/extract"):
             status, body = status_of(s.url + path, "POST", big)
@@ -825,11 +833,13 @@ def test_a_prompt_being_built_does_not_stall_the_server(route, models, monkeypat
         body = {"prompt": "你好"} if route == "completions" else {"messages": [{"role": "user", "content": "你好"}]}
         answers = []
         poster = threading.Thread(target=lambda: answers.append(status_of(
-            f"{s.url}/v1/{route.replace('chat', 'chat/completions')}", "POST", json.dumps({**body, "max_tokens": 2}).encode())))
+            f"{s.url}/v1/{route.replace('chat', 'chat/completions')}", "POST",
+            json.dumps({**body, "max_tokens": 2}).encode())))
         poster.start()
         try:
             assert started.wait(HANG_S)
-            with urllib.request.urlopen(s.url + "/health", timeout=60) as response:  # a safety bound: it answers at once
+            # timeout: a safety bound; it answers at once
+            with urllib.request.urlopen(s.url + "/health", timeout=60) as response:
                 assert json.loads(response.read())["status"] == "ok"
         finally:
             release.set()

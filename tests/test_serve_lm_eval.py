@@ -31,7 +31,8 @@ def test_lm_evals_multiple_choice_loglikelihoods_are_the_models_own(tmp_path, mo
                                 for i, choice in enumerate(choices)], disable_tqdm=True)
         assert len(answers.prompts) == len(choices)
         for (loglikelihood, _), choice in zip(got, choices):
-            prompt = next(p for p in answers.prompts if p[len(p) - len(lm.tok_encode(choice)):] == lm.tok_encode(choice))
+            prompt = next(p for p in answers.prompts
+                          if p[len(p) - len(lm.tok_encode(choice)):] == lm.tok_encode(choice))
             with torch.no_grad():
                 logits = s.model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
             logits[:, len(s.tokenizer):] = float("-inf")

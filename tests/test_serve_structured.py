@@ -138,7 +138,8 @@ def test_parse_returns_the_object_for_every_prompt(version, models):
 def test_bad_response_formats_are_400_naming_it(models):
     with serving(models("glm4")) as s:
         client = s.client()
-        cases = [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}, "response_format"),
+        cases = [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
+                  "response_format"),
                  ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "response_format.json_schema"),
                  ({"type": "yaml"}, "response_format")]
         for response_format, param in cases:
@@ -156,8 +157,8 @@ def test_bad_response_formats_are_400_naming_it(models):
 
 
 TOOLS = [{"type": "function", "function": {"name": "w", "parameters": {
-             "type": "object", "properties": {"c": {"type": "string", "maxLength": 3}, "d": {"type": "integer",
-                                                                                            "minimum": 0, "maximum": 9}},
+             "type": "object", "properties": {"c": {"type": "string", "maxLength": 3},
+                                              "d": {"type": "integer", "minimum": 0, "maximum": 9}},
              "required": ["c"]}}},
          {"type": "function", "function": {"name": "t", "parameters": {
              "type": "object", "properties": {"z": {"enum": ["u", "c"]}}, "required": ["z"]}}}]

@@ -96,7 +96,8 @@ def xgrammar_side(tokens: list[bytes]):
     mask = xgrammar.allocate_token_bitmask(1, len(tokens))
 
     def new():
-        return xgrammar.GrammarMatcher(compiler.compile_json_schema(SCHEMA, any_whitespace=False, separators=(", ", ": ")))
+        return xgrammar.GrammarMatcher(compiler.compile_json_schema(SCHEMA, any_whitespace=False,
+                                                                    separators=(", ", ": ")))
 
     def fill(matcher):
         matcher.fill_next_token_bitmask(mask)
@@ -120,7 +121,8 @@ def walks(side, answers: int, size: int, seed: int = 0) -> list[list[int]]:
         matcher, ids = new(), []
         while not ids or ids[-1] != EOS:
             allowed = allowed_ids(fill(matcher), size).tolist()
-            token = EOS if EOS in allowed and rnd.random() < 0.5 else rnd.choice([t for t in allowed if t != EOS] or allowed)
+            token = (EOS if EOS in allowed and rnd.random() < 0.5
+                     else rnd.choice([t for t in allowed if t != EOS] or allowed))
             take(matcher, token)
             ids.append(token)
         out.append(ids)
@@ -180,8 +182,9 @@ def main(argv=None) -> int:
         print(f"{name:<12}{row['vocabulary_s']:>14}{row['compile_ms_p50']:>12}{row['fill_us_p50']:>13}"
               f"{row['fill_us_p95']:>13}{row['take_us_p50']:>9}{row['us_per_token']:>10}")
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    summary = {"bench": "grammar-libs", "vocab": len(tokens), "answers": args.answers, "tokens": rows["llguidance"]["tokens"],
-               "cpu": cpu, "results": rows, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    summary = {"bench": "grammar-libs", "vocab": len(tokens), "answers": args.answers,
+               "tokens": rows["llguidance"]["tokens"], "cpu": cpu, "results": rows,
+               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))

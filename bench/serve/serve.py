@@ -186,8 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "request is greedy, temperature 0): its rows are `batchN-spec`, its tok/s over the plain one's "
                    "`speculative_vs_plain`")
     p.add_argument("--schema", action="store_true", help="also, on the batching server, every stream count with chats "
-                   "only, plain and under a JSON schema (response_format: constrained decoding): rows `batchN-chat` and "
-                   "`batchN-schema`, tok/s of the second over the first `schema_vs_plain`")
+                   "only, plain and under a JSON schema (response_format: constrained decoding): rows `batchN-chat` "
+                   "and `batchN-schema`, tok/s of the second over the first `schema_vs_plain`")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on "
                                                      "PATH); without one its side is skipped")
     p.add_argument("--gguf", type=Path,
@@ -262,7 +262,8 @@ def run_streams(server: Server, args, texts: list[str], rows: list[dict], schema
         loads = [("", {})] + ([("-chat", {"chats": True}), ("-schema", {"chats": True, "response_format": SCHEMA})]
                               if schema else [])
         for suffix, kind in loads:
-            row = run_config(server, streams, workload(streams, args.requests_per_stream, args.max_tokens, texts, **kind))
+            load = workload(streams, args.requests_per_stream, args.max_tokens, texts, **kind)
+            row = run_config(server, streams, load)
             row["server"] += suffix
             rows.append(row)
             print(table_row(row), flush=True)
@@ -388,10 +389,10 @@ def main(argv=None) -> None:
                "threads": args.threads, "cpu": f"{cpu}, {os.cpu_count()} CPUs", "streams": args.streams,
                "requests_per_stream": args.requests_per_stream, "max_tokens": args.max_tokens, "results": rows,
                "targets": got, "limits": limit_lines, "floor": floor, "ceilings": ceil, "servers": servers_info,
-               "skipped": skipped, "soak": soak_result, "speculative_vs_plain": speculative_ratios(rows, args.max_batch),
+               "skipped": skipped, "soak": soak_result,
+               "speculative_vs_plain": speculative_ratios(rows, args.max_batch),
                "schema_vs_plain": speculative_ratios(rows, args.max_batch, "-chat", "-schema"),
-               "seconds": round(time.perf_counter() - began, 1),
-               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+               "seconds": round(time.perf_counter() - began, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     args.out.with_suffix(".md").write_text(markdown(summary))

@@ -96,9 +96,9 @@ def stream_one(client, server: Server, spec: Spec) -> Outcome:
     last = None
     try:
         if spec.kind == "chat":
-            stream = client.chat.completions.create(messages=[{"role": "user", "content": chat_content(spec.text)}], **kw,
-                                                    **({"response_format": spec.response_format}
-                                                       if spec.response_format else {}))
+            stream = client.chat.completions.create(messages=[{"role": "user", "content": chat_content(spec.text)}],
+                                                    **kw, **({"response_format": spec.response_format}
+                                                             if spec.response_format else {}))
         else:
             stream = client.completions.create(prompt=server.prompt_of(spec.text), **kw)
         with stream:

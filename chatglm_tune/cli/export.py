@@ -9,11 +9,12 @@
 What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
 exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
 float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture),
-GLM-4-0414 (`glm4`), GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-4.7-Flash (`deepseek2`); llama.cpp cannot run ChatGLM-6B, whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory
-this process may write (checked before any weight is read); the export is written in `.OUT_DIR.partial` beside
-it and renamed to OUT_DIR when complete: an error, Ctrl-C, SIGTERM or SIGUSR1 removes it (exit 130 / 143 / 138 for the
-signals), OUT_DIR is left as it was and the same command runs again; run again on a finished OUT_DIR, it says so and
-exits 0. GGUF and GGML need the `export` extra (`pip install -e ".[export]"`: gguf-py).
+GLM-4-0414 (`glm4`), GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-4.7-Flash (`deepseek2`); llama.cpp cannot run ChatGLM-6B,
+whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory this process may write (checked before
+any weight is read); the export is written in `.OUT_DIR.partial` beside it and renamed to OUT_DIR when complete: an
+error, Ctrl-C, SIGTERM or SIGUSR1 removes it (exit 130 / 143 / 138 for the signals), OUT_DIR is left as it was and the
+same command runs again; run again on a finished OUT_DIR, it says so and exits 0. GGUF and GGML need the `export` extra
+(`pip install -e ".[export]"`: gguf-py).
 """
 
 from __future__ import annotations
@@ -25,25 +26,29 @@ from pathlib import Path
 
 from chatglm_tune import cli
 from chatglm_tune.cli.config import CommandParser
-from chatglm_tune.options import (EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES, THREADS_PER_CPU,
-                                  choose_threads, threads_problem)
+from chatglm_tune.options import (EXPORT_FORMAT, EXPORT_FORMATS, EXPORT_TYPE, EXPORT_TYPES, LOAD_DTYPES,
+                                  THREADS_PER_CPU, choose_threads, threads_problem)
 
 INSTALL_EXPORT = 'pip install -e ".[export]"'
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", type=Path, help="model directory (float weights, config.json) or a train.py full / LoRA run")
+    p.add_argument("model_dir", type=Path,
+                   help="model directory (float weights, config.json) or a train.py full / LoRA run")
     p.add_argument("out_dir", type=Path, help="new (or empty) directory for the exported files")
     p.add_argument("--format", choices=EXPORT_FORMATS, default=EXPORT_FORMAT,
-                   help="gguf: llama.cpp / ollama; hf: transformers / vLLM / SGLang; ggml: chatglm.cpp (default %(default)s)")
+                   help="gguf: llama.cpp / ollama; hf: transformers / vLLM / SGLang; ggml: chatglm.cpp "
+                        "(default %(default)s)")
     p.add_argument("--type", choices=EXPORT_TYPES, default=None,
                    help=f"gguf / ggml: the matrices' precision, ggml's f16, bf16 (gguf only), q8_0 or q4_0 blocks "
                         f"(default {EXPORT_TYPE}); hf writes the weights as loaded (--dtype)")
-    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into MODEL_DIR first (default: none)")
+    p.add_argument("--lora", type=Path,
+                   help="peft LoRA adapter directory to merge into MODEL_DIR first (default: none)")
     p.add_argument("--dtype", choices=("auto", *LOAD_DTYPES), default="auto",
                    help="dtype the model is loaded (and merged) in; auto = as stored (default %(default)s)")
-    p.add_argument("--name", help="the model's name in the GGUF file and the ollama Modelfile (default: OUT_DIR's name)")
+    p.add_argument("--name",
+                   help="the model's name in the GGUF file and the ollama Modelfile (default: OUT_DIR's name)")
     p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
                    "OMP_NUM_THREADS when set, else torch's)")
     args = p.parse_args(argv)
@@ -140,8 +145,8 @@ def write(args, source, out: Path) -> list[Path]:
 
         path = out / f"{name}-{kind}.ggml"
         config, state = official_layout(source.model)
-        write_ggml(path, source.version.ggml_model_type, config, state.__getitem__, source.tokenizer.sp_model.serialized_model_proto(),
-                   kind, progress=progress)
+        write_ggml(path, source.version.ggml_model_type, config, state.__getitem__,
+                   source.tokenizer.sp_model.serialized_model_proto(), kind, progress=progress)
         return [path]
     finally:
         for bar in bars:
@@ -161,11 +166,13 @@ def how_to_run(args, files: list[Path], version) -> str:
                 "serves it)\n"
                 f"         python -c \"import chatglm_tune; from transformers import AutoModel; "
                 f"AutoModel.from_pretrained('{out}')\"\n"
-                f"         {version.title} has no transformers class (nor vLLM): its official remote code loads it too, its "
-                f"*.py and auto_map\n         beside the files, with AutoModel.from_pretrained('{out}', trust_remote_code=True)")
+                f"         {version.title} has no transformers class (nor vLLM): its official remote code loads it "
+                f"too, its *.py and auto_map\n         beside the files, with "
+                f"AutoModel.from_pretrained('{out}', trust_remote_code=True)")
     if args.format == "gguf":
         return (f"run it:  llama-cli -m {files[0]} -cnv     (llama.cpp)\n"
-                f"         cd {args.out_dir} && ollama create {files[0].stem} -f Modelfile && ollama run {files[0].stem}")
+                f"         cd {args.out_dir} && ollama create {files[0].stem} -f Modelfile && "
+                f"ollama run {files[0].stem}")
     return f"run it:  chatglm.cpp's  ./build/bin/main -m {files[0]} -i   (Python: chatglm_cpp.Pipeline('{files[0]}'))"
 
 
@@ -192,11 +199,13 @@ def main(argv=None) -> None:
     import torch
 
     cores = torch.get_num_threads()
-    size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+    size = sum(f.stat().st_size for path in files for f in ([path] if path.is_file() else path.rglob("*"))
+               if f.is_file())
     for note in source.notes:
         print(f"note: {note}")
     print(f"{args.model_dir}{f' + {args.lora}' if args.lora else ''} -> {', '.join(map(str, files))} "
-          f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): {size / 1e6:,.1f} MB in {seconds:.1f} s, "
+          f"({args.format}{'' if args.format == 'hf' else ' ' + (args.type or EXPORT_TYPE)}): "
+          f"{size / 1e6:,.1f} MB in {seconds:.1f} s, "
           f"{cores} thread{'s' * (cores != 1)} ({threads_origin})")
     print(how_to_run(args, files, source.version))
 

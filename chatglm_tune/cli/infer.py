@@ -27,45 +27,50 @@ DEFAULT_SETTINGS = ExtractionSettings()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / 4.7 "
-                   "or GLM-4.7-Flash model directory, or a train.py run directory (it names its base)")
+    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / "
+                   "4.7 or GLM-4.7-Flash model directory, or a train.py run directory (it names its base)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--input", type=Path, help="records to extract from (.jsonl or .json; gold answers optional)")
     what.add_argument("--text", help="extract from this one text and print the result")
     p.add_argument("--output", type=Path, help="output .jsonl (required with --input)")
     adapter = p.add_mutually_exclusive_group()
     adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
-    adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model (ours, or one of the official "
-                         "ChatGLM2/3 / GLM-4 code: query_key_value ...)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_SETTINGS.batch_size, help="prompts decoded together (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, help="generated tokens per record at most (default: the answer budget the "
-                   "model was trained with, max_len - max_src_len of its run)")
+    adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model (ours, or one of "
+                         "the official ChatGLM2/3 / GLM-4 code: query_key_value ...)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_SETTINGS.batch_size,
+                   help="prompts decoded together (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, help="generated tokens per record at most (default: the answer budget "
+                   "the model was trained with, max_len - max_src_len of its run)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", dest="do_sample", action="store_false", help="greedy decoding (the default)")
     mode.add_argument("--do-sample", dest="do_sample", action="store_true", help="sample (temperature, top-k, top-p)")
     p.set_defaults(do_sample=DEFAULT_SAMPLING.do_sample)
-    p.add_argument("--top-p", type=float, help=f"with --do-sample: nucleus mass in (0, 1] (default {DEFAULT_SAMPLING.top_p})")
-    p.add_argument("--temperature", type=float, help=f"with --do-sample: > 0, or 0 for greedy (default {DEFAULT_SAMPLING.temperature})")
+    p.add_argument("--top-p", type=float,
+                   help=f"with --do-sample: nucleus mass in (0, 1] (default {DEFAULT_SAMPLING.top_p})")
+    p.add_argument("--temperature", type=float,
+                   help=f"with --do-sample: > 0, or 0 for greedy (default {DEFAULT_SAMPLING.temperature})")
     p.add_argument("--top-k", type=int, help="with --do-sample: keep the k best tokens before top-p (default: off)")
     p.add_argument("--seed", type=int, help="with --do-sample: record i samples with seed + i (default: unseeded)")
     p.add_argument("--speculative", nargs="?", const="on", choices=SPECULATION_MODES, default=SPECULATION,
-                   help="greedy decoding guesses each row's next tokens from its own text and earlier answers and checks "
-                        "them in one forward: the same output in fewer forwards, faster where a forward of a few tokens "
-                        "costs about one token's; on: every step guesses; auto: a step guesses where guessing has been "
-                        "faster at its number of rows, as measured during the run (default %(default)s; --speculative "
-                        "alone: on; sampling decodes plainly)")
+                   help="greedy decoding guesses each row's next tokens from its own text and earlier answers and "
+                        "checks them in one forward: the same output in fewer forwards, faster where a forward of a "
+                        "few tokens costs about one token's; on: every step guesses; auto: a step guesses where "
+                        "guessing has been faster at its number of rows, as measured during the run (default "
+                        "%(default)s; --speculative alone: on; sampling decodes plainly)")
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off", help="--speculative off")
     p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a forward at most (default "
-                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
-                   "without AVX-512 VNNI)")
+                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on "
+                   "CPUs without AVX-512 VNNI)")
     p.add_argument("--compile", action="store_true", help="decode on a static KV cache, each step one compiled forward "
-                   "(torch.compile: the same output with less Python overhead a step; compiling takes seconds to a minute "
-                   "once; every version in float, INT8 / INT4 on a CUDA GPU; not with --speculative)")
+                   "(torch.compile: the same output with less Python overhead a step; compiling takes seconds to a "
+                   "minute once; every version in float, INT8 / INT4 on a CUDA GPU; not with --speculative)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")
-    p.add_argument("--response-column", help="with --prompt-column: the field holding the gold answer (default: the run's)")
-    p.add_argument("--history-column", help="with --prompt-column: earlier [query, response] turns (default: the run's)")
+    p.add_argument("--response-column",
+                   help="with --prompt-column: the field holding the gold answer (default: the run's)")
+    p.add_argument("--history-column",
+                   help="with --prompt-column: earlier [query, response] turns (default: the run's)")
     p.add_argument("--on-bad-record", choices=BAD_RECORD_MODES, default=BAD_RECORD_MODES[0],
                    help="stop at an unusable record, or skip and count it (default %(default)s)")
     p.add_argument("--quantization-bit", type=int, choices=QUANTIZATION_BITS,
@@ -73,14 +78,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "as the run's base was)")
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction,
                    help="hold the embedding and output head in INT8 (ChatGLM-6B's tied pair as one copy): half their "
-                        "memory and the fastest CPU head, for a small logit error (beyond the official format; default: "
-                        "as the run trained)")
+                        "memory and the fastest CPU head, for a small logit error (beyond the official format; "
+                        "default: as the run trained)")
     p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
                    help="compute dtype (default: float32 on CPU, float16 on CUDA; auto = config.json's)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N, or auto: cuda when available (default %(default)s)")
     p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
                    "OMP_NUM_THREADS when set, else what the train.py run used, else torch's)")
     args = p.parse_args(argv)
+    check_flags(p, args)
+    return args
+
+
+def check_flags(p: argparse.ArgumentParser, args) -> None:
+    """What the parser cannot check alone (its error on the first): flags that do not combine, an --output that is a
+    directory or the --input; --compile turns --speculative off."""
     if threads_problem(args.threads):
         p.error(threads_problem(args.threads))
     if args.output is not None:
@@ -88,9 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--output {args.output} is a directory: name a .jsonl file to write")
         if args.input is not None and args.output.resolve() == args.input.resolve():
             p.error(f"--output {args.output} is the --input file: name another file to write")
-    given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed") if getattr(args, n) is not None]
+    given = [f"--{n.replace('_', '-')}" for n in ("top_p", "temperature", "top_k", "seed")
+             if getattr(args, n) is not None]
     if args.max_draft is not None and (args.max_draft < 1 or args.speculative == "off"):
-        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
+        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1
+                else "--max-draft applies only with --speculative")
     if args.compile and args.speculative == "on":
         p.error("--compile and --speculative do not combine: choose one")
     if args.compile:  # compiled steps take no guesses
@@ -101,7 +116,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--input needs --output")
     if args.text is not None and (args.output is not None or args.resume):
         p.error("--text prints its result: --output and --resume do not apply")
-    return args
 
 
 def settings_from(args) -> ExtractionSettings:
@@ -159,7 +173,8 @@ def run_text(args, settings, source) -> None:
     record = SPORecord(text=args.text, triples=None, source="--text")
     row = next(r for rows in extraction.extract(model, tokenizer, [record], settings) for r in rows)
     if row["text_truncated"]:
-        print(f"infer.py: note: the text was cut to fit max_src_len={settings.encoding.max_src_len} tokens", file=sys.stderr)
+        print(f"infer.py: note: the text was cut to fit max_src_len={settings.encoding.max_src_len} tokens",
+              file=sys.stderr)
     print(row["generated"])
     for s, p, o in row["triples"] or ():
         print(f"  ({s}, {p}, {o})")
@@ -270,7 +285,8 @@ def write_summary(args, rows, records, counts: dict, identity: str, bad, setting
     from chatglm_tune.checkpoint import atomic_write
 
     summary = extraction.summarize(rows, records, new_rows=counts["new_rows"], new_tokens=counts["new_tokens"],
-                                   seconds=counts["seconds"], stats=counts["stats"], processes=counts.get("processes", 1))
+                                   seconds=counts["seconds"], stats=counts["stats"],
+                                   processes=counts.get("processes", 1))
     summary.update(input=str(args.input), output=str(args.output), model=identity, bad_records=bad.to_dict(),
                    settings=asdict(settings))
     path = args.output.with_name(args.output.name + ".summary.json")
@@ -309,7 +325,8 @@ def main(argv=None) -> None:
         print(f"infer.py: error: {err}", file=sys.stderr)
         sys.exit(2)  # as argparse's usage errors and train.py's
     except KeyboardInterrupt as interrupt:
-        print(f"infer.py: interrupted by {signal_name(interrupt)} {getattr(interrupt, 'where', '')}".rstrip(), file=sys.stderr)
+        print(f"infer.py: interrupted by {signal_name(interrupt)} {getattr(interrupt, 'where', '')}".rstrip(),
+              file=sys.stderr)
         sys.exit(exit_status(interrupt))
 
 

@@ -32,15 +32,18 @@ from chatglm_tune.options import LOAD_DTYPES, QUANTIZATION_BITS, QUANTIZE_DTYPE
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", type=Path, help="source model directory (half or float weights, config.json), or a train.py run")
+    p.add_argument("model_dir", type=Path,
+                   help="source model directory (half or float weights, config.json), or a train.py run")
     p.add_argument("out_dir", type=Path, help="new directory for the quantized model (must not exist or be empty)")
     p.add_argument("--bits", type=int, choices=QUANTIZATION_BITS, required=True, help="INT8 or INT4 weights (required)")
     p.add_argument("--group-size", type=int, default=0,
-                   help="INT4 only: one scale per this many columns; 0 = one per row, the official layout (default %(default)s)")
-    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge before quantizing (ours, or one of the "
-                   "official ChatGLM2/3 / GLM-4 code: query_key_value ...; default: none)")
+                   help="INT4 only: one scale per this many columns; 0 = one per row, the official layout "
+                        "(default %(default)s)")
+    p.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge before quantizing (ours, or one of "
+                   "the official ChatGLM2/3 / GLM-4 code: query_key_value ...; default: none)")
     p.add_argument("--dtype", choices=LOAD_DTYPES, default=QUANTIZE_DTYPE,
-                   help="dtype the weights are quantized in and the embeddings, LayerNorms and biases are kept in (default %(default)s)")
+                   help="dtype the weights are quantized in and the embeddings, LayerNorms and biases are kept in "
+                        "(default %(default)s)")
     return p.parse_args(argv)
 
 
@@ -63,13 +66,15 @@ def check_args(args, source) -> bool:
     config = json.loads((source.base / "config.json").read_text())
     problems = []
     if config.get("quantization_bit"):
-        problems.append(f"{source.base} is already INT{config['quantization_bit']}: quantize its half/float source instead")
+        problems.append(f"{source.base} is already INT{config['quantization_bit']}: quantize its half/float source "
+                        "instead")
     if args.group_size < 0:
         problems.append(f"--group-size must be >= 0, got {args.group_size}")
     elif args.group_size and args.bits != 4:
         problems.append("--group-size applies to --bits 4 only (INT8 keeps the official per-row scales)")
     elif args.group_size:
-        widths = {"hidden_size": config.get("hidden_size"), "inner width": config.get("inner_hidden_size") or config.get("ffn_hidden_size")}
+        widths = {"hidden_size": config.get("hidden_size"),
+                  "inner width": config.get("inner_hidden_size") or config.get("ffn_hidden_size")}
         bad = [f"{k}={v}" for k, v in widths.items() if not v or v % args.group_size]
         if bad:
             problems.append(f"--group-size {args.group_size} must divide the Linears' input widths ({', '.join(bad)})")

@@ -29,8 +29,9 @@ SHUTDOWN_GRACE_S = 5.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / 4.7 "
-                   "or GLM-4.7-Flash model directory, or a train.py run directory (full, P-tuning or LoRA: it names its base)")
+    p.add_argument("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4 (9B, 0414, Edge), GLM-4.5 / 4.6 / "
+                   "4.7 or GLM-4.7-Flash model directory, or a train.py run directory (full, P-tuning or LoRA: it "
+                   "names its base)")
     adapter = p.add_mutually_exclusive_group()
     adapter.add_argument("--ptuning-checkpoint", type=Path, help="P-tuning v2 checkpoint directory to load on --model")
     adapter.add_argument("--lora", type=Path, help="peft LoRA adapter directory to merge into --model")
@@ -39,12 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="INT8/INT4 block Linears (default: as the model was trained)")
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction,
                    help="hold the embedding and output head in INT8 (default: as the run trained)")
-    p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"), help="compute dtype (default: float32 on CPU, float16 on CUDA)")
+    p.add_argument("--dtype", choices=(*LOAD_DTYPES, "auto"),
+                   help="compute dtype (default: float32 on CPU, float16 on CUDA)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (default %(default)s)")
     p.add_argument("--threads", type=int, help=f"torch CPU threads, at most {THREADS_PER_CPU} a CPU (default: "
                    "OMP_NUM_THREADS, else the run's, else torch's)")
     p.add_argument("--host", default=DEFAULTS.host, help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULTS.port, help="port to listen on, 0 = any free one (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULTS.port,
+                   help="port to listen on, 0 = any free one (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
                    help=f"requests decoded together at most (up to {MAX_BATCH_LIMIT}); 1 serves one at a time "
                         "(default %(default)s)")
@@ -55,11 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "streams (default %(default)s)")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=DEFAULTS.drafts is not None,
                    help="greedy requests guess their next tokens from their own text and check them in one step: the "
-                        "same answers in fewer steps, faster where a forward of a few tokens costs about one token's (default: off; "
-                        "sampled requests decode plainly)")
+                        "same answers in fewer steps, faster where a forward of a few tokens costs about one token's "
+                        "(default: off; sampled requests decode plainly)")
     p.add_argument("--max-draft", type=int, help="with --speculative: guesses checked a step at most (default "
-                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on CPUs "
-                   "without AVX-512 VNNI)")
+                   f"{DEFAULT_DRAFTS.max_draft}; 1 where each guess costs much of a token's forward, as with INT4 on "
+                   "CPUs without AVX-512 VNNI)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS.compiled,
                    help="decode the running batch in fixed buffers, each step one compiled function (CUDA graphs on a "
                         "GPU: the step launches once instead of hundreds of kernels); every version but ChatGLM-6B, "
@@ -79,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if threads_problem(args.threads):
         p.error(threads_problem(args.threads))
     if args.max_draft is not None and (args.max_draft < 1 or not args.speculative):
-        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1 else "--max-draft applies only with --speculative")
+        p.error(f"--max-draft must be >= 1, got {args.max_draft}" if args.max_draft < 1
+                else "--max-draft applies only with --speculative")
     try:
         args.options = ServingOptions(max_batch=args.max_batch, max_queue=args.max_queue,
                                       prefill_tokens=args.prefill_tokens, host=args.host, port=args.port,
@@ -104,7 +108,8 @@ def main(argv=None) -> None:
         source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
         model, tokenizer, line = loading.load_for_inference(
             source, device=args.device, dtype=args.dtype, threads=args.threads, quantization_bit=args.quantization_bit,
-            quantize_embedding=args.quantize_embedding, note=lambda text: print(f"serve.py: note: {text}", file=sys.stderr))
+            quantize_embedding=args.quantize_embedding,
+            note=lambda text: print(f"serve.py: note: {text}", file=sys.stderr))
     except (ValueError, FileNotFoundError) as err:
         print(f"serve.py: error: {err}", file=sys.stderr)
         sys.exit(2)

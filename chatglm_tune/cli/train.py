@@ -15,9 +15,9 @@ from pathlib import Path
 from chatglm_tune import cli
 from chatglm_tune.cli.config import CommandParser
 from chatglm_tune.options import (
-    BAD_RECORD_MODES, COMPILE_BACKEND, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS, QUANTIZATION_BITS, SCHEDULES,
-    THREADS_PER_CPU, TINY_DEMO, TINY_DEMO_STEPS, TINY_MAX_LAYERS, TINY_PRESETS, TUNINGS, choose_threads, raise_problems, tiny_demo,
-    DataColumns, EncodingOptions, LoraOptions, TrainOptions,
+    BAD_RECORD_MODES, COMPILE_BACKEND, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS,
+    QUANTIZATION_BITS, SCHEDULES, THREADS_PER_CPU, TINY_DEMO, TINY_DEMO_STEPS, TINY_MAX_LAYERS, TINY_PRESETS, TUNINGS,
+    choose_threads, raise_problems, tiny_demo, DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
 D, L, E = TrainOptions(), LoraOptions(), EncodingOptions()
@@ -38,13 +38,15 @@ def build_parser() -> CommandParser:
 def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data").add_argument
     g("--train-file", required=True, help=".jsonl or .json SPO records")
-    g("--dev-file", help="dev records: loss and triple P/R/F1 at each evaluation, best checkpoint by F1 (default: none)")
+    g("--dev-file",
+      help="dev records: loss and triple P/R/F1 at each evaluation, best checkpoint by F1 (default: none)")
     g("--on-bad-record", choices=BAD_RECORD_MODES, default=BAD_RECORD_MODES[0],
       help="stop at a bad record, or skip and count it (default %(default)s)")
     g("--prompt-column", help="prompt/response data (the official P-tuning shape, e.g. AdvertiseGen's content): the "
       "field holding the prompt; answers are then scored by BLEU-4 / ROUGE (default: the SPO shapes)")
     g("--response-column", help="with --prompt-column: the field holding the answer (e.g. summary)")
-    g("--history-column", help="with --prompt-column: the field holding earlier [query, response] turns (default: none)")
+    g("--history-column",
+      help="with --prompt-column: the field holding earlier [query, response] turns (default: none)")
     g("--prompt", help=f"instruction put before each text (default: the base run's, else {E.prompt!r}; with "
       "--prompt-column, none)")
     g("--max-src-len", type=int, help=f"tokens of prompt + text + [gMASK] (default {E.max_src_len})")
@@ -52,16 +54,17 @@ def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
     g("--loss-on", choices=LOSS_ON, help="conversation records (ChatGLM3 / GLM-4 and later): train on every assistant "
       f"turn, as the official fine-tuning does, or on the last one only (default: the base run's, else {E.loss_on})")
     g = p.add_argument_group("model").add_argument
-    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 or GLM-4.7-Flash model directory, or "
-      f"{' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version and a tokenizer trained on the train file in that "
-      "version's format; with --tuning full and no other flag, "
+    g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 or "
+      f"GLM-4.7-Flash model directory, or {' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version "
+      "and a tokenizer trained on the train file in that version's format; with --tuning full and no other flag, "
       f"the demo settings {TINY_DEMO} and step budgets {TINY_DEMO_STEPS})")
-    g("--tiny-layers", type=int, help=f"with a tiny preset: decoder layers of the random model, at most {TINY_MAX_LAYERS} "
-      "(default: the preset's). "
+    g("--tiny-layers", type=int, help="with a tiny preset: decoder layers of the random model, at most "
+      f"{TINY_MAX_LAYERS} (default: the preset's). "
       "A deeper one copies arguments better: 3 layers of tiny ChatGLM3 wrote the shipped tool set's calls exactly "
       "where its 2 plateaued below 0.8")
     g("--dtype", choices=LOAD_DTYPES, default=D.dtype, help="dtype of the loaded base weights (default %(default)s)")
-    g("--quantization-bit", type=int, choices=QUANTIZATION_BITS, help="quantize the base to INT8/INT4 while loading (default: no)")
+    g("--quantization-bit", type=int, choices=QUANTIZATION_BITS,
+      help="quantize the base to INT8/INT4 while loading (default: no)")
     g("--quantize-embedding", action="store_true", help="hold the frozen embedding and output head in INT8, quantized "
       "while loading (ChatGLM-6B's tied pair as one copy; ptuning and lora only; default: no)")
 
@@ -84,8 +87,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g("--max-steps", type=int, help="optimizer steps (default: --epochs, else the budget of the method, "
       f"{ {t: d['max_steps'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demos: {TINY_DEMO_STEPS})")
     g("--epochs", type=int, help="passes over the train file, instead of a number of steps (default: none)")
-    g("--patience", type=int, default=D.patience, help="with --dev-file: stop after this many evaluations without a better "
-      "checkpoint (dev F1, ties by dev loss); 0 = never (default %(default)s)")
+    g("--patience", type=int, default=D.patience, help="with --dev-file: stop after this many evaluations without a "
+      "better checkpoint (dev F1, ties by dev loss); 0 = never (default %(default)s)")
     g("--batch-size", type=int, help="rows per process per micro-batch (default by method: "
       f"{ {t: d['batch_size'] for t, d in METHOD_DEFAULTS.items()} }; the tiny demo: {TINY_DEMO['batch_size']})")
     g("--packing", action="store_true", help="pack several examples into each row of up to --max-len tokens (none "
@@ -93,7 +96,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g("--grad-accum", type=int, help="micro-batches per optimizer step (default by method: "
       f"{ {t: d['grad_accum'] for t, d in METHOD_DEFAULTS.items()} }, with the method's batch size; 1 when "
       "--batch-size is given)")
-    g("--lr", type=float, help=f"peak learning rate (default by method: {DEFAULT_LR}; the tiny demo: {TINY_DEMO['lr']})")
+    g("--lr", type=float,
+      help=f"peak learning rate (default by method: {DEFAULT_LR}; the tiny demo: {TINY_DEMO['lr']})")
     g("--weight-decay", type=float, help=f"AdamW weight decay (default {D.weight_decay})")
     g("--warmup-ratio", type=float, help=f"share of steps warming up (default {D.warmup_ratio})")
     g("--schedule", choices=SCHEDULES, default=D.schedule, help="decay after warmup (default %(default)s)")
@@ -107,11 +111,13 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
       "(or holds only this run's start), say so and exit 0 where it has finished, refuse another run's directory: "
       "what a requeued job runs")
     g("--overwrite", action="store_true", help="replace the run in --output-dir (never the base model)")
-    g("--eval-every", type=int, help=f"evaluate and checkpoint every N steps (default: {EVALUATIONS} times over the run)")
+    g("--eval-every", type=int,
+      help=f"evaluate and checkpoint every N steps (default: {EVALUATIONS} times over the run)")
     g("--save-every", type=int, help="also save the resumable state every N steps (default: at evaluations)")
     g("--eval-batch-size", type=int, default=D.eval_batch_size, help="dev rows decoded together (default %(default)s)")
     g("--log-every", type=int, default=D.log_every, help="log the mean loss every N steps (default %(default)s)")
-    g("--tensorboard", action="store_true", help="also log to TensorBoard under the output dir (needs the tensorboard package)")
+    g("--tensorboard", action="store_true",
+      help="also log to TensorBoard under the output dir (needs the tensorboard package)")
     g = p.add_argument_group("hardware").add_argument
     g("--mixed-precision", choices=MIXED_PRECISIONS, default=D.mixed_precision, help="autocast (default %(default)s)")
     g("--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)")
@@ -132,7 +138,8 @@ def _resolve(args, names, preset, defaults, strip: str = "") -> dict:
 
 
 # Flags that belong to one tuning method: given with another, they would be recorded and silently ignored.
-METHOD_FLAGS = {"ptuning": ("pre_seq_len", "prefix_projection"), "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_target")}
+METHOD_FLAGS = {"ptuning": ("pre_seq_len", "prefix_projection"),
+                "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_target")}
 
 
 def misplaced_flags(args) -> list[str]:
@@ -141,7 +148,8 @@ def misplaced_flags(args) -> list[str]:
                 for tuning, names in METHOD_FLAGS.items() if args.tuning != tuning
                 for name in names if getattr(args, name) is not None]
     if args.tiny_layers is not None and args.model not in TINY_PRESETS:
-        problems.append(f"--tiny-layers applies only to a tiny preset ({', '.join(TINY_PRESETS)}), not a model directory")
+        problems.append(f"--tiny-layers applies only to a tiny preset ({', '.join(TINY_PRESETS)}), not a model "
+                        "directory")
     if args.epochs is not None and args.max_steps is not None:
         problems.append("give --epochs or --max-steps, not both")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -159,13 +167,15 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
     except ValueError as err:  # --threads or OMP_NUM_THREADS out of bounds
         problems.append(str(err))
         threads, threads_origin = None, "torch's default"  # reported once
-    columns = part(problems, DataColumns, prompt=args.prompt_column, response=args.response_column, history=args.history_column)
+    columns = part(problems, DataColumns, prompt=args.prompt_column, response=args.response_column,
+                   history=args.history_column)
     if columns.active:  # the official P-tuning puts no instruction before a prompt (its source_prefix is empty)
         base_run = {**base_run, "encoding": {**base_run.get("encoding", {}), "prompt": ""}}
     lora = part(problems, LoraOptions, **_resolve(args, ("lora_r", "lora_alpha", "lora_dropout"), {}, L, strip="lora_"),
                 target=tuple(args.lora_target) if args.lora_target else None)
     encoding = part(problems, EncodingOptions,
-                    **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on"), {**base_run.get("encoding", {}), **demo}, E))
+                    **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on"),
+                               {**base_run.get("encoding", {}), **demo}, E))
     options = part(problems, TrainOptions,
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio"), demo, D),
         **_resolve(args, ("pre_seq_len", "prefix_projection"), {}, D),
@@ -173,9 +183,9 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
         columns=columns, max_steps=args.max_steps, schedule=args.schedule, max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision, dtype=args.dtype, quantization_bit=args.quantization_bit or 0,
         quantize_embedding=args.quantize_embedding,
-        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, packing=args.packing, seed=args.seed, eval_every=args.eval_every,
-        save_every=args.save_every, eval_batch_size=args.eval_batch_size, log_every=args.log_every,
-        tensorboard=args.tensorboard, tiny_layers=args.tiny_layers,
+        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, packing=args.packing, seed=args.seed,
+        eval_every=args.eval_every, save_every=args.save_every, eval_batch_size=args.eval_batch_size,
+        log_every=args.log_every, tensorboard=args.tensorboard, tiny_layers=args.tiny_layers,
     )
     raise_problems(problems, "the options do not fit together: " if len(problems) > 1 else "")
     return options, threads_origin
@@ -251,7 +261,8 @@ def check(args):
     base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
     first = int(os.environ.get("RANK", "0")) == 0  # of several processes, the first alone checks and writes the
     # directory: another would find what it records there (not empty) or empty it under it (--overwrite)
-    rundir.prepare_output_dir(args.output_dir, base=base, resume=bool(args.resume) or not first, overwrite=args.overwrite)
+    rundir.prepare_output_dir(args.output_dir, base=base, resume=bool(args.resume) or not first,
+                              overwrite=args.overwrite)
     options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
     train_records, dev_records, bad_records = read_data(args, options.columns)
     options = own_instructions(args, options, train_records)
@@ -262,8 +273,8 @@ def check(args):
     if args.resume == "auto":
         mode = rundir.auto_resume(args.output_dir, record)
         if mode == "finished":
-            print(f"train.py: the run in {args.output_dir} has finished ({rundir.final_summary(args.output_dir)['step']} "
-                  "steps): nothing to do")
+            print(f"train.py: the run in {args.output_dir} has finished "
+                  f"({rundir.final_summary(args.output_dir)['step']} steps): nothing to do")
             return None
         print(f"train.py: --resume auto: {AUTO_SAYS[mode]} in {args.output_dir}", file=sys.stderr)
         args.resume = mode == "resume"

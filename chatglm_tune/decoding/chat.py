@@ -42,7 +42,8 @@ class Turn:
     format: PromptFormat
     tokenizer: object
     query: str
-    history: list  # ChatGLM-6B / ChatGLM2: the (query, response) pairs before; ChatGLM3 / GLM-4: the messages, query last
+    # ChatGLM-6B / ChatGLM2: the (query, response) pairs before; ChatGLM3 / GLM-4: the messages, query last
+    history: list
     prompt: list[int]
     budget: int  # new tokens at most: max_length - prompt
     sampling: SamplingOptions
@@ -71,7 +72,8 @@ class Turn:
         return self.format.chat_response(texts, self.query, self.history)
 
 
-def prepare_turn(tokenizer, query: str, history, role: str, max_length: int | None, sampling: SamplingOptions | None) -> Turn:
+def prepare_turn(tokenizer, query: str, history, role: str, max_length: int | None,
+                 sampling: SamplingOptions | None) -> Turn:
     """One turn of `chat` set up (its prompt, budget, sampling and stop ids), arguments checked (ValueError)."""
     prompt_format = tokenizer.prompt_format
     name = prompt_format.title
@@ -97,7 +99,8 @@ def prepare_turn(tokenizer, query: str, history, role: str, max_length: int | No
     budget = max_length - len(prompt)
     if budget < 1:
         raise ValueError(f"the prompt has {len(prompt)} tokens, no room left under max_length={max_length}")
-    return Turn(prompt_format, tokenizer, query, turn_history, prompt, budget, sampling, prompt_format.stop_ids(tokenizer))
+    return Turn(prompt_format, tokenizer, query, turn_history, prompt, budget, sampling,
+                prompt_format.stop_ids(tokenizer))
 
 
 def _pairs(history, name: str) -> list[tuple[str, str]]:
@@ -123,7 +126,8 @@ def _messages(history) -> list[dict]:
                 raise ValueError(f"history[{i}] must have a role in {ROLES} and a str content, got {dict(item)!r:.100}")
             messages.append(copy.deepcopy(dict(item)))
         elif isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) for x in item):
-            messages += [{"role": "user", "content": item[0]}, {"role": "assistant", "metadata": "", "content": item[1]}]
+            messages += [{"role": "user", "content": item[0]},
+                         {"role": "assistant", "metadata": "", "content": item[1]}]
         else:
             raise ValueError(f"history[{i}] must be a {{'role', 'content'}} message or a (query, response) pair, "
                              f"got {item!r:.100}")
@@ -147,13 +151,14 @@ def chat(
     ChatGLM-6B / ChatGLM2: history is (query, response) pairs (a role message is a ValueError), the answer
     `history + [(query, response)]`, `role` only "user". ChatGLM3 / GLM-4: history is role messages
     (`ROLES`; pairs are converted), the query is a message of `role` ("observation" for a tool's result),
-    the answer `history + [query message, assistant message(s)]` (a response is text, or a tool call dict). The caller's history is not changed. `max_length` counts prompt and answer
-    tokens; it and `sampling` default to the version's official values (`chat_defaults`). `compiled`: the steps after
-    the prompt compiled on a static cache (`generate`'s), the same answer.
+    the answer `history + [query message, assistant message(s)]` (a response is text, or a tool call dict). The
+    caller's history is not changed. `max_length` counts prompt and answer tokens; it and `sampling` default to the
+    version's official values (`chat_defaults`). `compiled`: the steps after the prompt compiled on a static cache
+    (`generate`'s), the same answer.
     """
     turn = prepare_turn(tokenizer, query, history, role, max_length, sampling)
-    new_ids = generate(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling, seed=seed,
-                       eos_token_id=turn.stop, vocab_limit=len(tokenizer), compiled=compiled)[0]
+    new_ids = generate(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling,
+                       seed=seed, eos_token_id=turn.stop, vocab_limit=len(tokenizer), compiled=compiled)[0]
     return turn.result(turn.texts(new_ids))
 
 
@@ -181,8 +186,9 @@ def stream_chat(
 def _stream(model, turn: Turn, seed: int | None, compiled: bool) -> Iterator[tuple]:
     ids: list[int] = []
     last = None
-    for _, tokens in generate_steps(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget, sampling=turn.sampling,
-                                    seed=seed, eos_token_id=turn.stop, vocab_limit=len(turn.tokenizer), compiled=compiled):
+    for _, tokens in generate_steps(model, torch.tensor([turn.prompt]), max_new_tokens=turn.budget,
+                                    sampling=turn.sampling, seed=seed, eos_token_id=turn.stop,
+                                    vocab_limit=len(turn.tokenizer), compiled=compiled):
         ids.append(tokens[0])
         texts = turn.texts(ids)
         if texts[-1].endswith("\ufffd"):
@@ -209,8 +215,8 @@ class Chat:
         """(response, history): see `chat`."""
         sampling = _chat_sampling(tokenizer, do_sample, top_p, temperature, top_k,
                                   num_beams=num_beams, logits_processor=logits_processor)
-        return chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling, seed=seed,
-                    compiled=compiled)
+        return chat(self, tokenizer, query, history or [], role=role, max_length=max_length, sampling=sampling,
+                    seed=seed, compiled=compiled)
 
     def stream_chat(self, tokenizer, query: str, history=None, role: str = "user", past_key_values=None, *,
                     max_length: int | None = None, do_sample: bool | None = None, top_p: float | None = None,

@@ -6,8 +6,8 @@ last n tokens' latest earlier occurrence are a good guess of what comes next. `g
 n first (`DraftOptions.ngram_max` down to `ngram_min`), in the row's answer so far, then in the answers of the
 run's earlier rows (`AnswerPool`, where the caller keeps one: infer.py does, for its run), then in the whole
 prompt. On the shipped SPO dev set, with the README main job's model, guesses from a row's own prompt and
-answer gave 1.50 tokens a forward, with the pool too 2.20 (its greedy answers replayed through the guessing). Each row adapts its draft
-length to what it has been taking (`next_length`).
+answer gave 1.50 tokens a forward, with the pool too 2.20 (its greedy answers replayed through the guessing). Each
+row adapts its draft length to what it has been taking (`next_length`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class Emitter:
 
     def row(self, request: Request) -> Row:
         guesses = self.drafts is not None and request.sampling.greedy and request.constraint is None
-        return Row(request, row_generators(request.seed, 1, self.device)[0], history=list(request.prompt) if guesses else [],
+        return Row(request, row_generators(request.seed, 1, self.device)[0],
+                   history=list(request.prompt) if guesses else [],
                    draft_length=self.drafts.first_draft if guesses else 0)
 
     def emit(self, rows: list[Row], scores: torch.Tensor) -> list[bool]:
@@ -63,22 +64,24 @@ class Emitter:
     def guesses(self, rows: list[Row]) -> list[list[int]]:
         """Each row's guessed next tokens (none for rows that sample, or that find no match), within its budget,
         from its own prompt and answer only: one request's text never changes how fast another's comes."""
-        return [guess(row.history, len(row.request.prompt), min(row.draft_length, row.request.max_new_tokens - row.generated - 1),
-                      self.drafts) for row in rows]
+        return [guess(row.history, len(row.request.prompt),
+                      min(row.draft_length, row.request.max_new_tokens - row.generated - 1), self.drafts)
+                for row in rows]
 
-    def emit_verified(self, rows: list[Row], scores: torch.Tensor, guesses: list[list[int]]) -> tuple[list[int], list[bool]]:
+    def emit_verified(self, rows: list[Row], scores: torch.Tensor,
+                      guesses: list[list[int]]) -> tuple[list[int], list[bool]]:
         """After `BatchCache.verify` (scores [rows, W, V] after each row's pending token and guesses): hand each row
         its agreed guesses and next token. (The cache columns each row keeps, which rows go on.)"""
         firsts = self._sample(rows, scores[:, 0])
         kept, keep = [], []
-        for i, (row, guess) in enumerate(zip(rows, guesses)):
+        for i, (row, guessed) in enumerate(zip(rows, guesses)):
             tokens = [firsts[i]]
-            if guess:
+            if guessed:
                 stop = self._stop_ids(row.request)
-                targets = next_tokens(scores[i, :len(guess) + 1], DEFAULT_SAMPLING, [None] * (len(guess) + 1),
+                targets = next_tokens(scores[i, :len(guessed) + 1], DEFAULT_SAMPLING, [None] * (len(guessed) + 1),
                                       fallback_id=stop[0], vocab_limit=self.vocab_limit).tolist()
-                tokens = agreed(guess, targets, stop)
-                row.draft_length = next_length(self.drafts, row.draft_length, len(guess), len(tokens) - 1)
+                tokens = agreed(guessed, targets, stop)
+                row.draft_length = next_length(self.drafts, row.draft_length, len(guessed), len(tokens) - 1)
             going = all(self._hand(row, token, scores[i, j]) for j, token in enumerate(tokens))  # to the first end
             kept.append(len(tokens))
             keep.append(going)

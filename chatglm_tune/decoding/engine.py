@@ -64,7 +64,8 @@ class Engine:
     bound and prefill budget (`ServingOptions`).
     """
 
-    def __init__(self, model, special: SpecialIds, *, vocab_limit: int | None, options: ServingOptions = ServingOptions()):
+    def __init__(self, model, special: SpecialIds, *, vocab_limit: int | None,
+                 options: ServingOptions = ServingOptions()):
         self.model = model.eval()
         self.special = special
         self.options = options
@@ -329,7 +330,8 @@ class Engine:
             kept, keep = self.emitter.emit_verified(self._rows, scores, guesses)
             self._cache.accept(kept)
         else:
-            keep = self.emitter.emit(self._rows, self._cache.step(self.model, torch.tensor(pending, device=self.device)))
+            scores = self._cache.step(self.model, torch.tensor(pending, device=self.device))
+            keep = self.emitter.emit(self._rows, scores)
         self.steps += 1
         if not all(keep):
             self._keep(keep)

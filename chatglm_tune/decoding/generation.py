@@ -108,7 +108,8 @@ def generate(
         return results
 
 
-def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options) -> list[list[int]]:
+def generate_recompute(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       **options) -> list[list[int]]:
     """`generate` the reference script's way: no cache, the whole batch runs the whole sequence (and the
     head over every position) each step until every row has stopped. Same arguments, same result."""
     return generate(model, input_ids, attention_mask, use_cache=False, **options)
@@ -186,7 +187,8 @@ def _cached_steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOp
         scores = batch.step(model, tokens)
 
 
-def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, vocab_limit) -> list[list[int]]:
+def _decode_recompute(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions,
+                      vocab_limit) -> list[list[int]]:
     seq, mask = d.input_ids, d.mask
     b = seq.shape[0]
     results: list[list[int]] = [[] for _ in range(b)]

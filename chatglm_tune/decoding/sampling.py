@@ -6,8 +6,9 @@ Applied in this order by `next_tokens`:
    broken row stops instead of emitting garbage. The official `InvalidScoreLogitsProcessor` instead
    zeroes the *whole batch* and forces id 5 (`▁`) whenever one value is invalid; ours touches only the
    broken rows and never invents text.
-2. `limit_vocab`: ids >= `vocab_limit` get -inf (and, for a constrained row, the ids its grammar does not allow). ChatGLM-6B's embedding has 130528 rows but its
-   tokenizer 130344 pieces; ids in between cannot be decoded (the tokenizer raises on them).
+2. `limit_vocab`: ids >= `vocab_limit` get -inf (and, for a constrained row, the ids its grammar does not allow).
+   ChatGLM-6B's embedding has 130528 rows but its tokenizer 130344 pieces; ids in between cannot be decoded (the
+   tokenizer raises on them).
 3. greedy (`argmax`) when `do_sample=False` or `temperature == 0`; otherwise temperature, then top-k
    (ties with the k-th score kept, as transformers' TopKLogitsWarper), then top-p, then a draw. This is
    the order of transformers 4.27's warpers, which the official `chat()` uses.
@@ -42,7 +43,8 @@ def guard_invalid_scores(scores: torch.Tensor, fallback_id: int) -> torch.Tensor
     bad = ~torch.isfinite(scores).all(dim=-1)  # [b]
     if not bool(bad.any()):
         return scores
-    warnings.warn(f"{int(bad.sum())} row(s) of scores held NaN/inf; they emit token {fallback_id} instead", RuntimeWarning)
+    warnings.warn(f"{int(bad.sum())} row(s) of scores held NaN/inf; they emit token {fallback_id} instead",
+                  RuntimeWarning)
     forced = torch.full_like(scores[0], float("-inf"))
     forced[fallback_id] = 0.0
     return torch.where(bad[:, None], forced, scores)
@@ -78,7 +80,8 @@ def top_p_filter(probs: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Ten
     return sorted_probs / sorted_probs.sum(dim=-1, keepdim=True), sorted_ids
 
 
-def draw(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def draw(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor,
+         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row [b], drawn from each row's (sorted) distribution with that row's generator."""
     picks = [torch.multinomial(row, 1, generator=g) for row, g in zip(sorted_probs, generators, strict=True)]
     return sorted_ids.gather(-1, torch.stack(picks)).squeeze(-1)

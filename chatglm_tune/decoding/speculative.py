@@ -80,7 +80,8 @@ def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, st
             batch.select(torch.tensor(going, device=ids.device))
             live = [live[i] for i in going]
         speculate = drafter.chooser is None or drafter.chooser.speculate(len(live))
-        guesses = [drafter.draft(r, history[r], prompt_lengths[r], max_new_tokens - (len(history[r]) - prompt_lengths[r]) - 1)
+        guesses = [drafter.draft(r, history[r], prompt_lengths[r],
+                                 max_new_tokens - (len(history[r]) - prompt_lengths[r]) - 1)
                    if speculate else [] for r in live]
         emitted, seconds = timed(lambda: _step(model, batch, [history[r][-1] for r in live], guesses, stop, fallback,
                                                vocab_limit))
@@ -100,7 +101,8 @@ def _step(model, batch: BatchCache, pending: list[int], guesses: list[list[int]]
           vocab_limit) -> list[list[int]]:
     """One forward over each row's pending token and guesses: each row's new tokens (kept guesses + one)."""
     if not any(guesses):
-        return [[t] for t in _greedy(batch.step(model, torch.tensor(pending, device=batch.mask.device)), fallback, vocab_limit)]
+        scores = batch.step(model, torch.tensor(pending, device=batch.mask.device))
+        return [[t] for t in _greedy(scores, fallback, vocab_limit)]
     scores = batch.verify(model, pending, guesses)
     width = scores.shape[1]
     targets = _greedy(scores.reshape(-1, scores.shape[-1]), fallback, vocab_limit)

@@ -49,7 +49,8 @@ def unsupported(model) -> str | None:
     float, or INT8 / INT4 layers whose decode kernel a compiled graph can hold (`COMPILABLE_KERNELS`: CUDA's; the
     CPU's kernels choose and lay out their work in Python or C++ at every call, and decode as before)."""
     if not getattr(type(model), "static_cache", False):
-        return f"compiled decoding needs a model that decodes on a static cache ({type(model).__name__} keeps its own cache form)"
+        return (f"compiled decoding needs a model that decodes on a static cache ({type(model).__name__} keeps its "
+                "own cache form)")
     param = next(model.parameters())
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), param.dtype)
     for name, module in model.named_modules():
@@ -90,7 +91,8 @@ def compiled_step(model, dynamic: bool = False):
     step = model.__dict__.get(key)
     if step is None:
         options = compile_options(next(model.parameters()).device)
-        step = torch.compile(lambda *args: forward_step(model, *args), options=options, dynamic=True if dynamic else None)
+        step = torch.compile(lambda *args: forward_step(model, *args), options=options,
+                             dynamic=True if dynamic else None)
         model.__dict__[key] = step
     return step
 

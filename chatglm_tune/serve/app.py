@@ -71,13 +71,14 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
 
         call, turn = await asyncio.to_thread(prepare)
         budget = protocol.require_fitting(len(turn.prompt), call.max_tokens, service.context, param="messages")
-        streams = service.generate([(turn.prompt, budget)], call, turn.shown, turn.holding,
-                                   disconnected=None if call.stream else request.is_disconnected, grammar_text=turn.grammar)
+        streams = service.generate([(turn.prompt, budget)], call, turn.shown, turn.holding, grammar_text=turn.grammar,
+                                   disconnected=None if call.stream else request.is_disconnected)
         if call.stream:
             return _sse(_chat_chunks(service, call, turn, streams))
 
         def body(dones: list[Done]) -> dict:
-            answers = [(*_chat_answer(call, turn, done, i), protocol.chat_logprobs(_scored(service, call, done.scored_pairs)))
+            answers = [(*_chat_answer(call, turn, done, i),
+                        protocol.chat_logprobs(_scored(service, call, done.scored_pairs)))
                        for i, done in enumerate(dones)]
             use = protocol.usage(len(turn.prompt), sum(done.tokens for done in dones))
             return protocol.chat_completion(call, service.served, answers, use)
@@ -88,7 +89,8 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         raw = await _body(request, limit)
 
         def prepare():
-            call = parse_call(_json(raw), kind="completion", served=service.served, defaults=service.completion_sampling)
+            call = parse_call(_json(raw), kind="completion", served=service.served,
+                              defaults=service.completion_sampling)
             return call, service.completion_prompts(call)
 
         call, prompts = await asyncio.to_thread(prepare)
@@ -162,7 +164,8 @@ def _guarded(handler, api_key: str | None, service: Service):
             if service.stopping:
                 raise ApiError(503, "the server is shutting down; retry on another", code="shutting_down")
             if api_key is not None and not _authorized(request, api_key):
-                raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+                raise ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
             return await handler(request)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
@@ -241,12 +244,15 @@ async def _answer(streams, body) -> JSONResponse:
                 return event
         raise ApiError(499, "the client went away")
 
+    tasks = [asyncio.create_task(done_of(events)) for events in streams]
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(done_of(events)) for events in streams]
-    except ExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    return JSONResponse(body([task.result() for task in tasks]))
+        dones = await asyncio.gather(*tasks)  # the first error raised, as it comes
+    except BaseException:  # a choice failed, or this request was cancelled: the others end before the error goes on
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return JSONResponse(body(dones))
 
 
 def _scored(service: Service, call, pairs) -> list | None:

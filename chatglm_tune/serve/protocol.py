@@ -237,7 +237,8 @@ def _sampling(body: Mapping, defaults: SamplingOptions) -> SamplingOptions:
     if top_k is not None and not (_is_int(top_k) and top_k >= 0):
         raise bad("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
     do_sample = defaults.do_sample if temperature is None else temperature > 0
-    return SamplingOptions(do_sample=do_sample, temperature=defaults.temperature if temperature is None else temperature,
+    return SamplingOptions(do_sample=do_sample,
+                           temperature=defaults.temperature if temperature is None else temperature,
                            top_p=defaults.top_p if top_p is None else top_p,
                            top_k=defaults.top_k if top_k is None else (top_k or None))
 
@@ -283,7 +284,8 @@ def _messages(value) -> tuple[dict, ...]:
         calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else []
         content = message.get("content")
         content = "" if content is None and calls else _text_content(content, f"messages[{i}].content")
-        messages.append({"role": role, "content": content, **({"tools": message["tools"]} if "tools" in message else {}),
+        messages.append({"role": role, "content": content,
+                         **({"tools": message["tools"]} if "tools" in message else {}),
                          **({"tool_calls": calls} if calls else {})})
     return tuple(messages)
 
@@ -298,7 +300,7 @@ def _tool_calls(value, where: str) -> list[dict]:
     for j, item in enumerate(value):
         function = item.get("function") if isinstance(item, Mapping) else None
         if not (isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]):
-            raise bad(f"{where}[{j}]", f"must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, "
+            raise bad(f"{where}[{j}]", "must be {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}, "
                                        f"got {item!r:.80}")
         try:
             arguments = json.loads(function.get("arguments") or "{}")
@@ -320,7 +322,7 @@ def _tool_choice(value) -> tuple[str, str | None]:
     function = value.get("function") if isinstance(value, Mapping) else None
     if isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]:
         return "function", function["name"]
-    raise bad("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+    raise bad("tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, '
                              f"got {value!r:.80}")
 
 
@@ -498,7 +500,8 @@ def chat_completion(call: Call, served: str, answers: list[tuple[dict, str, dict
 
 def chat_chunk(call: Call, served: str, delta: dict, finish: str | None = None, use: dict | None = None, *,
                index: int = 0, logprobs: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+    choices = ([] if use is not None
+               else [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
     return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created, "model": served,
             "choices": choices, **({"usage": use} if use is not None else {})}
 
@@ -523,5 +526,6 @@ def tool_call(call: Call, response: dict, index: int = 0) -> dict:
 def tool_call_deltas(entry: dict) -> list[dict]:
     """A tool_calls entry as OpenAI streams it: its id, type and name (arguments empty), then its arguments."""
     function = entry["function"]
-    return [{"index": 0, "id": entry["id"], "type": entry["type"], "function": {"name": function["name"], "arguments": ""}},
+    return [{"index": 0, "id": entry["id"], "type": entry["type"],
+             "function": {"name": function["name"], "arguments": ""}},
             {"index": 0, "function": {"arguments": function["arguments"]}}]

@@ -472,7 +472,8 @@ class Service:
             for j, token in enumerate(ids):
                 if not 0 <= token < len(self.tokenizer):
                     where = f"prompt[{i}][{j}]" if len(call.prompt_ids) > 1 else f"prompt[{j}]"
-                    raise bad(where, f"{token} is not a token id of this model's tokenizer (0 to {len(self.tokenizer) - 1})")
+                    raise bad(where, f"{token} is not a token id of this model's tokenizer "
+                                     f"(0 to {len(self.tokenizer) - 1})")
         return [list(ids) for ids in call.prompt_ids] or [self._completion_prompt(text) for text in call.prompts]
 
     def prompt_scored(self, ids: list[int], top: int) -> list:
@@ -571,8 +572,8 @@ class Service:
                 return  # leaving the iteration cancels the request in the engine
 
     def scored(self, pairs) -> list:
-        """(text, log probability, ((text, log probability), ...)) of each (id, `LogProb`) of `pairs` (`protocol.Scored`:
-        a `Done`'s `scored_pairs`, or a `Delta`'s `scored`)."""
+        """(text, log probability, ((text, log probability), ...)) of each (id, `LogProb`) of `pairs`
+        (`protocol.Scored`: a `Done`'s `scored_pairs`, or a `Delta`'s `scored`)."""
         text = self.tokenizer.decode
         return [(text([token]), item.logprob, tuple((text([alt]), value) for alt, value in item.top))
                 for token, item in pairs]
