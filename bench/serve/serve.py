@@ -104,7 +104,8 @@ from bench.common.measure import RESULTS, run_python  # noqa: E402
 from bench.peer.peer_llama import export_args, gguf_path  # noqa: E402
 from bench.serve.serve_children import RECIPE  # noqa: E402  (stdlib only at import)
 from bench.serve.serve_load import SCHEMA, dev_texts, run_config, warm_up, workload  # noqa: E402
-from bench.serve.serve_report import HEADER, limits, markdown, reachable_speedup, table_row, targets  # noqa: E402
+from bench.serve.serve_report import (HEADER, limits, markdown, reachable_speedup, table_row,  # noqa: E402
+                                      targets, tok_s_ratios)
 from bench.serve.serve_servers import (LLAMA_SERVER_BUILD, MB, ROOT, Server, busy_cpu_seconds,  # noqa: E402
                                        find_llama_server, llama_server, self_cpu_seconds, toolkit_server)
 from bench.serve.serve_soak import soak  # noqa: E402
@@ -358,15 +359,6 @@ def print_findings(got: dict, limit_lines: list[str], soak_result: dict | None) 
             print(f"  failure: {f}")
 
 
-def speculative_ratios(rows: list[dict], max_batch: int, plain: str = "", spec: str = "-spec") -> dict[int, float]:
-    """Per stream count: the speculative batching server's tok/s over the plain one's (where both ran); or of any
-    other pair of row names (`batchN` + the suffixes)."""
-    tok_s = {(r["server"], r["streams"]): r["tokens_per_s"] for r in rows}
-    plain, spec = f"batch{max_batch}{plain}", f"batch{max_batch}{spec}"
-    return {streams: round(tok_s[spec, streams] / tok_s[plain, streams], 3) for (name, streams) in tok_s
-            if name == spec and (plain, streams) in tok_s}
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -390,8 +382,8 @@ def main(argv=None) -> None:
                "requests_per_stream": args.requests_per_stream, "max_tokens": args.max_tokens, "results": rows,
                "targets": got, "limits": limit_lines, "floor": floor, "ceilings": ceil, "servers": servers_info,
                "skipped": skipped, "soak": soak_result,
-               "speculative_vs_plain": speculative_ratios(rows, args.max_batch),
-               "schema_vs_plain": speculative_ratios(rows, args.max_batch, "-chat", "-schema"),
+               "speculative_vs_plain": tok_s_ratios(rows, args.max_batch),
+               "schema_vs_plain": tok_s_ratios(rows, args.max_batch, "-chat", "-schema"),
                "seconds": round(time.perf_counter() - began, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")

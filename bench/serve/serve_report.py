@@ -210,3 +210,12 @@ def markdown(summary: dict) -> str:
         lines += [f"- {'ok' if v else 'FAILED'}: {k}" for k, v in s["checks"].items()]
         lines += [f"- failure: `{f}`" for f in s["failure_examples"]]
     return "\n".join(lines) + "\n"
+
+
+def tok_s_ratios(rows: list[dict], max_batch: int, plain: str = "", spec: str = "-spec") -> dict[int, float]:
+    """Per stream count: the speculative batching server's tok/s over the plain one's (where both ran); or of any
+    other pair of row names (`batchN` + the suffixes)."""
+    tok_s = {(r["server"], r["streams"]): r["tokens_per_s"] for r in rows}
+    plain, spec = f"batch{max_batch}{plain}", f"batch{max_batch}{spec}"
+    return {streams: round(tok_s[spec, streams] / tok_s[plain, streams], 3) for (name, streams) in tok_s
+            if name == spec and (plain, streams) in tok_s}
