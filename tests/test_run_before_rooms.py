@@ -32,9 +32,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chatglm_tune import extraction, loading
+from chatglm_tune.data.records import read_records
+from chatglm_tune.evaluation import extraction
 from chatglm_tune.options import ExtractionSettings
-from chatglm_tune.records import read_records
+from chatglm_tune.runs import loading
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "run-before-rooms"

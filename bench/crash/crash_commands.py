@@ -80,7 +80,7 @@ def without_timing(entries: list[dict]) -> list[dict]:
 @dataclass(frozen=True)
 class Command:
     """One command: `first(work)` its argv, `again(work)` the argv that finishes it after a kill, `output(work)` what
-    must equal an uninterrupted run's, `moments` the crash points it passes (`chatglm_tune.crashpoints`)."""
+    must equal an uninterrupted run's, `moments` the crash points it passes (`chatglm_tune.runtime.crashpoints`)."""
 
     name: str
     first: object
