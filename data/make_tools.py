@@ -1,5 +1,5 @@
 """Generate the shipped synthetic tool-calling set: Chinese requests that a tool answers, in ChatGLM3's fine-tuning
-format (`tools` + `conversations`, read by chatglm_tune/dialogues.py).
+format (`tools` + `conversations`, read by chatglm_tune/data/dialogues.py).
 
     python data/make_tools.py                         # writes data/tools_train.jsonl, data/tools_dev.jsonl
     python data/make_tools.py --form messages         # GLM-4's form: data/tools_glm4_train.jsonl, ..._dev.jsonl

@@ -42,7 +42,7 @@ def tiny_model(name: str, directory: Path) -> Path:
 # answer cannot end within a shutdown grace on any machine.
 SLOW_SERVE = """
 import runpy, sys, time
-from chatglm_tune import loading
+from chatglm_tune.runs import loading
 
 def slow(*args, load=loading.load_for_inference, **kwargs):
     model, tokenizer, line = load(*args, **kwargs)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions
-from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [json.loads(line)["text"]

@@ -316,7 +316,7 @@ def test_tools_bench_sends_each_dev_conversation_as_openai_does():
     """The tool bench's requests: the dev conversation before its gold call, the tools in OpenAI's form, and the
     gold call the records read."""
     from bench.training.tools import DATA, openai_request
-    from chatglm_tune.records import read_records
+    from chatglm_tune.data.records import read_records
 
     for version, (_, dev) in DATA.items():
         path = REPO / dev

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune.callmetrics import score_calls
-from chatglm_tune.dialogues import ToolCall
-from chatglm_tune.extraction import format_summary, make_row, summarize
-from chatglm_tune.metrics import format_score, score_answers
+from chatglm_tune.data.dialogues import ToolCall
+from chatglm_tune.data.records import read_records
+from chatglm_tune.evaluation.callmetrics import score_calls
+from chatglm_tune.evaluation.extraction import format_summary, make_row, summarize
+from chatglm_tune.evaluation.metrics import format_score, score_answers
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
-from chatglm_tune.records import read_records
 
 WEATHER = ToolCall("get_weather", {"city": "北京"})
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chatglm_tune import ChatGLMForConditionalGeneration
-from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.runtime.checkpoint import CheckpointError
 from conftest import FIXTURES
 
 SMALL = FIXTURES / "model-small-vocab"

@@ -20,7 +20,7 @@ import torch
 from commands import HANG_S, ROOT, cli, ok, side_by_side, wait_until
 from serving import tiny_model
 
-from chatglm_tune import cores
+from chatglm_tune.runtime import cores
 from test_first_hour import tree_bytes
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -132,7 +132,7 @@ def test_resume_with_other_data_or_options_is_refused_and_the_run_is_untouched(r
 
 
 def test_resume_may_change_the_length_and_the_threads(runs):
-    from chatglm_tune import rundir
+    from chatglm_tune.runs import rundir
 
     run, _ = runs["tiny"]
     record = rundir.read_run_args(run)
@@ -229,7 +229,7 @@ def test_ctrl_c_in_infer_keeps_the_rows_and_says_how_to_resume(runs, data, tmp_p
         # fast machine the 24 rows of a tiny model are otherwise written before the signal arrives). Held in short
         # sleeps, not one blocking wait: Linux may hand the SIGINT to another thread (OpenMP's, tqdm's), and only
         # a main thread that wakes runs Python's handler
-        "import runpy, sys, time; import chatglm_tune.extraction as e; write = e.append_rows; written = []; "
+        "import runpy, sys, time; import chatglm_tune.evaluation.extraction as e; write = e.append_rows; written = []; "
         "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), "
         "len(written) >= 2 and any(time.sleep(0.05) for _ in iter(int, 1))); "
         f"sys.argv = [{str(ROOT / 'infer.py')!r}, *{list(map(str, args))!r}]; "
@@ -276,7 +276,7 @@ def test_float16_on_a_cpu_says_it_is_slow(runs, capsys):
 def test_a_non_finite_loss_before_any_save_does_not_point_at_a_checkpoint(tmp_path):
     from accelerate import Accelerator
 
-    from chatglm_tune.training import TrainingError, _check_finite
+    from chatglm_tune.tuning.training import TrainingError, _check_finite
 
     with pytest.raises(TrainingError) as caught:
         _check_finite(Accelerator(cpu=True), torch.tensor(float("nan")), {"step": 0, "epoch": 0}, tmp_path)
@@ -288,7 +288,7 @@ def test_a_non_finite_loss_before_any_save_does_not_point_at_a_checkpoint(tmp_pa
 
 
 def test_the_smoothed_loss_runs_through_a_falling_curve():
-    from chatglm_tune.curves import smooth
+    from chatglm_tune.tuning.curves import smooth
 
     noise = torch.Generator().manual_seed(0)
     falling = [5 - 0.01 * i + 0.3 * float(torch.rand(1, generator=noise) - 0.5) for i in range(300)]
@@ -305,7 +305,7 @@ def test_the_smoothed_loss_runs_through_a_falling_curve():
     [],
 ], ids=["one-point", "one-point-and-eval", "zero-loss", "empty"])
 def test_a_curve_of_few_points_draws_without_warnings(tmp_path, entries):
-    from chatglm_tune.curves import plot_curves
+    from chatglm_tune.tuning.curves import plot_curves
 
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
@@ -351,7 +351,7 @@ def test_infer_says_when_it_cuts_a_text(runs, tmp_path, capsys):
 def test_a_quantized_model_counts_the_parameters_of_its_float_form(name, tmp_path):
     from chatglm_tune.models.registry import VERSIONS
     from chatglm_tune.quant.apply import quantize_model
-    from chatglm_tune.training import parameter_counts
+    from chatglm_tune.tuning.training import parameter_counts
 
     version = VERSIONS[name]
     model, _ = version.tiny([json.loads(line)["text"]

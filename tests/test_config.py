@@ -27,7 +27,7 @@ from commands import HANG_S, ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 COMMANDS = ("train", "infer", "quantize", "serve", "export")
-HEAVY = ("torch", "transformers", "peft", "accelerate", "chatglm_tune.auto")
+HEAVY = ("torch", "transformers", "peft", "accelerate", "chatglm_tune.runs.auto")
 
 
 def command_of(example: Path) -> str:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from chatglm_tune import cores
+from chatglm_tune.runtime import cores
 
 
 @pytest.fixture

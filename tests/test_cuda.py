@@ -36,16 +36,17 @@ from accelerate.state import AcceleratorState
 
 import infer as infer_cli
 import train as train_cli
-from chatglm_tune import loading, rundir, training
-from chatglm_tune.batches import SpecialIds, collate_prompts, collate_train, encode_record, prompt_ids
+from chatglm_tune.data.batches import SpecialIds, collate_prompts, collate_train, encode_record, prompt_ids
+from chatglm_tune.data.records import SPORecord, read_records
 from chatglm_tune.decoding.generation import generate
-from chatglm_tune.lora import apply_lora
 from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import EncodingOptions, LoraOptions
 from chatglm_tune.quant.apply import quantize_model
 from chatglm_tune.quant.format import unpack_int4
 from chatglm_tune.quant.modules import QuantizedLinear
-from chatglm_tune.records import SPORecord, read_records
+from chatglm_tune.runs import loading, rundir
+from chatglm_tune.runs.lora import apply_lora
+from chatglm_tune.tuning import training
 
 pytestmark = [
     pytest.mark.cuda,

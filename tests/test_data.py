@@ -1,4 +1,4 @@
-"""Tests of chatglm_tune.records (reading, validation) and chatglm_tune.batches (official P-tuning encoding,
+"""Tests of chatglm_tune.data.records (reading, validation) and chatglm_tune.data.batches (official P-tuning encoding,
 collators), and of the shipped synthetic set's generator `data/make_spo.py`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.batches import (
+from chatglm_tune.data.batches import (
     IGNORE_INDEX,
     EncodedDataset,
     SpecialIds,
@@ -20,10 +20,10 @@ from chatglm_tune.batches import (
     encode_record,
     prompt_ids,
 )
+from chatglm_tune.data.records import RecordError, SPORecord, Triple, answer_text, read_records
 from chatglm_tune.models.chatglm6b.positions import build_position_ids
 from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
 from chatglm_tune.options import EncodingOptions
-from chatglm_tune.records import RecordError, SPORecord, Triple, answer_text, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "发动机出现异响，水泵漏油。"

@@ -1,4 +1,4 @@
-"""Tests of the data shapes `chatglm_tune.records.read_records` accepts: both file layouts whatever the
+"""Tests of the data shapes `chatglm_tune.data.records.read_records` accepts: both file layouts whatever the
 suffix, bytes that are not UTF-8, conversations records, instruction/input/output records, and the
 errors of records that match no shape."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune.metrics import score_answers
+from chatglm_tune.data.records import RecordError, Triple, read_records
+from chatglm_tune.evaluation.metrics import score_answers
 from chatglm_tune.options import DataColumns
-from chatglm_tune.records import RecordError, Triple, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "发动机出现异响，水泵漏油。"

@@ -25,7 +25,7 @@ from commands import HANG_S, ROOT, finish, start
 from safetensors.torch import load_file
 from serving import tiny_model
 
-from chatglm_tune import loading
+from chatglm_tune.runs import loading
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed: pip install deepspeed")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune.batches import IGNORE_INDEX, encode_record
-from chatglm_tune.dialogues import TOOL_PROMPT, ToolCall
+from chatglm_tune.data.batches import IGNORE_INDEX, encode_record
+from chatglm_tune.data.dialogues import TOOL_PROMPT, ToolCall
+from chatglm_tune.data.records import RecordError, read_records
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions
-from chatglm_tune.records import RecordError, read_records
 from serving import TEXTS
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"

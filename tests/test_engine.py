@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.batches import SpecialIds
+from chatglm_tune.data.batches import SpecialIds
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding import emitter
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.engine import Engine, padding_groups
+from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Request
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
-from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.options import DraftOptions, EncodingOptions, SamplingOptions, ServingOptions
-from chatglm_tune.records import SPORecord
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [json.loads(line)["text"]

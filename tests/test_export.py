@@ -26,14 +26,14 @@ from serving import ROOT, TEXTS, tiny_model
 gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
 
 import export as export_cli  # noqa: E402
-from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.data.records import SPORecord  # noqa: E402
 from chatglm_tune.export import answering  # noqa: E402
+from chatglm_tune.export.gguf_file import TYPES  # noqa: E402
 from chatglm_tune.export.ollama import modelfile  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
-from chatglm_tune.models.registry import VERSIONS  # noqa: E402
-from chatglm_tune.records import SPORecord  # noqa: E402
-from chatglm_tune.export.gguf_file import TYPES  # noqa: E402
 from chatglm_tune.models.glm.weights import gguf_name, to_official  # noqa: E402
+from chatglm_tune.models.registry import VERSIONS  # noqa: E402
+from chatglm_tune.runs import loading  # noqa: E402
 
 GLM_VERSIONS = ("chatglm2", "chatglm3", "glm4")
 RELEASED_FORMS = ("glm4-0414", "glm-edge")  # in transformers' own form: transformers' keys, tokenizer.json
@@ -529,9 +529,9 @@ def test_the_sentencepiece_bpe_of_real_chatglm3_converts_exactly():
     real = ROOT.parent / "shared" / "assets" / "chatglm3" / "tokenizer.model"
     if not real.is_file():
         pytest.skip("the real ChatGLM3 tokenizer.model is not in this checkout")
+    from chatglm_tune.data.tokenizing import sentencepiece_model_type
     from chatglm_tune.export.hf_dir import _sentencepiece_backend
     from chatglm_tune.models.glm.sp_tokenizer import ChatGLM3Tokenizer
-    from chatglm_tune.tokenizing import sentencepiece_model_type
 
     tokenizer = ChatGLM3Tokenizer(str(real))
     assert sentencepiece_model_type(tokenizer.sp_model) == "bpe"
@@ -667,7 +667,7 @@ def test_an_unwritable_destination_is_a_one_line_error_before_loading(models, tm
 # sends SIGTERM (the export of a tiny model is otherwise over before a signal could reach it).
 PAUSED_EXPORT = """
 import pathlib, runpy, sys, time
-from chatglm_tune import checkpoint
+from chatglm_tune.runtime import checkpoint
 
 def paused(path, write, atomic_write=checkpoint.atomic_write, writing=pathlib.Path(sys.argv[1])):
     def write_then_wait(tmp):

@@ -61,7 +61,7 @@ def post(base: str, path: str, body: dict) -> dict:
 def test_llama_server_asks_a_run_as_infer_and_answers_greedily_by_default(runs, tmp_path, name):
     """The GGUF's chat template puts the run's instruction before the user's text (the ids infer.py feeds), and its
     sampling defaults are greedy: requests with no temperature give one answer, whatever their seed."""
-    from chatglm_tune import loading
+    from chatglm_tune.runs import loading
 
     root, found = runs
     run = found[name][0]

@@ -18,13 +18,13 @@ gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pi
 from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
 from serving import TEXTS  # noqa: E402
 
-from chatglm_tune import loading  # noqa: E402
 from chatglm_tune.export import gguf_moe  # noqa: E402
 from chatglm_tune.export.gguf_file import write_gguf  # noqa: E402
 from chatglm_tune.export.hf_dir import write_hf  # noqa: E402
 from chatglm_tune.export.source import open_export  # noqa: E402
 from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
+from chatglm_tune.runs import loading  # noqa: E402
 
 VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
             "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2)}

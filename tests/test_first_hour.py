@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import chatglm_tune
-from chatglm_tune import loading, rundir
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runs import loading, rundir
 from commands import HANG_S, ROOT, cli, finish, ok, side_by_side, start, wait_until
 
 DEV = ROOT / "data" / "spo_dev.jsonl"
@@ -289,7 +289,7 @@ def test_quantize_on_an_adapter_directory_points_at_its_base(work, tmp_path):
 def test_help_imports_neither_torch_nor_transformers(script):
     probe = ("import runpy, sys; sys.argv = [{0!r}, '--help']\n"
              "try:\n    runpy.run_path({0!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.auto') if m in "
+             "heavy = [m for m in ('torch', 'transformers', 'peft', 'accelerate', 'chatglm_tune.runs.auto') if m in "
              "sys.modules]\nprint('HEAVY', heavy)").format(str(ROOT / script))
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
@@ -314,7 +314,7 @@ print(type(AutoTokenizer.from_pretrained({tokenizer!r})).__name__)
 
 AUTO_FIRSTS = ["import chatglm_tune", "import transformers; import chatglm_tune",
                "import chatglm_tune; import transformers.models.auto.configuration_auto",
-               "from chatglm_tune import loading", "import chatglm_tune, importlib.util; "
+               "from chatglm_tune.runs import loading", "import chatglm_tune, importlib.util; "
                                                    "importlib.util.find_spec('transformers.models.auto.configuration_auto')"]
 
 

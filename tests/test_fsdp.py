@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 import yaml
 from serving import tiny_model
 
-from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_train
+from chatglm_tune.data.batches import EncodedDataset, SpecialIds, collate_train
+from chatglm_tune.data.records import read_records
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions, LoraOptions, TrainOptions
-from chatglm_tune.records import read_records
-from chatglm_tune.training import decoder_layers
+from chatglm_tune.tuning.training import decoder_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = sorted(registry.VERSIONS)
@@ -46,7 +46,7 @@ def wrap_policy(model):
 
 def tuned(directory: Path, name: str, tuning: str):
     """The version's model of `directory` made ready for `tuning` as train.py makes it (LoRA r 4, prefix 4)."""
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.tuning.training import set_trainable
 
     version = registry.VERSIONS[name]
     torch.manual_seed(1)

@@ -21,12 +21,12 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.loading import load_model, resolve_run
-from chatglm_tune.lora import load_lora
 from chatglm_tune.models.glm.modeling import load_glm
 from chatglm_tune.models.glm.weights import adapter_targets, adapter_to_transformers
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runs.loading import load_model, resolve_run
+from chatglm_tune.runs.lora import load_lora
+from chatglm_tune.runtime.checkpoint import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, GlmConfig
 
-from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.config import detect_version, glm_config, official_config
 from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix, load_glm, positions_from_mask, save_official
 from chatglm_tune.models.glm.prefix import prefix_width
 from chatglm_tune.models.glm.weights import qkv_rows, to_official, to_transformers
+from chatglm_tune.runtime.checkpoint import CheckpointError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VERSIONS = ("chatglm2", "chatglm3", "glm4")

@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chatglm_tune.checkpoint import CheckpointError
-from chatglm_tune.lora import apply_lora
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.modeling import load_glm, save_official
-from chatglm_tune.quant import int8dot_cpu
 from chatglm_tune.models.glm.weights import qkv_rows, split_rows
 from chatglm_tune.options import LoraOptions
+from chatglm_tune.quant import int8dot_cpu
 from chatglm_tune.quant.apply import quantize_model
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runs.lora import apply_lora
+from chatglm_tune.runtime.checkpoint import CheckpointError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VERSIONS = ("chatglm2", "chatglm3", "glm4")

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from chatglm_tune import checkpoint, loading
 from chatglm_tune.models.glm.config import glm_config
 from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix, load_glm, save_official
 from chatglm_tune.models.registry import VERSIONS
@@ -22,7 +21,9 @@ from chatglm_tune.options import TrainOptions
 from chatglm_tune.quant.apply import quantize_embedding
 from chatglm_tune.quant.format import dequantize
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
-from chatglm_tune.training import set_trainable
+from chatglm_tune.runs import loading
+from chatglm_tune.runtime import checkpoint
+from chatglm_tune.tuning.training import set_trainable
 from test_glm_quantization import golden_dir, official_quantize, raw_config
 from test_tiny_glm4 import in_process
 from test_versions import DEV

@@ -32,18 +32,18 @@ from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConf
                           Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
 
 from chatglm_tune import from_pretrained
-from chatglm_tune.batches import encode_record, prompt_ids
-from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.data.batches import encode_record, prompt_ids
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.export.ollama import modelfile
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, train_released_bpe
 from chatglm_tune.models.glm.latent_attention import ABSORBED_MAX_QUERIES
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE
+from chatglm_tune.runtime.checkpoint import CheckpointError
 from chatglm_tune.models.glm.modeling import (Glm4ForCausalLMWithPrefix, Glm4MoeForCausalLMWithPrefix,
                                               Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix)
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.options import EncodingOptions
-from chatglm_tune.records import SPORecord
 from test_versions import assert_record_text_is_data
 
 CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", "Hello world, the fan turns slowly: 42.",

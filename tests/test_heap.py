@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from torch import nn
 
-from chatglm_tune import heap
+from chatglm_tune.runtime import heap
 
 GLIBC = heap._glibc("mallopt") is not None
 

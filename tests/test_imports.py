@@ -2,19 +2,24 @@
 
     command lines: cli/ (train, infer, quantize, serve, export, the `chatglm-tune` dispatcher, --config files) and
     __main__ (`python -m chatglm_tune`); the scripts train.py, infer.py, ... at the repository's root run cli/'s
-      -> training, extraction, metrics (callmetrics, textmetrics), lora, loading, rundir, auto, serve/, export/
-         (the upper layers)
-      -> models/registry.py -> models/<family>/ (chatglm6b, glm) -> models/version.py (the interface)
-      -> shared layers: batches, records, dialogues, decoding/ (generation, the engine, chat), prefix, checkpoint,
-         tokenizing, quant/, heap, openmp
+      -> tuning/ (training, curves), serve/, export/, the package's __init__        (the upper rooms, top)
+      -> runs/ (loading, rundir, lora, auto), evaluation/ (extraction, shards, metrics, textmetrics, callmetrics)
+         (the upper rooms beneath them: neither imports the other)
+      -> models/registry.py -> models/<family>/ (chatglm6b, glm)
+      -> models/version.py (the interface), models/prefix.py, models/loss.py (what every family uses)
+      -> decoding/ (generation, the engine, chat)                                      (the shared rooms)
+      -> data/ (records, dialogues, batches, tokenizing), quant/
+      -> runtime/ (checkpoint, heap, openmp, cores, stopping, crashpoints, leftovers)
       -> options
 
-Nothing outside the command lines imports them; a family never imports another family, the registry or an upper
-layer; a shared layer never imports `models/`; no module imports one that imports it back (a function-level import
-counts: it is the same knot, tied later). Every module must be placed in one of these rooms, so a new one is a
-decision. Also: no comparison with a version name ("glm4", ...) outside the folder of that version's family, no
-comment or docstring that points outside the repository, no function of the package over 80 lines (methods, async
-and nested functions included) and no .py file under bench/ over 400 lines.
+Nothing outside the command lines imports them; an upper room imports only upper rooms beneath its own; a family
+never imports another family, the registry or an upper room; the interface imports only shared rooms; a shared room
+never imports `models/`, an upper room or a shared room above its own; no module imports one that imports it back (a
+function-level import counts: it is the same knot, tied later). Every module must be placed in one of these rooms, so
+a new one is a decision, and the package's root holds at most 3 modules besides its `__init__` (now `options` and
+`__main__`): everything else lives in a room. Also: no comparison with a version name ("glm4", ...) outside the
+folder of that version's family, no comment or docstring that points outside the repository, no function of the
+package over 80 lines (methods, async and nested functions included) and no .py file under bench/ over 400 lines.
 """
 
 from __future__ import annotations
@@ -30,12 +35,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "chatglm_tune"
 
-SHARED = {"options", "heap", "openmp", "cores", "crashpoints", "leftovers", "stopping", "loss", "checkpoint", "prefix",
-          "records", "dialogues", "batches", "decoding", "tokenizing", "quant"}
-UPPER = {"training", "extraction", "shards", "metrics", "textmetrics", "callmetrics", "curves", "lora", "loading",
-         "rundir", "auto", "serve", "export", ""}  # "": __init__
+# The shared rooms by level: a shared module imports its own room and the rooms of lower levels only.
+SHARED = {"options": 0, "runtime": 1, "data": 2, "quant": 2, "decoding": 3}
+# The upper rooms by level: an upper module imports its own room, the upper rooms of lower levels and anything of
+# `models/` and the shared rooms. "": the package's __init__.
+UPPER = {"runs": 0, "evaluation": 0, "tuning": 1, "serve": 1, "export": 1, "": 1}
 FAMILIES = {"chatglm6b", "glm"}
+INTERFACE = {"", "version", "prefix", "loss"}  # models/ and these modules of it: what the families share
 COMMANDS = {"cli", "__main__"}  # the top: they import any room, and no module outside them imports them
+MAX_ROOT_MODULES = 3  # modules at the package's root besides __init__.py
 
 
 def module_name(path: Path) -> str:
@@ -73,22 +81,24 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def room(module: str) -> str:
-    """"command", "shared", "interface", "family:<name>", "registry" or "upper"; KeyError for a module in no room."""
+    """"command", "shared:<room>", "interface", "family:<name>", "registry" or "upper:<room>"; KeyError for a
+    module in no room."""
     parts = module.split(".")[1:]
-    if (parts[0] if parts else "") in COMMANDS:
+    first = parts[0] if parts else ""
+    if first in COMMANDS:
         return "command"
-    if parts[:1] == ["models"]:
-        if parts[1:] in ([], ["version"]):
+    if first == "models":
+        if len(parts) <= 2 and (parts[1:] or [""])[0] in INTERFACE:
             return "interface"
         if parts[1:] == ["registry"]:
             return "registry"
         if len(parts) > 1 and parts[1] in FAMILIES:
             return f"family:{parts[1]}"
-    elif (parts[0] if parts else "") in SHARED:
-        return "shared"
-    elif (parts[0] if parts else "") in UPPER:
-        return "upper"
-    raise KeyError(f"{module} is in no room: add it to SHARED, UPPER or FAMILIES in {Path(__file__).name}")
+    elif first in SHARED:
+        return f"shared:{first}"
+    elif first in UPPER:
+        return f"upper:{first}"
+    raise KeyError(f"{module} is in no room: add it to SHARED, UPPER, INTERFACE or FAMILIES in {Path(__file__).name}")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -110,46 +120,66 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def allowed(mine: str, theirs: str) -> bool:
+    """Whether a module of room `mine` may import one of room `theirs` (rooms as `room` names them)."""
+    kind, _, name = mine.partition(":")
+    their_kind, _, their_name = theirs.partition(":")
+    if kind == "command":
+        return True
+    if kind == "upper":
+        return their_kind != "command" and (their_kind != "upper" or theirs == mine or UPPER[their_name] < UPPER[name])
+    if kind == "registry":
+        return their_kind in ("shared", "interface", "family")
+    if kind == "family":
+        return their_kind in ("shared", "interface") or theirs == mine
+    if kind == "interface":
+        return their_kind in ("shared", "interface")
+    return their_kind == "shared" and (theirs == mine or SHARED[their_name] < SHARED[name])  # a shared room
+
+
 def violations(graph: dict[str, set[str]]) -> list[str]:
-    """Imports against the direction of the rooms."""
-    allowed = {"shared": {"shared"}, "interface": {"shared", "interface"},
-               "registry": {"shared", "interface", "family"}}
-    out = []
-    for module, imports in sorted(graph.items()):
-        mine = room(module)
-        for target in sorted(imports):
-            theirs = room(target)
-            if mine.startswith("family:"):
-                ok = theirs in ("shared", "interface", mine)
-            elif mine == "command":
-                ok = True
-            elif mine == "upper":
-                ok = theirs != "command"
-            else:
-                ok = theirs.split(":")[0] in allowed[mine]
-            if not ok:
-                out.append(f"{module} ({mine}) imports {target} ({theirs})")
-    return out
+    """Imports against the direction of the rooms (KeyError for a module in no room, importing or not)."""
+    rooms = {module: room(module) for module in {*graph, *(t for imports in graph.values() for t in imports)}}
+    return [f"{module} ({rooms[module]}) imports {target} ({rooms[target]})"
+            for module, imports in sorted(graph.items()) for target in sorted(imports)
+            if not allowed(rooms[module], rooms[target])]
 
 
 def test_the_checks_catch_a_circle_and_imports_against_the_rooms():
-    graph = {"chatglm_tune.batches": {"chatglm_tune.decoding.generation"},
-             "chatglm_tune.decoding.generation": {"chatglm_tune.batches"},
-             "chatglm_tune.models.glm.modeling": {"chatglm_tune.models.chatglm6b.config", "chatglm_tune.loading"},
-             "chatglm_tune.prefix": {"chatglm_tune.models.registry"}, "chatglm_tune.models.chatglm6b.config": set(),
-             "chatglm_tune.loading": {"chatglm_tune.cli.config"}, "chatglm_tune.models.registry": set(),
-             "chatglm_tune.cli.train": {"chatglm_tune.loading", "chatglm_tune.cli.config"},
-             "chatglm_tune.cli.config": set(),
+    graph = {"chatglm_tune.data.batches": {"chatglm_tune.decoding.generation"},
+             "chatglm_tune.decoding.generation": {"chatglm_tune.data.batches", "chatglm_tune.quant.modules"},
+             "chatglm_tune.quant.modules": {"chatglm_tune.runtime.heap"}, "chatglm_tune.runtime.heap": set(),
+             "chatglm_tune.runtime.checkpoint": {"chatglm_tune.data.records", "chatglm_tune.options"},
+             "chatglm_tune.data.records": set(), "chatglm_tune.options": set(),
+             "chatglm_tune.models.glm.modeling": {"chatglm_tune.models.chatglm6b.config", "chatglm_tune.runs.loading",
+                                                  "chatglm_tune.models.prefix", "chatglm_tune.models.loss"},
+             "chatglm_tune.models.prefix": {"chatglm_tune.models.registry", "chatglm_tune.runtime.checkpoint"},
+             "chatglm_tune.models.loss": {"chatglm_tune.data.batches"}, "chatglm_tune.models.chatglm6b.config": set(),
+             "chatglm_tune.runs.loading": {"chatglm_tune.cli.config", "chatglm_tune.evaluation.metrics"},
+             "chatglm_tune.evaluation.metrics": {"chatglm_tune.tuning.curves"}, "chatglm_tune.tuning.curves": set(),
+             "chatglm_tune.tuning.training": {"chatglm_tune.runs.loading", "chatglm_tune.evaluation.metrics",
+                                              "chatglm_tune.serve.app"}, "chatglm_tune.serve.app": set(),
+             "chatglm_tune.models.registry": set(), "chatglm_tune.cli.config": set(),
+             "chatglm_tune.cli.train": {"chatglm_tune.tuning.training", "chatglm_tune.cli.config"},
              "chatglm_tune.__main__": {"chatglm_tune.cli.main"}, "chatglm_tune.cli.main": {"chatglm_tune.cli.train"}}
-    assert cycles(graph) == [["chatglm_tune.batches", "chatglm_tune.decoding.generation", "chatglm_tune.batches"]]
+    assert cycles(graph) == [["chatglm_tune.data.batches", "chatglm_tune.decoding.generation",
+                              "chatglm_tune.data.batches"]]
     assert violations(graph) == [
-        "chatglm_tune.loading (upper) imports chatglm_tune.cli.config (command)",
-        "chatglm_tune.models.glm.modeling (family:glm) imports chatglm_tune.loading (upper)",
+        "chatglm_tune.data.batches (shared:data) imports chatglm_tune.decoding.generation (shared:decoding)",
+        "chatglm_tune.evaluation.metrics (upper:evaluation) imports chatglm_tune.tuning.curves (upper:tuning)",
         "chatglm_tune.models.glm.modeling (family:glm) imports chatglm_tune.models.chatglm6b.config (family:chatglm6b)",
-        "chatglm_tune.prefix (shared) imports chatglm_tune.models.registry (registry)",
+        "chatglm_tune.models.glm.modeling (family:glm) imports chatglm_tune.runs.loading (upper:runs)",
+        "chatglm_tune.models.prefix (interface) imports chatglm_tune.models.registry (registry)",
+        "chatglm_tune.runs.loading (upper:runs) imports chatglm_tune.cli.config (command)",
+        "chatglm_tune.runs.loading (upper:runs) imports chatglm_tune.evaluation.metrics (upper:evaluation)",
+        "chatglm_tune.runtime.checkpoint (shared:runtime) imports chatglm_tune.data.records (shared:data)",
+        "chatglm_tune.tuning.training (upper:tuning) imports chatglm_tune.serve.app (upper:serve)",
     ]
-    with pytest.raises(KeyError, match="in no room"):
-        room("chatglm_tune.serving")
+    for stray in ("chatglm_tune.serving", "chatglm_tune.models.trainer", "chatglm_tune.utils.text"):
+        with pytest.raises(KeyError, match="in no room"):
+            room(stray)
+    with pytest.raises(KeyError, match="chatglm_tune.helpers is in no room"):
+        violations({"chatglm_tune.helpers": set()})  # placed or not, importing nothing or not
 
 
 def test_the_package_has_no_import_circle():
@@ -158,6 +188,21 @@ def test_the_package_has_no_import_circle():
 
 def test_imports_flow_one_way_through_the_rooms():
     assert violations(import_graph()) == []
+
+
+def root_modules(package: Path) -> list[str]:
+    """The modules at the package's root, `__init__` aside."""
+    return sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+
+
+def test_the_package_root_holds_at_most_3_modules(tmp_path):
+    assert root_modules(PACKAGE) == ["__main__", "options"]
+    assert len(root_modules(PACKAGE)) <= MAX_ROOT_MODULES
+    for name in ("__init__", "__main__", "options", "helpers", "utils"):
+        (tmp_path / f"{name}.py").write_text("", encoding="utf-8")
+    (tmp_path / "room").mkdir()
+    (tmp_path / "room" / "inside.py").write_text("", encoding="utf-8")
+    assert len(root_modules(tmp_path)) == 4 > MAX_ROOT_MODULES  # one module too many, the room's not counted
 
 
 def test_no_version_name_is_compared_outside_its_family():

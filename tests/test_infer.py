@@ -1,4 +1,4 @@
-"""End-to-end tests of infer.py and chatglm_tune.extraction on a tiny random model and a small tokenizer.
+"""End-to-end tests of infer.py and chatglm_tune.evaluation.extraction on a tiny random model and a small tokenizer.
 
 The model is random, so the generated text is noise; what is tested is the plumbing: every record
 once, in input order, identical between batch sizes, after a SIGKILL and `--resume`, with adapters
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-from chatglm_tune.batches import SpecialIds, collate_prompts, prompt_ids
-from chatglm_tune.extraction import extract, rows_to_resume
+from chatglm_tune.data.batches import SpecialIds, collate_prompts, prompt_ids
+from chatglm_tune.data.records import SPORecord, read_records
 from chatglm_tune.decoding.generation import generate
-from chatglm_tune.loading import load_run, resolve_run
+from chatglm_tune.evaluation.extraction import extract, rows_to_resume
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.quant.modules import QuantizedLinear
-from chatglm_tune.records import SPORecord, read_records
-from chatglm_tune.rundir import RunDirectoryError
+from chatglm_tune.runs.loading import load_run, resolve_run
+from chatglm_tune.runs.rundir import RunDirectoryError
 from commands import ROOT, cli, ok, side_by_side, wait_until
 
 INFER = ROOT / "infer.py"
@@ -192,7 +192,7 @@ def test_resume_after_sigkill_gives_the_uninterrupted_file(workdir, tmp_path):
             "--max-new-tokens", "10", "--batch-size", "2"]
     stalled = tmp_path / "stalled"
     stalled_infer = (  # infer.py that stops for good once it has written 3 rows (and says so): killed mid-run
-        "import pathlib, runpy, sys, threading; import chatglm_tune.extraction as e; write = e.append_rows; "
+        "import pathlib, runpy, sys, threading; import chatglm_tune.evaluation.extraction as e; write = e.append_rows; "
         f"written = []; stalled = pathlib.Path({str(stalled)!r}); "
         "e.append_rows = lambda f, rows: (write(f, rows), written.extend(rows), "
         "len(written) >= 3 and (stalled.touch(), threading.Event().wait())); "

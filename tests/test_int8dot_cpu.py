@@ -350,8 +350,8 @@ def test_a_layout_a_forced_kernel_left_is_interleaved_again():
 
 @needs_kernel
 def test_a_weight_of_whole_huge_pages_is_held_in_them_where_linux_offers_them():
-    from chatglm_tune import heap
     from chatglm_tune.quant.format import quantize_rows
+    from chatglm_tune.runtime import heap
 
     layer = QuantizedLinear.from_linear(nn.Linear(4096, 1024).half(), 8)  # 4 MB
     official_weight, x = layer.weight.clone(), torch.randn(1, 4096)

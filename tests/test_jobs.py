@@ -17,7 +17,7 @@ import pytest
 import yaml
 from commands import HANG_S, ONE_THREAD, ROOT, wait_until
 
-from chatglm_tune import crashpoints
+from chatglm_tune.runtime import crashpoints
 
 JOBS = ROOT / "docs" / "jobs"
 SMALL = "--tuning full --max-steps 40 --log-every 1 --batch-size 4 --threads 1 --max-src-len 64 --max-len 96"

@@ -7,8 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from chatglm_tune import leftovers
-from chatglm_tune.checkpoint import atomic_write
+from chatglm_tune.runtime import leftovers
+from chatglm_tune.runtime.checkpoint import atomic_write
 
 
 def ended_pid() -> int:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatglm_tune.loss import causal_lm_loss
+from chatglm_tune.models.loss import causal_lm_loss
 
 
 def plain_loss(head, hidden, labels):

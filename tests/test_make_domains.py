@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune.records import read_records
+from chatglm_tune.data.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 

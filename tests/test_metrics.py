@@ -1,12 +1,12 @@
-"""Tests of chatglm_tune.metrics on hand-built cases: parsing generated text, micro / per-sample /
+"""Tests of chatglm_tune.evaluation.metrics on hand-built cases: parsing generated text, micro / per-sample /
 per-relation P/R/F1, and incremental accumulation."""
 
 from __future__ import annotations
 
 import pytest
 
-from chatglm_tune.metrics import PRF, SPOScorer, parse_triples, score_answers, score_record
-from chatglm_tune.records import SPORecord, Triple
+from chatglm_tune.data.records import SPORecord, Triple
+from chatglm_tune.evaluation.metrics import PRF, SPOScorer, parse_triples, score_answers, score_record
 
 
 def score_texts(generated, gold):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
-from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.runtime.checkpoint import CheckpointError
 from conftest import left_pad_mask
 
 TOL = 1e-3
@@ -127,7 +127,7 @@ def test_prefix_checkpoint_round_trip_and_mismatch_messages(golden, tmp_path):
 
 def test_ptuning_backward_updates_only_the_prefix_encoder(golden):
     from chatglm_tune.options import TrainOptions
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.tuning.training import set_trainable
 
     model = golden.model(pre_seq_len=3).train()
     assert all(p.requires_grad for p in model.parameters())  # building a model decides nothing about training

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from torch import nn
 
 import quantize
-from chatglm_tune import loading
-from chatglm_tune.lora import load_lora
 from chatglm_tune.quant.experts import QuantizedExperts, quantize_experts
 from chatglm_tune.quant.format import dequantize
+from chatglm_tune.runs import loading
+from chatglm_tune.runs.lora import load_lora
 from serving import serve_py, tiny_model
 from test_tiny_glm4 import in_process
 from test_versions import DEV

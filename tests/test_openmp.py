@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from chatglm_tune import openmp
-from chatglm_tune.batches import SpecialIds
+from chatglm_tune.data.batches import SpecialIds
 from chatglm_tune.decoding.engine import Engine
+from chatglm_tune.runtime import openmp
 
 pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and openmp._pause_functions()),
                                 reason="an OpenMP 5 runtime on Linux (/proc/self/task lists the threads)")

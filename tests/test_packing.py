@@ -7,12 +7,12 @@ import pytest
 import torch
 from serving import tiny_model
 
-from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_train, pack, segment_positions,
-                                  segment_visibility)
+from chatglm_tune.data.batches import (EncodedDataset, SpecialIds, collate_packed, collate_train, pack,
+                                       segment_positions, segment_visibility)
+from chatglm_tune.data.records import read_records
 from chatglm_tune.models import registry
 from chatglm_tune.options import EncodingOptions, LoraOptions, TrainOptions
-from chatglm_tune.records import read_records
-from chatglm_tune.training import set_trainable
+from chatglm_tune.tuning.training import set_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = sorted(registry.VERSIONS)

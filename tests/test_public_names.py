@@ -105,14 +105,14 @@ def resolves(dotted: str) -> bool:
 
 def test_the_readme_names_resolve():
     names = readme_names((ROOT / "README.md").read_text(encoding="utf-8"))
-    assert "chatglm_tune.from_pretrained" in names and "chatglm_tune.loading" in names
+    assert "chatglm_tune.from_pretrained" in names and "chatglm_tune.runs.loading" in names
     assert [n for n in names if not resolves(n)] == []
 
 
 def test_a_moved_readme_name_is_caught():
     assert readme_names("```python\nfrom chatglm_tune import generation\nchatglm_tune.quantization.x()\n```") == [
         "chatglm_tune.generation", "chatglm_tune.quantization.x"]
-    assert not resolves("chatglm_tune.generation") and not resolves("chatglm_tune.loading.no_such_name")
+    assert not resolves("chatglm_tune.generation") and not resolves("chatglm_tune.runs.loading.no_such_name")
 
 
 # --------------------------------------------------------------------------------------------------------------------

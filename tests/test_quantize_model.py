@@ -32,16 +32,17 @@ from safetensors import safe_open
 from torch import nn
 
 import quantize
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, rundir
-from chatglm_tune.batches import EncodedDataset, SpecialIds, collate_train
-from chatglm_tune.loading import load_run, resolve_run
-from chatglm_tune.lora import LoraOptions, apply_lora, load_lora
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
+from chatglm_tune.data.batches import EncodedDataset, SpecialIds, collate_train
+from chatglm_tune.data.records import read_records
 from chatglm_tune.options import EncodingOptions
 from chatglm_tune.quant import int4_cpu, int8dot_cpu
 from chatglm_tune.quant.apply import quantize_embedding
 from chatglm_tune.quant.modules import QuantizedEmbedding, QuantizedLinear
-from chatglm_tune.records import read_records
-from chatglm_tune.training import TrainOptions, prepare_model
+from chatglm_tune.runs import rundir
+from chatglm_tune.runs.loading import load_run, resolve_run
+from chatglm_tune.runs.lora import LoraOptions, apply_lora, load_lora
+from chatglm_tune.tuning.training import TrainOptions, prepare_model
 from conftest import GOLDEN_DIRS, Golden
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from chatglm_tune.decoding.generation import generate
-from chatglm_tune.lora import apply_lora
 from chatglm_tune.models.registry import VERSIONS
 from chatglm_tune.options import LoraOptions
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import quantize_model
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runs.lora import apply_lora
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "spo_dev.jsonl"
 TEXTS = [json.loads(line)["text"] for line in DATA.read_text(encoding="utf-8").splitlines()[:40]]
@@ -52,7 +52,7 @@ def test_a_quantized_model_runs_and_trains_after_generate(name, bits, tmp_path):
 
 
 def _record(text):
-    from chatglm_tune.records import SPORecord
+    from chatglm_tune.data.records import SPORecord
 
     return SPORecord(text=text, triples=None)
 

@@ -15,7 +15,7 @@ import pytest
 from commands import HANG_S, ROOT, ONE_THREAD
 from serving import tiny_model
 
-from chatglm_tune import crashpoints
+from chatglm_tune.runtime import crashpoints
 
 # LoRA with dropout on a tiny ChatGLM3 base, 2 micro-batches a step: a stop in the middle of a step has drawn
 # dropout's random numbers that the resumed run must draw again.

@@ -21,8 +21,8 @@ import torch
 
 import chatglm_tune
 import train as train_cli
-from chatglm_tune import loading, rundir
-from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.runs import loading, rundir
+from chatglm_tune.runtime.checkpoint import CheckpointError
 from commands import ROOT, cli
 
 DEV = ROOT / "data" / "spo_dev.jsonl"

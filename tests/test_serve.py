@@ -30,15 +30,15 @@ pytest.importorskip("starlette", reason='the server needs its extra: pip install
 uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
-from chatglm_tune import loading  # noqa: E402
+from chatglm_tune.data.dialogues import TOOL_PROMPT  # noqa: E402
+from chatglm_tune.data.records import SPORecord  # noqa: E402
 from chatglm_tune.decoding.batch_cache import BatchCache  # noqa: E402
 from chatglm_tune.decoding.chat import chat  # noqa: E402
 from chatglm_tune.decoding.engine import Engine  # noqa: E402
-from chatglm_tune.extraction import extract  # noqa: E402
-from chatglm_tune.dialogues import TOOL_PROMPT  # noqa: E402
 from chatglm_tune.decoding.generation import generate  # noqa: E402
+from chatglm_tune.evaluation.extraction import extract  # noqa: E402
 from chatglm_tune.options import DraftOptions, ExtractionSettings, ServingOptions, SamplingOptions  # noqa: E402
-from chatglm_tune.records import SPORecord  # noqa: E402
+from chatglm_tune.runs import loading  # noqa: E402
 from chatglm_tune.serve.app import build_app  # noqa: E402
 from chatglm_tune.serve.service import Service  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
@@ -475,9 +475,9 @@ def taught(version: str, directory: Path, text: str, triples) -> Path:
     """A tiny random model of `version` taught one record (its prompt as infer.py and completions build it, its
     answer one triple a line) until every answer token leads the model's next best by a logit or more, teacher
     forced: far beyond what float rounding moves, so greedy decoding writes that multi-line answer on any CPU."""
+    from chatglm_tune.data.records import Triple
     from chatglm_tune.models import registry
     from chatglm_tune.options import EncodingOptions
-    from chatglm_tune.records import Triple
 
     torch.manual_seed(0)
     model, tokenizer = registry.VERSIONS[version].tiny(TEXTS, directory)

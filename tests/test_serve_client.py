@@ -24,10 +24,10 @@ pytest.importorskip("starlette", reason='the server needs its extra: pip install
 pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 
+from chatglm_tune.data.dialogues import TOOL_PROMPT  # noqa: E402
+from chatglm_tune.data.records import SPORecord  # noqa: E402
 from chatglm_tune.decoding.chat import prepare_turn  # noqa: E402
-from chatglm_tune.dialogues import TOOL_PROMPT  # noqa: E402
 from chatglm_tune.options import DEFAULT_DRAFTS, EncodingOptions, SamplingOptions, ServingOptions  # noqa: E402
-from chatglm_tune.records import SPORecord  # noqa: E402
 from commands import HANG_S, wait_until  # noqa: E402
 from serving import TEXTS, serve_py, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
@@ -465,8 +465,8 @@ def test_tool_use_that_training_refuses_is_400_naming_the_parameter(version, mes
     calls answered in turn pass);
     a tool's result at all where the version has no tool form (GLM-4.5, whose `tools` and `tool_calls` are refused
     too). 400 naming the request's parameter, with the reason training gives (as the code, or the same message)."""
-    from chatglm_tune import loading
-    from chatglm_tune.dialogues import Turn
+    from chatglm_tune.data.dialogues import Turn
+    from chatglm_tune.runs import loading
     from chatglm_tune.serve.protocol import ApiError, parse_call
     from chatglm_tune.serve.service import Service
 

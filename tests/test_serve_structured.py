@@ -20,7 +20,7 @@ pytest.importorskip("llguidance", reason='constrained decoding needs llguidance:
 openai = pytest.importorskip("openai", reason="the tests call the server with the official client: pip install openai")
 pydantic = pytest.importorskip("pydantic", reason="the openai client's parse() takes a pydantic model")
 
-from chatglm_tune.batches import SpecialIds  # noqa: E402
+from chatglm_tune.data.batches import SpecialIds  # noqa: E402
 from chatglm_tune.decoding import grammar  # noqa: E402
 from chatglm_tune.decoding.engine import Engine  # noqa: E402
 from chatglm_tune.decoding.request import Request  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from commands import HANG_S, ONE_THREAD, ROOT
 from serving import free_port, tiny_model
 
-from chatglm_tune import crashpoints
+from chatglm_tune.runtime import crashpoints
 
 TWO = {"WORLD_SIZE": "2"}
 

@@ -15,7 +15,7 @@ import torch
 from test_engine import SAMPLINGS, TEXTS, Recorder, prompts_of, run_until_idle
 
 import serve as serve_cli
-from chatglm_tune.batches import SpecialIds
+from chatglm_tune.data.batches import SpecialIds
 from chatglm_tune.decoding import slot_cache, static_decoding
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.generation import generate

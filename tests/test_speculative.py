@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding import drafting
 from chatglm_tune.decoding.drafting import AnswerPool, Drafter, follow, guess
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
-from chatglm_tune.loading import from_pretrained
-from chatglm_tune.lora import apply_lora, merge_lora
 from chatglm_tune.models import registry
 from chatglm_tune.options import DraftOptions, EncodingOptions, LoraOptions
 from chatglm_tune.quant.apply import quantize_model
 from chatglm_tune.quant.modules import QuantizedLinear
-from chatglm_tune.records import SPORecord
+from chatglm_tune.runs.loading import from_pretrained
+from chatglm_tune.runs.lora import apply_lora, merge_lora
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [json.loads(line)["text"]

@@ -14,11 +14,11 @@ from test_speculative import TEXTS, answering_each_prompt, batch_of
 
 from chatglm_tune.decoding import static_decoding
 from chatglm_tune.decoding.generation import generate, generate_steps
-from chatglm_tune.loading import from_pretrained
 from chatglm_tune.models import registry
 from chatglm_tune.options import DraftOptions, SamplingOptions
 from chatglm_tune.quant.apply import quantize_model
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runs.loading import from_pretrained
 
 NEW = 20
 SAMPLING = SamplingOptions(do_sample=True, top_p=0.9, temperature=0.9)

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from chatglm_tune.stopping import Stopped, exit_status, signal_name, signals_stop
+from chatglm_tune.runtime.stopping import Stopped, exit_status, signal_name, signals_stop
 
 
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1"])
@@ -40,7 +40,7 @@ def test_pythons_own_ctrl_c_is_sigint():
 
 
 def test_a_crash_point_is_parsed_with_its_rank_and_a_bad_one_is_named():
-    from chatglm_tune import crashpoints
+    from chatglm_tune.runtime import crashpoints
 
     assert crashpoints.parse(crashpoints.spell("train-step", 2, "SIGTERM", 1)) == ("train-step", 2, "SIGTERM", 1)
     assert crashpoints.parse("append#3:SIGKILL") == ("append", 3, "SIGKILL", None)

@@ -1,4 +1,4 @@
-"""Tests of chatglm_tune.textmetrics: the official ChatGLM P-tuning generation metrics (ROUGE-1/2/L
+"""Tests of chatglm_tune.evaluation.textmetrics: the official ChatGLM P-tuning generation metrics (ROUGE-1/2/L
 over jieba words, BLEU-4 over characters, x100 rounded to 4 places) plus exact match, checked
 against values computed here from the definitions."""
 
@@ -18,8 +18,8 @@ jieba = pytest.importorskip("jieba")
 pytest.importorskip("rouge_chinese")
 pytest.importorskip("nltk")
 
-from chatglm_tune import textmetrics  # noqa: E402
-from chatglm_tune.textmetrics import KEYS, GenerationScorer, generation_scores  # noqa: E402
+from chatglm_tune.evaluation import textmetrics  # noqa: E402
+from chatglm_tune.evaluation.textmetrics import KEYS, GenerationScorer, generation_scores  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "advertise_small.jsonl"
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from chatglm_tune import loading
-from chatglm_tune.batches import encode_record, prompt_ids
+from chatglm_tune.data.batches import encode_record, prompt_ids
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.glm4_tokenizer import GLM4Tokenizer, read_tiktoken_ranks, train_glm4_bpe
 from chatglm_tune.models.glm.versions import load_glm_tokenizer
-from chatglm_tune.records import SPORecord
+from chatglm_tune.runs import loading
 from test_glm_tokenizer import _tiktoken_reference
 from test_versions import ASSETS, DEV, NO_INSTRUCTION, assert_infers, assert_record_text_is_data, tiny_runs
 

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from chatglm_tune import loading
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS
 from chatglm_tune.options import TINY_PRESETS
+from chatglm_tune.runs import loading
 from test_tiny_glm4 import in_process
 from test_versions import tiny_runs
 

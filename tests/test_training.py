@@ -12,13 +12,15 @@ import pytest
 import torch
 
 import train as train_cli
+from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
+from chatglm_tune.data.batches import SpecialIds, collate_train, encode_record
+from chatglm_tune.data.records import read_records
+from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
+from chatglm_tune.runs import loading, rundir
+from chatglm_tune.runtime import crashpoints
+from chatglm_tune.tuning.training import TrainOptions, build_tiny, optimizer_and_schedule
 from commands import HANG_S
 from serving import free_port
-from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration, crashpoints, loading, rundir
-from chatglm_tune.batches import SpecialIds, collate_train, encode_record
-from chatglm_tune.models.chatglm6b.tokenizer import train_tokenizer
-from chatglm_tune.records import read_records
-from chatglm_tune.training import TrainOptions, build_tiny, optimizer_and_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / "data" / "spo_train.jsonl"
@@ -77,7 +79,7 @@ def test_tiny_layers_sets_the_depth_of_a_preset_and_is_refused_for_a_model_direc
     """--tiny-layers reaches each family's own config field (the official num_layers of ChatGLM-6B and ChatGLM2/3,
     transformers' num_hidden_layers of the released forms) and the model built; with a model directory it would be
     ignored, so it is refused."""
-    from chatglm_tune.training import prepare_model
+    from chatglm_tune.tuning.training import prepare_model
 
     for preset, layers in (("tiny", 1), ("tiny-chatglm3", 3), ("tiny-glm4-moe", 3)):
         options = TrainOptions(tuning="full", tiny_layers=layers)
@@ -97,7 +99,7 @@ def test_a_run_that_breaks_before_it_saves_a_state_leaves_its_directory_as_it_fo
     """An error train.py does not expect (here DeepSpeed's assertion on a batch size, as several CPU processes
     under a DeepSpeed config raise it) still takes back the tiny model's tokenizer it wrote, so the same command
     runs again; the error itself goes on up."""
-    from chatglm_tune import training
+    from chatglm_tune.tuning import training
 
     def broken(*args, **kwargs):
         raise AssertionError("Check batch related parameters")
@@ -218,7 +220,7 @@ def test_compiled_layers_train_as_eager_ones_and_save_the_same_keys(base_dir, tr
 
 
 def test_compile_takes_the_layers_the_model_declares():
-    from chatglm_tune.training import compile_layers, decoder_layers
+    from chatglm_tune.tuning.training import compile_layers, decoder_layers
 
     config = ChatGLMConfig.from_name("tiny")
     model = ChatGLMForConditionalGeneration(config)
@@ -230,7 +232,7 @@ def test_resume_gives_the_same_weights_as_a_straight_run(base_dir, train_file, t
     flags = ["--tuning", "ptuning", "--pre-seq-len", "4", "--max-steps", "8", "--save-every", "4", "--lr", "1e-2"]
     straight = _run(base_dir, train_file, tmp_path / "straight", *flags)
 
-    import chatglm_tune.training as training
+    import chatglm_tune.tuning.training as training
 
     real_check = training._check_finite
 
@@ -255,7 +257,7 @@ def test_resume_gives_the_same_weights_as_a_straight_run(base_dir, train_file, t
 
 
 def test_failed_save_leaves_the_previous_checkpoint_loadable(base_dir, train_file, records, tmp_path, monkeypatch):
-    import chatglm_tune.checkpoint as checkpoint
+    import chatglm_tune.runtime.checkpoint as checkpoint
 
     out, saved = tmp_path / "run", []
     real_save = checkpoint.save_file
@@ -341,7 +343,7 @@ def test_two_processes_follow_the_single_process_loss_curve_and_stop_together_on
 
 
 def test_a_better_checkpoint_has_a_higher_f1_or_the_same_f1_and_a_lower_loss():
-    from chatglm_tune.training import is_better
+    from chatglm_tune.tuning.training import is_better
 
     assert is_better(0.0, 5.0, None, None)
     assert is_better(0.5, 9.0, 0.4, 1.0)
@@ -414,7 +416,7 @@ def test_prompt_response_columns_train_and_infer_with_the_generation_metrics(tmp
     gold = [json.loads(line) for line in ADVERTISE.read_text(encoding="utf-8").splitlines()]
     assert ([r["text"] for r in rows] == [g["content"] for g in gold]
             and [r["answer"] for r in rows] == [g["summary"] for g in gold])
-    from chatglm_tune.textmetrics import generation_scores
+    from chatglm_tune.evaluation.textmetrics import generation_scores
 
     summary = json.loads((tmp_path / "o.jsonl.summary.json").read_text(encoding="utf-8"))
     expect = generation_scores([r["generated"] for r in rows], [g["summary"] for g in gold])

@@ -19,14 +19,14 @@ import commands
 import pytest
 import torch
 
-from chatglm_tune import loading
-from chatglm_tune.batches import encode_record, prompt_ids
+from chatglm_tune.data.batches import encode_record, prompt_ids
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
 from chatglm_tune.models.glm.sp_tokenizer import train_glm_sentencepiece
 from chatglm_tune.models.glm.versions import load_glm_tokenizer
 from chatglm_tune.options import EncodingOptions, SamplingOptions
-from chatglm_tune.records import SPORecord
+from chatglm_tune.runs import loading
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT.parent / "shared" / "assets"
@@ -72,7 +72,7 @@ def test_prompts_equal_the_official_chat_prompts(version):
 def test_the_tiny_sentencepiece_learns_word_pieces_but_keeps_chinese_and_digits_single(tmp_path):
     """A tool definition's JSON (Latin words, runs of spaces) reads in word pieces of a SentencePiece BPE, as
     the real ChatGLM3 model's; Chinese and numbers stay a character a token."""
-    from chatglm_tune.tokenizing import sentencepiece_model_type
+    from chatglm_tune.data.tokenizing import sentencepiece_model_type
 
     tool = json.dumps([{"name": "get_weather", "parameters": {"city": "城市"}}], indent=4, ensure_ascii=False)
     tokenizer = train_glm_sentencepiece([tool, "北京今天天气怎么样？把2500元换成美元。"] * 20, tmp_path,

@@ -124,7 +124,7 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5, huge_pages: bool = False) -
     in 2 MB pages (`heap.huge_pages_empty`; None where the system offers none)."""
     import torch
 
-    from chatglm_tune import heap
+    from chatglm_tune.runtime import heap
 
     n = mib * 2**20 // 4
     if huge_pages:

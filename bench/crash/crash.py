@@ -8,7 +8,7 @@ cache).
     python bench/crash/crash.py --kills 2 --commands infer train # bench/results/crash.{json,md}
 
 A moment is one of:
-- point: the n-th time the command passes a named crash point (`chatglm_tune.crashpoints`: a write before its
+- point: the n-th time the command passes a named crash point (`chatglm_tune.runtime.crashpoints`: a write before its
   rename, between two renames, an output append, a training step, an engine step), drawn from the points an
   uninterrupted run passed; the process sends itself the signal there;
 - time: a seeded delay into an uninterrupted run's duration (start-up, loading, anywhere), the signal sent from here;
@@ -38,10 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.crash.crash_commands import HANG_S, ROOT, Command, commands, prepare, quiet_env, trained  # noqa: E402
-from chatglm_tune.crashpoints import AT_ENV, LOG_ENV, spell  # noqa: E402
-from chatglm_tune.leftovers import alive, owner  # noqa: E402
 from chatglm_tune.options import KERNEL_CACHE_ENV, kernel_cache  # noqa: E402
 from chatglm_tune.quant import inline_build  # noqa: E402
+from chatglm_tune.runtime.crashpoints import AT_ENV, LOG_ENV, spell  # noqa: E402
+from chatglm_tune.runtime.leftovers import alive, owner  # noqa: E402
 
 SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
 RESULTS = ROOT / "bench" / "results"

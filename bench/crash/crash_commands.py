@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 300  # a command (or a wait) past this is a hang: every run here takes seconds
 TEXTS = ["故障现象：发动机水温高，风扇始终是低速转动。", "制动钳异响，刹车时方向盘抖动。", "空调不制冷，压缩机不工作。"]
@@ -80,7 +82,7 @@ def without_timing(entries: list[dict]) -> list[dict]:
 @dataclass(frozen=True)
 class Command:
     """One command: `first(work)` its argv, `again(work)` the argv that finishes it after a kill, `output(work)` what
-    must equal an uninterrupted run's, `moments` the crash points it passes (`chatglm_tune.crashpoints`)."""
+    must equal an uninterrupted run's, `moments` the crash points it passes (`chatglm_tune.runtime.crashpoints`)."""
 
     name: str
     first: object
@@ -100,7 +102,10 @@ def commands(inputs: Inputs) -> dict[str, Command]:
     def train_output(work):
         run = work / "run"
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return {"weights": files_of(run, skip=("metrics.jsonl", "loss_curve.png", "progress.json", "data_report.json")),
+        flags = yaml.safe_load((run / "run.yaml").read_text(encoding="utf-8"))
+        return {"weights": files_of(run, skip=("metrics.jsonl", "loss_curve.png", "progress.json", "data_report.json",
+                                               "run.yaml")),
+                "flags": {k: v for k, v in flags.items() if k != "output-dir"},  # each run writes into its own
                 "metrics": without_timing(metrics),
                 "progress": json.loads((run / "state" / "progress.json").read_text())}
 

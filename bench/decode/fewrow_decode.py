@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: chatglm_tune, bench.<room>.<module>
 
 from bench.common.measure import RESULTS, ROOT, machine, made_by  # noqa: E402
-from chatglm_tune.batches import SpecialIds, collate_prompts  # noqa: E402
+from chatglm_tune.data.batches import SpecialIds, collate_prompts  # noqa: E402
 from chatglm_tune.quant import fewrow_cpu  # noqa: E402
 
 BATCHES = (1, 8, 16, 32)  # the default batch sizes (32: fewrow_cpu.MAX_ROWS)
@@ -50,8 +50,8 @@ def side(name: str):
 
 
 def prompts(model_dir: Path, batch: int, dtype: str, threads: int):
-    from chatglm_tune import loading
-    from chatglm_tune.records import read_records
+    from chatglm_tune.data.records import read_records
+    from chatglm_tune.runs import loading
 
     source = loading.resolve_run(str(model_dir))
     model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=dtype, threads=threads,

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from bench.common.measure import PeakRSS, median_seconds  # noqa: E402
 from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration  # noqa: E402
-from chatglm_tune.batches import SpecialIds, collate_prompts  # noqa: E402
+from chatglm_tune.data.batches import SpecialIds, collate_prompts  # noqa: E402
 from chatglm_tune.decoding.generation import generate, generate_recompute  # noqa: E402
 
 # Special ids inside the tiny preset's 2048-token vocabulary (the preset leaves them to a tokenizer).

@@ -5,7 +5,7 @@ with the choices a user could have made by hand.
     python bench/decode/shared_box.py --records 48 --rounds 3 --results
 
 Threads: infer.py as the README runs it, on the first `--records` records of data/spo_dev.jsonl, with its default
-threads (no --threads: the run's, fitted to the cores left free, `chatglm_tune.cores`), `--threads 1` and
+threads (no --threads: the run's, fitted to the cores left free, `chatglm_tune.runtime.cores`), `--threads 1` and
 `--threads 2`, on a quiet machine and beside a second process that spins one core (`while True: pass`), the
 variants alternated over `--rounds`. Speculation: its default (`--speculative auto`), `--speculative on` and
 `--no-speculative` at `--batch-size 1` and 8, quiet, alternated; every variant's rows must equal the plain run's.

@@ -46,7 +46,7 @@ VERIFY_GUESSES = (0, 1, 2, 4, 8)
 def load(model_dir: Path, threads: int | None, *, bits: int | None = None, dtype: str | None = None):
     """(source, model, tokenizer, its line) on the CPU, as infer.py loads it; `bits` INT8 / INT4 layers with the
     embedding and head in INT8."""
-    from chatglm_tune import loading
+    from chatglm_tune.runs import loading
 
     source = loading.resolve_run(str(model_dir))
     model, tokenizer, line = loading.load_for_inference(source, device="cpu", dtype=dtype, threads=threads,
@@ -57,15 +57,15 @@ def load(model_dir: Path, threads: int | None, *, bits: int | None = None, dtype
 
 
 def records_of(path: Path, n: int, source):
-    from chatglm_tune.records import read_records
+    from chatglm_tune.data.records import read_records
 
     records, _ = read_records(path, columns=source.columns)
     return records[:n]
 
 
 def extract_once(model, tokenizer, records, settings) -> tuple[list[dict], float, object]:
-    from chatglm_tune import extraction
     from chatglm_tune.decoding.speculative import DecodeStats
+    from chatglm_tune.evaluation import extraction
 
     stats = DecodeStats()
     began = time.perf_counter()
@@ -101,7 +101,7 @@ def compare(model, tokenizer, records, source, batch: int, rounds: int) -> dict:
 
 
 def scores_of(rows: list[dict], records) -> float | None:
-    from chatglm_tune.metrics import score_answers
+    from chatglm_tune.evaluation.metrics import score_answers
 
     micro = score_answers([row["generated"] for row in rows], records).get("micro")
     return None if micro is None else round(micro["f1"], 4)

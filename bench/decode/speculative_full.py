@@ -81,7 +81,7 @@ def acceptance_patterns(pattern_dir: Path, records_path: Path, n: int, batch_siz
 
 def left_padded(tokenizer, records, source) -> dict[str, torch.Tensor]:
     """The prompts of `records` as infer.py batches them: `input_ids` and `attention_mask`, left-padded."""
-    from chatglm_tune.batches import SpecialIds, collate_prompts
+    from chatglm_tune.data.batches import SpecialIds, collate_prompts
 
     prompts = [tokenizer.prompt_format.prompt_ids(tokenizer, r, source.encoding)[0] for r in records]
     return collate_prompts(prompts, SpecialIds.of(tokenizer))

@@ -105,7 +105,7 @@ def sample_strings(n_plain: int) -> list[str]:
 
 def prompts(tokenizer, source, count: int) -> list[list[int]]:
     """The run's extraction prompts (what infer.py feeds) for `count` dev records."""
-    from chatglm_tune.records import SPORecord
+    from chatglm_tune.data.records import SPORecord
 
     lines = (REPO / "data" / "spo_dev.jsonl").read_text(encoding="utf-8").splitlines()[-count:]
     return [tokenizer.prompt_format.prompt_ids(tokenizer, SPORecord(json.loads(line)["text"], None), source.encoding)[0]

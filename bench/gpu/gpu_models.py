@@ -274,7 +274,7 @@ def ptuning_step(model, batch: dict, steps: int, ckpt: bool) -> dict:
     lr 2e-2), the prefix encoder in fp32 as the official code keeps it; the prefix is taken off afterwards."""
     from chatglm_tune.models.glm.prefix import prefix_encoder
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.tuning.training import set_trainable
 
     options = TrainOptions(tuning="ptuning")
     model.config.pre_seq_len, model.config.prefix_projection = options.pre_seq_len, options.prefix_projection
@@ -298,7 +298,7 @@ def lora_step(model, batch: dict, steps: int, ckpt: bool, *, transformers: bool 
 
     from chatglm_tune.models.registry import VERSIONS
     from chatglm_tune.options import DEFAULT_LR, LoraOptions, TrainOptions
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.tuning.training import set_trainable
 
     checkpointing(model, ckpt)
     if transformers:

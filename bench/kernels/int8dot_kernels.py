@@ -48,10 +48,10 @@ CANDIDATES = ["int8pack", "int8dot", "int8dot-interleaved", "int8dot-interleaved
 
 
 def _layers(torch, N: int, K: int, copies: int, seed: int):
-    from chatglm_tune import heap
     from chatglm_tune.quant import int8dot_cpu
     from chatglm_tune.quant.format import pack_int4
     from chatglm_tune.quant.kernels import int4pack_weight
+    from chatglm_tune.runtime import heap
 
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -85,12 +85,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: chatglm_tune, bench.<room>.<module>
 
-from chatglm_tune.quant.cpu_matmul import native_bf16_gemm  # noqa: E402
 from bench.common.measure import RESULTS, run_python  # noqa: E402
 from bench.common.scale_versions import DEFAULT_VERSION, QUICK_LAYERS, QUICK_SHARDS, VERSIONS, frame_json  # noqa: E402
 from bench.scale.scale_children import GB, INFER, TRAIN  # noqa: E402
 from bench.scale.scale_memory import accounting  # noqa: E402
 from bench.scale.scale_report import report  # noqa: E402
+from chatglm_tune.quant.cpu_matmul import native_bf16_gemm  # noqa: E402
 
 STEPS = ["write", "quantize-int8", "quantize-int4", *(f"infer-{k}" for k in INFER),
          *(f"train-{k}" for k in TRAIN), "memory", "report"]
@@ -162,7 +162,7 @@ class Bench:
         """Refuse a bf16 step whose weights alone (the fp16 checkpoint's files) + 1 GB do not fit in the memory
         available now, rather than leave it to the kernel's OOM killer on a machine shared with other jobs
         (GLM-4-9B in bf16 needs about 20 GB)."""
-        from chatglm_tune.checkpoint import weight_files
+        from chatglm_tune.runtime.checkpoint import weight_files
 
         need = sum(f.stat().st_size for f in weight_files(self.model_dir)) + 1e9  # + Python, torch, activations
         with open("/proc/meminfo") as f:

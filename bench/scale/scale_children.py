@@ -87,9 +87,10 @@ def child_infer(args) -> dict:
 def _train_model(model_dir, tuning: str, bits: int, quantize_embedding: bool, dtype: torch.dtype):
     """(model to step, its core model, the trainable parameters, the optimizer): as train.py prepares them, its
     float weights and its compute in `dtype`."""
-    from chatglm_tune import from_pretrained, heap
+    from chatglm_tune import from_pretrained
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.runtime import heap
+    from chatglm_tune.tuning.training import set_trainable
 
     defaults = TrainOptions(tuning=tuning)
     extra = {"pre_seq_len": defaults.pre_seq_len,

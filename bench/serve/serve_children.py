@@ -89,8 +89,8 @@ def _renders(text: str) -> bool:
 def floor(args) -> dict:
     import torch
 
-    from chatglm_tune import loading
     from chatglm_tune.decoding.generation import generate
+    from chatglm_tune.runs import loading
 
     source = loading.resolve_run(args.model_dir)
     model, tokenizer, _ = loading.load_for_inference(source, threads=args.threads)
@@ -160,9 +160,9 @@ def ceilings(args) -> dict:
 
 def prompts(args) -> dict:
     from bench.serve.serve_load import chat_content, dev_texts
-    from chatglm_tune import loading
+    from chatglm_tune.data.records import SPORecord
     from chatglm_tune.options import EncodingOptions
-    from chatglm_tune.records import SPORecord
+    from chatglm_tune.runs import loading
 
     source = loading.resolve_run(args.model_dir)
     tokenizer = loading.load_tokenizer(source)

@@ -28,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from transformers import GenerationConfig, GlmForCausalLM  # noqa: E402
 
-from chatglm_tune.batches import SpecialIds  # noqa: E402
+from chatglm_tune.data.batches import SpecialIds  # noqa: E402
+from chatglm_tune.data.records import SPORecord  # noqa: E402
 from chatglm_tune.decoding.engine import Engine, Request  # noqa: E402
 from chatglm_tune.decoding.generation import generate  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.options import EncodingOptions  # noqa: E402
 from chatglm_tune.quant.apply import quantize_model  # noqa: E402
-from chatglm_tune.records import SPORecord  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 8

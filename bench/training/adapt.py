@@ -123,13 +123,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository: chatglm_tune, train.py, bench.<room>.<module>
 
 import train as train_cli  # noqa: E402
-from chatglm_tune import loading, rundir  # noqa: E402
-from chatglm_tune.batches import SpecialIds, collate_train  # noqa: E402
+from chatglm_tune.data.batches import SpecialIds, collate_train  # noqa: E402
+from chatglm_tune.data.records import SPORecord, read_records  # noqa: E402
 from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS  # noqa: E402
 from chatglm_tune.options import TINY_DEMO, TINY_PRESETS, EncodingOptions, TrainOptions  # noqa: E402
-from chatglm_tune.records import SPORecord, read_records  # noqa: E402
-from chatglm_tune.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
+from chatglm_tune.runs import loading, rundir  # noqa: E402
+from chatglm_tune.tuning.training import LengthGroupedSampler, build_tiny, evaluate, optimizer_and_schedule  # noqa: E402
 
 sys.path.insert(0, str(REPO / "data"))
 import make_domains  # noqa: E402

@@ -31,7 +31,7 @@ def one_variant(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from chatglm_tune.loss import causal_lm_loss
+    from chatglm_tune.models.loss import causal_lm_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -50,7 +50,7 @@ def one_variant(args) -> dict:
 
 
 def main(argv=None) -> None:
-    from chatglm_tune.loss import CHUNK_TOKENS
+    from chatglm_tune.models.loss import CHUNK_TOKENS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=4)

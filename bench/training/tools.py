@@ -99,9 +99,9 @@ def served_calls(run: Path, requests: list, work: Path) -> list[dict | None]:
 def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work: Path) -> float:
     """The share of dev conversations whose ids, rendered by llama-server's `/apply-template` from the f16 GGUF
     export's chat template and tokenized by its `/tokenize`, equal the toolkit's prompt ids for the record."""
-    from chatglm_tune import loading
+    from chatglm_tune.data.records import read_records
     from chatglm_tune.options import EncodingOptions
-    from chatglm_tune.records import read_records
+    from chatglm_tune.runs import loading
 
     out = work / f"gguf-{run.name}"  # one export a version
     run_python("export.py", run, out, "--format", "gguf", "--type", "f16", "--name", "tools")

@@ -31,7 +31,7 @@ def one_variant(tuning: str, precision: str, loss_path: str, steps: int) -> dict
 
     from chatglm_tune import ChatGLMConfig, ChatGLMForConditionalGeneration
     from chatglm_tune.options import DEFAULT_LR, TrainOptions
-    from chatglm_tune.training import set_trainable
+    from chatglm_tune.tuning.training import set_trainable
 
     torch.manual_seed(0)
     overrides = dict(pre_seq_len=PRE_SEQ_LEN) if tuning == "ptuning" else {}

@@ -177,7 +177,7 @@ def how_to_run(args, files: list[Path], version) -> str:
 
 
 def main(argv=None) -> None:
-    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
+    from chatglm_tune.runtime.stopping import exit_status, signal_name, signals_stop
 
     args = parse_args(argv)
     try:

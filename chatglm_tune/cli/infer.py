@@ -5,7 +5,7 @@ KV-cache decoding over a .jsonl/.json file, or one --text.
     python infer.py --model BASE --lora ADAPTER --input dev.jsonl --output out.jsonl --resume
     python infer.py --model checkpoints/run1 --text "故障现象：发动机异响。"
 
-Writes one JSON line per record, in input order, batch by batch (fields: `chatglm_tune.extraction`),
+Writes one JSON line per record, in input order, batch by batch (fields: `chatglm_tune.evaluation.extraction`),
 then prints a summary and saves it as `<output>.summary.json`. `--resume` continues a killed run.
 """
 
@@ -134,8 +134,8 @@ def settings_from(args) -> ExtractionSettings:
 def load(args, source, settings):
     """(model, tokenizer) of `source` on the asked device, dtype and quantization; ValueError first where
     --max-new-tokens outruns the model's context."""
-    from chatglm_tune import loading
-    from chatglm_tune.checkpoint import read_config_file
+    from chatglm_tune.runs import loading
+    from chatglm_tune.runtime.checkpoint import read_config_file
 
     context = loading.context_length(read_config_file(source.base))
     if context and settings.max_new_tokens and settings.max_new_tokens > context:
@@ -166,8 +166,8 @@ def speculation_line(settings) -> str:
 
 
 def run_text(args, settings, source) -> None:
-    from chatglm_tune import extraction
-    from chatglm_tune.records import SPORecord
+    from chatglm_tune.data.records import SPORecord
+    from chatglm_tune.evaluation import extraction
 
     model, tokenizer = load(args, source, settings)
     record = SPORecord(text=args.text, triples=None, source="--text")
@@ -185,8 +185,8 @@ def run_file(args, settings, source) -> None:
     `shards`), then the summary of the whole."""
     from dataclasses import replace
 
-    from chatglm_tune.records import read_records
-    from chatglm_tune.shards import World
+    from chatglm_tune.data.records import read_records
+    from chatglm_tune.evaluation.shards import World
 
     records, bad = read_records(args.input, on_bad_record=args.on_bad_record, columns=columns_of(args, source))
     if any(record.response is not None for record in records):  # conversations: free-text gold answers
@@ -208,9 +208,10 @@ def extract_into(args, output: Path, records, identity: str, settings, source) -
 
     from tqdm import tqdm
 
-    from chatglm_tune import extraction, rundir
     from chatglm_tune.decoding.speculative import DecodeStats
-    from chatglm_tune.stopping import Stopped, signal_name
+    from chatglm_tune.evaluation import extraction
+    from chatglm_tune.runs import rundir
+    from chatglm_tune.runtime.stopping import Stopped, signal_name
 
     try:  # the output's folder and the record of its model, before the model loads
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +244,7 @@ def extract_into(args, output: Path, records, identity: str, settings, source) -
 def run_share(args, settings, source, records, bad, identity: str, world) -> None:
     """This process's share of the records into its part file; the last process to finish merges the parts and writes
     the summary of the whole (`shards`)."""
-    from chatglm_tune import extraction, shards
+    from chatglm_tune.evaluation import extraction, shards
 
     others = shards.parts_of_another_launch(args.output, world)
     if others:
@@ -281,8 +282,8 @@ def write_summary(args, rows, records, counts: dict, identity: str, bad, setting
     import json
     from dataclasses import asdict
 
-    from chatglm_tune import extraction
-    from chatglm_tune.checkpoint import atomic_write
+    from chatglm_tune.evaluation import extraction
+    from chatglm_tune.runtime.checkpoint import atomic_write
 
     summary = extraction.summarize(rows, records, new_rows=counts["new_rows"], new_tokens=counts["new_tokens"],
                                    seconds=counts["seconds"], stats=counts["stats"],
@@ -307,12 +308,12 @@ def main(argv=None) -> None:
     """Extract; SIGTERM and SIGUSR1 stop it as Ctrl-C does (the rows written stay; exit 128 + the signal's number)."""
     from dataclasses import replace
 
-    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
+    from chatglm_tune.runtime.stopping import exit_status, signal_name, signals_stop
 
     args = parse_args(argv)
     try:
         with signals_stop():
-            from chatglm_tune import loading
+            from chatglm_tune.runs import loading
 
             source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
             # the prompt and budget it was trained with; free-text answers are not parsed as triples

@@ -89,8 +89,8 @@ def check_args(args, source) -> bool:
 
 def quantize(args, source) -> None:
     """Load `source` quantized (an adapter merged first), write it with its tokenizer and the run's settings."""
-    from chatglm_tune import loading, rundir
     from chatglm_tune.export.destination import writing_into
+    from chatglm_tune.runs import loading, rundir
 
     with writing_into(args.out_dir, made(args)) as partial:  # whole or not at all
         model = loading.load_model(source, dtype=args.dtype, quantization_bit=args.bits, group_size=args.group_size,
@@ -106,13 +106,13 @@ def quantize(args, source) -> None:
 
 
 def main(argv=None) -> None:
-    from chatglm_tune.stopping import exit_status, signal_name, signals_stop
+    from chatglm_tune.runtime.stopping import exit_status, signal_name, signals_stop
 
     args = parse_args(argv)
     try:
         with signals_stop():
-            from chatglm_tune import loading
-            from chatglm_tune.checkpoint import weight_files
+            from chatglm_tune.runs import loading
+            from chatglm_tune.runtime.checkpoint import weight_files
 
             source = loading.resolve_run(args.model_dir, lora=args.lora)
             if check_args(args, source):

@@ -102,7 +102,8 @@ def main(argv=None) -> None:
         print(f"serve.py: error: {' and '.join(missing)} not installed: pip install -e \".[serve]\"", file=sys.stderr)
         sys.exit(2)
 
-    from chatglm_tune import heap, loading
+    from chatglm_tune.runs import loading
+    from chatglm_tune.runtime import heap
 
     try:
         source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)

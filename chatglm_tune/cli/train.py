@@ -213,7 +213,7 @@ def own_instructions(args, options: TrainOptions, train_records) -> TrainOptions
 
 def read_data(args, columns: DataColumns):
     """(train records, dev records, bad-record reports); an error naming the file when nothing is left to train on."""
-    from chatglm_tune.records import read_records
+    from chatglm_tune.data.records import read_records
 
     read = dict(on_bad_record=args.on_bad_record, columns=columns)
     train_records, bad = read_records(args.train_file, **read)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     """Check, train, report. SIGTERM and SIGUSR1 stop a run as Ctrl-C does (`stopping`): the state of the last
     finished step is saved and the exit status is 128 + the signal's number (130, 143, 138)."""
 
-    from chatglm_tune.stopping import signals_stop
+    from chatglm_tune.runtime.stopping import signals_stop
 
     args = parse_args(argv)
     with signals_stop(deferred=int(os.environ.get("WORLD_SIZE", "1")) > 1) as stop:  # every process stops at one step
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
 def check(args):
     """(options, threads' origin, run record, train, dev and bad records) of a run to start or continue, checked before
     anything is loaded; None where `--resume auto` finds the run finished. The new run's directory is recorded."""
-    from chatglm_tune import rundir
+    from chatglm_tune.runs import rundir
 
     base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
     first = int(os.environ.get("RANK", "0")) == 0  # of several processes, the first alone checks and writes the
@@ -266,7 +266,7 @@ def check(args):
     options, threads_origin = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
     train_records, dev_records, bad_records = read_data(args, options.columns)
     options = own_instructions(args, options, train_records)
-    from chatglm_tune.training import check_fit  # here: the flags and data are checked without its imports
+    from chatglm_tune.tuning.training import check_fit  # here: the flags and data are checked without its imports
 
     check_fit(args.model, base, options, [*train_records, *dev_records])  # nothing is written yet
     record = rundir.run_record(args.model, options, args.train_file, args.dev_file)
@@ -324,15 +324,16 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
     """Load, train, and say where the model is."""
     import torch
 
-    from chatglm_tune import heap, rundir
-    from chatglm_tune.metrics import format_score
-    from chatglm_tune.training import TrainingError, prepare_model, train
+    from chatglm_tune.evaluation.metrics import format_score
+    from chatglm_tune.runs import rundir
+    from chatglm_tune.runtime import heap
+    from chatglm_tune.tuning.training import TrainingError, prepare_model, train
 
     try:
         if not torch.cuda.is_available():  # a default fitted to the cores free (the record keeps the preset's)
             from dataclasses import replace
 
-            from chatglm_tune import cores
+            from chatglm_tune.runtime import cores
 
             threads, threads_origin = cores.fitted(options.threads, threads_origin)
             options = replace(options, threads=threads)
@@ -357,7 +358,7 @@ def run(args, options, threads_origin, record, train_records, dev_records, bad_r
 
 def interrupted(interrupt: KeyboardInterrupt, what: str) -> int:
     """Say where the run stopped; its exit status (128 + the signal's number)."""
-    from chatglm_tune.stopping import exit_status, signal_name
+    from chatglm_tune.runtime.stopping import exit_status, signal_name
 
     print(f"train.py: interrupted by {signal_name(interrupt)} {what}", file=sys.stderr)
     return exit_status(interrupt)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from chatglm_tune.batches import PromptFormat
+from chatglm_tune.data.batches import PromptFormat
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding.generation import generate, generate_steps
 from chatglm_tune.options import EncodingOptions, SamplingOptions
-from chatglm_tune.records import SPORecord
 
 ROLES = ("system", "user", "assistant", "observation")  # ChatGLM3 / GLM-4 message roles
 

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from chatglm_tune import crashpoints, heap, openmp
-from chatglm_tune.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.batches import SpecialIds, collate_prompts
 from chatglm_tune.decoding import slot_cache
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.emitter import Emitter, Row
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, Request
 from chatglm_tune.decoding.scheduler import Scheduler
 from chatglm_tune.options import ServingOptions
+from chatglm_tune.runtime import crashpoints, heap, openmp
 
 log = logging.getLogger("chatglm_tune.decoding.engine")
 

@@ -29,7 +29,7 @@ import keyword
 import unicodedata
 from dataclasses import dataclass
 
-from chatglm_tune.dialogues import TOOL_PROMPT
+from chatglm_tune.data.dialogues import TOOL_PROMPT
 from chatglm_tune.options import DEFAULT_SAMPLING, SamplingOptions
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from chatglm_tune import crashpoints
+from chatglm_tune.runtime import crashpoints
 
 
 class DestinationError(ValueError):

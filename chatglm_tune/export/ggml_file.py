@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
-from chatglm_tune import crashpoints
 from chatglm_tune.export.gguf_file import encode, stored_type
+from chatglm_tune.runtime import crashpoints
 
 GGML_TYPES = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type -> the matrices' ggml type
 CHATGLM6B = 1  # chatglm.cpp's model type of ChatGLM-6B (2, 3: ChatGLM2, ChatGLM3; the `Version`s say theirs)

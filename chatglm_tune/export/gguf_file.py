@@ -39,13 +39,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from chatglm_tune import crashpoints
 from chatglm_tune.export.answering import engine_fields, template_defaults
 from chatglm_tune.export.gguf_moe import LATENT_ATTENTION, MOE_ARCHES, GgufTensor, moe_hyperparameters, moe_layout
 from chatglm_tune.export.gguf_vocab import add_vocab
 from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.weights import gguf_name
 from chatglm_tune.options import SamplingOptions
+from chatglm_tune.runtime import crashpoints
 
 # transformers class -> llama.cpp architecture (the mixture-of-experts ones: export/gguf_moe.py)
 ARCHES = {"GlmForCausalLM": "chatglm", "Glm4ForCausalLM": "glm4", **MOE_ARCHES}

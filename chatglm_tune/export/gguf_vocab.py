@@ -23,7 +23,7 @@ import json
 import gguf
 from gguf import TokenType
 
-from chatglm_tune.tokenizing import adds_dummy_prefix
+from chatglm_tune.data.tokenizing import adds_dummy_prefix
 
 # llama.cpp architecture -> its GLM-4 BPE pre-tokenizer
 PRE_TOKENIZERS = {"chatglm": "chatglm-bpe", "glm4": "glm4", "glm4moe": "glm4", "deepseek2": "glm4"}

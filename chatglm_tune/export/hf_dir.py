@@ -34,12 +34,12 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from chatglm_tune import checkpoint
+from chatglm_tune.data.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 from chatglm_tune.export.answering import engine_fields, template_defaults
 from chatglm_tune.models.glm.config import transformers_form
 from chatglm_tune.models.glm.experts import released_experts
 from chatglm_tune.options import SamplingOptions
-from chatglm_tune.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
+from chatglm_tune.runtime import checkpoint
 
 
 def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30, chat_template: str | None = None,

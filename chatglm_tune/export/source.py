@@ -19,13 +19,13 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from chatglm_tune import loading
 from chatglm_tune.export import answering
 from chatglm_tune.export.tensors import CheckpointTensors, ModelTensors, names_every_tensor
-from chatglm_tune.loading import ModelSource
 from chatglm_tune.models import registry
 from chatglm_tune.models.version import Version
-from chatglm_tune.rundir import CONFIG, read_run_args
+from chatglm_tune.runs import loading
+from chatglm_tune.runs.loading import ModelSource
+from chatglm_tune.runs.rundir import CONFIG, read_run_args
 
 
 class ExportError(ValueError):

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from chatglm_tune.checkpoint import CheckpointError, iter_tensors, open_safetensors, weight_files
 from chatglm_tune.export.gguf_moe import moe_arch, moe_layout
 from chatglm_tune.models.glm.config import TRANSFORMERS_FORMS
 from chatglm_tune.models.glm.weights import IGNORED, gguf_name, to_official
+from chatglm_tune.runtime.checkpoint import CheckpointError, iter_tensors, open_safetensors, weight_files
 
 
 class ModelTensors:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chatglm_tune.checkpoint import CheckpointError, read_config_file
 from chatglm_tune.models.chatglm6b import version as chatglm6b
 from chatglm_tune.models.glm import versions as glm
 from chatglm_tune.models.version import Version
+from chatglm_tune.runtime.checkpoint import CheckpointError, read_config_file
 
 VERSIONS: dict[str, Version] = {v.name: v for v in (chatglm6b.CHATGLM6B, *glm.VERSIONS)}
 # each has detect(config dict, directory), detect_tokenizer(directory) and MODEL_TYPES; glm has TOKENIZER_CLASSES

@@ -1,7 +1,7 @@
-"""A model version as the layers above the model families see it: the interface every family implements.
+"""A model version as the rooms above the model families see it: the interface every family implements.
 
 A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
-and says as data what the shared layers need: the Linears LoRA targets (`lora_targets`) and quantization
+and says as data what the rest of the package needs: the Linears LoRA targets (`lora_targets`) and quantization
 swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`), what export.py
 cannot write it as (`export_refusals`) and whether its transformers directory is transformers' own (`hf_native`). It
 loads its model and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatglm_tune.batches import PromptFormat
+from chatglm_tune.data.batches import PromptFormat
 from chatglm_tune.options import TINY_CONTEXT
 
 

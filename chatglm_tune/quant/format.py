@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from chatglm_tune import heap
 from chatglm_tune.options import raise_problems
+from chatglm_tune.runtime import heap
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ import time
 import warnings
 from pathlib import Path
 
-from chatglm_tune import leftovers
 from chatglm_tune.options import kernel_cache
+from chatglm_tune.runtime import leftovers
 
 SAY_AFTER_S = 3.0  # a wait for another process's build is named after this long, and again every SAY_EVERY_S
 SAY_EVERY_S = 30.0

@@ -14,9 +14,9 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from chatglm_tune import heap
 from chatglm_tune.quant import cpu_matmul, cuda_matmul, int4_cpu, int8dot_cpu
 from chatglm_tune.quant.format import check_format, dequantize, pack_int4, quantize_weight
+from chatglm_tune.runtime import heap
 from chatglm_tune.quant.kernels import (KERNELS, QuantizedMatmul, int4pack_block_rows, int4pack_to_int, int4pack_weight,
                                         quantized_matmul, whole_int4pack_blocks)
 

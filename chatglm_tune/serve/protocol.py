@@ -34,8 +34,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from chatglm_tune.data.dialogues import DialogueError, from_messages
 from chatglm_tune.decoding.sampling import SEED_MAX, SEED_MIN
-from chatglm_tune.dialogues import DialogueError, from_messages
 from chatglm_tune.options import SamplingOptions
 
 MAX_STOP_STRINGS = 4  # as OpenAI

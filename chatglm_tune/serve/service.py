@@ -36,17 +36,17 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from chatglm_tune.batches import SpecialIds
+from chatglm_tune.data.batches import SpecialIds
+from chatglm_tune.data.dialogues import Turn as DialogueTurn
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding import grammar
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Request
-from chatglm_tune.decoding.scoring import prompt_logprobs
 from chatglm_tune.decoding.scheduler import EngineClosed, QueueFull
-from chatglm_tune.dialogues import Turn as DialogueTurn
-from chatglm_tune.extraction import make_row
+from chatglm_tune.decoding.scoring import prompt_logprobs
+from chatglm_tune.evaluation.extraction import make_row
 from chatglm_tune.options import DEFAULT_SAMPLING, EncodingOptions, ServingOptions
-from chatglm_tune.records import SPORecord
 from chatglm_tune.serve.protocol import ApiError, Call, bad, check_tool_use, require_fitting, seeds
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from chatglm_tune.batches import PromptFormat
+from chatglm_tune.data.batches import PromptFormat
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.options import CHAT_MAX_LENGTH, CHAT_SAMPLING, EncodingOptions
-from chatglm_tune.records import SPORecord
 
 _PUNCTUATION = ((",", "，"), ("!", "！"), (":", "："), (";", "；"), (r"\?", "？"))
 _CJK = r"[\u4e00-\u9fff]"

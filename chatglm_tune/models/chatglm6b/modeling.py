@@ -33,15 +33,16 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from chatglm_tune import checkpoint, heap
 from chatglm_tune.decoding.chat import Chat
-from chatglm_tune.loss import causal_lm_loss
-from chatglm_tune.checkpoint import AUTO_PLUMBING
+from chatglm_tune.models.loss import causal_lm_loss
+from chatglm_tune.runtime import checkpoint, heap
+from chatglm_tune.runtime.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models.chatglm6b.config import (CONFIG_FIELDS, OFFICIAL_ALPHA_LAYERS, QUANTIZABLE_LINEARS,
                                                   ChatGLMConfig)
 from chatglm_tune.models.chatglm6b.positions import build_position_ids, context_lengths, glm_mask, packed_inputs
-from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, cache_empty, check_prefix_shapes,
-                                 check_prefix_version, not_a_model, only_prefix_weights, prefix_key_values, seed_cache)
+from chatglm_tune.models.prefix import (PREFIX_DROPOUT, PrefixCache, PrefixEncoder, cache_empty, check_prefix_shapes,
+                                        check_prefix_version, not_a_model, only_prefix_weights, prefix_key_values,
+                                        seed_cache)
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import QuantizeOnLoad, quantize_model, refuse_int8_embedding
 from chatglm_tune.quant.cpu_matmul import Linear

@@ -31,8 +31,8 @@ from transformers.utils import PaddingStrategy
 
 from chatglm_tune.models.chatglm6b.format import FORMAT
 from chatglm_tune.models.chatglm6b.positions import build_attention_mask, build_position_ids
-from chatglm_tune.tokenizing import (pair_inputs, piece_bytes, require_left_padding, save_sentencepiece,
-                                     special_tokens_mask, train_sentencepiece)
+from chatglm_tune.data.tokenizing import (pair_inputs, piece_bytes, require_left_padding, save_sentencepiece,
+                                          special_tokens_mask, train_sentencepiece)
 
 VOCAB_FILE = "ice_text.model"
 NEWLINE_PIECE = "<n>"

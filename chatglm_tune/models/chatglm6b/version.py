@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from chatglm_tune.batches import PromptFormat, SpecialIds
+from chatglm_tune.data.batches import PromptFormat, SpecialIds
 from chatglm_tune.models.chatglm6b.config import CONFIG_FIELDS, LORA_TARGETS, QUANTIZABLE_LINEARS, ChatGLMConfig
 from chatglm_tune.models.chatglm6b.format import FORMAT
 from chatglm_tune.models.version import Version

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig
 
-from chatglm_tune.checkpoint import CheckpointError, read_config_file
 from chatglm_tune.models.glm.formats import FORMATS
-from chatglm_tune.prefix import check_prefix_version
+from chatglm_tune.models.prefix import check_prefix_version
+from chatglm_tune.runtime.checkpoint import CheckpointError, read_config_file
 
 ROPE_BASE = 10000.0
 FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only

@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from chatglm_tune.checkpoint import CheckpointError
+from chatglm_tune.runtime.checkpoint import CheckpointError
 
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")

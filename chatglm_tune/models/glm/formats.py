@@ -41,10 +41,10 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
-from chatglm_tune.batches import IGNORE_INDEX, EncodedExample, PromptFormat
-from chatglm_tune.dialogues import TOOL_PROMPT, Dialogue, ToolCall, Turn, json_call, tool_call_code
+from chatglm_tune.data.batches import IGNORE_INDEX, EncodedExample, PromptFormat
+from chatglm_tune.data.dialogues import TOOL_PROMPT, Dialogue, ToolCall, Turn, json_call, tool_call_code
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.options import GLM_CHAT_MAX_LENGTH, GLM_CHAT_SAMPLING, EncodingOptions
-from chatglm_tune.records import SPORecord
 
 
 _MARK = "\ue0f0"  # a private-use character, never in a template: where a message's content goes in a render

@@ -42,11 +42,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
+from chatglm_tune.data.tokenizing import require_left_padding, vocabulary_path, word_runs
 from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM47, GLM_EDGE
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
-from chatglm_tune.tokenizing import require_left_padding, vocabulary_path, word_runs
 
 TIKTOKEN_FILE = "tokenizer.model"
 TOKENIZER_FILE = "tokenizer.json"

@@ -28,13 +28,13 @@ from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as released
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import (Glm4MoeLiteDecoderLayer, Glm4MoeLiteModel,
                                                                       Glm4MoeLiteRMSNorm)
 
-from chatglm_tune import heap
 from chatglm_tune.decoding.growing_cache import GrowingCache
 from chatglm_tune.models.glm.latent_attention import IntAbsorbed, LatentAttention
 from chatglm_tune.models.glm.moe_layer import MoeLiteLayer
 from chatglm_tune.quant import int8dot_cpu
 from chatglm_tune.quant.experts import dense_decoder
 from chatglm_tune.quant.modules import QuantizedLinear, layouts_epoch, watch_modules
+from chatglm_tune.runtime import heap
 
 
 class LatentLayer(Glm4MoeLiteDecoderLayer):

@@ -44,12 +44,12 @@ from transformers import Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCaus
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from chatglm_tune import checkpoint, heap
-from chatglm_tune.batches import segment_positions, segment_visibility
-from chatglm_tune.loss import causal_lm_loss
+from chatglm_tune.data.batches import segment_positions, segment_visibility
 from chatglm_tune.decoding.chat import Chat
-from chatglm_tune.checkpoint import CheckpointError
 from chatglm_tune.models.glm.attention import ATTENTION
+from chatglm_tune.models.loss import causal_lm_loss
+from chatglm_tune.runtime import checkpoint, heap
+from chatglm_tune.runtime.checkpoint import CheckpointError
 from chatglm_tune.models.glm.config import (ARCHITECTURES, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
                                             official_config, quantizable_linears, read_version, stored_format,
                                             transformers_form)
@@ -60,8 +60,8 @@ from chatglm_tune.models.glm.moe_layer import use_grouped_decode
 from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
-from chatglm_tune.prefix import (PREFIX_DROPOUT, PrefixCache, cache_empty, check_prefix_shapes, not_a_model,
-                                 only_prefix_weights, prefix_key_values, seed_cache)
+from chatglm_tune.models.prefix import (PREFIX_DROPOUT, PrefixCache, cache_empty, check_prefix_shapes, not_a_model,
+                                        only_prefix_weights, prefix_key_values, seed_cache)
 from chatglm_tune.quant import cpu_matmul
 from chatglm_tune.quant.apply import quantize_embedding as int8_embedding_and_head
 from chatglm_tune.quant.apply import quantize_model, refuse_int8_embedding

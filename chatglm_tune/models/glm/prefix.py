@@ -26,7 +26,7 @@ Initialisation is PyTorch's default, as in the official code.
 
 from __future__ import annotations
 
-from chatglm_tune.prefix import PrefixEncoder
+from chatglm_tune.models.prefix import PrefixEncoder
 from chatglm_tune.quant import cpu_matmul
 
 

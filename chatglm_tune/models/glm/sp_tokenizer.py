@@ -34,8 +34,8 @@ from transformers.utils import PaddingStrategy
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3
 from chatglm_tune.models.glm.tokenizer import GLMFamilyTokenizer, GLM_SPECIALS, ROLES, ROLE_SPECIALS, left_pad
 from chatglm_tune.options import TINY_WORD_PIECES
-from chatglm_tune.tokenizing import (keeps_single, piece_bytes, require_left_padding, save_sentencepiece,
-                                    train_sentencepiece, word_runs)
+from chatglm_tune.data.tokenizing import (keeps_single, piece_bytes, require_left_padding, save_sentencepiece,
+                                          train_sentencepiece, word_runs)
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizer
 from transformers.utils import PaddingStrategy
 
-from chatglm_tune.tokenizing import pair_inputs, special_tokens_mask
+from chatglm_tune.data.tokenizing import pair_inputs, special_tokens_mask
 
 
 GLM_SPECIALS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop")

@@ -26,9 +26,9 @@ import os
 import shutil
 from pathlib import Path
 
-from chatglm_tune import crashpoints, leftovers
-from chatglm_tune.checkpoint import atomic_write, follow_umask
 from chatglm_tune.models import registry
+from chatglm_tune.runtime import crashpoints, leftovers
+from chatglm_tune.runtime.checkpoint import atomic_write, follow_umask
 
 RUN_ARGS = "run_args.json"
 RUN_CONFIG = "run.yaml"  # runs trained before it was written have none: nothing reads it back but a user's --config

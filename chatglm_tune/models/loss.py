@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from chatglm_tune.batches import IGNORE_INDEX
+from chatglm_tune.data.batches import IGNORE_INDEX
 
 CHUNK_TOKENS = 4096  # labelled positions whose logits exist at once (4096 x 151,552 fp32: 2.5 GB)
 

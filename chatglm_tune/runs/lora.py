@@ -21,10 +21,10 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 from transformers import GlmConfig
 
-from chatglm_tune.checkpoint import CheckpointError, iter_tensors, open_safetensors
 from chatglm_tune.models.glm.weights import adapter_targets, adapter_to_transformers, is_official_adapter, qkv_rows
 from chatglm_tune.options import LoraOptions
 from chatglm_tune.quant.modules import QuantizedLinear
+from chatglm_tune.runtime.checkpoint import CheckpointError, iter_tensors, open_safetensors
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's names, in its order of preference
 

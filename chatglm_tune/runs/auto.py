@@ -21,10 +21,10 @@ import importlib
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from chatglm_tune.checkpoint import AUTO_PLUMBING
 from chatglm_tune.models import registry
 from chatglm_tune.models.chatglm6b.config import ChatGLMConfig
 from chatglm_tune.models.glm.config import ChatGLMFamilyConfig
+from chatglm_tune.runtime.checkpoint import AUTO_PLUMBING
 
 
 class AnyChatGLMConfig(ChatGLMConfig):
@@ -44,7 +44,7 @@ class _Deferred:
 
     @classmethod
     def resolve(cls):
-        return getattr(importlib.import_module(cls.module, __package__), cls.name)
+        return getattr(importlib.import_module(cls.module, "chatglm_tune"), cls.name)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -71,7 +71,7 @@ def _adapted(path, args: tuple, kwargs: dict):
     `loading.load_adapted`), or of a LoRA adapter transformers hands over (its PEFT integration
     passes the adapter as `adapter_kwargs["_adapter_model_path"]`, and as `path` the base that the adapter
     records); None for a model directory."""
-    from chatglm_tune import loading
+    from chatglm_tune.runs import loading
 
     adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
     source = loading.adapter_run(path if adapter is None else adapter)

@@ -114,7 +114,7 @@ def check_prefix_version(source, theirs: str | None, ours: str, model="the model
     """Refuse (`error`, default `CheckpointError`) a P-tuning checkpoint trained on version `theirs` (as its
     config.json says; None: it cannot tell, and the shapes decide when it loads) for `model` (a path or a
     description) of version `ours`, naming both (the versions as a reader knows them: "ChatGLM3-6B")."""
-    from chatglm_tune.checkpoint import CheckpointError
+    from chatglm_tune.runtime.checkpoint import CheckpointError
 
     if theirs is None or theirs == ours:
         return
@@ -128,7 +128,7 @@ def check_prefix_shapes(source, shapes: dict, expected: dict, width: int, formul
     """Refuse (`CheckpointError`) prefix-encoder tensors (`shapes`: key -> shape) whose shapes are not the
     model's (`expected`: key -> shape; keys it lacks are left to the caller), naming both: another width
     than the model's W (`width`, made as `formula` says), or another row count than its `pre_seq_len`."""
-    from chatglm_tune.checkpoint import CheckpointError
+    from chatglm_tune.runtime.checkpoint import CheckpointError
 
     for key, shape in shapes.items():
         want = expected.get(key)
@@ -143,7 +143,7 @@ def check_prefix_shapes(source, shapes: dict, expected: dict, width: int, formul
 
 def only_prefix_weights(path, key_prefix: str) -> bool:
     """Whether the weight files of `path` hold prefix-encoder tensors (keys under `key_prefix`) and nothing else."""
-    from chatglm_tune.checkpoint import iter_tensors, weight_files
+    from chatglm_tune.runtime.checkpoint import iter_tensors, weight_files
 
     keys = [key for file in weight_files(path) for key, _ in iter_tensors(file)]
     return bool(keys) and all(key.startswith(key_prefix) for key in keys)

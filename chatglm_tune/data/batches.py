@@ -33,9 +33,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from chatglm_tune.dialogues import ToolCall, Turn
+from chatglm_tune.data.dialogues import ToolCall, Turn
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.options import EncodingOptions, SamplingOptions
-from chatglm_tune.records import SPORecord
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch CrossEntropyLoss default)
 

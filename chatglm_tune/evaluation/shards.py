@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatglm_tune.checkpoint import atomic_write
+from chatglm_tune.runtime.checkpoint import atomic_write
 
 
 @dataclass(frozen=True)

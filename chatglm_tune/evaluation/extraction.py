@@ -31,17 +31,17 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from chatglm_tune import crashpoints
-from chatglm_tune.batches import SpecialIds, collate_prompts
-from chatglm_tune.callmetrics import gold_call
-from chatglm_tune.checkpoint import atomic_write
+from chatglm_tune.data.batches import SpecialIds, collate_prompts
+from chatglm_tune.data.dialogues import ToolCall
+from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
-from chatglm_tune.dialogues import ToolCall
-from chatglm_tune.metrics import describe_scores, parse_triples, score_answers, score_record
+from chatglm_tune.evaluation.callmetrics import gold_call
+from chatglm_tune.evaluation.metrics import describe_scores, parse_triples, score_answers, score_record
 from chatglm_tune.options import ExtractionSettings
-from chatglm_tune.records import SPORecord
+from chatglm_tune.runtime import crashpoints
+from chatglm_tune.runtime.checkpoint import atomic_write
 
 SORT_WINDOW_BATCHES = 8  # records sorted by length within windows of this many batches
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal
 
-from chatglm_tune.dialogues import Dialogue, DialogueError, from_conversations, from_messages
+from chatglm_tune.data.dialogues import Dialogue, DialogueError, from_conversations, from_messages
 from chatglm_tune.options import DataColumns
 
 

@@ -16,12 +16,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatglm_tune import cores
 from chatglm_tune.models import registry
+from chatglm_tune.models.prefix import check_prefix_version
 from chatglm_tune.options import DataColumns, EncodingOptions, choose_threads
-from chatglm_tune.prefix import check_prefix_version
-from chatglm_tune.rundir import (ADAPTER_CONFIG, ADAPTER_TUNINGS, CONFIG, RUN_ARGS, RunDirectoryError, is_model_dir,
-                                 read_run_args, require_model_dir)
+from chatglm_tune.runtime import cores
+from chatglm_tune.runs.rundir import (ADAPTER_CONFIG, ADAPTER_TUNINGS, CONFIG, RUN_ARGS, RunDirectoryError,
+                                      is_model_dir, read_run_args, require_model_dir)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def load_model(source: ModelSource, *, dtype="float32", device="cpu", quantizati
         if source.prefix_dir is not None:
             model.load_prefix(source.prefix_dir)
         if source.lora_dir is not None:
-            from chatglm_tune.lora import load_lora
+            from chatglm_tune.runs.lora import load_lora
 
             model = load_lora(model, source.lora_dir)
     else:
@@ -256,10 +256,10 @@ def merge_lora_and_quantize(model, lora_dir: Path, bits: int | None, group_size:
     Linears and its routed experts' 3D weights quantized, as loading a float checkpoint with `bits`
     quantizes them. On a base stored quantized the adapter cannot be merged: it runs beside the
     integer weights (and `bits` must be the stored ones)."""
-    from chatglm_tune.lora import load_lora, merge_lora
     from chatglm_tune.quant.apply import quantize_model
     from chatglm_tune.quant.experts import quantize_experts
     from chatglm_tune.quant.format import check_bits
+    from chatglm_tune.runs.lora import load_lora, merge_lora
 
     stored = model.config.quantization_bit
     check_bits(stored, bits, base or "the base")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from chatglm_tune.dialogues import ToolCall
+from chatglm_tune.data.dialogues import ToolCall
 
 
 def gold_call(record) -> ToolCall | None:

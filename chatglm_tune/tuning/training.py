@@ -25,16 +25,17 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from chatglm_tune import crashpoints, rundir
-from chatglm_tune.batches import (EncodedDataset, SpecialIds, collate_packed, collate_prompts, collate_train, pack,
-                                  prompt_ids)
-from chatglm_tune.checkpoint import open_safetensors, read_config_file
+from chatglm_tune.runs import rundir
+from chatglm_tune.runtime import crashpoints
+from chatglm_tune.data.batches import (EncodedDataset, SpecialIds, collate_packed, collate_prompts, collate_train, pack,
+                                       prompt_ids)
 from chatglm_tune.decoding.generation import generate
-from chatglm_tune.loading import context_length
-from chatglm_tune.metrics import describe_scores, score_answers
+from chatglm_tune.evaluation.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry
 from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions, raise_problems
-from chatglm_tune.stopping import Stopped, StopRequest, signal_name
+from chatglm_tune.runs.loading import context_length
+from chatglm_tune.runtime.checkpoint import open_safetensors, read_config_file
+from chatglm_tune.runtime.stopping import Stopped, StopRequest, signal_name
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler):
@@ -229,7 +230,7 @@ def set_trainable(model, options: TrainOptions):
     the official behaviour), LoRA adapters (returned wrapped by peft), or every weight (full)."""
     version = registry.of_config(model.config)
     if options.tuning == "lora":  # on the version's attention projections unless told otherwise
-        from chatglm_tune.lora import apply_lora  # here: peft takes ~4 s to import, which other runs never need
+        from chatglm_tune.runs.lora import apply_lora  # here: peft takes ~4 s to import, which other runs never need
 
         return apply_lora(model, replace(options.lora, target=options.lora.target or version.lora_targets),
                           title=f"the {version.title}")
@@ -296,7 +297,7 @@ def train(model, tokenizer, train_records, dev_records, output_dir, options: Tra
                "stopped_early": bool(progress.get("stopped_early")), "seconds": round(time.time() - started, 1)}
     _Log(accelerator, output_dir / "metrics.jsonl").write({"final": summary})
     if accelerator.is_main_process:
-        from chatglm_tune.curves import plot_curves
+        from chatglm_tune.tuning.curves import plot_curves
 
         plot_curves(output_dir / "metrics.jsonl", output_dir / "loss_curve.png")
     accelerator.end_training()

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from chatglm_tune.records import Triple, answer_lines
+from chatglm_tune.data.records import Triple, answer_lines
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,8 @@ def score_answers(generated: Sequence[str], records: Sequence, calls: Sequence |
         raise ValueError(f"{len(generated)} generations for {len(records)} records")
     kind = score_kind(records)
     if kind != "triples":
-        from chatglm_tune.callmetrics import score_calls
-        from chatglm_tune.textmetrics import GenerationScorer
+        from chatglm_tune.evaluation.callmetrics import score_calls
+        from chatglm_tune.evaluation.textmetrics import GenerationScorer
 
         scorer = GenerationScorer()
         pairs = [(g, r.response) for g, r in zip(generated, records) if r.response is not None]
@@ -196,7 +196,7 @@ def score_kind(records: Sequence) -> str:
     answered = [r for r in records if r.response is not None]
     if not answered:
         return "triples"
-    from chatglm_tune.callmetrics import gold_call
+    from chatglm_tune.evaluation.callmetrics import gold_call
 
     return "calls" if all(gold_call(r) is not None for r in answered) else "text"
 
@@ -213,8 +213,8 @@ def format_score(score: float, records: Sequence) -> str:
 def describe_scores(scores: dict) -> str:
     """One line of a run's scores: triple P/R/F1, or the generation metrics (`rouge-l`, `bleu-4`...)."""
     if "rouge-l" in scores:
-        from chatglm_tune.callmetrics import format_calls
-        from chatglm_tune.textmetrics import format as format_generation
+        from chatglm_tune.evaluation.callmetrics import format_calls
+        from chatglm_tune.evaluation.textmetrics import format as format_generation
 
         calls = scores.get("tool_calls")
         return format_generation(scores) + ("" if calls is None else f"; {format_calls(calls)}")
