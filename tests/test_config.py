@@ -382,9 +382,10 @@ INSTALL_ENV = "CHATGLM_TUNE_TEST_INSTALL"
 INSTALL_BUDGET_S = 30
 
 
-def test_a_non_editable_install_gets_the_chatglm_tune_command(tmp_path):
+def test_a_non_editable_install_gets_the_chatglm_tune_command(tmp_path, small_data):
     """The package built and installed (no dependencies: the venv sees this one's) into a fresh venv: its
-    `chatglm-tune` runs from outside the checkout, on the installed package. It takes a few seconds (the build and
+    `chatglm-tune` runs from outside the checkout, on the installed package: its help, and the main job (train the
+    tiny default, a few steps here, then extract with it). It takes a few seconds (the build and
     install); where it takes over INSTALL_BUDGET_S it skips, unless CHATGLM_TUNE_TEST_INSTALL=1 asks it to finish."""
     source, venv = tmp_path / "source", tmp_path / "venv"
     source.mkdir()
@@ -418,6 +419,14 @@ def test_a_non_editable_install_gets_the_chatglm_tune_command(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                            env=environment, timeout=HANG_S)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    run, predictions = tmp_path / "tiny", tmp_path / "dev_predictions.jsonl"
+    for argv in (["train", "--model", "tiny", "--tuning", "full", "--train-file", small_data["train"], "--dev-file",
+                  small_data["dev"], "--output-dir", run, *QUICK],
+                 ["infer", "--model", run, "--input", small_data["dev"], "--output", predictions, "--threads", "1"]):
+        done = subprocess.run([command, *map(str, argv)], capture_output=True, text=True, cwd=tmp_path,
+                              env=environment, timeout=HANG_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert len(predictions.read_text(encoding="utf-8").splitlines()) == 6
 
 
 def test_the_parser_class_is_argparse_with_a_config_flag():
