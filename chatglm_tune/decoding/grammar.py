@@ -3,8 +3,8 @@
 At each step a constrained request's row may only take the tokens that keep its answer a prefix of a sentence of
 its grammar (`Constraint.allowed`); the others get -inf before sampling, so greedy and sampled decoding, log
 probabilities aside, pick among them alone. Once the grammar is complete the stop ids alone are allowed, so the
-answer ends there. llguidance (Rust, no dependencies) computes a step's mask from a token trie in tens of
-microseconds a row on a 150k vocabulary, on the engine's thread, between forwards.
+answer ends there. llguidance (Rust, no dependencies) computes a step's mask from a token trie, on the engine's
+thread, between forwards (its cost: bench/results/grammar-libs.json).
 
 The vocabulary llguidance walks is each id's bytes in decoded text (the tokenizers' `token_bytes`); special and
 unused ids are never allowed but where they stop the answer. Forced text (a schema's `{"key":`) is tokenized
@@ -41,7 +41,7 @@ def llguidance():
 
 def vocabulary(tokenizer, rows: int) -> tuple:
     """(llguidance's view of `tokenizer` for a model of `rows` vocabulary rows, the id that stands for an end there);
-    built once a tokenizer (about a second for a 150k vocabulary)."""
+    built once a tokenizer and kept while it lives."""
     built = _VOCABULARIES.setdefault(tokenizer, {})
     if rows not in built:
         lib = llguidance()
