@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import sentencepiece as spm
@@ -39,16 +39,16 @@ def special_tokens_mask(build_inputs, token_ids_0: list[int], token_ids_1: list[
 _BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
-def piece_bytes(sp_model, index: int, replace: tuple[tuple[str, str], ...] = ()) -> bytes:
-    """The bytes SentencePiece piece `index` stands for in decoded text: `<0xXX>` its byte, `▁` a space, then each
-    (piece text, text) of `replace` (a tokenizer's own whitespace pieces)."""
+def piece_bytes(sp_model, index: int, whole: Mapping[str, str] | None = None) -> bytes:
+    """The bytes SentencePiece piece `index` stands for in decoded text: `<0xXX>` its byte, a piece of `whole` (a
+    tokenizer's own user-defined pieces, which SentencePiece never joins to others) its text, else the piece with
+    `▁` a space."""
     piece = sp_model.id_to_piece(index)
     if sp_model.is_byte(index) and (byte := _BYTE_PIECE.fullmatch(piece)):
         return bytes([int(byte.group(1), 16)])
-    text = piece.replace(SPIECE, " ")
-    for old, new in replace:
-        text = text.replace(old, new)
-    return text.encode("utf-8")
+    if whole and piece in whole:
+        return whole[piece].encode("utf-8")
+    return piece.replace(SPIECE, " ").encode("utf-8")
 
 
 def vocabulary_path(save_directory: str, filename_prefix: str | None, file_name: str) -> Path:

@@ -39,6 +39,8 @@ NEWLINE_PIECE = "<n>"
 TAB_PIECE = "<|tab|>"
 MAX_BLANK_LENGTH = 80
 BLANK_PIECES = tuple(f"<|blank_{n}|>" for n in range(2, MAX_BLANK_LENGTH + 1))
+# The text of each whitespace piece (user-defined pieces: never part of another piece)
+WHITESPACE_TEXT = {NEWLINE_PIECE: "\n", TAB_PIECE: "\t", **{piece: " " * n for n, piece in enumerate(BLANK_PIECES, 2)}}
 # CONTROL pieces of ice_text.model, in its order (ids 130000..130007 there).
 CONTROL_PIECES = ("[MASK]", "[gMASK]", "[sMASK]", "<unused_0>", "<sop>", "<eop>", "<ENC>", "<dBLOCK>")
 # The named special tokens of the official tokenizer_config.json; these (and only these) are split out
@@ -69,9 +71,8 @@ def encode_whitespace(text: str) -> str:
 
 def decode_whitespace(text: str) -> str:
     """Inverse of `encode_whitespace` on decoded text."""
-    text = text.replace(NEWLINE_PIECE, "\n").replace(TAB_PIECE, "\t")
-    for n in range(2, MAX_BLANK_LENGTH + 1):
-        text = text.replace(f"<|blank_{n}|>", " " * n)
+    for piece, whitespace in WHITESPACE_TEXT.items():
+        text = text.replace(piece, whitespace)
     return text
 
 
@@ -144,11 +145,9 @@ class ChatGLMTokenizer(PreTrainedTokenizer):
     def token_bytes(self) -> list[bytes | None]:
         """Each id's bytes in decoded text, by id (`<n>` a newline, `<|tab|>` a tab, `<|blank_n|>` n spaces); None
         for the image ids and the control and special pieces."""
-        whitespace = ((NEWLINE_PIECE, "\n"), (TAB_PIECE, "\t"), *((f"<|blank_{n}|>", " " * n)
-                                                                 for n in range(MAX_BLANK_LENGTH, 1, -1)))
         silent = {self.sp_model.piece_to_id(p) for p in (*CONTROL_PIECES, *SPECIAL_TOKENS.values())}
         pieces = [None if i in silent or self.sp_model.is_control(i) or self.sp_model.is_unknown(i)
-                  else piece_bytes(self.sp_model, i, whitespace) for i in range(self.sp_model.get_piece_size())]
+                  else piece_bytes(self.sp_model, i, WHITESPACE_TEXT) for i in range(self.sp_model.get_piece_size())]
         return [None] * self.num_image_tokens + pieces
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
