@@ -67,12 +67,16 @@ class EncodingOptions:
     so `<sop> answer <eop>` gets `max_len - max_src_len` tokens (a conversation record's row, as its official
     code builds it, is cut at `max_len`). `loss_on`: "all" trains a conversation on every assistant turn, as the
     official ChatGLM3 / GLM-4 fine-tuning does; "last" on the last one only, the earlier turns context.
+    `enable_thinking` / `clear_thinking`: the agent GLMs' chat template flags for a conversation record that sets
+    none of its own (None: thinking on exactly where the record holds reasoning; the template's clear_thinking).
     """
 
     prompt: str = "按给定的格式抽取文本信息。\n文本："
     max_src_len: int = 256
     max_len: int = 288
     loss_on: str = "all"
+    enable_thinking: bool | None = None
+    clear_thinking: bool | None = None
 
     def __post_init__(self):
         if self.loss_on not in LOSS_ON:
@@ -259,13 +263,17 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # tenfold. The GLM presets keep 3200 steps of their 2-layer models.
 # --model NAME: a random tiny model of that version
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4", "tiny-glm4-0414": "glm4-0414",
-                "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47-flash": "glm4-moe-lite"}
+                "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47": "glm4-moe",
+                "tiny-glm47-flash": "glm4-moe-lite"}
+# Presets whose tokenizer carries another version's released chat template: GLM-4.7 is GLM-4.5's architecture with
+# GLM-4.7-Flash's template form.
+TINY_CHAT_TEMPLATES = {"tiny-glm47": "glm4-moe-lite"}
 TINY_MAX_LAYERS = 64  # --tiny-layers at most: the presets have 2 or 3; a billion asked for memory that never was
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
 # budget_steps of each preset
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
-                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47-flash": 3200}
+                   "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47": 3200, "tiny-glm47-flash": 3200}
 
 
 # Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and

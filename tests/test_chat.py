@@ -20,7 +20,7 @@ import chatglm_tune.decoding.chat as chat_module
 from chatglm_tune.decoding.chat import chat, chat_defaults, stream_chat
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models import registry
-from chatglm_tune.models.glm.formats import FORMATS
+from chatglm_tune.models.glm.config import FORMATS
 from chatglm_tune.models.glm.versions import load_glm_tokenizer
 from chatglm_tune.options import SamplingOptions
 

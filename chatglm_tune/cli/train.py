@@ -53,6 +53,15 @@ def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
     g("--max-len", type=int, help=f"tokens of a whole row; the answer gets max_len - max_src_len (default {E.max_len})")
     g("--loss-on", choices=LOSS_ON, help="conversation records (ChatGLM3 / GLM-4 and later): train on every assistant "
       f"turn, as the official fine-tuning does, or on the last one only (default: the base run's, else {E.loss_on})")
+    g("--enable-thinking", action=argparse.BooleanOptionalAction, help="GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash: render "
+      "conversation records with thinking on or off where a record sets no enable_thinking of its own (default: the "
+      "base run's, else on exactly for the records that hold reasoning)")
+    g("--clear-thinking", action=argparse.BooleanOptionalAction, help="GLM-4.7 / GLM-4.7-Flash: --no-clear-thinking "
+      "keeps (and trains) the reasoning of turns before the last user message, which their template drops by default "
+      "(default: the base run's, else the template's: dropped)")
+    g("--dry-run", action="store_true", help="read and check the data, build the tokenizer and every training row, "
+      "print the data report and the first example with its trained spans marked, write examples.jsonl (input_ids, "
+      "labels) into --output-dir, and stop before any weight is loaded")
     g = p.add_argument_group("model").add_argument
     g("--model", required=True, help="a ChatGLM-6B, ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 or "
       f"GLM-4.7-Flash model directory, or {' / '.join(map(repr, TINY_PRESETS))} (a random tiny model of that version "
@@ -174,7 +183,8 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
     lora = part(problems, LoraOptions, **_resolve(args, ("lora_r", "lora_alpha", "lora_dropout"), {}, L, strip="lora_"),
                 target=tuple(args.lora_target) if args.lora_target else None)
     encoding = part(problems, EncodingOptions,
-                    **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on"),
+                    **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on", "enable_thinking",
+                                      "clear_thinking"),
                                {**base_run.get("encoding", {}), **demo}, E))
     options = part(problems, TrainOptions,
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio"), demo, D),
@@ -234,6 +244,8 @@ def main(argv=None) -> int:
     from chatglm_tune.runtime.stopping import signals_stop
 
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     with signals_stop(deferred=int(os.environ.get("WORLD_SIZE", "1")) > 1) as stop:  # every process stops at one step
         try:
             checked = check(args)
@@ -251,6 +263,34 @@ def main(argv=None) -> int:
                 return interrupted(e, "before the first step; nothing to resume")
             return interrupted(e, f"after step {step}: its state is saved in {args.output_dir}; the same command with "
                                f"--resume continues from there:\n  {continue_command(argv)}")
+
+
+def dry_run(args) -> int:
+    """`--dry-run`: the checks of a run, then its tokenizer and rows (`tuning.dry_run`); nothing is trained."""
+    from chatglm_tune.runs import rundir
+
+    if args.resume:
+        return fail(ValueError("--dry-run starts no run: it has nothing to resume (drop --resume)"))
+    made = not Path(args.output_dir).exists()
+    try:
+        base = None if args.model in TINY_PRESETS else rundir.require_model_dir(args.model)
+        rundir.prepare_output_dir(args.output_dir, base=base, resume=False, overwrite=args.overwrite)
+        options, _ = options_from(args, (rundir.read_run_args(base) or {}) if base else {})
+        train_records, dev_records, _ = read_data(args, options.columns)
+        options = own_instructions(args, options, train_records)
+        from chatglm_tune.tuning.training import check_fit
+        from chatglm_tune.tuning.dry_run import dry_run as build_rows
+
+        check_fit(args.model, base, options, [*train_records, *dev_records])
+        build_rows(args.model, base, train_records, dev_records, Path(args.output_dir), options)
+    except BaseException as e:  # Ctrl-C included: the directory was empty (or new) before, and is so again
+        rundir.discard_unstarted(args.output_dir, made=made)
+        if isinstance(e, (ValueError, FileNotFoundError)):
+            return fail(e)
+        if isinstance(e, KeyboardInterrupt):
+            return interrupted(e, "during the dry run; nothing is left of it")
+        raise
+    return 0
 
 
 def check(args):

@@ -89,6 +89,7 @@ class PromptFormat:
     tool_calls: bool = False  # its chat writes tool calls that chat() reads (ChatGLM3, GLM-4-9B)
     tool_arguments_form: str | None = None  # how a call's arguments are written: "json" (GLM-4), "python" (ChatGLM3)
     declared_calls_only: bool = False  # a call's first line must name a declared tool (GLM-4), else any (ChatGLM3)
+    has_thinking: bool = False  # its chat template takes enable_thinking / clear_thinking (the agent GLMs)
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
     # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
     # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction
@@ -132,6 +133,12 @@ class PromptFormat:
         """The tool call a decoded answer writes, None for a text answer (always, where the chat has no tool calls)."""
         return None
 
+    def read_calls(self, answer: str, tools: list | None = None) -> tuple[ToolCall, ...]:
+        """Every tool call a decoded answer writes, in order (`read_call`'s one, where the version writes one a
+        turn); `tools`: the conversation's, whose schemas type the arguments where the version writes them as text."""
+        call = self.read_call(answer)
+        return () if call is None else (call,)
+
     def text_answer_lead(self, tokenizer) -> str:
         """The text a chat's text answer begins with, before its content, where no tools are offered (ChatGLM3 and
         GLM-4: the empty metadata line's "\n")."""
@@ -155,12 +162,25 @@ class PromptFormat:
         """ValueError for a conversation that (query, response) pairs cannot hold (a system prompt, tools, calls,
         observations, loss flags) where this version reads pairs only."""
         if record.dialogue is not None and record.history is None and self.chat_in_pairs:
-            raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns (its "
-                             "chat is (query, response) pairs): such conversations train ChatGLM3-6B, GLM-4 and later")
+            raise ValueError(f"{record.source or 'record'}: {self.title} has no system, tool or observation turns "
+                             "and no reasoning (its chat is (query, response) pairs): such conversations train "
+                             "ChatGLM3-6B, GLM-4 and later (reasoning: GLM-4.5 and later)")
 
     def check_turn(self, turn: Turn) -> None:
-        """ValueError for a conversation turn (`dialogues.Turn`) the version has no form for, saying why (a role-message
-        version without a tool form: a system turn's tools, a call, an observation); here every turn passes."""
+        """ValueError for a conversation turn (`dialogues.Turn`) the version has no form for, saying why: reasoning and
+        OpenAI-style calls (`tool_calls`) where the version has none (here: every version but the agent GLMs); a
+        role-message version without a tool form also refuses a system turn's tools, a call, an observation."""
+        if turn.reasoning:
+            raise ValueError(f"{self.title} has no reasoning (no <think> in its chat): reasoning_content trains "
+                             "GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash")
+        if turn.calls:
+            raise ValueError(f"{self.title} does not write OpenAI-style tool_calls: they train GLM-4.5 / 4.6 / 4.7 "
+                             "and GLM-4.7-Flash; ChatGLM3-6B and GLM-4 take their own fine-tuning forms "
+                             "(data/make_tools.py)")
+
+    def check_dialogue(self, dialogue, options: EncodingOptions) -> None:
+        """ValueError for a conversation (`dialogues.Dialogue`) whose flags or form the version cannot render as the
+        record asks, naming the field; here every conversation passes (the agent GLMs check theirs)."""
 
     def decode_answer(self, tokenizer, new_ids: list[int]) -> str:
         """The text of generated ids, without the stop id that ended them."""

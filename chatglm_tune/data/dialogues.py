@@ -73,16 +73,29 @@ class Turn:
     metadata: str = ""  # an assistant turn that calls a tool in the model's own form: the tool's name
     loss: bool = False
     tools: tuple | None = None  # a GLM-4 system turn's tool list, rendered by the chat template
-    call: ToolCall | None = None  # an assistant turn that calls a tool: which, with what
+    call: ToolCall | None = None  # an assistant turn that calls a tool: which, with what (the first, of several)
     where: str = field(default="", compare=False)  # the record's field it was read from (`messages[0].tools`)
+    reasoning: str | None = None  # an assistant turn's reasoning (an OpenAI-style record's `reasoning_content`)
+    calls: tuple[ToolCall, ...] = ()  # every call of an assistant turn, in order (`call` is the first)
+
+    @property
+    def all_calls(self) -> tuple[ToolCall, ...]:
+        """The turn's calls: `calls`, or the one `call` of the official forms."""
+        return self.calls or ((self.call,) if self.call is not None else ())
 
 
 @dataclass(frozen=True)
 class Dialogue:
-    """A whole conversation; `form`: "conversations" (ChatGLM3's data) or "messages" (GLM-4's)."""
+    """A whole conversation; `form`: "conversations" (ChatGLM3's data), "messages" (GLM-4's) or "openai"
+    (OpenAI-style messages, `chat_messages.py`: then `messages` holds them as a chat template renders them, `tools`
+    the record's tools, and `enable_thinking` / `clear_thinking` the record's own, None where it sets none)."""
 
     turns: tuple[Turn, ...]
     form: str
+    messages: tuple = field(default=(), compare=False)
+    tools: tuple | None = field(default=None, compare=False)
+    enable_thinking: bool | None = None
+    clear_thinking: bool | None = None
 
     @property
     def answer_at(self) -> int | None:
@@ -103,6 +116,16 @@ class Dialogue:
     def query(self) -> str:
         """The last user turn's text ("" where there is none)."""
         return next((t.content for t in reversed(self.context) if t.role == "user"), "")
+
+    def texts(self) -> list[str]:
+        """Every text the conversation shows a model: each turn's metadata and content, reasoning, calls (name and
+        arguments as JSON) and tools (as JSON): what a tokenizer trained for it must hold."""
+        out = [turn.metadata + turn.content for turn in self.turns]
+        out += [json.dumps(list(turn.tools), ensure_ascii=False, indent=4) for turn in self.turns if turn.tools]
+        out += [turn.reasoning for turn in self.turns if turn.reasoning]
+        out += [call.name + json.dumps(call.arguments, ensure_ascii=False)
+                for turn in self.turns for call in turn.calls]
+        return out + ([json.dumps(list(self.tools), ensure_ascii=False)] if self.tools else [])
 
     def loss_on_last(self) -> "Dialogue":
         """The same turns with a loss on the gold answer only (earlier answers are context)."""
@@ -127,31 +150,31 @@ def from_conversations(raw: dict) -> Dialogue:
     """A ChatGLM3 record: `conversations` (and optional `tools`)."""
     tools = raw.get("tools")
     names = _declared(tools, "tools", lambda tool: tool.get("name")) if tools is not None else None
-    value = _turn_list(raw["conversations"], "conversations")
+    value = turn_list(raw["conversations"], "conversations")
     turns = [Turn("system", TOOL_PROMPT + json.dumps(tools, indent=4, ensure_ascii=False),
                   where="tools")] if tools is not None else []
     for i, item in enumerate(value):
         where = f"conversations[{i}]"
-        turn = _object(item, where)
-        role = _string(turn, "role", where)
+        turn = turn_object(item, where)
+        role = string_field(turn, "role", where)
         if role == "tool":
             turns += _tool_turns(turn, where, names, last=i == len(value) - 1)
             continue
-        _only(turn, {"role", "content", "loss"}, where)
+        only_fields(turn, {"role", "content", "loss"}, where)
         if role == "system" and i > 0:
             raise DialogueError("system_turn", "a system turn comes first, once (before any user turn)",
                                 f"{where}.role")
         if role not in ("system", "user", "assistant"):
             raise DialogueError("bad_role", f"expected system, user, assistant or tool, got {role!r}", f"{where}.role")
-        turns.append(Turn(role, _string(turn, "content", where), loss=_loss(turn, role, where), where=where))
-    return _checked(Dialogue(tuple(turns), "conversations"))
+        turns.append(Turn(role, string_field(turn, "content", where), loss=turn_loss(turn, role, where), where=where))
+    return checked_dialogue(Dialogue(tuple(turns), "conversations"))
 
 
 def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[Turn]:
     """A ChatGLM3 `tool` turn: the assistant's call, then the observation; the last turn may hold no observation:
     the call is then the gold answer (what a dev record asks the model to call)."""
-    _only(turn, {"role", "name", "parameters", "observation", "loss"}, where)
-    name = _string(turn, "name", where)
+    only_fields(turn, {"role", "name", "parameters", "observation", "loss"}, where)
+    name = string_field(turn, "name", where)
     if names is None or name not in names:
         declared = "no tools are declared (a top-level tools list)" if names is None else f"declared: {sorted(names)}"
         raise DialogueError("undeclared_tool", f"calls {name!r}, which is not a declared tool ({declared})",
@@ -163,7 +186,8 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
         code = tool_call_code(parameters)
     except ValueError as err:
         raise DialogueError("bad_arguments", str(err), f"{where}.parameters") from None
-    call = Turn("assistant", code, metadata=name, loss=_loss(turn, "assistant", where), call=ToolCall(name, parameters),
+    call = Turn("assistant", code, metadata=name, loss=turn_loss(turn, "assistant", where),
+                call=ToolCall(name, parameters),
                 where=f"{where}.name")
     if "observation" not in turn:
         if last:
@@ -181,23 +205,23 @@ def _tool_turns(turn: dict, where: str, names: set | None, last: bool) -> list[T
 
 def from_messages(raw: dict) -> Dialogue:
     """A GLM-4 record: `messages`."""
-    value = _turn_list(raw["messages"], "messages")
+    value = turn_list(raw["messages"], "messages")
     turns, names = [], set()
     for i, item in enumerate(value):
         where = f"messages[{i}]"
-        message = _object(item, where)
-        role = _string(message, "role", where)
+        message = turn_object(item, where)
+        role = string_field(message, "role", where)
         if role not in ("system", "user", "assistant", "observation"):
             raise DialogueError("bad_role", f"expected system, user, assistant or observation, got {role!r}",
                                 f"{where}.role")
-        _only(message, {"role", "content", "loss"} | ({"tools"} if role == "system" else set())
+        only_fields(message, {"role", "content", "loss"} | ({"tools"} if role == "system" else set())
               | ({"metadata"} if role == "assistant" else set()), where)
         tools = None
         if "tools" in message:
             tools = tuple(_without_null_parameters(message["tools"], f"{where}.tools"))
             names |= _declared(list(tools), f"{where}.tools", lambda tool: _object_field(tool.get("function"), "name"))
-        content = _string(message, "content", where)
-        metadata = _string(message, "metadata", where) if "metadata" in message else ""
+        content = string_field(message, "content", where)
+        metadata = string_field(message, "metadata", where) if "metadata" in message else ""
         call = _call(metadata, content, names, where) if role == "assistant" else None
         if role == "observation" and not (turns and turns[-1].call):
             raise DialogueError("observation_without_call", "an observation follows an assistant message that calls a "
@@ -206,8 +230,8 @@ def from_messages(raw: dict) -> Dialogue:
         field_of = next((f"{where}.{key}" for key, used in (("tools", tools is not None), ("metadata", metadata),
                                                                ("role", role == "observation"), ("content", call))
                          if used), where)
-        turns.append(Turn(role, content, metadata, _loss(message, role, where), tools, call, where=field_of))
-    return _checked(Dialogue(tuple(turns), "messages"))
+        turns.append(Turn(role, content, metadata, turn_loss(message, role, where), tools, call, where=field_of))
+    return checked_dialogue(Dialogue(tuple(turns), "messages"))
 
 
 def json_call(text: str) -> ToolCall | None:
@@ -272,7 +296,7 @@ def _without_null_parameters(tools: object, where: str) -> list:
 # what both read
 
 
-def _turn_list(value: object, where: str) -> list:
+def turn_list(value: object, where: str) -> list:
     if not isinstance(value, list):
         raise DialogueError("not_list", f"expected a list of turns, got {type(value).__name__}", where)
     if not value:
@@ -292,7 +316,7 @@ def _declared(tools: object, where: str, name_of) -> set:
     return names
 
 
-def _loss(turn: dict, role: str, where: str) -> bool:
+def turn_loss(turn: dict, role: str, where: str) -> bool:
     loss = turn.get("loss", role not in SILENT_ROLES)
     if not isinstance(loss, bool):
         raise DialogueError("bad_loss", f"expected true or false, got {loss!r}", f"{where}.loss")
@@ -302,19 +326,19 @@ def _loss(turn: dict, role: str, where: str) -> bool:
     return loss
 
 
-def _checked(dialogue: Dialogue) -> Dialogue:
+def checked_dialogue(dialogue: Dialogue) -> Dialogue:
     if not any(t.role == "user" for t in dialogue.turns):
         raise DialogueError("empty_text", "a conversation holds a user turn", dialogue.form)
     return dialogue
 
 
-def _object(item: object, where: str) -> dict:
+def turn_object(item: object, where: str) -> dict:
     if not isinstance(item, dict):
         raise DialogueError("not_object", f"expected a turn object, got {type(item).__name__}", where)
     return item
 
 
-def _string(turn: dict, key: str, where: str) -> str:
+def string_field(turn: dict, key: str, where: str) -> str:
     value = turn.get(key)
     if not isinstance(value, str):
         if key not in turn:
@@ -323,7 +347,7 @@ def _string(turn: dict, key: str, where: str) -> str:
     return value
 
 
-def _only(turn: dict, fields: set, where: str) -> None:
+def only_fields(turn: dict, fields: set, where: str) -> None:
     stray = sorted(turn.keys() - fields)
     if stray:
         raise DialogueError("unread_field", f"not read: this turn holds {', '.join(sorted(fields))}",

@@ -15,13 +15,15 @@ first line is tolerated); a line, or an array item, holding bytes that are not U
     {"conversations": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
     {"tools": [...], "conversations": [... system, user, assistant, tool turns, "loss" flags ...]}  (ChatGLM3's)
     {"messages": [... system (+ tools), user, assistant (+ metadata: a call), observation ...]}     (GLM-4's)
+    {"tools": [...], "messages": [... assistant (+ reasoning_content, tool_calls), tool ...]}      (OpenAI-style)
 
 The field that selects a shape is `conversations`, else `messages`, else `spo_list`, else one of
 `instruction`, `input`, `output`, else `text` or `answer`; a field of another shape beside it, a `system` or
 `history` field, or an object with none of these fields is a bad record naming the accepted shapes: nothing
 is dropped unread. The text shapes give triples, scored as triples. A conversation gives prompt/response
 data, scored as free text, and keeps all its turns (`SPORecord.dialogue`, read by `dialogues.py`: system
-prompts, tools, tool calls, observations, a loss flag a turn). Plain user / assistant turns, alternating from
+prompts, tools, tool calls, observations, a loss flag a turn; OpenAI-style messages with reasoning and tool calls by
+`chat_messages.py`). Plain user / assistant turns, alternating from
 a user turn, are also read as before: the last user turn the query, the assistant turn after it (none: no
 gold answer) the response, the pairs before them the history. The gold answers of one file are all triples
 or all free text (`mixed_answers`).
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal
 
+from chatglm_tune.data.chat_messages import RECORD_FIELDS, from_openai, is_openai_record
 from chatglm_tune.data.dialogues import Dialogue, DialogueError, from_conversations, from_messages
 from chatglm_tune.options import DataColumns
 
@@ -413,7 +416,8 @@ def _dialogue_record(raw: dict, location: Location, parse: Callable[[dict], Dial
 
 
 def _messages(raw: dict, location: Location) -> SPORecord:
-    return _dialogue_record(raw, location, from_messages)
+    """GLM-4's fine-tuning messages, or OpenAI-style ones (`chat_messages.is_openai_record`)."""
+    return _dialogue_record(raw, location, from_openai if is_openai_record(raw) else from_messages)
 
 
 def _chat_turns(value: object, location: Location) -> list[tuple[str, str]]:
@@ -462,7 +466,7 @@ class _Shape:
 
 _SHAPES = (
     _Shape("conversations", frozenset({"conversations"}), frozenset({"conversations", "tools"}), _conversation),
-    _Shape("messages", frozenset({"messages"}), frozenset({"messages"}), _messages),
+    _Shape("messages", frozenset({"messages"}), RECORD_FIELDS, _messages),
     _Shape("text + spo_list", frozenset({"spo_list"}), frozenset({"text", "spo_list"}), _text_spo_list),
     _Shape("instruction + input + output", frozenset({"instruction", "input", "output"}),
            frozenset({"instruction", "input", "output"}), _instruction_input_output),

@@ -69,6 +69,12 @@ class Version:
         """The tokenizer of a directory; `kwargs` override tokenizer_config.json."""
         raise NotImplementedError
 
+    def tiny_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None):
+        """The tiny model's tokenizer: trained on `corpus` and written to `directory`, or loaded from there where a
+        resumed run (or a dry run) wrote it; `chat_template_of`: a version whose released chat template it carries
+        instead of its own (a tiny GLM-4.7: GLM-4.5's architecture, GLM-4.7-Flash's template form)."""
+        raise NotImplementedError
+
     def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): the from-scratch demo, its
         config's context `context` tokens at least (a run's max_len: what it is trained on, served within)."""

@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from chatglm_tune.models import registry
@@ -31,6 +32,8 @@ from chatglm_tune.runtime import crashpoints, leftovers
 from chatglm_tune.runtime.checkpoint import atomic_write, follow_umask
 
 RUN_ARGS = "run_args.json"
+DRY_RUN_REPORT = "dry_run.json"  # what `train.py --dry-run` writes beside its rows (`EXAMPLES_FILE`)
+EXAMPLES_FILE = "examples.jsonl"
 RUN_CONFIG = "run.yaml"  # runs trained before it was written have none: nothing reads it back but a user's --config
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_DIR = "state"
@@ -180,7 +183,8 @@ def _describe_file(identity: dict | None) -> str:
 
 def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, overwrite: bool) -> None:
     """Refuse to train into a directory that holds something (a model, another run) unless `resume`, or
-    `overwrite` of a run directory, which is then emptied; never into the base being tuned."""
+    `overwrite` of a run directory, which is then emptied; never into the base being tuned. A directory holding only
+    a dry run's output (`DRY_RUN_REPORT`, no run) is emptied: the run makes it again."""
     output_dir = Path(output_dir)
     if base is not None and output_dir.resolve() == Path(base).resolve():
         raise RunDirectoryError(f"--output-dir {output_dir} is the base model being tuned: choose another directory")
@@ -192,6 +196,10 @@ def prepare_output_dir(output_dir: Path, *, base: Path | None, resume: bool, ove
         raise RunDirectoryError(f"--output-dir {output_dir} exists and is not a directory")
     leftovers.remove_abandoned_writes(output_dir)
     if not any(output_dir.iterdir()):
+        return
+    if (output_dir / DRY_RUN_REPORT).is_file() and read_run_args(output_dir) is None:
+        print(f"train.py: replacing the dry run's output in {output_dir}", file=sys.stderr)
+        _empty(output_dir)  # what `train.py --dry-run` wrote: a tokenizer and rows, made again from the same data
         return
     if not overwrite:
         raise RunDirectoryError(

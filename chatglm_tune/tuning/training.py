@@ -32,7 +32,8 @@ from chatglm_tune.data.batches import (EncodedDataset, SpecialIds, collate_packe
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.evaluation.metrics import describe_scores, score_answers
 from chatglm_tune.models import registry
-from chatglm_tune.options import EVALUATIONS, METHOD_DEFAULTS, TINY_CONTEXT, TINY_PRESETS, TrainOptions, raise_problems
+from chatglm_tune.options import (EVALUATIONS, METHOD_DEFAULTS, TINY_CHAT_TEMPLATES, TINY_CONTEXT, TINY_PRESETS,
+                                  EncodingOptions, TrainOptions, raise_problems)
 from chatglm_tune.runs.loading import context_length
 from chatglm_tune.runtime.checkpoint import open_safetensors, read_config_file
 from chatglm_tune.runtime.stopping import Stopped, StopRequest, signal_name
@@ -101,20 +102,31 @@ class TrainingInterrupted(Stopped):
 
 def build_tiny(train_records, output_dir: Path, options: TrainOptions, *, extra_texts=(), preset: str = "tiny",
                **config_overrides):
-    """A small tokenizer (every character; the GLM versions' also word pieces of the text outside CJK and
-    digits, `TINY_WORD_PIECES`) trained on the prompt, `extra_texts` and the training texts and answers (a
-    conversation's every turn: system prompts, tools, calls, observations), and a random tiny model of the
-    preset's version for it: `options.tiny_layers` deep where given, with `config_overrides`."""
-    corpus = ([options.encoding.prompt, *extra_texts] + [r.text for r in train_records]
-              + [r.answer or "" for r in train_records])
-    turns = [turn for r in train_records if r.dialogue for turn in r.dialogue.turns]
-    corpus += [turn.metadata + turn.content for turn in turns]
-    corpus += [json.dumps(list(turn.tools), ensure_ascii=False, indent=4) for turn in turns if turn.tools]
+    """A small tokenizer (`tiny_tokenizer`) and a random tiny model of the preset's version for it:
+    `options.tiny_layers` deep where given, with `config_overrides`."""
     context = max(TINY_CONTEXT, options.encoding.max_len)  # what the run trains on, its model serves
     version = registry.VERSIONS[TINY_PRESETS[preset]]
     depth = {version.layers_field: options.tiny_layers} if options.tiny_layers else {}
-    model, tokenizer = version.tiny(corpus, Path(output_dir), context=context, **{**depth, **config_overrides})
+    model, tokenizer = version.tiny(tiny_corpus(train_records, options, extra_texts), Path(output_dir),
+                                    context=context, chat_template_of=TINY_CHAT_TEMPLATES.get(preset),
+                                    **{**depth, **config_overrides})
     return start_output_as_input(model), tokenizer
+
+
+def tiny_tokenizer(train_records, output_dir: Path, options: TrainOptions, preset: str):
+    """The tokenizer of `build_tiny`'s model alone (no weights): every character of the prompt and the training
+    texts and answers (a conversation's every turn: system prompts, tools, reasoning, calls, observations; the GLM
+    versions' also word pieces of the text outside CJK and digits, `TINY_WORD_PIECES`), written to `output_dir`."""
+    version = registry.VERSIONS[TINY_PRESETS[preset]]
+    return version.tiny_tokenizer(tiny_corpus(train_records, options), Path(output_dir),
+                                  chat_template_of=TINY_CHAT_TEMPLATES.get(preset))
+
+
+def tiny_corpus(train_records, options: TrainOptions, extra_texts=()) -> list[str]:
+    """The texts a tiny tokenizer is trained on (`tiny_tokenizer`)."""
+    corpus = ([options.encoding.prompt, *extra_texts] + [r.text for r in train_records]
+              + [r.answer or "" for r in train_records])
+    return corpus + [text for r in train_records if r.dialogue for text in r.dialogue.texts()]
 
 
 def start_output_as_input(model):
@@ -151,8 +163,9 @@ def check_fit(model_arg: str, base: Path | None, options: TrainOptions, records)
     P-tuning prefix longer than the model's context (config.json's), or a LoRA rank above its hidden size (an adapter's
     rank is at most the width of the Linears it adapts; `--lora-r 1000000000` asked for half a terabyte)."""
     version = registry.VERSIONS[TINY_PRESETS[model_arg]] if model_arg in TINY_PRESETS else registry.of_directory(base)
+    check_thinking(version.format, options.encoding, records)
     for record in records:
-        check_turns(version.format, record)
+        check_turns(version.format, record, options.encoding)
     if base is None:
         return
     config = read_config_file(base)
@@ -168,16 +181,37 @@ def check_fit(model_arg: str, base: Path | None, options: TrainOptions, records)
     raise_problems(problems)
 
 
-def check_turns(prompt_format, record) -> None:
+def check_turns(prompt_format, record, encoding: EncodingOptions = EncodingOptions()) -> None:
     """ValueError naming the record's file, line and field where `prompt_format` has no form for its conversation
-    (`PromptFormat.check_pairs`: a version that chats in pairs; `check_turn`: tools, calls, observations where the
-    version has no tool form), found without a tokenizer."""
+    (`PromptFormat.check_pairs`: a version that chats in pairs; `check_turn`: reasoning, tools, calls, observations
+    where the version has none; `check_dialogue`: thinking flags it cannot render as asked), found without a
+    tokenizer."""
     prompt_format.check_pairs(record)
     for turn in record.dialogue.turns if record.dialogue is not None else ():
         try:
             prompt_format.check_turn(turn)
         except ValueError as err:
             raise ValueError(f"{record.source}, field {turn.where!r}: {err}") from None
+    if record.dialogue is not None:
+        try:
+            prompt_format.check_dialogue(record.dialogue, encoding)
+        except ValueError as err:
+            raise ValueError(f"{record.source}: {err}") from None
+
+
+def check_thinking(prompt_format, encoding: EncodingOptions, records) -> None:
+    """ValueError where the run's thinking flags cannot apply: on a version without thinking, or on records that are
+    not conversations (their prompts are rendered with thinking off) only; records' own flags likewise."""
+    given = [name for name in ("enable_thinking", "clear_thinking") if getattr(encoding, name) is not None]
+    own = next((r for r in records if r.dialogue is not None
+                and (r.dialogue.enable_thinking is not None or r.dialogue.clear_thinking is not None)), None)
+    if (given or own) and not prompt_format.has_thinking:
+        what = f"--{given[0].replace('_', '-')}" if given else f"{own.source}'s enable_thinking / clear_thinking"
+        raise ValueError(f"{what}: {prompt_format.title}'s chat has no thinking (GLM-4.5 / 4.6 / 4.7 and "
+                         "GLM-4.7-Flash have)")
+    if given and not any(r.dialogue is not None for r in records):
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to conversation records; these are not (their "
+                         "prompts are rendered with thinking off)")
 
 
 def prepare_model(model_arg: str, train_records, output_dir: Path, options: TrainOptions):

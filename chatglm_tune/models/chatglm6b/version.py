@@ -46,14 +46,20 @@ class ChatGLM6B(Version):
         raise_problems(problems, "the tokenizer does not belong to this model: ")
         super().check_tokenizer(tokenizer, config)
 
-    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
-        from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
+    def tiny_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None):
         from chatglm_tune.models.chatglm6b.tokenizer import ChatGLMTokenizer, train_tokenizer
 
+        if chat_template_of is not None:
+            raise ValueError(f"{self.title} has no chat template to choose")
         if (Path(directory) / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
-            tokenizer = ChatGLMTokenizer.from_pretrained(directory)
-        else:
-            tokenizer = train_tokenizer(corpus, directory, max_piece_length=1)  # character-level: see train_tokenizer
+            return ChatGLMTokenizer.from_pretrained(directory)
+        return train_tokenizer(corpus, directory, max_piece_length=1)  # character-level: see train_tokenizer
+
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, chat_template_of=None,
+             **config_overrides):
+        from chatglm_tune.models.chatglm6b.modeling import ChatGLMForConditionalGeneration
+
+        tokenizer = self.tiny_tokenizer(corpus, directory, chat_template_of=chat_template_of)
         config = ChatGLMConfig.from_name("tiny", **config_overrides, **tokenizer.config_overrides())
         config.max_sequence_length = max(config.max_sequence_length, context)
         return ChatGLMForConditionalGeneration(config), tokenizer

@@ -419,6 +419,7 @@ class TemplateFormat(GLM4Format):
 
     def check_turn(self, turn: Turn) -> None:
         """Without a tool form (`tool_refusal`): ValueError for a system turn's tools, a call and an observation."""
+        super().check_turn(turn)
         if self.tool_refusal and (turn.metadata or turn.tools or turn.role == "observation"):
             raise ValueError(f"{self.title}: {self.tool_refusal}; conversation records with tools train ChatGLM3-6B, "
                              "GLM-4-9B and GLM-4-0414")
@@ -540,17 +541,9 @@ GLM4_0414 = TemplateFormat("glm4-0414", "GLM-4-0414", "[gMASK]<sop>" + _GO_LOOP 
 GLM_EDGE = TemplateFormat("glm-edge", "GLM-Edge",
                           _GO_LOOP + "<|{{ $m.Role }}|>\n" + _GO_CONTENT + "{{ end }}<|assistant|>",
                           "its chat template has no tool form (it writes system, user and assistant messages only)")
-_NO_XML_TOOLS = ("its tool calls (<tool_call> with <arg_key> / <arg_value>) are not read by this toolkit yet; "
-                 "conversations without tools train")
-_THINKING_OFF = {"enable_thinking": False}
-GLM4_MOE = TemplateFormat("glm4-moe", "GLM-4.5", "[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n"
-                          + "{{ if eq $m.Role \"assistant\" }}<think></think>\n{{ end }}" + _GO_CONTENT
-                          + "{{ if eq $m.Role \"user\" }}/nothink{{ end }}{{ end }}<|assistant|>\n<think></think>",
-                          _NO_XML_TOOLS, _THINKING_OFF)
-_GLM47_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>" + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}"
-                 + _GO_CONTENT + "{{ end }}<|assistant|></think>")
-GLM4_MOE_LITE = TemplateFormat("glm4-moe-lite", "GLM-4.7-Flash", _GLM47_OLLAMA, _NO_XML_TOOLS, _THINKING_OFF)
-# GLM-4.7: `glm4-moe` (GLM-4.5's architecture) with GLM-4.7-Flash's template form: the format of a `glm4-moe`
-# tokenizer whose chat template has that form (`moe_templates.glm47_form`).
-GLM47 = TemplateFormat("glm4-moe", "GLM-4.7", _GLM47_OLLAMA, _NO_XML_TOOLS, _THINKING_OFF)
-FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE)}  # by name
+# ollama's templates of the agent GLMs' (`agent_format`), thinking off: GLM-4.5's form and GLM-4.7's.
+GLM45_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n"
+                + "{{ if eq $m.Role \"assistant\" }}<think></think>\n{{ end }}" + _GO_CONTENT
+                + "{{ if eq $m.Role \"user\" }}/nothink{{ end }}{{ end }}<|assistant|>\n<think></think>")
+GLM47_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>" + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}"
+                + _GO_CONTENT + "{{ end }}<|assistant|></think>")

@@ -43,7 +43,8 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
 from chatglm_tune.data.tokenizing import require_left_padding, vocabulary_path, word_runs
-from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM47, GLM_EDGE
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM47
+from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
 from chatglm_tune.options import TINY_GLM4_VOCAB
@@ -141,6 +142,8 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
     vocab_files_names = {"vocab_file": TIKTOKEN_FILE, "tokenizer_file": TOKENIZER_FILE}
     prefix_texts = ("[gMASK]", "<sop>")
     prompt_format = GLM4
+    chat_roles = ROLES  # the roles its chat template writes
+    special_token_spaces = True  # a decode puts a space between special tokens and text (GLM-4-9B's slow tokenizer)
 
     def __init__(
         self,
@@ -251,22 +254,35 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         string holds special-token text; where one does, that text is BPE-encoded with its neighbours as
         plain text. Roles must be official (the template builds `<|role|>` from them); `template_kwargs` go to
         the template (GLM-4.5's `enable_thinking`)."""
+        return self.encode_marked(self.render_marked(messages, add_generation_prompt, tools, **template_kwargs))
+
+    def render_marked(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The chat template's text with the special-token text of every string of `messages` and `tools` marked
+        as data (`DATA_OPEN` ... `DATA_CLOSE`): what `encode_marked` encodes, or cuts at the template's own special
+        tokens first (`special_spans`)."""
         for message in messages:
-            if message.get("role") not in ROLES:
-                raise ValueError(f"role must be one of {ROLES}, got {message.get('role')!r}")
-        rendered = self.apply_chat_template(
+            if message.get("role") not in self.chat_roles:
+                raise ValueError(f"role must be one of {self.chat_roles}, got {message.get('role')!r}")
+        return self.apply_chat_template(
             _mark_specials(messages, self._special_re), add_generation_prompt=add_generation_prompt,
             tools=_mark_specials(tools, self._special_re), tokenize=False, **template_kwargs,
         )
+
+    def special_spans(self, marked: str) -> list[tuple[int, int]]:
+        """(start, end) of each special token the template wrote in a `render_marked` text (marked data skipped)."""
+        return [m.span() for m in re.finditer(f"{DATA_OPEN}[^{DATA_CLOSE}]*{DATA_CLOSE}|{self._special_re.pattern}",
+                                              marked) if not m.group().startswith(DATA_OPEN)]
+
+    def encode_marked(self, marked: str) -> list[int]:
+        """The ids of a `render_marked` text (or a piece of one cut at its special tokens): only unmarked special-token
+        text (written by the template) splits the string."""
         ids, start = [], 0
-        # Only unmarked special-token text (written by the template) splits the string.
-        for match in re.finditer(f"{DATA_OPEN}[^{DATA_CLOSE}]*{DATA_CLOSE}|{self._special_re.pattern}", rendered):
-            if match.group().startswith(DATA_OPEN):
-                continue
-            ids += self.encode_text(_unmark(rendered[start:match.start()]))
-            ids.append(self.special_ids[match.group()])
-            start = match.end()
-        return ids + self.encode_text(_unmark(rendered[start:]))
+        for begin, end in self.special_spans(marked):
+            ids += self.encode_text(_unmark(marked[start:begin]))
+            ids.append(self.special_ids[marked[begin:end]])
+            start = end
+        return ids + self.encode_text(_unmark(marked[start:]))
 
     # ----- decoding and padding ---------------------------------------------------------------------
     def _decode(
@@ -274,11 +290,15 @@ class GLM4Tokenizer(GLMFamilyTokenizer):
         token_ids,
         skip_special_tokens: bool = False,
         clean_up_tokenization_spaces: bool | None = None,
-        spaces_between_special_tokens: bool = True,
+        spaces_between_special_tokens: bool | None = None,
         **kwargs,
     ) -> str:
         """Runs of text tokens decode together; special tokens render as their text, joined to the runs
-        with a space (official, transformers 4.44's slow `_decode`)."""
+        with a space (official, transformers 4.44's slow `_decode`) where `spaces_between_special_tokens` (default:
+        the class's `special_token_spaces`: none for the versions released with a `tokenizer.json`, as transformers'
+        fast tokenizer decodes them)."""
+        if spaces_between_special_tokens is None:
+            spaces_between_special_tokens = self.special_token_spaces
         ids = [int(token_ids)] if isinstance(token_ids, int) else [int(i) for i in token_ids]
         parts, run = [], []
         for i in ids:
@@ -308,6 +328,7 @@ class GLM40414Tokenizer(GLM4Tokenizer):
     template."""
 
     prompt_format = GLM4_0414
+    special_token_spaces = False  # released with a tokenizer.json: transformers' fast tokenizer decodes it
 
 
 class GLMEdgeTokenizer(GLM4Tokenizer):
@@ -316,6 +337,7 @@ class GLMEdgeTokenizer(GLM4Tokenizer):
 
     prefix_texts = ()
     prompt_format = GLM_EDGE
+    special_token_spaces = False
 
 
 def _token_text(token) -> str:
@@ -341,8 +363,8 @@ def _unmark(text: str) -> str:
 
 
 class _MoeFormat:
-    """`GLM4MoeTokenizer.prompt_format`: GLM-4.7's (`formats.GLM47`) for a tokenizer whose chat template has GLM-4.7's
-    form (`moe_templates.glm47_form`), read at each use; else, and on the class, GLM-4.5's."""
+    """`GLM4MoeTokenizer.prompt_format`: GLM-4.7's (`agent_format.GLM47`) for a tokenizer whose chat template has
+    GLM-4.7's form (`moe_templates.glm47_form`), read at each use; else, and on the class, GLM-4.5's."""
 
     def __get__(self, tokenizer, owner=None):
         return GLM47 if tokenizer is not None and glm47_form(getattr(tokenizer, "chat_template", None)) else GLM4_MOE
@@ -354,12 +376,15 @@ class GLM4MoeTokenizer(GLM4Tokenizer):
     GLM-4.7's (GLM-4.7), which its prompt format follows (`_MoeFormat`)."""
 
     prompt_format = _MoeFormat()
+    special_token_spaces = False
+    chat_roles = (*ROLES, "tool")  # its template writes a tool message's result (`<|observation|>`)
 
 
 class GLM4MoeLiteTokenizer(GLM4Tokenizer):
     """GLM-4.7-Flash's tokenizer: as GLM-4.5's, with GLM-4.7's chat template form."""
 
     prompt_format = GLM4_MOE_LITE
+    chat_roles = GLM4MoeTokenizer.chat_roles
 
 
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
@@ -441,16 +466,17 @@ RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),
 
 
 def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB,
-                       word_pieces: int = 0) -> GLM4Tokenizer:
+                       word_pieces: int = 0, chat_template_of: str | None = None) -> GLM4Tokenizer:
     """A small byte-level BPE of `texts` (`train_glm4_bpe`) written as GLM-4-0414 and GLM-Edge are released: a
     `tokenizer.json` with the special tokens, tokenizer_config.json for transformers' `PreTrainedTokenizerFast`
-    with the version's chat template (`RELEASED_CHAT_TEMPLATES`); no rank file."""
+    with the version's chat template (`RELEASED_CHAT_TEMPLATES`), or `chat_template_of`'s; no rank file."""
     output_dir = Path(output_dir)
     specials = RELEASED_SPECIALS.get(version, OFFICIAL_SPECIALS)
     train_glm4_bpe(texts, output_dir, vocab_size=vocab_size, word_pieces=word_pieces,
                    specials=specials).save_vocabulary(str(output_dir))
     (output_dir / TIKTOKEN_FILE).unlink()
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": RELEASED_CHAT_TEMPLATES[version],
+    template = RELEASED_CHAT_TEMPLATES[chat_template_of or version]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
               "clean_up_tokenization_spaces": False, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
               "padding_side": "left", "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 128000}
     (output_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2),

@@ -17,7 +17,8 @@ from chatglm_tune.models.glm.config import (LATENT_LORA_TARGETS, LATENT_QUANTIZA
                                             ChatGLMFamilyConfig, ChatGLMMoeConfig, ChatGLMMoeLiteConfig,
                                             GLM4_PROMPT_START, chat_template_of, detect_version, glm_config,
                                             mismatch_hint)
-from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM4_MOE, GLM4_MOE_LITE, GLM_EDGE
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE
+from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.version import Version
 from chatglm_tune.options import TINY_CONTEXT, TINY_WORD_PIECES
 
@@ -49,9 +50,14 @@ class GLMVersion(Version):
             raise ValueError(f"{directory} has no {SENTENCEPIECE_FILE} for a {self.title} tokenizer")
         return SENTENCEPIECE_CLASSES[self.name].from_pretrained(str(directory), **kwargs)
 
-    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
-        """A small SentencePiece BPE of `corpus`: its characters and word pieces (`train_glm_sentencepiece`)."""
+    def train_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None) -> None:
+        """A small SentencePiece BPE of `corpus`: its characters and word pieces (`train_glm_sentencepiece`);
+        `chat_template_of` (a released chat template to carry instead of the version's): only the versions released
+        with a `tokenizer.json` take one."""
         from chatglm_tune.models.glm.sp_tokenizer import train_glm_sentencepiece
+
+        if chat_template_of is not None:
+            raise ValueError(f"{self.title}'s tokenizer has its own chat prompt, no template to choose")
 
         train_glm_sentencepiece(corpus, directory, version=self.name)
 
@@ -59,16 +65,20 @@ class GLMVersion(Version):
         """The tiny config's `eos_token_id`."""
         return tokenizer.eos_token_id
 
-    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
-        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
-        architecture and the version's own tokenizer files, small (`train_tokenizer`), the official special
-        tokens after them."""
-        from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
-
+    def tiny_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None):
+        """The version's own tokenizer files, small (`train_tokenizer`), the official special tokens after them."""
         directory = Path(directory)
         if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
-            self.train_tokenizer(corpus, directory)
-        tokenizer = self.load_tokenizer(directory)
+            self.train_tokenizer(corpus, directory, chat_template_of=chat_template_of)
+        return self.load_tokenizer(directory)
+
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, chat_template_of=None,
+             **config_overrides):
+        """(random tiny model, tokenizer trained on `corpus`, written to `directory`): a 2-layer model of this
+        architecture and its `tiny_tokenizer`."""
+        from chatglm_tune.models.glm.modeling import GlmForCausalLMWithPrefix
+
+        tokenizer = self.tiny_tokenizer(corpus, directory, chat_template_of=chat_template_of)
         # 8 KV groups (the real models have 2 of 128 dims): with 16-dim heads, 2 groups held the tiny ChatGLM3
         # demo at dev F1 0.865 (lr 4e-3, 3200 steps); 8 reached 0.955.
         raw = {"model_type": "chatglm", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
@@ -87,10 +97,13 @@ class GLM4Version(GLMVersion):
 
         return load_glm4_tokenizer(_directory(directory), self.name, **kwargs)
 
-    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
+    def train_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None) -> None:
         """A byte-level BPE rank file of `corpus` and the chat template's tool prompt: its characters and word
-        pieces (`train_glm4_bpe`)."""
+        pieces (`train_glm4_bpe`); no `chat_template_of` (GLM-4-9B's chat prompt is its own)."""
         from chatglm_tune.models.glm.glm4_tokenizer import TOOL_PROMPT_TEXT, train_glm4_bpe
+
+        if chat_template_of is not None:
+            raise ValueError(f"{self.title}'s tokenizer has its own chat prompt, no template to choose")
 
         train_glm4_bpe([*corpus, TOOL_PROMPT_TEXT], directory, word_pieces=TINY_WORD_PIECES)
 
@@ -129,14 +142,16 @@ class ReleasedFormVersion(GLM4Version):
     def tiny_fields(self) -> dict:
         return TINY_FIELDS[self.name]
 
-    def train_tokenizer(self, corpus: list[str], directory: Path) -> None:
+    def train_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None) -> None:
         """A byte-level BPE of `corpus` (its characters and word pieces) in a `tokenizer.json`, with the
-        version's chat template (`train_released_bpe`)."""
+        version's chat template, or `chat_template_of`'s (`train_released_bpe`)."""
         from chatglm_tune.models.glm.glm4_tokenizer import train_released_bpe
 
-        train_released_bpe(corpus, directory, self.name, word_pieces=TINY_WORD_PIECES)
+        train_released_bpe(corpus, directory, self.name, word_pieces=TINY_WORD_PIECES,
+                           chat_template_of=chat_template_of)
 
-    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, **config_overrides):
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, chat_template_of=None,
+             **config_overrides):
         """(random tiny model, tokenizer trained on `corpus`, written to `directory`): 2 layers of this
         architecture in transformers' config fields (overrides by those names, and P-tuning's `pre_seq_len` /
         `prefix_projection`), the tokenizer as the version is released."""
@@ -144,10 +159,7 @@ class ReleasedFormVersion(GLM4Version):
 
         prefix = {name: config_overrides.pop(name) for name in ("pre_seq_len", "prefix_projection")
                   if name in config_overrides}
-        directory = Path(directory)
-        if not (directory / "tokenizer_config.json").exists():  # a resumed run keeps its tokenizer
-            self.train_tokenizer(corpus, directory)
-        tokenizer = self.load_tokenizer(directory)
+        tokenizer = self.tiny_tokenizer(corpus, directory, chat_template_of=chat_template_of)
         raw = {"model_type": TRANSFORMERS_FORMS[self.name], "num_hidden_layers": 2, "hidden_size": 128,
                "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 384,
                "vocab_size": -(-len(tokenizer) // 64) * 64, "rms_norm_eps": 1e-5, "max_position_embeddings": context,

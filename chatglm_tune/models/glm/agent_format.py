@@ -1,0 +1,236 @@
+"""GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash, the agent GLMs: a conversation is what the release's chat template
+writes for the whole of it (tools, reasoning, XML tool calls, tool results), and the model's answers are read back
+from the same form (`xml_calls`).
+
+Rows. A conversation record (any form: OpenAI-style messages, GLM-4's messages, plain turns) is rendered whole by
+the tokenizer's chat template with its tools and thinking flags (`thinking_kwargs`: the record's `enable_thinking` /
+`clear_thinking`, else the run's, else thinking on exactly where the record holds reasoning), text as data
+(`render_marked`), and cut at the role tokens the template writes: one block a message (a run of tool results is
+one `<|observation|>` block). The ids are the template's; an assistant block with a loss is trained from after its
+lead to the role token after it (or the stop token the row ends with: `<|observation|>` after a call,
+`<|user|>` after an answer). The lead is what the prompt already holds when the model writes that turn: the
+generation prompt's text after `<|assistant|>` (`\\n<think></think>` or `</think>` with thinking off, `<think>`
+with GLM-4.7's thinking on), or, on a turn before the last user message, the empty think block the template
+writes where it drops that turn's reasoning. So reasoning is trained where the template keeps it (the turns after
+the last user message, and every turn with GLM-4.7's `clear_thinking` false) and nowhere else.
+
+GLM-4.5's form drops the reasoning of earlier turns whatever `clear_thinking` says: clear_thinking false on a
+conversation whose earlier turns reason is refused there, rather than trained as if kept.
+"""
+
+from __future__ import annotations
+
+from chatglm_tune.data.batches import IGNORE_INDEX, EncodedExample
+from chatglm_tune.data.dialogues import Dialogue, ToolCall, Turn
+from chatglm_tune.data.records import SPORecord
+from chatglm_tune.data.xml_calls import THINK_CLOSE, parse_calls, split_reasoning
+from chatglm_tune.models.glm.formats import GLM45_OLLAMA, GLM47_OLLAMA, TemplateFormat
+from chatglm_tune.options import EncodingOptions
+
+_ROLE_TOKENS = {"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
+                "<|observation|>": "tool"}
+_EMPTY_THINK = ("\n<think></think>", "<think></think>", THINK_CLOSE)  # longest first
+
+
+class AgentFormat(TemplateFormat):
+    """The prompt format of the agent GLMs (module docstring). `call_form`: "glm45" (GLM-4.5 / 4.6: a newline after
+    each part) or "glm47" (GLM-4.7, GLM-4.7-Flash: none; earlier reasoning kept where `clear_thinking` is false)."""
+
+    tool_arguments_form = "xml"
+    declared_calls_only = True
+    has_thinking = True
+
+    def __init__(self, name: str, title: str, ollama_template: str, call_form: str):
+        super().__init__(name, title, ollama_template, None, {"enable_thinking": False})
+        self.call_form = call_form
+        self.keeps_history_reasoning = call_form == "glm47"
+        self._leads: dict = {}
+
+    # ----- checks, before a tokenizer exists -----
+
+    def check_turn(self, turn: Turn) -> None:
+        """Every turn has a form here: reasoning, calls, tool results."""
+
+    def check_dialogue(self, dialogue: Dialogue, options: EncodingOptions) -> None:
+        """ValueError (naming the field) for what this format cannot write as the record asks: ChatGLM3-6B's tool
+        conversations (their tools are a system prompt's text), reasoning rendered with thinking off, and earlier
+        turns' reasoning kept (`clear_thinking` false) where GLM-4.5's template always drops it."""
+        if dialogue.form == "conversations" and any(t.all_calls for t in dialogue.turns):
+            raise ValueError("ChatGLM3-6B's tool conversations (tools + conversations) write their tools as a system "
+                             f"prompt's text: {self.title} takes tools as OpenAI-style or GLM-4 messages")
+        flags = self.thinking_kwargs(dialogue, options)
+        reasoning = [t for t in dialogue.turns if t.reasoning]
+        if reasoning and not flags["enable_thinking"]:
+            raise ValueError(f"field {reasoning[0].where}.reasoning_content: the conversation is rendered with "
+                             "thinking off (enable_thinking false), where no turn reasons")
+        last_user = _last_user(dialogue.turns)
+        earlier = [t for i, t in enumerate(dialogue.turns[:last_user]) if t.reasoning]
+        if earlier and flags.get("clear_thinking") is False and not self.keeps_history_reasoning:
+            raise ValueError(f"field {earlier[0].where}.reasoning_content: {self.title}'s chat template drops the "
+                             "reasoning of turns before the last user message whatever clear_thinking says; leave "
+                             "clear_thinking on (that reasoning is then not trained)")
+
+    def thinking_kwargs(self, dialogue: Dialogue | None, options: EncodingOptions) -> dict:
+        """The template's flags for a record: its own, else the run's (`options`), else thinking on exactly where
+        the conversation holds reasoning; `clear_thinking` only where one of them sets it."""
+        def pick(name: str):
+            own = getattr(dialogue, name, None) if dialogue is not None else None
+            return own if own is not None else getattr(options, name)
+
+        enable = pick("enable_thinking")
+        if enable is None:
+            enable = dialogue is not None and any(t.reasoning for t in dialogue.turns)
+        clear = pick("clear_thinking")
+        return {"enable_thinking": enable, **({} if clear is None else {"clear_thinking": clear})}
+
+    # ----- prompts and rows -----
+
+    def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
+        if record.dialogue is None:
+            return super().prompt_ids(tokenizer, record, options)
+        return self.dialogue_prompt(tokenizer, record.dialogue, options.prompt, options), False
+
+    def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
+        """A conversation record's row (`dialogue_row`; `loss_on` "last": its last answer trained only); else the
+        template's prompt and answer."""
+        dialogue = record.dialogue
+        if dialogue is None:
+            return super().training_row(tokenizer, record, options)
+        if dialogue.answer is None:
+            raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training "
+                             "example")
+        return self.dialogue_row(tokenizer, dialogue if options.loss_on == "all" else dialogue.loss_on_last(), options,
+                                 record.source)
+
+    def dialogue_prompt(self, tokenizer, dialogue: Dialogue, instruction: str = "",
+                        options: EncodingOptions = EncodingOptions()) -> list[int]:
+        """The template's generation prompt after the turns before the gold answer."""
+        messages, tools, _ = template_messages(dialogue, instruction, dialogue.answer_at)
+        marked = tokenizer.render_marked(messages, True, tools, **self.thinking_kwargs(dialogue, options))
+        return tokenizer.encode_marked(marked)
+
+    def dialogue_row(self, tokenizer, dialogue: Dialogue, options: EncodingOptions, origin: str = "") -> EncodedExample:
+        """The whole conversation's ids, labels on each trained assistant block (module docstring), cut at
+        `max_len`."""
+        flags = self.thinking_kwargs(dialogue, options)
+        messages, tools, owners = template_messages(dialogue, options.prompt, None)
+        marked = tokenizer.render_marked(messages, False, tools, **flags)
+        blocks = _blocks(tokenizer, marked, messages, tools, self.title)
+        lead = self.generation_lead(tokenizer, flags)
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        ids, trained = tokenizer.encode_marked(marked[:blocks[0][1]]), []
+        for message_at, start, end in blocks:
+            block = marked[start:end]
+            loss = message_at is not None and messages[message_at]["role"] == "assistant" \
+                and dialogue.turns[owners[message_at]].loss
+            skip = (len("<|assistant|>") + self.untrained_lead(block, lead, message_at < last_user) if loss
+                    else len(block))
+            head, rest = tokenizer.encode_marked(block[:skip]), tokenizer.encode_marked(block[skip:])
+            if loss:
+                trained.append((len(ids) + len(head), len(ids) + len(head) + len(rest)))
+            ids += head + rest
+        if ids != tokenizer.encode_marked(marked):
+            raise ValueError(f"{origin or 'record'}: {self.title}'s chat template writes a lead that does not end at a "
+                             "special token: its trained spans cannot be cut out")
+        last = dialogue.turns[-1]
+        ids.append(tokenizer.get_command("<|observation|>" if last.all_calls else "<|user|>"))
+        labels = [IGNORE_INDEX] * len(ids)
+        for begin, end in trained:
+            labels[begin:end + 1] = ids[begin:end + 1]  # the span and the token after it
+        return self.finished_row(ids, labels, options, origin)
+
+    def finished_row(self, ids: list[int], labels: list[int], options: EncodingOptions, origin: str) -> EncodedExample:
+        if all(label == IGNORE_INDEX for label in labels):
+            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained (no assistant turn with a "
+                             "loss)")
+        if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
+            raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len "
+                             f"{options.max_len} cuts it before any trained token: raise --max-len to {len(ids)} or "
+                             "more")
+        cut = len(ids) > options.max_len
+        return EncodedExample(tuple(ids[:options.max_len]), tuple(labels[:options.max_len]), False, False, origin, cut)
+
+    def generation_lead(self, tokenizer, flags: dict) -> str:
+        """What the template's generation prompt writes after its last `<|assistant|>` with `flags` (marked text)."""
+        key = (tokenizer.chat_template, tuple(sorted(flags.items())))
+        if key not in self._leads:
+            prompt = tokenizer.render_marked([{"role": "user", "content": "q"}], True, None, **flags)
+            self._leads[key] = prompt.rpartition("<|assistant|>")[2]
+        return self._leads[key]
+
+    @staticmethod
+    def untrained_lead(block: str, lead: str, earlier: bool) -> int:
+        """Characters of an assistant block after `<|assistant|>` that the model does not write: the generation
+        prompt's `lead`, or on a turn before the last user message an empty think block; the longer."""
+        body = block[len("<|assistant|>"):]
+        found = [len(lead)] if body.startswith(lead) else [0]
+        found += [len(empty) for empty in _EMPTY_THINK if earlier and body.startswith(empty)]
+        return max(found)
+
+    # ----- reading answers -----
+
+    def read_calls(self, answer: str, tools: list | None = None) -> tuple[ToolCall, ...]:
+        """The XML calls of a decoded answer, after its reasoning; arguments typed by `tools`' schemas."""
+        _, rest = split_reasoning(answer, THINK_CLOSE in answer)
+        return tuple(parse_calls(rest, tools)[1])
+
+    def read_call(self, answer: str) -> ToolCall | None:
+        calls = self.read_calls(answer)
+        return calls[0] if calls else None
+
+
+
+def template_messages(dialogue: Dialogue, instruction: str, end: int | None) -> tuple[list[dict], list | None, list]:
+    """(messages as the chat template reads them, the tools, the turn each message comes from) of `dialogue`'s turns
+    before `end` (None: all), `instruction` before the last user message's text. OpenAI-style records as they are;
+    GLM-4's messages: a system message's tools as the tools, a call (metadata) as `tool_calls`, an observation as a
+    tool message."""
+    turns = dialogue.turns[:end]
+    last_user = _last_user(turns)
+    messages, owners, tools = [], [], list(dialogue.tools) if dialogue.tools is not None else None
+    for i, turn in enumerate(turns):
+        if dialogue.form == "openai":
+            message = dict(dialogue.messages[i])
+        elif turn.tools is not None:
+            tools = [*(tools or []), *turn.tools]
+            if not turn.content:
+                continue
+            message = {"role": "system", "content": turn.content}
+        elif turn.call is not None:
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [{"type": "function", "function": {"name": turn.call.name,
+                                                                        "arguments": turn.call.arguments}}]}
+        else:
+            message = {"role": "tool" if turn.role == "observation" else turn.role, "content": turn.content}
+        if i == last_user and instruction:
+            message["content"] = instruction + message["content"]
+        messages.append(message)
+        owners.append(i)
+    return messages, tools or None, owners
+
+
+def _last_user(turns) -> int:
+    return max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
+
+
+def _blocks(tokenizer, marked: str, messages: list[dict], tools: list | None, title: str) -> list[tuple]:
+    """(message index or None for the tools block, start, end) of each block the template writes from its first role
+    token on; ValueError where they are not one a message in order (a run of tool messages one block)."""
+    starts = [(begin, _ROLE_TOKENS[marked[begin:end]]) for begin, end in tokenizer.special_spans(marked)
+              if marked[begin:end] in _ROLE_TOKENS]
+    expected = [(None, "system")] if tools else []
+    for i, message in enumerate(messages):
+        if not (message["role"] == "tool" and i and messages[i - 1]["role"] == "tool"):
+            expected.append((i, message["role"]))
+    if [role for _, role in starts] != [role for _, role in expected]:
+        raise ValueError(f"{title}'s chat template writes these messages otherwise than one block a message "
+                         f"(blocks {[role for _, role in starts]}, messages {[role for _, role in expected]})")
+    ends = [begin for begin, _ in starts[1:]] + [len(marked)]
+    return [(at, begin, end) for (at, _), (begin, _), end in zip(expected, starts, ends)]
+
+
+GLM4_MOE = AgentFormat("glm4-moe", "GLM-4.5", GLM45_OLLAMA, "glm45")
+GLM4_MOE_LITE = AgentFormat("glm4-moe-lite", "GLM-4.7-Flash", GLM47_OLLAMA, "glm47")
+# GLM-4.7: `glm4-moe` (GLM-4.5's architecture) with GLM-4.7-Flash's template form: the format of a `glm4-moe`
+# tokenizer whose chat template has that form (`moe_templates.glm47_form`).
+GLM47 = AgentFormat("glm4-moe", "GLM-4.7", GLM47_OLLAMA, "glm47")
