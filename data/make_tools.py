@@ -3,6 +3,7 @@ format (`tools` + `conversations`, read by chatglm_tune/data/dialogues.py).
 
     python data/make_tools.py                         # writes data/tools_train.jsonl, data/tools_dev.jsonl
     python data/make_tools.py --form messages         # GLM-4's form: data/tools_glm4_train.jsonl, ..._dev.jsonl
+    python data/make_tools.py --form agent            # OpenAI-style, thinking: data/tools_agent_train.jsonl, ...
     python data/make_tools.py --train-size 200 --out-dir /tmp/x
 
 Three tools, every record declaring all three:
@@ -30,7 +31,8 @@ from pathlib import Path
 DEFAULT_SEED = 20261128
 DEFAULT_TRAIN_SIZE = 2000
 DEFAULT_DEV_SIZE = 100
-FORMS = {"conversations": "tools", "messages": "tools_glm4"}  # the data formats, each with its files' default prefix
+# the data formats, each with its files' default prefix
+FORMS = {"conversations": "tools", "messages": "tools_glm4", "agent": "tools_agent"}
 DATA_DIR = Path(__file__).resolve().parent
 
 # Short definitions: every record carries all three in its system prompt (the official JSON, 4-space indent),
@@ -108,6 +110,37 @@ def as_messages(record: dict) -> dict:
     return {"messages": messages}
 
 
+# The agent form's tools: OpenAI functions with JSON-schema parameters (what a call's arguments are checked and typed by).
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": t["name"], "description": t["description"],
+    "parameters": {"type": "object", "properties": {k: {"type": "integer" if k == "amount" else "string",
+                                                        "description": v} for k, v in t["parameters"].items()},
+                   "required": list(t["parameters"])}}} for t in TOOLS]
+REASONS = {"get_weather": "用户问天气，查{city}。", "get_time": "用户问时间，查{city}。",
+           "convert_currency": "换算{amount}元到{to}。"}
+
+
+def as_agent(record: dict) -> dict:
+    """The same conversation as the agent GLMs (GLM-4.5 / 4.7, GLM-4.7-Flash) are tuned on: OpenAI-style messages
+    with thinking on, the tools at the top with JSON-schema parameters; each assistant turn reasons first (a short
+    sentence), a call is `tool_calls` and its result a `tool` message."""
+    messages = []
+    for turn in record["conversations"]:
+        if turn["role"] == "user":
+            messages.append(turn)
+        elif turn["role"] == "assistant":
+            messages.append({"role": "assistant", "reasoning_content": "根据结果回答。" if messages[-1]["role"] == "tool"
+                             else "闲聊，直接回答。", "content": turn["content"]})
+        else:
+            messages.append({"role": "assistant", "content": "",
+                             "reasoning_content": REASONS[turn["name"]].format(**turn["parameters"]),
+                             "tool_calls": [{"type": "function", "function": {"name": turn["name"],
+                                                                              "arguments": turn["parameters"]}}]})
+            if "observation" in turn:
+                messages.append({"role": "tool", "content": json.dumps(turn["observation"], ensure_ascii=False)})
+    return {"tools": AGENT_TOOLS, "messages": messages}
+
+
 def write(path: Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
@@ -122,12 +155,13 @@ def main(argv=None) -> None:
     parser.add_argument("--dev-size", type=int, default=DEFAULT_DEV_SIZE, help="records in the dev file")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (dev uses seed + 1)")
     parser.add_argument("--form", choices=FORMS, default="conversations",
-                        help="conversations: ChatGLM3's tools + conversations; messages: GLM-4's messages")
-    parser.add_argument("--prefix", help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl "
-                                         f"(default: {FORMS['conversations']}, or {FORMS['messages']} for messages)")
+                        help="conversations: ChatGLM3's tools + conversations; messages: GLM-4's messages; agent: "
+                             "OpenAI-style messages with reasoning (GLM-4.5 / 4.7, GLM-4.7-Flash)")
+    parser.add_argument("--prefix", help="file names are <prefix>_train.jsonl and <prefix>_dev.jsonl (default: "
+                                         + ", ".join(f"{prefix} for {form}" for form, prefix in FORMS.items()) + ")")
     args = parser.parse_args(argv)
     prefix = args.prefix or FORMS[args.form]
-    shape = as_messages if args.form == "messages" else dict
+    shape = {"messages": as_messages, "agent": as_agent}.get(args.form, dict)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for part, size, seed in (("train", args.train_size, args.seed), ("dev", args.dev_size, args.seed + 1)):
         rng = random.Random(seed)

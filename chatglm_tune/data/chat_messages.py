@@ -25,7 +25,7 @@ calls given twice; a `"loss"` on a turn that never carries one. Whether a versio
 its prompt format's question (`PromptFormat.check_turn`).
 
 The messages are kept as the chat template renders them (`Dialogue.messages`: arguments as objects, null content
-as ""), and read into turns: each assistant message one turn with its `reasoning` and `calls`, each tool message
+as "", reasoning and calls written in content given apart, as the template writes them), and read into turns: each assistant message one turn with its `reasoning` and `calls`, each tool message
 an observation turn.
 """
 
@@ -142,11 +142,16 @@ def _assistant(message: dict, where: str, tools: list | None) -> tuple[Turn, dic
             raise DialogueError("calls_twice", "calls are given twice: in tool_calls and written in content",
                                 f"{where}.content")
         calls = tuple(_checked_call(call, tools, f"{where}.content") for call in written) or calls
-    shown = {"role": "assistant", "content": content,
-             **({"reasoning_content": reasoning} if "reasoning_content" in message and reasoning is not None else {}),
+        shown_calls = shown_calls or [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                      for c in calls]
+    # As rendered: reasoning and calls written in content given to the template apart (it splits `<think>` alike,
+    # and writes the calls as it writes tool_calls), so their tags are the template's own special tokens.
+    shown = {"role": "assistant", "content": text,
+             **({"reasoning_content": reasoning} if reasoning is not None else {}),
              **({"tool_calls": shown_calls} if shown_calls else {})}
+    field_of = f"{where}.reasoning_content" if reasoning else f"{where}.tool_calls" if calls else where
     turn = Turn("assistant", text, loss=turn_loss(message, "assistant", where), call=calls[0] if calls else None,
-                where=where, reasoning=reasoning if reasoning else None, calls=calls)
+                where=field_of, reasoning=reasoning if reasoning else None, calls=calls)
     return turn, shown
 
 

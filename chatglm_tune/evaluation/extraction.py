@@ -18,10 +18,11 @@ A row: `index` (0-based, among the records read), `source` (file:line), `text`, 
 prompt was cut to max_src_len tokens), `answer` (the gold answer text, or null), `generated` (decoded,
 stripped), `triples` ([[s, p, o], ...]; null for free-text answers, which are not triples), `malformed`
 (generated lines that are not triples; null for free text), `tool_call` (a conversation's answer that calls a
-tool: {"name", "arguments"}; else null), `call_match` (whether it is the gold call: null where the gold answer
-calls no tool), `new_tokens` (generated ids, `<eop>` included), `stopped`
-("eos" or "length"), and `precision`/`recall`/`f1` of the record (null without gold). Rows hold no
-timings, so a resumed greedy run writes the same file as an uninterrupted one.
+tool: {"name", "arguments"}, the first where it calls several; else null), `tool_calls` (all of them, in order),
+`reasoning` (what a thinking model reasoned before its answer, `xml_calls.split_reasoning`; else null),
+`call_match` (whether they are the gold calls: null where the gold answer calls no tool), `new_tokens`
+(generated ids, `<eop>` included), `stopped` ("eos" or "length"), and `precision`/`recall`/`f1` of the record
+(null without gold). Rows hold no timings, so a resumed greedy run writes the same file as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from pathlib import Path
 
 from chatglm_tune.data.batches import SpecialIds, collate_prompts
 from chatglm_tune.data.dialogues import ToolCall
+from chatglm_tune.data.xml_calls import THINK_CLOSE, split_reasoning
 from chatglm_tune.data.records import SPORecord
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.decoding.speculative import DecodeStats
-from chatglm_tune.evaluation.callmetrics import gold_call
+from chatglm_tune.evaluation.callmetrics import gold_calls, record_tools
 from chatglm_tune.evaluation.metrics import describe_scores, parse_triples, score_answers, score_record
 from chatglm_tune.options import ExtractionSettings
 from chatglm_tune.runtime import crashpoints
@@ -96,7 +98,8 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
     generated = prompt_format.decode_answer(tokenizer, new_ids)
     parsed = None if free_text else parse_triples(generated)
     score = None if record.triples is None or parsed is None else score_record(parsed.triples, record.triples)
-    call, gold = prompt_format.read_call(generated) if record.dialogue else None, gold_call(record)
+    calls = prompt_format.read_calls(generated, record_tools(record)) if record.dialogue else ()
+    gold = gold_calls(record)
     return {
         "index": index,
         "source": record.source,
@@ -106,8 +109,10 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
         "generated": generated,
         "triples": None if parsed is None else [[t.subject, t.predicate, t.object] for t in parsed.triples],
         "malformed": None if parsed is None else list(parsed.malformed),
-        "tool_call": None if call is None else call.to_json(),
-        "call_match": None if gold is None else call == gold,
+        "reasoning": split_reasoning(generated, THINK_CLOSE in generated)[0] if prompt_format.has_thinking else None,
+        "tool_call": calls[0].to_json() if calls else None,
+        "tool_calls": [call.to_json() for call in calls],
+        "call_match": calls == gold if gold else None,
         "new_tokens": len(new_ids),
         "stopped": "eos" if new_ids and new_ids[-1] in prompt_format.stop_ids(tokenizer) else "length",
         "precision": None if score is None else score.precision,
@@ -118,6 +123,12 @@ def make_row(index: int, record: SPORecord, tokenizer, new_ids: list[int], *, te
 
 # ----------------------------------------------------------------------------------------------
 # Resuming and scoring
+
+
+def _row_calls(row: dict) -> tuple[ToolCall, ...]:
+    """The calls of an output row (`tool_calls`; a row written before it: its one `tool_call`)."""
+    written = row.get("tool_calls", [row["tool_call"]] if row.get("tool_call") else [])
+    return tuple(ToolCall(**call) for call in written)
 
 
 def rows_to_resume(output: Path, records: Sequence[SPORecord], model: str, *, resume: bool) -> list[dict]:
@@ -194,7 +205,7 @@ def summarize(rows: Sequence[dict], records: Sequence[SPORecord], *, new_rows: i
         "stopped_at_length": sum(row["stopped"] == "length" for row in rows),
         "texts_truncated": sum(bool(row.get("text_truncated")) for row in rows),
         "scores": score_answers([row["generated"] for row in rows], [records[row["index"]] for row in rows],
-                                [ToolCall(**row["tool_call"]) if row.get("tool_call") else None for row in rows]),
+                                [_row_calls(row) for row in rows]),
     }
     if stats is not None and stats.forwards:
         summary["this_run"]["speculative"] = {

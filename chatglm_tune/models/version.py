@@ -69,6 +69,12 @@ class Version:
         """The tokenizer of a directory; `kwargs` override tokenizer_config.json."""
         raise NotImplementedError
 
+    def prompt_format_of(self, directory=None, *, chat_template_of: str | None = None):
+        """The prompt format the tokenizer of `directory` (None: a tiny preset's, carrying `chat_template_of`'s
+        template where given) will have, known before it is loaded: the version's, unless its chat template
+        chooses another (a `glm4_moe` directory with GLM-4.7's template form)."""
+        return self.format
+
     def tiny_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None):
         """The tiny model's tokenizer: trained on `corpus` and written to `directory`, or loaded from there where a
         resumed run (or a dry run) wrote it; `chat_template_of`: a version whose released chat template it carries

@@ -31,6 +31,7 @@ from chatglm_tune.data.batches import (EncodedDataset, SpecialIds, collate_packe
                                        prompt_ids)
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.evaluation.metrics import describe_scores, score_answers
+from chatglm_tune.evaluation.callmetrics import record_tools
 from chatglm_tune.models import registry
 from chatglm_tune.options import (EVALUATIONS, METHOD_DEFAULTS, TINY_CHAT_TEMPLATES, TINY_CONTEXT, TINY_PRESETS,
                                   EncodingOptions, TrainOptions, raise_problems)
@@ -163,9 +164,10 @@ def check_fit(model_arg: str, base: Path | None, options: TrainOptions, records)
     P-tuning prefix longer than the model's context (config.json's), or a LoRA rank above its hidden size (an adapter's
     rank is at most the width of the Linears it adapts; `--lora-r 1000000000` asked for half a terabyte)."""
     version = registry.VERSIONS[TINY_PRESETS[model_arg]] if model_arg in TINY_PRESETS else registry.of_directory(base)
-    check_thinking(version.format, options.encoding, records)
+    prompt_format = version.prompt_format_of(base, chat_template_of=TINY_CHAT_TEMPLATES.get(model_arg))
+    check_thinking(prompt_format, options.encoding, records)
     for record in records:
-        check_turns(version.format, record, options.encoding)
+        check_turns(prompt_format, record, options.encoding)
     if base is None:
         return
     config = read_config_file(base)
@@ -568,7 +570,7 @@ def evaluate(model, tokenizer, records, options: TrainOptions, accelerator: Acce
         # NCCL: GPU tensors
         loss_sum = accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), reduction="sum").item()
     texts = [text for _, text in sorted(indexed)]
-    calls = [prompt_format.read_call(text) for text in texts]
+    calls = [prompt_format.read_calls(text, record_tools(record)) for text, record in zip(texts, records)]
     return {"dev_loss": loss_sum / max(len(records), 1), **score_answers(texts, records, calls)}
 
 

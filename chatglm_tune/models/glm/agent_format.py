@@ -61,12 +61,12 @@ class AgentFormat(TemplateFormat):
         flags = self.thinking_kwargs(dialogue, options)
         reasoning = [t for t in dialogue.turns if t.reasoning]
         if reasoning and not flags["enable_thinking"]:
-            raise ValueError(f"field {reasoning[0].where}.reasoning_content: the conversation is rendered with "
+            raise ValueError(f"field {reasoning[0].where}: the conversation is rendered with "
                              "thinking off (enable_thinking false), where no turn reasons")
         last_user = _last_user(dialogue.turns)
         earlier = [t for i, t in enumerate(dialogue.turns[:last_user]) if t.reasoning]
         if earlier and flags.get("clear_thinking") is False and not self.keeps_history_reasoning:
-            raise ValueError(f"field {earlier[0].where}.reasoning_content: {self.title}'s chat template drops the "
+            raise ValueError(f"field {earlier[0].where}: {self.title}'s chat template drops the "
                              "reasoning of turns before the last user message whatever clear_thinking says; leave "
                              "clear_thinking on (that reasoning is then not trained)")
 

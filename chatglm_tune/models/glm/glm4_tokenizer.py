@@ -367,7 +367,12 @@ class _MoeFormat:
     GLM-4.7's form (`moe_templates.glm47_form`), read at each use; else, and on the class, GLM-4.5's."""
 
     def __get__(self, tokenizer, owner=None):
-        return GLM47 if tokenizer is not None and glm47_form(getattr(tokenizer, "chat_template", None)) else GLM4_MOE
+        return moe_format(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
+
+
+def moe_format(chat_template):
+    """The prompt format of a `glm4_moe` tokenizer with `chat_template`: GLM-4.7's for GLM-4.7's form, else GLM-4.5's."""
+    return GLM47 if glm47_form(chat_template) else GLM4_MOE
 
 
 class GLM4MoeTokenizer(GLM4Tokenizer):
@@ -385,6 +390,7 @@ class GLM4MoeLiteTokenizer(GLM4Tokenizer):
 
     prompt_format = GLM4_MOE_LITE
     chat_roles = GLM4MoeTokenizer.chat_roles
+    special_token_spaces = False
 
 
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,

@@ -142,6 +142,16 @@ class ReleasedFormVersion(GLM4Version):
     def tiny_fields(self) -> dict:
         return TINY_FIELDS[self.name]
 
+    def prompt_format_of(self, directory=None, *, chat_template_of: str | None = None):
+        """A `glm4_moe` tokenizer's format follows its chat template's form (GLM-4.5's or GLM-4.7's)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, glm4_config_kwargs, moe_format
+
+        if self.format.name != "glm4-moe":
+            return self.format
+        template = (RELEASED_CHAT_TEMPLATES[chat_template_of or self.name] if directory is None
+                    else glm4_config_kwargs(_directory(directory)).get("chat_template"))
+        return moe_format(template)
+
     def train_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None) -> None:
         """A byte-level BPE of `corpus` (its characters and word pieces) in a `tokenizer.json`, with the
         version's chat template, or `chat_template_of`'s (`train_released_bpe`)."""
