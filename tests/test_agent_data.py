@@ -266,8 +266,8 @@ def test_a_dry_run_is_replaced_by_the_run_after_it_and_refuses_resume(tmp_path, 
     assert train.main(["--model", "tiny-glm47-flash", "--train-file", data, "--output-dir", str(run), "--dry-run",
                        "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
-    in_process("train.py", "--model", "tiny-glm47-flash", "--train-file", data, "--output-dir", run, "--tuning", "full", "--max-steps", 1,
-               "--batch-size", 1, "--max-src-len", 1024, "--max-len", 2048, "--threads", 1)
+    in_process("train.py", "--model", "tiny-glm47-flash", "--train-file", data, "--output-dir", run, "--tuning", "full",
+               "--max-steps", 1, "--batch-size", 1, "--max-src-len", 1024, "--max-len", 2048, "--threads", 1)
     assert "replacing the dry run's output" in capsys.readouterr().err
     assert (run / "run_args.json").is_file() and not (run / "examples.jsonl").exists()
 

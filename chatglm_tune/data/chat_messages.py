@@ -25,8 +25,8 @@ calls given twice; a `"loss"` on a turn that never carries one. Whether a versio
 its prompt format's question (`PromptFormat.check_turn`).
 
 The messages are kept as the chat template renders them (`Dialogue.messages`: arguments as objects, null content
-as "", reasoning and calls written in content given apart, as the template writes them), and read into turns: each assistant message one turn with its `reasoning` and `calls`, each tool message
-an observation turn.
+as "", reasoning and calls written in content given apart, as the template writes them), and read into turns:
+each assistant message one turn with its `reasoning` and `calls`, each tool message an observation turn.
 """
 
 from __future__ import annotations

@@ -371,7 +371,8 @@ class _MoeFormat:
 
 
 def moe_format(chat_template):
-    """The prompt format of a `glm4_moe` tokenizer with `chat_template`: GLM-4.7's for GLM-4.7's form, else GLM-4.5's."""
+    """The prompt format of a `glm4_moe` tokenizer with `chat_template`: GLM-4.7's for GLM-4.7's form, else
+    GLM-4.5's."""
     return GLM47 if glm47_form(chat_template) else GLM4_MOE
 
 
