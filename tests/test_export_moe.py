@@ -305,3 +305,36 @@ def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_pat
     got = [[t for t in answer[:len(w) + 1] if t not in stops][:NEW_TOKENS] for answer, w in zip(answers, want)]
     assert len({t for w in want for t in w}) > 3  # the random model answers, not one token over and over
     assert sum(w == g for w, g in zip(want, got)) == len(prompts), list(zip(want, got))
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_exported_templates_render_agent_conversations_to_the_training_ids(tiny, tmp_path, version):
+    """Conversations with tools, calls, results, reasoning on and off (`test_agent_data.conversations`): the hf
+    directory's template through transformers, and the GGUF file's as llama-server renders it (`enable_thinking`
+    always defined, reasoning asked by `reasoning_effort`), give the ids a training row holds (less its stop token)."""
+    import transformers
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from test_agent_data import conversations, flags, template_messages
+
+    from chatglm_tune.data.batches import encode_record
+    from chatglm_tune.data.records import parse_record
+    from chatglm_tune.options import EncodingOptions
+
+    source = open_export(tiny[version], form="hf", dtype="float32")
+    write_hf(tmp_path / "hf", source.model, source.tokenizer, chat_template=source.chat_template,
+             sampling=source.sampling)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.filters["tojson"] = lambda value, ensure_ascii=False, **kw: json.dumps(value, ensure_ascii=ensure_ascii,
+                                                                                       **kw)
+    gguf_template = environment.from_string(open_export(tiny[version], form="gguf").gguf_chat_template)
+    options = EncodingOptions(prompt="", max_src_len=4096, max_len=8192)
+    for i, raw in enumerate(conversations("glm45" if version == "glm4-moe" else "glm47", n=20, seed=3)):
+        want = list(encode_record(parse_record(raw, f"c:{i}"), source.tokenizer, options).input_ids[:-1])
+        messages, asked = template_messages(json.loads(json.dumps(raw))), flags(raw)
+        ids = hf_tokenizer.apply_chat_template(messages, tools=raw["tools"], tokenize=True, **asked)
+        assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == want, raw
+        server = {"enable_thinking": True, **({"reasoning_effort": "high"} if asked["enable_thinking"] else {}),
+                  **{k: v for k, v in asked.items() if k == "clear_thinking"}}
+        text = gguf_template.render(messages=messages, tools=raw["tools"], add_generation_prompt=False, **server)
+        assert with_specials(source.tokenizer, text) == want, raw

@@ -3,7 +3,8 @@ through serve.py with the official openai client, and its GGUF export's chat tem
 
 For each version (ChatGLM3-6B on `data/tools_{train,dev}.jsonl`, ChatGLM3's tools + conversations; GLM-4-9B on
 `data/tools_glm4_{train,dev}.jsonl`, GLM-4's messages; `--versions glm4-0414` too: GLM-4's messages in its own chat
-template's form), from scratch in a work directory:
+template's form; `--versions glm4-moe glm47-flash`: GLM-4.5 and GLM-4.7-Flash on `data/tools_agent_{train,dev}.jsonl`,
+OpenAI-style messages that reason, then call, then answer from the result), from scratch in a work directory:
 1. `train.py --model tiny-<version> --tuning full` on the train file, the dev file evaluated every `--eval-every`
    steps (metrics.jsonl: the first step whose dev tool-call exact match reached the target); the versions train at
    once, a thread each;
@@ -38,7 +39,10 @@ from bench.serve.serve_servers import Server, find_llama_server, free_port, tool
 TARGET = 0.9
 DATA = {"chatglm3": ("data/tools_train.jsonl", "data/tools_dev.jsonl"),
         "glm4": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl"),
-        "glm4-0414": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl")}  # GLM-4's records and form
+        "glm4-0414": ("data/tools_glm4_train.jsonl", "data/tools_glm4_dev.jsonl"),  # GLM-4's records and form
+        # the agent GLMs on OpenAI-style records with thinking (`make_tools.py --form agent`): GLM-4.5, GLM-4.7-Flash
+        "glm4-moe": ("data/tools_agent_train.jsonl", "data/tools_agent_dev.jsonl"),
+        "glm47-flash": ("data/tools_agent_train.jsonl", "data/tools_agent_dev.jsonl")}
 DEFAULT_VERSIONS = ["chatglm3", "glm4"]
 # a conversation of the set is under 700 tokens of the tiny tokenizers (~400 with the tools' JSON in word pieces)
 # no early stopping: the dev exact match sits near 0 for the first ~1000 steps, until the model copies arguments;
@@ -52,6 +56,10 @@ TRAIN_FLAGS = ["--tuning", "full", "--tiny-layers", str(TINY_LAYERS), "--max-src
 def openai_request(raw: dict) -> tuple[list[dict], list[dict], dict]:
     """(messages, tools, gold call {"name", "arguments"}) of a dev record whose last turn is the gold call, in the
     form an OpenAI client sends: ChatGLM3's `tools` wrapped as functions, GLM-4's system tools as they are."""
+    if "tools" in raw and "messages" in raw:  # OpenAI-style: the gold call is the last message's first tool call
+        *context, last = raw["messages"]
+        function = last["tool_calls"][0]["function"]
+        return _plain(context), raw["tools"], {"name": function["name"], "arguments": function["arguments"]}
     if "conversations" in raw:
         *context, last = raw["conversations"]
         tools = [{"type": "function", "function": tool} for tool in raw["tools"]]
@@ -87,7 +95,7 @@ def served_calls(run: Path, requests: list, work: Path) -> list[dict | None]:
         calls = []
         for messages, tools, _ in requests:
             reply = client.chat.completions.create(model=server.model_id, messages=messages, tools=tools,
-                                                   temperature=0, max_tokens=64).choices[0].message
+                                                   temperature=0, max_tokens=100).choices[0].message
             function = reply.tool_calls[0].function if reply.tool_calls else None
             calls.append(None if function is None
                          else {"name": function.name, "arguments": json.loads(function.arguments)})
