@@ -347,3 +347,36 @@ def test_chatglm2_refuses_reasoning_and_tools_saying_why(tmp_path):
     record = read_records(path)[0][0]
     with pytest.raises(ValueError, match="no reasoning"):
         check_turns(CHATGLM2, record)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-chatglm3", "tiny-glm4", "tiny-glm4-0414", "tiny-glm-edge",
+                                    "tiny-glm4-moe", "tiny-glm47", "tiny-glm47-flash"])
+def test_every_version_dry_runs_its_rows_before_any_weight(preset, tmp_path):
+    """SPO records on every tiny preset: examples.jsonl holds what the run would train on (each row the encoding
+    of its record by the tokenizer the dry run wrote), and nothing else but that tokenizer and the report."""
+    from chatglm_tune.data.batches import encode_record
+    from chatglm_tune.models import registry
+    from chatglm_tune.options import EncodingOptions, TINY_PRESETS
+
+    spo = Path(__file__).resolve().parents[1] / "data" / "spo_dev.jsonl"
+    out = tmp_path / "run"
+    in_process("train.py", "--model", preset, "--train-file", spo, "--output-dir", out, "--dry-run")
+    rows = [json.loads(line) for line in (out / "examples.jsonl").read_text(encoding="utf-8").splitlines()]
+    records, _ = read_records(spo)
+    tokenizer = registry.VERSIONS[TINY_PRESETS[preset]].load_tokenizer(out)
+    for record, row in zip(records, rows):
+        example = encode_record(record, tokenizer, EncodingOptions())
+        assert (row["input_ids"], row["labels"]) == (list(example.input_ids), list(example.labels))
+    assert len(rows) == len(records)
+    assert not (out / "config.json").exists() and not list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
+
+
+def test_a_killed_dry_run_is_replaced_by_the_next(tmp_path):
+    """What a dry run killed half-way leaves (its report saying it was building, a partial tokenizer file) is
+    replaced by the same command."""
+    out = tmp_path / "run-tiny-glm47-flash"
+    out.mkdir()
+    (out / "dry_run.json").write_text('{"state": "building"}', encoding="utf-8")
+    (out / "tokenizer.json").write_text("{", encoding="utf-8")
+    _, rows = dry_run("tiny-glm47-flash", conversations("glm47", n=2), tmp_path)
+    assert len(rows) == 2 and json.loads((out / "dry_run.json").read_text(encoding="utf-8"))["train_records"] == 2
