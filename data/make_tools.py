@@ -110,7 +110,8 @@ def as_messages(record: dict) -> dict:
     return {"messages": messages}
 
 
-# The agent form's tools: OpenAI functions with JSON-schema parameters (what a call's arguments are checked and typed by).
+# The agent form's tools: OpenAI functions with JSON-schema parameters (what a call's arguments are checked and
+# typed by).
 AGENT_TOOLS = [{"type": "function", "function": {
     "name": t["name"], "description": t["description"],
     "parameters": {"type": "object", "properties": {k: {"type": "integer" if k == "amount" else "string",
@@ -129,8 +130,9 @@ def as_agent(record: dict) -> dict:
         if turn["role"] == "user":
             messages.append(turn)
         elif turn["role"] == "assistant":
-            messages.append({"role": "assistant", "reasoning_content": "根据结果回答。" if messages[-1]["role"] == "tool"
-                             else "闲聊，直接回答。", "content": turn["content"]})
+            after_result = messages[-1]["role"] == "tool"
+            messages.append({"role": "assistant", "reasoning_content": "根据结果回答。" if after_result else "闲聊，直接回答。",
+                             "content": turn["content"]})
         else:
             messages.append({"role": "assistant", "content": "",
                              "reasoning_content": REASONS[turn["name"]].format(**turn["parameters"]),
