@@ -131,8 +131,8 @@ def as_agent(record: dict) -> dict:
             messages.append(turn)
         elif turn["role"] == "assistant":
             after_result = messages[-1]["role"] == "tool"
-            messages.append({"role": "assistant", "reasoning_content": "根据结果回答。" if after_result else "闲聊，直接回答。",
-                             "content": turn["content"]})
+            reasoning = "根据结果回答。" if after_result else "闲聊，直接回答。"
+            messages.append({"role": "assistant", "reasoning_content": reasoning, "content": turn["content"]})
         else:
             messages.append({"role": "assistant", "content": "",
                              "reasoning_content": REASONS[turn["name"]].format(**turn["parameters"]),
