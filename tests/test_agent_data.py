@@ -380,3 +380,25 @@ def test_a_killed_dry_run_is_replaced_by_the_next(tmp_path):
     (out / "tokenizer.json").write_text("{", encoding="utf-8")
     _, rows = dry_run("tiny-glm47-flash", conversations("glm47", n=2), tmp_path)
     assert len(rows) == 2 and json.loads((out / "dry_run.json").read_text(encoding="utf-8"))["train_records"] == 2
+
+
+def test_an_answer_is_read_back_as_reasoning_content_and_typed_calls():
+    """What a thinking model writes, in either form, read back: reasoning, content, several calls typed by the tools'
+    schemas (a string parameter stays text), a zero-argument call; `read_calls` gives the calls the metrics compare."""
+    from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE
+
+    answers = {GLM4_MOE: "<think>查两个</think>\n好的\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+                         "<arg_value>100</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+                         "\n<tool_call>now\n</tool_call>",
+               GLM4_MOE_LITE: "查两个</think>好的<tool_call>get_weather<arg_key>city</arg_key><arg_value>100"
+                              "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+                              "<tool_call>now</tool_call>"}
+    history = [{"role": "system", "content": "", "tools": TOOLS}, {"role": "user", "content": "q"}]
+    for prompt_format, answer in answers.items():
+        response, messages = prompt_format.chat_response([answer], "q", history)
+        assert response == {"name": "get_weather", "parameters": {"city": "100", "days": 3}}
+        assert messages[-1] == {"role": "assistant", "content": "好的", "reasoning_content": "查两个", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "100", "days": 3}}},
+            {"type": "function", "function": {"name": "now", "arguments": {}}}]}
+        calls = prompt_format.read_calls(answer, TOOLS)
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "100", "days": 3}), ("now", {})]

@@ -174,6 +174,20 @@ class AgentFormat(TemplateFormat):
         _, rest = split_reasoning(answer, THINK_CLOSE in answer)
         return tuple(parse_calls(rest, tools)[1])
 
+    def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
+        """(response, history) of a chat: the answer's reasoning, content and XML calls (typed by the tools of a first
+        system message, where it offers them) as an assistant message with `reasoning_content` and `tool_calls`; the
+        response its content, or its first call as `{"name", "parameters"}` (GLM-4's chat() answer for a call)."""
+        text = texts[-1]
+        reasoning, rest = split_reasoning(text, THINK_CLOSE in text)
+        tools = history[0].get("tools") if history and history[0].get("role") == "system" else None
+        content, calls = parse_calls(rest, tools)
+        message = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
+                   **({"tool_calls": [{"type": "function", "function": call.to_json()} for call in calls]}
+                      if calls else {})}
+        response = {"name": calls[0].name, "parameters": calls[0].arguments} if calls else content
+        return response, [*history, message]
+
     def read_call(self, answer: str) -> ToolCall | None:
         calls = self.read_calls(answer)
         return calls[0] if calls else None
