@@ -39,6 +39,7 @@ class AgentFormat(TemplateFormat):
     tool_arguments_form = "xml"
     declared_calls_only = True
     has_thinking = True
+    pairs_answer_last = False  # every conversation is the template's render of the whole of it
 
     def __init__(self, name: str, title: str, ollama_template: str, call_form: str):
         super().__init__(name, title, ollama_template, None, {"enable_thinking": False})
@@ -90,18 +91,6 @@ class AgentFormat(TemplateFormat):
             return super().prompt_ids(tokenizer, record, options)
         return self.dialogue_prompt(tokenizer, record.dialogue, options.prompt, options), False
 
-    def training_row(self, tokenizer, record: SPORecord, options: EncodingOptions) -> EncodedExample:
-        """A conversation record's row (`dialogue_row`; `loss_on` "last": its last answer trained only); else the
-        template's prompt and answer."""
-        dialogue = record.dialogue
-        if dialogue is None:
-            return super().training_row(tokenizer, record, options)
-        if dialogue.answer is None:
-            raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training "
-                             "example")
-        return self.dialogue_row(tokenizer, dialogue if options.loss_on == "all" else dialogue.loss_on_last(), options,
-                                 record.source)
-
     def dialogue_prompt(self, tokenizer, dialogue: Dialogue, instruction: str = "",
                         options: EncodingOptions = EncodingOptions()) -> list[int]:
         """The template's generation prompt after the turns before the gold answer."""
@@ -137,18 +126,7 @@ class AgentFormat(TemplateFormat):
         labels = [IGNORE_INDEX] * len(ids)
         for begin, end in trained:
             labels[begin:end + 1] = ids[begin:end + 1]  # the span and the token after it
-        return self.finished_row(ids, labels, options, origin)
-
-    def finished_row(self, ids: list[int], labels: list[int], options: EncodingOptions, origin: str) -> EncodedExample:
-        if all(label == IGNORE_INDEX for label in labels):
-            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained (no assistant turn with a "
-                             "loss)")
-        if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
-            raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len "
-                             f"{options.max_len} cuts it before any trained token: raise --max-len to {len(ids)} or "
-                             "more")
-        cut = len(ids) > options.max_len
-        return EncodedExample(tuple(ids[:options.max_len]), tuple(labels[:options.max_len]), False, False, origin, cut)
+        return self.finished_row(ids, labels, options, origin, "no assistant turn has a loss")
 
     def generation_lead(self, tokenizer, flags: dict) -> str:
         """What the template's generation prompt writes after its last `<|assistant|>` with `flags` (marked text)."""

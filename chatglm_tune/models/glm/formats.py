@@ -147,7 +147,7 @@ class _RoleFormat(_GLMFormat):
         """A conversation record's row as `dialogue_row` builds it, unless it is plain user / assistant turns
         trained on the last answer only (`loss_on` "last"): then the query and its history, as before."""
         dialogue = record.dialogue
-        if dialogue is None or (options.loss_on == "last" and record.history is not None):
+        if dialogue is None or (options.loss_on == "last" and record.history is not None and self.pairs_answer_last):
             return super().training_row(tokenizer, record, options)
         if dialogue.answer is None:
             raise ValueError(f"{record.source or 'record'}: ends with no assistant turn, cannot build a training "
@@ -166,9 +166,15 @@ class _RoleFormat(_GLMFormat):
             carried += [turn.loss] * len(block)
         ids.append(self.end_id(tokenizer))
         labels = [IGNORE_INDEX] + [token if loss else IGNORE_INDEX for token, loss in zip(ids[1:], carried)]
+        return self.finished_row(ids, labels, options, origin, f"its assistant turns with a loss are empty, and "
+                                 f"{self.title}'s chat template writes nothing for an empty message")
+
+    def finished_row(self, ids: list[int], labels: list[int], options: EncodingOptions, origin: str,
+                     why_untrained: str) -> EncodedExample:
+        """The row of a conversation's `ids` and `labels`, cut at `max_len`; ValueError where no token is trained
+        (`why_untrained`), or none before the cut."""
         if all(label == IGNORE_INDEX for label in labels):
-            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained: its assistant turns with "
-                             f"a loss are empty, and {self.title}'s chat template writes nothing for an empty message")
+            raise ValueError(f"{origin or 'record'}: no token of the conversation is trained: {why_untrained}")
         if all(label == IGNORE_INDEX for label in labels[:options.max_len]):
             raise ValueError(f"{origin or 'record'}: the conversation is {len(ids)} tokens and max_len "
                              f"{options.max_len} cuts it before any trained token: raise --max-len to {len(ids)} or "
@@ -200,6 +206,7 @@ class _RoleFormat(_GLMFormat):
         return tokenizer.build_single_message(turn.role, turn.metadata, turn.content)
 
     tool_calls = True
+    pairs_answer_last = True  # plain user / assistant turns trained on the last answer: the query and its history
 
     def chat_response(self, texts: list[str], query: str, history: list) -> tuple:
         return process_chat_response(texts, history, self.training_time, self.tool_call)
