@@ -402,3 +402,42 @@ def test_an_answer_is_read_back_as_reasoning_content_and_typed_calls():
             {"type": "function", "function": {"name": "now", "arguments": {}}}]}
         calls = prompt_format.read_calls(answer, TOOLS)
         assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "100", "days": 3}), ("now", {})]
+
+
+def test_infer_prompts_with_the_thinking_asked_and_refuses_it_where_a_version_has_none(tmp_path, capsys):
+    """infer.py --enable-thinking / --no-enable-thinking on a tiny GLM-4.7-Flash run extract; the prompts they ask
+    for are the template's thinking and non-thinking generation prompts (`<think>` and `</think>` last); a GLM-Edge
+    directory refuses the flag before loading anything."""
+    import infer
+    import torch
+
+    from chatglm_tune.models import registry
+
+    records = conversations("glm47", n=2)
+    run, _ = dry_run("tiny-glm47-flash", records, tmp_path)
+    data = str(tmp_path / "tiny-glm47-flash.jsonl")
+    in_process("train.py", "--model", "tiny-glm47-flash", "--train-file", data, "--output-dir", run, "--tuning", "full",
+               "--max-steps", 1, "--batch-size", 1, "--max-src-len", 1024, "--max-len", 2048, "--threads", 1)
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text(json.dumps({"tools": TOOLS, "messages": [{"role": "user", "content": "北京天气"}]},
+                                ensure_ascii=False) + "\n", encoding="utf-8")
+    for flag in ("--enable-thinking", "--no-enable-thinking"):
+        out = tmp_path / f"{flag}.jsonl"
+        infer.main(["--model", str(run), "--input", str(asked), "--output", str(out), "--max-new-tokens", "3", flag])
+        assert len(out.read_text(encoding="utf-8").splitlines()) == 1
+    from chatglm_tune.data.batches import prompt_ids
+    from chatglm_tune.options import EncodingOptions
+    from chatglm_tune.runs import loading
+
+    tokenizer = loading.load_run(loading.resolve_run(run))[1]
+    record = read_records(asked)[0][0]
+    on, off = (prompt_ids(record, tokenizer, EncodingOptions(prompt="", enable_thinking=v)) for v in (True, False))
+    assert tokenizer.convert_ids_to_tokens(on[-2:]) == ["<|assistant|>", "<think>"]
+    assert tokenizer.convert_ids_to_tokens(off[-2:]) == ["<|assistant|>", "</think>"]
+    edge = tmp_path / "edge"
+    torch.manual_seed(0)
+    model, _ = registry.VERSIONS["glm-edge"].tiny(["北京天气"], edge)
+    model.save_pretrained(edge)
+    with pytest.raises(SystemExit):
+        infer.main(["--model", str(edge), "--text", "北京", "--enable-thinking"])
+    assert "GLM-Edge's chat has no thinking" in capsys.readouterr().err

@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="decode on a static KV cache, each step one compiled forward "
                    "(torch.compile: the same output with less Python overhead a step; compiling takes seconds to a "
                    "minute once; every version in float, INT8 / INT4 on a CUDA GPU; not with --speculative)")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, help="GLM-4.5 / 4.6 / 4.7, "
+                   "GLM-4.7-Flash: prompt conversation records with thinking on or off where a record sets no "
+                   "enable_thinking of its own (default: the run's, else on exactly for the records that hold "
+                   "reasoning)")
     p.add_argument("--resume", action="store_true", help="continue after the records already in --output")
     p.add_argument("--prompt-column", help="prompt/response data: the field holding the prompt (default: the run's, "
                    "else the SPO shapes)")
@@ -133,10 +137,17 @@ def settings_from(args) -> ExtractionSettings:
 
 def load(args, source, settings):
     """(model, tokenizer) of `source` on the asked device, dtype and quantization; ValueError first where
-    --max-new-tokens outruns the model's context."""
+    --max-new-tokens outruns the model's context, or --enable-thinking asks a version without thinking."""
     from chatglm_tune.runs import loading
     from chatglm_tune.runtime.checkpoint import read_config_file
 
+    if args.enable_thinking is not None:
+        from chatglm_tune.models import registry
+
+        prompt_format = registry.of_directory(source.base).prompt_format_of(source.base)
+        if not prompt_format.has_thinking:
+            raise ValueError(f"--enable-thinking: {prompt_format.title}'s chat has no thinking (GLM-4.5 / 4.6 / 4.7 "
+                             "and GLM-4.7-Flash have)")
     context = loading.context_length(read_config_file(source.base))
     if context and settings.max_new_tokens and settings.max_new_tokens > context:
         raise ValueError(f"--max-new-tokens must be at most the model's context of {context} tokens ({source.base}), "
@@ -317,7 +328,9 @@ def main(argv=None) -> None:
 
             source = loading.resolve_run(args.model, ptuning_checkpoint=args.ptuning_checkpoint, lora=args.lora)
             # the prompt and budget it was trained with; free-text answers are not parsed as triples
-            settings = replace(settings_from(args), encoding=source.encoding, free_text=columns_of(args, source).active)
+            encoding = source.encoding if args.enable_thinking is None else replace(
+                source.encoding, enable_thinking=args.enable_thinking)
+            settings = replace(settings_from(args), encoding=encoding, free_text=columns_of(args, source).active)
             if args.text is not None:
                 run_text(args, settings, source)
             else:
