@@ -453,7 +453,9 @@ REFUSED_TOOL_USE = [  # (version, messages, tools, the parameter named, the code
      "observation_without_call"),
     ("chatglm3", [ASKED, {"role": "assistant", "content": None, "tool_calls": [call_of("get_weather")]}, RESULT,
                   RESULT], [WEATHER], "messages[3].role", "observation_without_call"),  # two results of one call
-    ("glm4-moe", [ASKED, {"role": "assistant", "content": "好"}, RESULT], None, "messages[2].role", None),
+    ("glm4-moe", [ASKED, {"role": "assistant", "content": "好"}, RESULT], None, "messages[2].role",
+     "observation_without_call"),
+    ("glm-edge", [ASKED, {"role": "assistant", "content": "好"}, RESULT], None, "messages[2].role", None),
 ]
 
 
@@ -462,8 +464,8 @@ REFUSED_TOOL_USE = [  # (version, messages, tools, the parameter named, the code
 def test_tool_use_that_training_refuses_is_400_naming_the_parameter(version, messages, tools, param, code, models):
     """The rules conversation records with tools are trained under hold for a served chat: a call to a tool the
     request does not declare, a tool without a name, a tool's result that answers no call (ChatGLM3, GLM-4: parallel
-    calls answered in turn pass);
-    a tool's result at all where the version has no tool form (GLM-4.5, whose `tools` and `tool_calls` are refused
+    calls answered in turn pass; the agent GLMs, GLM-4.5 here, alike);
+    a tool's result at all where the version has no tool form (GLM-Edge, whose `tools` and `tool_calls` are refused
     too). 400 naming the request's parameter, with the reason training gives (as the code, or the same message)."""
     from chatglm_tune.data.dialogues import Turn
     from chatglm_tune.runs import loading

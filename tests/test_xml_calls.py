@@ -293,6 +293,21 @@ def test_stream_reads_what_the_whole_reads_on_any_text(seed):
             assert joined(stream(text, thinking, random_cuts(rng, text), tools)) == read(text, thinking, tools)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_stream_that_reads_no_calls_sends_the_text_after_the_reasoning(seed):
+    """`calls` False (a served chat whose tool_choice is "none"): no call is read; the content events join to the
+    text after the reasoning, stripped, its tags' text and all."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        text = "".join(rng.choice(TAG_SOUP) for _ in range(rng.randint(0, 30)))
+        thinking = rng.random() < 0.5
+        reader = OutputStream(thinking, TOOLS, calls=False)
+        bounds = [0, *sorted(random_cuts(rng, text)), len(text)]
+        events = [event for a, b in zip(bounds, bounds[1:]) for event in reader.feed(text[a:b])] + reader.finish()
+        reasoning, rest = split_reasoning(text, thinking)
+        assert joined(events) == (reasoning, rest.strip(), []), text
+
+
 @pytest.mark.parametrize("text, thinking", answers(30, seed=2))
 def test_stream_never_sends_the_text_of_a_tag(text, thinking):
     rng = random.Random(text)

@@ -87,7 +87,7 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
 # The calls
 
 def _schemas(tools: list | None) -> dict[str, dict]:
-    """Each declared tool's name -> its `parameters.properties` (the first tool of a name counts)."""
+    """Each declared tool's name -> its parameters' `properties` (the first tool of a name counts)."""
     out: dict[str, dict] = {}
     for tool in tools or ():
         function = tool["function"] if isinstance(tool.get("function"), dict) else tool
@@ -225,10 +225,12 @@ class OutputStream:
     (in GLM-4.5's form content is followed by "\\n<tool_call>"). No tag's text is sent, save that of a block left
     unclosed at the end, which `finish()` sends as content as `parse_calls` does. The reasoning events join to
     `split_reasoning`'s reasoning (or "" for None), the content events to `parse_calls`' content, and the calls are
-    its calls."""
+    its calls. `calls` False: no call is read, the text after the reasoning is all content (`<tool_call>` blocks
+    and all), its events joining to that text stripped."""
 
-    def __init__(self, thinking: bool, tools: list | None):
+    def __init__(self, thinking: bool, tools: list | None, calls: bool = True):
         self._schemas = _schemas(tools)
+        self._calls = calls
         self._mode = _REASONING if thinking else _OPENING
         self._opened = False  # in reasoning: whether a leading `<think>` has been looked for
         self._buffer = ""  # received, not yet sent on
@@ -305,6 +307,10 @@ class OutputStream:
         self._buffer = reasoning[len(reasoning) - keep:]
 
     def _read_content(self, events: list) -> None:
+        if not self._calls:
+            self._send(events, _CONTENT, self._buffer)
+            self._buffer = ""
+            return
         while self._close_call(events) if self._in_call else self._open_call(events):
             pass
 

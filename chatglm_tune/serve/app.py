@@ -3,7 +3,8 @@
     GET  /                      the chat page (chat with streaming, an extraction box); /favicon.ico its icon
     GET  /health                {"status": "ok", "running", "waiting", "steps"}
     GET  /v1/models             the one served model (and /v1/models/{id}: it, or 404)
-    POST /v1/chat/completions   the version's chat; "stream": true for server-sent events
+    POST /v1/chat/completions   the version's chat; "stream": true for server-sent events (the agent GLMs': their
+                                reasoning as `reasoning_content`, their XML calls as `tool_calls`: `service`)
     POST /v1/completions        the run's prompt format around "prompt"; streams too
     POST /v1/extract            {"texts": [...]} -> {"results": [{"triples": [[s, p, o]], ...}]}
 
@@ -36,7 +37,7 @@ from starlette.routing import Route
 
 from chatglm_tune.serve import protocol
 from chatglm_tune.serve.protocol import ApiError, parse_call
-from chatglm_tune.serve.service import Delta, Done, Service
+from chatglm_tune.serve.service import AgentTurn, Delta, Done, Service
 
 log = logging.getLogger("chatglm_tune.serve")
 
@@ -74,7 +75,8 @@ def build_app(service: Service, *, api_key: str | None = None) -> Starlette:
         streams = service.generate([(turn.prompt, budget)], call, turn.shown, turn.holding, grammar_text=turn.grammar,
                                    disconnected=None if call.stream else request.is_disconnected)
         if call.stream:
-            return _sse(_chat_chunks(service, call, turn, streams))
+            chunks = _agent_chunks if isinstance(turn, AgentTurn) else _chat_chunks
+            return _sse(chunks(service, call, turn, streams))
 
         def body(dones: list[Done]) -> dict:
             answers = [(*_chat_answer(call, turn, done, i),
@@ -317,7 +319,12 @@ async def _merged(streams):
 
 
 def _chat_answer(call, turn, done: Done, index: int = 0) -> tuple[dict, str]:
-    """(message, finish_reason) of choice `index`: `chat()`'s response; a tool call as OpenAI's tool_calls."""
+    """(message, finish_reason) of choice `index`: `chat()`'s response; a tool call as OpenAI's tool_calls. An agent
+    GLM's answer: its reasoning, content and calls (`AgentTurn.read`), finish_reason "tool_calls" where it calls."""
+    if isinstance(turn, AgentTurn):
+        reasoning, content, calls = turn.read(done.text)
+        entries = [protocol.read_tool_call(c.name, c.arguments) for c in calls]
+        return protocol.agent_message(reasoning, content, entries), "tool_calls" if calls else done.finish
     if done.stop_string:
         return protocol.chat_message(done.text, None), done.finish
     response = turn.response(done.ids)
@@ -349,6 +356,36 @@ async def _chat_chunks(service: Service, call, turn, streams):
             yield protocol.chat_chunk(call, served, {"content": message["content"][len(sent[index]):]}, index=index)
         rest = protocol.chat_logprobs(_scored(service, call, event.scored))
         yield protocol.chat_chunk(call, served, {}, finish, index=index, logprobs=rest)
+    if call.include_usage:
+        yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
+
+
+async def _agent_chunks(service: Service, call, turn: AgentTurn, streams):
+    """An agent GLM's chunks, each choice's answer read as it comes (`AgentTurn.stream`): `reasoning_content` deltas,
+    then `content` deltas, each call whole as a `tool_calls` entry (its index in the answer, id, type, name and
+    arguments) once its `</tool_call>` has come; no tag's text. A delta's log probabilities go with the next chunk
+    sent; a choice's last chunk carries its finish reason ("tool_calls" where it called) and the rest of them."""
+    served, tokens = service.served, 0
+    readers = [turn.stream() for _ in streams]
+    called, scored = [0] * len(streams), [[] for _ in streams]  # each choice's calls sent, (id, LogProb) not sent
+    for index in range(len(streams)):
+        yield protocol.chat_chunk(call, served, {"role": "assistant", "content": None if turn.tools else ""},
+                                  index=index)
+    async for index, event in _merged(streams):
+        scored[index] += event.scored
+        reader = readers[index]
+        for kind, value in reader.feed(event.text) if isinstance(event, Delta) else reader.finish():
+            if kind == "call":
+                value = [{"index": called[index], **protocol.read_tool_call(value.name, value.arguments)}]
+                called[index] += 1
+            delta = {{"reasoning": "reasoning_content", "call": "tool_calls"}.get(kind, kind): value}
+            logprobs, scored[index] = protocol.chat_logprobs(_scored(service, call, scored[index])), []
+            yield protocol.chat_chunk(call, served, delta, index=index, logprobs=logprobs)
+        if isinstance(event, Done):
+            tokens += event.tokens
+            logprobs, scored[index] = protocol.chat_logprobs(_scored(service, call, scored[index])), []
+            yield protocol.chat_chunk(call, served, {}, "tool_calls" if called[index] else event.finish, index=index,
+                                      logprobs=logprobs)
     if call.include_usage:
         yield protocol.chat_chunk(call, served, {}, use=protocol.usage(len(turn.prompt), tokens))
 

@@ -13,9 +13,12 @@ answer, at any value but their default: `best_of` other than `n`, `presence_pena
   chat's `logprobs` and `top_logprobs` (up to 20), completions' `logprobs` (up to 5);
 - chat: `messages` (role + content, `developer` read as `system`; content a string or a list of text parts;
   an assistant's `tool_calls`,
-  its content then null or text), `tools` (ChatGLM3 / GLM-4; tools, calls and results as training data holds
-  them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function), `response_format`
-  (`text`, `json_object`, `json_schema`: the answer decoded under the schema's grammar, strict or not);
+  its content then null or text, and its `reasoning_content`, which the agent GLMs' prompt keeps and the other
+  versions' ignores), `tools` (ChatGLM3 / GLM-4 / the agent GLMs; tools, calls and results as training data
+  holds them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function), `response_format`
+  (`text`, `json_object`, `json_schema`: the answer decoded under the schema's grammar, strict or not),
+  `chat_template_kwargs` (the agent GLMs' `enable_thinking` / `clear_thinking`, checked by the service, which
+  knows the version; the other versions ignore it);
 - completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th;
   or token ids, a list or a list of lists: each the whole prompt, no prompt format around it), `echo` (token-id
   prompts: the prompt's text, and with `logprobs` its tokens' log probabilities, before the answer's: what
@@ -77,6 +80,7 @@ class Call:
     tool_choice: str = "auto"  # chat: "auto", "none", "required", or "function" (a named one: `tool_name`)
     tool_name: str | None = None
     json_schema: dict | None = None  # chat: the JSON schema the answer keeps to (`response_format`), None for text
+    template_kwargs: object = None  # chat: `chat_template_kwargs` as sent (the agent GLMs' service checks it)
     prompts: tuple[str, ...] = ()  # completions: texts, each inside the run's prompt format
     prompt_ids: tuple[tuple[int, ...], ...] = ()  # completions: or token ids, each the whole prompt
     echo: bool = False  # completions of token ids: the prompt comes back before the answer (with its logprobs)
@@ -123,6 +127,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["tools"] = tools or None
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
         fields["json_schema"] = _response_schema(body.get("response_format"))
+        fields["template_kwargs"] = body.get("chat_template_kwargs")
         if fields["json_schema"] is not None and fields["tools"] and fields["tool_choice"] != "none":
             raise bad("response_format", "a JSON answer and tools at once: leave one out (or tool_choice \"none\")")
     elif kind == "completion":
@@ -270,7 +275,8 @@ def _text_content(content, where: str) -> str:
 
 def _messages(value) -> tuple[dict, ...]:
     """Each message as {"role", "content"} (+ "tools" of a system message, + an assistant's "tool_calls" as
-    [{"name", "arguments": dict}]: its content may then be null, as the openai SDK sends it)."""
+    [{"name", "arguments": dict}]: its content may then be null, as the openai SDK sends it; + an assistant's
+    "reasoning_content" where it is not null, as sent)."""
     if not isinstance(value, list) or not value:
         raise bad("messages", "must be a non-empty list of {role, content} messages")
     messages = []
@@ -284,9 +290,11 @@ def _messages(value) -> tuple[dict, ...]:
         calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else []
         content = message.get("content")
         content = "" if content is None and calls else _text_content(content, f"messages[{i}].content")
+        reasoning = message.get("reasoning_content") if role == "assistant" else None
         messages.append({"role": role, "content": content,
                          **({"tools": message["tools"]} if "tools" in message else {}),
-                         **({"tool_calls": calls} if calls else {})})
+                         **({"tool_calls": calls} if calls else {}),
+                         **({"reasoning_content": reasoning} if reasoning is not None else {})})
     return tuple(messages)
 
 
@@ -521,6 +529,20 @@ def tool_call(call: Call, response: dict, index: int = 0) -> dict:
     """A ChatGLM3 / GLM-4 tool call (`{"name", "parameters"}`) as OpenAI's tool_calls entry (of choice `index`)."""
     return {"id": f"call_{call.id}" + (f"_{index}" if index else ""), "type": "function",
             "function": {"name": response["name"], "arguments": json.dumps(response["parameters"], ensure_ascii=False)}}
+
+
+def read_tool_call(name: str, arguments: dict) -> dict:
+    """A call read from an agent GLM's answer as OpenAI's tool_calls entry: a fresh id `call_<24 hex digits>`, its
+    arguments as `json.dumps(arguments, ensure_ascii=False)` (vLLM's glm45 / glm47 tool parsers' text)."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def agent_message(reasoning: str | None, content: str, tool_calls: list[dict]) -> dict:
+    """An agent GLM's answer as OpenAI's message with vLLM's `reasoning_content` (null where the answer has none):
+    content null where it is empty and there are calls."""
+    return {"role": "assistant", "content": content or (None if tool_calls else ""), "reasoning_content": reasoning,
+            **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
 def tool_call_deltas(entry: dict) -> list[dict]:

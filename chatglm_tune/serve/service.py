@@ -15,6 +15,19 @@ becomes ids and comes back as text (chat, completion, extraction), for asyncio h
   every tool's call (its first line, then its arguments). `response_format` `json_object` / `json_schema`: the
   prompt ends with what a text answer begins with (`PromptFormat.text_answer_lead`), the answer is decoded under
   the schema's grammar and comes back as decoded (no post-processing that could change it).
+- chat of the agent GLMs (GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash: `PromptFormat.has_thinking`), as vLLM serves them
+  with its glm45 / glm47 tool parsers and glm45 reasoning parser: the messages (system / user / assistant / tool;
+  an assistant's `reasoning_content` and `tool_calls`, a `tool` message the template's tool role) and `tools`
+  are rendered whole by the release's chat template with its generation prompt (`AgentFormat.chat_prompt`), the
+  request's `chat_template_kwargs` (`enable_thinking`, `clear_thinking`; none set: the template's default,
+  thinking on) as its flags; as for every version's chat, the run's instruction is not added (a model directory
+  without run settings has the default one). The answer (`AgentTurn`) is
+  split into `reasoning_content` (`xml_calls.split_reasoning`: where the prompt left the model thinking, the text
+  before `</think>`), the XML calls (`xml_calls.parse_calls`, typed by the tools' schemas) as OpenAI's
+  `tool_calls`, and the rest as content; streamed, through `xml_calls.OutputStream`. `tool_choice` "none" offers
+  no tools and reads no call; "required" and a named function are refused (their XML calls are not decoded under
+  a grammar here). `response_format` JSON: the prompt rendered with thinking off (`enable_thinking` true is
+  refused), the answer decoded under the schema's grammar after the template's content lead.
 - completion: the prompt string is the record text of the run's prompt format, with the run's instruction
   (`--prompt` of train.py) before it: the model's input is what `infer.py --text` gives it; the answer is
   the decoded text (`PromptFormat.decode_answer`).
@@ -39,6 +52,7 @@ from dataclasses import dataclass, replace
 from chatglm_tune.data.batches import SpecialIds
 from chatglm_tune.data.dialogues import Turn as DialogueTurn
 from chatglm_tune.data.records import SPORecord
+from chatglm_tune.data.xml_calls import OutputStream, parse_calls, split_reasoning
 from chatglm_tune.decoding import grammar
 from chatglm_tune.decoding.chat import ROLES, Turn, prepare_turn
 from chatglm_tune.decoding.engine import Engine
@@ -226,6 +240,51 @@ class ChatTurn:
         return not self.turn.format.declared_calls_only or any(n.startswith(segment.strip()) for n in self.tool_names)
 
 
+_AGENT_ROLES = ("system", "user", "assistant", "tool")  # the agent GLMs' chat templates' roles
+
+
+@dataclass(frozen=True)
+class AgentTurn:
+    """An agent GLM's chat turn: the prompt the engine decodes and how its answer is read. `thinking`: the prompt
+    left the model thinking (the text before `</think>` is reasoning); `tools`: those offered, whose XML calls are
+    read and typed by their schemas (None: no call is read, the text after the reasoning is all content);
+    `json_answer`: the answer is JSON text under `grammar` (`response_format`), content as decoded, stripped."""
+
+    prompt: list[int]
+    tokenizer: object
+    stop_ids: tuple[int, ...]
+    thinking: bool
+    tools: list | None
+    grammar: str | None = None
+    json_answer: bool = False
+
+    def shown(self, ids: Sequence[int]) -> str:
+        """The answer's text so far: its ids decoded, special tokens as their text (`<think>`, `<tool_call>`) with no
+        space around them (as the releases' tokenizer.json decodes), less the stop id that ended it."""
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, spaces_between_special_tokens=False)
+
+    def holding(self, ids: Sequence[int]) -> bool:
+        """Nothing is held back by ids: `OutputStream` holds the text that could still become a tag."""
+        return False
+
+    def read(self, text: str) -> tuple[str | None, str, list]:
+        """(reasoning or None, content, calls as `ToolCall`s) of an answer's whole text."""
+        if self.json_answer:
+            return None, text.strip(), []
+        reasoning, rest = split_reasoning(text, self.thinking)
+        if self.tools is None:
+            return reasoning, rest.strip(), []
+        content, calls = parse_calls(rest, self.tools)
+        return reasoning, content, calls
+
+    def stream(self) -> OutputStream:
+        """A reader of the answer's text as it comes, whose events join to `read`'s parts."""
+        return OutputStream(self.thinking, self.tools, calls=self.tools is not None)
+
+
 @dataclass(frozen=True)
 class Delta:
     text: str
@@ -296,9 +355,12 @@ class Service:
     # ------------------------------------------------------------------------------------------
     # chat
 
-    def chat_turn(self, call: Call) -> "ChatTurn":
-        """The `ChatTurn` of a chat call: its prompt, stop ids and post-processing; 400 on bad messages."""
-        messages = [dict(m) for m in call.messages]
+    def chat_turn(self, call: Call) -> "ChatTurn | AgentTurn":
+        """The `ChatTurn` of a chat call: its prompt, stop ids and post-processing (the agent GLMs': `AgentTurn`);
+        400 on bad messages. An assistant's `reasoning_content` is read by the agent GLMs alone."""
+        if self.format.has_thinking:
+            return self._agent_turn(call)
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in call.messages]
         tools = call.tools if call.tool_choice != "none" else None  # "none": the tools are not offered
         called = self._called_tool(call)
         if (call.tools or called) and not self.format.tool_calls:
@@ -341,6 +403,70 @@ class Service:
                             tool_names=tuple(names))
         offered = tuple(_function(tool).get("name") for tool in tools or ())
         return ChatTurn(turn, turn.prompt, "", call.tool_choice != "none", tool_names=offered)
+
+    def _agent_turn(self, call: Call) -> "AgentTurn":
+        """The agent GLMs' turn (module docstring): the whole conversation through the release's chat template;
+        400 naming the parameter it cannot take."""
+        flags = self._template_flags(call.template_kwargs)
+        if call.tool_choice in ("required", "function"):
+            raise bad("tool_choice", f"a forced call (\"required\" or a named function) is not supported for "
+                                     f"{self.format.title} yet (its XML calls are not decoded under a grammar here): "
+                                     "use \"auto\" or \"none\"")
+        messages = self._agent_messages(call.messages)
+        check_tool_use(call.messages, call.tools)  # the rules of fine-tuning data
+        tools = call.tools if call.tool_choice != "none" else None  # "none": the tools are not offered
+        if call.json_schema is not None:
+            if flags.get("enable_thinking"):
+                raise bad("response_format", "a JSON answer is decoded with thinking off: leave "
+                                             "chat_template_kwargs.enable_thinking out or false")
+            flags = {**flags, "enable_thinking": False}
+        try:
+            prompt = self.format.chat_prompt(self.tokenizer, messages, tools, flags)
+        except ValueError as err:
+            raise bad("messages", str(err)) from None
+        stop = tuple(self.format.stop_ids(self.tokenizer))
+        if call.json_schema is None:
+            return AgentTurn(prompt, self.tokenizer, stop, self.format.chat_thinking(flags), tools)
+        lead = self.format.text_answer_lead(self.tokenizer)  # what the template writes before content, thinking off
+        answer = self._grammar(grammar.lark([("", grammar.json_rule(call.json_schema))]), "response_format")
+        return AgentTurn(prompt + (self.tokenizer.encode_text(lead) if lead else []), self.tokenizer, stop, False,
+                         None, answer, json_answer=True)
+
+    def _template_flags(self, value) -> dict:
+        """`chat_template_kwargs` checked: an object of the template's flags (`AgentFormat.template_flags`), each
+        true or false; {} where none is given."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise bad("chat_template_kwargs", f"must be an object, got {value!r:.80}")
+        for key, flag in value.items():
+            if key not in self.format.template_flags:
+                raise bad(f"chat_template_kwargs.{key}", f"{self.format.title}'s chat template takes "
+                                                          f"{', '.join(self.format.template_flags)}, not {key!r}")
+            if not isinstance(flag, bool):
+                raise bad(f"chat_template_kwargs.{key}", f"must be true or false, got {flag!r:.80}")
+        return dict(value)
+
+    def _agent_messages(self, messages) -> list[dict]:
+        """The request's messages in the chat template's form: roles system / user / assistant / tool, the last a
+        user or tool message; an assistant's `reasoning_content` (a string) and its calls as the template reads
+        them (arguments a dict). 400 naming the message's field the template cannot take."""
+        out = []
+        for i, message in enumerate(messages):
+            role = message["role"]
+            if role not in _AGENT_ROLES:
+                raise bad(f"messages[{i}].role", f"must be one of {_AGENT_ROLES}, got {role!r}")
+            if "tools" in message:
+                raise bad(f"messages[{i}].tools", f"{self.format.title} takes tools as the request's tools")
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise bad(f"messages[{i}].reasoning_content", f"must be a string, got {reasoning!r:.80}")
+            out.append({"role": role, "content": message["content"],
+                        **({"reasoning_content": reasoning} if reasoning is not None else {}),
+                        **({"tool_calls": [{"type": "function", "function": dict(c)} for c in message["tool_calls"]]}
+                           if message.get("tool_calls") else {})})
+        self._last_role(out[-1], ("user", "tool"), len(out) - 1)
+        return out
 
     def _call_grammar(self, names: list[str], tools: list, lead: bool = True) -> str:
         """The Lark grammar of a call to one of `names` (each declared in `tools`): with `lead`, its first line (as the

@@ -16,6 +16,10 @@ the last user message, and every turn with GLM-4.7's `clear_thinking` false) and
 
 GLM-4.5's form drops the reasoning of earlier turns whatever `clear_thinking` says: clear_thinking false on a
 conversation whose earlier turns reason is refused there, rather than trained as if kept.
+
+A served chat (`chat_prompt`): a request's whole conversation rendered by the template with the request's flags
+and the generation prompt, refusing nothing the template writes; `chat_thinking` says whether that prompt leaves the
+model thinking, which is how its answer is read back.
 """
 
 from __future__ import annotations
@@ -144,6 +148,31 @@ class AgentFormat(TemplateFormat):
         found = [len(lead)] if body.startswith(lead) else [0]
         found += [len(empty) for empty in _EMPTY_THINK if earlier and body.startswith(empty)]
         return max(found)
+
+    # ----- a served chat -----
+
+    template_flags = ("enable_thinking", "clear_thinking")  # the chat template's kwargs a chat request may set
+
+    def chat_prompt(self, tokenizer, messages: list[dict], tools: list | None, flags: dict) -> list[int]:
+        """The ids of a chat request's conversation as the release's chat template renders it whole, its generation
+        prompt last: `messages` in the template's form (roles system / user / assistant / tool; an assistant's
+        `reasoning_content`, and `tool_calls` as [{"type": "function", "function": {"name", "arguments": a dict}}]),
+        `tools` as the request gives them (None: no tools block), `flags` the template's kwargs (`template_flags`;
+        one left out takes the template's default: thinking on, earlier reasoning cleared). Every string is data.
+        ValueError where the template cannot render the messages."""
+        from jinja2 import TemplateError
+
+        try:
+            marked = tokenizer.render_marked(messages, True, tools or None, **flags)
+        except TemplateError as err:
+            raise ValueError(f"{self.title}'s chat template: {err}") from None
+        return tokenizer.encode_marked(marked)
+
+    @staticmethod
+    def chat_thinking(flags: dict) -> bool:
+        """Whether the generation prompt rendered with `flags` leaves the model thinking (both forms: unless
+        `enable_thinking` is false)."""
+        return flags.get("enable_thinking") is not False
 
     # ----- reading answers -----
 
