@@ -12,6 +12,9 @@ OpenAI-style messages that reason, then call, then answer from the result), from
 3. `serve.py` on the run, each dev conversation sent by the `openai` client as OpenAI sends it (the tools as
    `{"type": "function", "function": ...}`, `temperature=0`): the share of replies whose `tool_calls` hold the gold
    call, and the share whose call is the one infer.py read for that record (the same prompt, the same answer);
+   for the agent GLMs also streamed (the share whose streamed call is the whole reply's), the share of replies with
+   `reasoning_content`, and each call's conversation continued with a tool result sent back (the share answered in
+   text);
 4. where llama.cpp's `llama-server` is built (`--llama-server PATH` or $LLAMA_SERVER; the recipe in
    bench/serve/serve_servers.py), the run exported as an f16 GGUF by export.py, and for each dev conversation
    (OpenAI form) `/apply-template` then `/tokenize` with special tokens parsed: the share whose ids equal the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +48,7 @@ DATA = {"chatglm3": ("data/tools_train.jsonl", "data/tools_dev.jsonl"),
         "glm4-moe": ("data/tools_agent_train.jsonl", "data/tools_agent_dev.jsonl"),
         "glm47-flash": ("data/tools_agent_train.jsonl", "data/tools_agent_dev.jsonl")}
 DEFAULT_VERSIONS = ["chatglm3", "glm4"]
+AGENT_VERSIONS = ("glm4-moe", "glm47-flash")  # thinking models: served whole, streamed, and continued after a result
 # a conversation of the set is under 700 tokens of the tiny tokenizers (~400 with the tools' JSON in word pieces)
 # no early stopping: the dev exact match sits near 0 for the first ~1000 steps, until the model copies arguments;
 # 3 layers: the 2-layer tiny ChatGLM3 plateaued at 0.76-0.79 (the first character of a name whose second is shared
@@ -100,6 +105,53 @@ def served_calls(run: Path, requests: list, work: Path) -> list[dict | None]:
             calls.append(None if function is None
                          else {"name": function.name, "arguments": json.loads(function.arguments)})
         return calls
+    finally:
+        server.stop()
+
+
+def _call_of(tool_calls) -> dict | None:
+    function = tool_calls[0].function if tool_calls else None
+    return None if function is None else {"name": function.name, "arguments": json.loads(function.arguments)}
+
+
+def _result(tool_calls) -> str:
+    """What the shipped set's tool returns for a call (`make_tools.result_of`), as a tool message's content."""
+    from data.make_tools import result_of
+
+    call = _call_of(tool_calls)
+    return json.dumps(result_of(call["name"], call["arguments"], random.Random(0))[0], ensure_ascii=False)
+
+
+def served_agent(run: Path, requests: list, work: Path) -> dict:
+    """For a thinking model (the agent GLMs), each request asked three ways through the openai client: whole, streamed
+    (its `reasoning_content`, `content` and `tool_calls` deltas joined), and, where the whole reply calls a tool, that
+    call and a result sent back (the reply then an answer in text). The shares of: streamed calls equal to the whole
+    reply's, replies with reasoning, continued conversations answered in text (not calling again). The result sent
+    back is what the shipped set's tool returns for that call (`make_tools.result_of`)."""
+    import openai
+
+    server = toolkit_server("serve-agent", run, threads=2, max_batch=8, extra=[], log_dir=work)
+    server.start(timeout=300)
+    same = reasoned = continued = called = 0
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+        for messages, tools, _ in requests:
+            ask = dict(model=server.model_id, tools=tools, temperature=0, max_tokens=100)
+            whole = client.chat.completions.create(messages=messages, **ask).choices[0].message
+            reasoned += bool(getattr(whole, "reasoning_content", None))
+            streamed = [delta.tool_calls or [] for chunk in client.chat.completions.create(
+                messages=messages, stream=True, **ask) for delta in [chunk.choices[0].delta] if chunk.choices]
+            same += _call_of([c for calls in streamed for c in calls]) == _call_of(whole.tool_calls)
+            if whole.tool_calls:
+                called += 1
+                back = [*messages, {"role": "assistant", "content": whole.content, "tool_calls": [
+                    c.model_dump() for c in whole.tool_calls]},
+                    {"role": "tool", "tool_call_id": whole.tool_calls[0].id, "content": _result(whole.tool_calls)}]
+                answer = client.chat.completions.create(messages=back, **ask).choices[0]
+                continued += answer.finish_reason == "stop" and bool(answer.message.content)
+        n = len(requests)
+        return {"streamed_same_as_whole": same / n, "with_reasoning": reasoned / n,
+                "continued_in_text": continued / max(called, 1)}
     finally:
         server.stop()
 
@@ -181,6 +233,8 @@ def measure(version: str, train_s: float, args, work: Path) -> dict:
               "infer_exact_match": summary["scores"]["tool_calls"]["exact_match"],
               "served_exact_match": sum(s == gold for s, (_, _, gold) in zip(served, requests)) / len(requests),
               "served_same_as_infer": sum(s == r["tool_call"] for s, r in zip(served, rows)) / len(rows)}
+    if version in AGENT_VERSIONS:
+        result.update(served_agent(run, requests, work))
     binary = find_llama_server(args.llama_server)
     result["llama_prompt_ids_equal"] = None if binary is None else llama_prompts_equal(binary, run, requests, dev, work)
     return result
@@ -207,6 +261,10 @@ def main(argv=None) -> None:
         llama = "n/a" if r["llama_prompt_ids_equal"] is None else f"{r['llama_prompt_ids_equal']:.2f}"
         print(f"{version:9s} {r['train_s']:8.1f} {str(r['first_step_at_target']):>7s} {r['infer_exact_match']:9.2f} "
               f"{r['served_exact_match']:10.2f} {r['served_same_as_infer']:7.2f} {llama:>10s}")
+    for version, r in results.items():
+        if "streamed_same_as_whole" in r:
+            print(f"{version}: streamed call = whole {r['streamed_same_as_whole']:.2f}, with reasoning_content "
+                  f"{r['with_reasoning']:.2f}, continued after the result in text {r['continued_in_text']:.2f}")
     met = all(min(r["infer_exact_match"], r["served_exact_match"]) >= TARGET for r in results.values())
     print(f"target: tool-call exact match >= {TARGET} by infer.py and served: {'met' if met else 'missed'}")
     line = json.dumps({"tools": {**results, "target": TARGET, "met": met}}, ensure_ascii=False)
