@@ -18,7 +18,8 @@ OpenAI-style messages that reason, then call, then answer from the result), from
 4. where llama.cpp's `llama-server` is built (`--llama-server PATH` or $LLAMA_SERVER; the recipe in
    bench/serve/serve_servers.py), the run exported as an f16 GGUF by export.py, and for each dev conversation
    (OpenAI form) `/apply-template` then `/tokenize` with special tokens parsed: the share whose ids equal the
-   toolkit's prompt ids for that record (what infer.py and serve.py feed the model).
+   toolkit's prompt ids for that record (what infer.py and serve.py feed the model); for the agent GLMs also
+   llama-server's own greedy replies, its parser's calls against the gold ones and serve.py's.
 Target: exact match >= 0.9 (infer.py and served) for both versions. The last line is JSON.
 
     python bench/training/tools.py [--versions chatglm3 glm4] [--max-steps 3000] [--results bench/results/tools.json]
@@ -156,9 +157,11 @@ def served_agent(run: Path, requests: list, work: Path) -> dict:
         server.stop()
 
 
-def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work: Path) -> float:
-    """The share of dev conversations whose ids, rendered by llama-server's `/apply-template` from the f16 GGUF
-    export's chat template and tokenized by its `/tokenize`, equal the toolkit's prompt ids for the record."""
+def llama_checks(binary: Path, run: Path, requests: list, dev: Path, work: Path, served: list) -> dict:
+    """llama.cpp's `llama-server --jinja` on the f16 GGUF export: the share of dev conversations whose ids, rendered by
+    its `/apply-template` from the export's chat template and tokenized by its `/tokenize`, equal the toolkit's prompt
+    ids for the record; for the agent GLMs (their thinking prompt asked by `reasoning_effort`, as llama-server takes
+    it) also its own greedy replies' calls, read by its parser: the share equal to the gold call, and to serve.py's."""
     from chatglm_tune.data.records import read_records
     from chatglm_tune.options import EncodingOptions
     from chatglm_tune.runs import loading
@@ -171,15 +174,26 @@ def llama_prompts_equal(binary: Path, run: Path, requests: list, dev: Path, work
                                      "--jinja", "--threads", "2", "--no-webui"], {}, work / "llama-server.log",
                     engine_stats=False)
     server.start(timeout=120)
+    agent = run.name in AGENT_VERSIONS
+    asked = {"reasoning_effort": "high"} if agent else {}
     try:
         tokenizer = loading.load_run(loading.resolve_run(run))[1]
         records, _ = read_records(dev)
-        same = 0
+        same, calls = 0, []
         for record, (messages, tools, _) in zip(records, requests):
-            text = _post(server, "/apply-template", {"messages": messages, "tools": tools})["prompt"]
+            text = _post(server, "/apply-template", {"messages": messages, "tools": tools, **asked})["prompt"]
             ids = _post(server, "/tokenize", {"content": text, "add_special": False, "parse_special": True})["tokens"]
             same += ids == tokenizer.prompt_format.prompt_ids(tokenizer, record, EncodingOptions(prompt=""))[0]
-        return same / len(records)
+            if agent:
+                reply = _post(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "temperature": 0,
+                                                                "max_tokens": 100, **asked})["choices"][0]["message"]
+                function = (reply.get("tool_calls") or [{}])[0].get("function")
+                calls.append(function and {"name": function["name"], "arguments": json.loads(function["arguments"])})
+        result = {"llama_prompt_ids_equal": same / len(records)}
+        if agent:
+            result["llama_calls_exact_match"] = sum(c == gold for c, (_, _, gold) in zip(calls, requests)) / len(calls)
+            result["llama_calls_same_as_served"] = sum(c == s for c, s in zip(calls, served)) / len(calls)
+        return result
     finally:
         server.stop()
 
@@ -236,7 +250,8 @@ def measure(version: str, train_s: float, args, work: Path) -> dict:
     if version in AGENT_VERSIONS:
         result.update(served_agent(run, requests, work))
     binary = find_llama_server(args.llama_server)
-    result["llama_prompt_ids_equal"] = None if binary is None else llama_prompts_equal(binary, run, requests, dev, work)
+    result.update({"llama_prompt_ids_equal": None} if binary is None
+                  else llama_checks(binary, run, requests, dev, work, served))
     return result
 
 
