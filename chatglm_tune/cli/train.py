@@ -334,11 +334,11 @@ RUN_CONFIG_ABOUT = ("The flags of this training run. It runs again, into a new d
 
 def run_settings(args) -> dict:
     """The flags that make this run, as a `--config` file holds them (the run's `run.yaml`): every flag given or
-    defaulted to a value, but --resume and --overwrite (how it was started, not what it trains); the data files,
-    the output directory and a model directory as absolute paths, so that the file runs from anywhere."""
+    defaulted to a value, but --resume, --overwrite and --dry-run (how it was started, not what it trains); the data
+    files, the output directory and a model directory as absolute paths, so that the file runs from anywhere."""
     from chatglm_tune.cli.config import settings_of
 
-    settings = settings_of(build_parser(), args, skip=("resume", "overwrite"))
+    settings = settings_of(build_parser(), args, skip=("resume", "overwrite", "dry_run"))
     for key in ("train-file", "dev-file", "output-dir", *(() if args.model in TINY_PRESETS else ("model",))):
         if key in settings:
             settings[key] = os.path.abspath(settings[key])
