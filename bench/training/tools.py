@@ -127,8 +127,10 @@ def served_agent(run: Path, requests: list, work: Path) -> dict:
     """For a thinking model (the agent GLMs), each request asked three ways through the openai client: whole, streamed
     (its `reasoning_content`, `content` and `tool_calls` deltas joined), and, where the whole reply calls a tool, that
     call and a result sent back (the reply then an answer in text). The shares of: streamed calls equal to the whole
-    reply's, replies with reasoning, continued conversations answered in text (not calling again). The result sent
-    back is what the shipped set's tool returns for that call (`make_tools.result_of`)."""
+    reply's, replies with reasoning, continued conversations answered in text (not calling again). The call goes back
+    with its `reasoning_content` (the templates keep the reasoning of the turns after the last user message, as the
+    model was trained), the result with it what the shipped set's tool returns for that call
+    (`make_tools.result_of`)."""
     import openai
 
     server = toolkit_server("serve-agent", run, threads=2, max_batch=8, extra=[], log_dir=work)
@@ -146,7 +148,7 @@ def served_agent(run: Path, requests: list, work: Path) -> dict:
             if whole.tool_calls:
                 called += 1
                 back = [*messages, {"role": "assistant", "content": whole.content, "tool_calls": [
-                    c.model_dump() for c in whole.tool_calls]},
+                    c.model_dump() for c in whole.tool_calls], "reasoning_content": whole.reasoning_content},
                     {"role": "tool", "tool_call_id": whole.tool_calls[0].id, "content": _result(whole.tool_calls)}]
                 answer = client.chat.completions.create(messages=back, **ask).choices[0]
                 continued += answer.finish_reason == "stop" and bool(answer.message.content)
