@@ -175,7 +175,12 @@ def llama_checks(binary: Path, run: Path, requests: list, dev: Path, work: Path,
     server = Server("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                                      "--jinja", "--threads", "2", "--no-webui"], {}, work / "llama-server.log",
                     engine_stats=False)
-    server.start(timeout=120)
+    try:
+        server.start(timeout=120)
+    except RuntimeError as err:  # llama.cpp could not run the file: its log's GGML_ASSERT line says why
+        log = (work / "llama-server.log").read_text(errors="replace").splitlines()
+        why = next((line for line in log if "GGML_ASSERT" in line), str(err).splitlines()[0])
+        return {"llama_prompt_ids_equal": None, "llama_error": why.strip()}
     agent = run.name in AGENT_VERSIONS
     asked = {"reasoning_effort": "high"} if agent else {}
     try:
