@@ -249,7 +249,10 @@ def measure(version: str, train_s: float, args, work: Path) -> dict:
     rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines()]
     requests = [openai_request(json.loads(line)) for line in dev.read_text(encoding="utf-8").splitlines()]
     served = served_calls(run, requests, work)
-    result = {"train_s": round(train_s, 1), "layers": TINY_LAYERS, "steps": args.max_steps,
+    base = json.loads((run / "run_args.json").read_text(encoding="utf-8"))["model"]
+    final = json.loads((run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[-1])["final"]
+    result = {"train_s": round(train_s, 1), "layers": TINY_LAYERS, "steps": final["step"],
+              **({} if base.startswith("tiny") else {"trained_from": base}),  # a run continued from another (--reuse)
               "first_step_at_target": first_step_reaching(run / "metrics.jsonl", TARGET),
               "infer_exact_match": summary["scores"]["tool_calls"]["exact_match"],
               "served_exact_match": sum(s == gold for s, (_, _, gold) in zip(served, requests)) / len(requests),
