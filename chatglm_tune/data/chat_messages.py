@@ -35,7 +35,7 @@ import json
 
 from chatglm_tune.data.dialogues import (Dialogue, DialogueError, ToolCall, Turn, checked_dialogue, only_fields,
                                          string_field, turn_list, turn_loss, turn_object)
-from chatglm_tune.data.xml_calls import CALL_OPEN, THINK_CLOSE, parse_calls
+from chatglm_tune.data.xml_calls import CALL_OPEN, THINK_CLOSE, parse_calls, tool_function
 
 ROLES = ("system", "user", "assistant", "tool")
 RECORD_FIELDS = frozenset({"messages", "tools", "enable_thinking", "clear_thinking"})
@@ -88,18 +88,14 @@ def from_openai(raw: dict) -> Dialogue:
 
 def tool_names(tools) -> set[str]:
     """The names of OpenAI-style tools (`{"type": "function", "function": {...}}` or bare `{"name", ...}`)."""
-    return {_function(tool).get("name") for tool in tools or ()}
-
-
-def _function(tool: dict) -> dict:
-    return tool["function"] if isinstance(tool.get("function"), dict) else tool
+    return {tool_function(tool).get("name") for tool in tools or ()}
 
 
 def _tools(value: object) -> list:
     if not isinstance(value, list):
         raise DialogueError("not_list", f"expected a list of tools, got {type(value).__name__}", "tools")
     for i, tool in enumerate(value):
-        function = _function(tool) if isinstance(tool, dict) else None
+        function = tool_function(tool) if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise DialogueError("bad_tool", "a tool is {\"type\": \"function\", \"function\": {\"name\": ..., "
                                 "\"parameters\": {...}}} (or the function alone)", f"tools[{i}]")
@@ -195,7 +191,7 @@ def _arguments(value: object, where: str) -> dict:
 
 def _checked_call(call: ToolCall, tools: list | None, where: str) -> ToolCall:
     """`call` where it names a declared tool and its arguments fit that tool's schema; else DialogueError."""
-    named = [_function(tool) for tool in tools or () if _function(tool).get("name") == call.name]
+    named = [tool_function(tool) for tool in tools or () if tool_function(tool).get("name") == call.name]
     if not named:
         declared = f"declared: {sorted(tool_names(tools))}" if tools else "the record declares no tools"
         raise DialogueError("undeclared_tool", f"calls {call.name!r}, which is not a declared tool ({declared})",

@@ -86,11 +86,16 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
 
 # The calls
 
+def tool_function(tool: dict) -> dict:
+    """An OpenAI tool's function (`{"type": "function", "function": {...}}`), or the tool itself in the bare form."""
+    return tool["function"] if isinstance(tool.get("function"), dict) else tool
+
+
 def _schemas(tools: list | None) -> dict[str, dict]:
     """Each declared tool's name -> its parameters' `properties` (the first tool of a name counts)."""
     out: dict[str, dict] = {}
     for tool in tools or ():
-        function = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        function = tool_function(tool)
         parameters = function.get("parameters") or {}
         out.setdefault(function.get("name"), parameters.get("properties") or {})
     return out

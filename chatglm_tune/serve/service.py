@@ -260,11 +260,12 @@ class AgentTurn:
 
     def shown(self, ids: Sequence[int]) -> str:
         """The answer's text so far: its ids decoded, special tokens as their text (`<think>`, `<tool_call>`) with no
-        space around them (as the releases' tokenizer.json decodes), less the stop id that ended it."""
+        space around them (as the releases' tokenizer.json decodes, and so these tokenizers), less the stop id that
+        ended it."""
         ids = list(ids)
         if ids and ids[-1] in self.stop_ids:
             ids.pop()
-        return self.tokenizer.decode(ids, spaces_between_special_tokens=False)
+        return self.tokenizer.decode(ids)
 
     def holding(self, ids: Sequence[int]) -> bool:
         """Nothing is held back by ids: `OutputStream` holds the text that could still become a tag."""

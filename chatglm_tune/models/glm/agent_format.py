@@ -108,7 +108,9 @@ class AgentFormat(TemplateFormat):
         flags = self.thinking_kwargs(dialogue, options)
         messages, tools, owners = template_messages(dialogue, options.prompt, None)
         marked = tokenizer.render_marked(messages, False, tools, **flags)
-        blocks = _blocks(tokenizer, marked, messages, tools, self.title)
+        spans = tokenizer.special_spans(marked)
+        blocks = _blocks(marked, spans, messages, tools, self.title)
+        special_ends = {end for _, end in spans}
         lead = self.generation_lead(tokenizer, flags)
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
         ids, trained = tokenizer.encode_marked(marked[:blocks[0][1]]), []
@@ -118,13 +120,13 @@ class AgentFormat(TemplateFormat):
                 and dialogue.turns[owners[message_at]].loss
             skip = (len("<|assistant|>") + self.untrained_lead(block, lead, message_at < last_user) if loss
                     else len(block))
+            if loss and start + skip not in special_ends:  # a cut inside text would encode otherwise than whole
+                raise ValueError(f"{origin or 'record'}: {self.title}'s chat template writes a lead that does not end "
+                                 "at a special token: its trained spans cannot be cut out")
             head, rest = tokenizer.encode_marked(block[:skip]), tokenizer.encode_marked(block[skip:])
             if loss:
                 trained.append((len(ids) + len(head), len(ids) + len(head) + len(rest)))
             ids += head + rest
-        if ids != tokenizer.encode_marked(marked):
-            raise ValueError(f"{origin or 'record'}: {self.title}'s chat template writes a lead that does not end at a "
-                             "special token: its trained spans cannot be cut out")
         last = dialogue.turns[-1]
         ids.append(tokenizer.get_command("<|observation|>" if last.all_calls else "<|user|>"))
         labels = [IGNORE_INDEX] * len(ids)
@@ -234,11 +236,11 @@ def _last_user(turns) -> int:
     return max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
 
 
-def _blocks(tokenizer, marked: str, messages: list[dict], tools: list | None, title: str) -> list[tuple]:
+def _blocks(marked: str, spans: list, messages: list[dict], tools: list | None, title: str) -> list[tuple]:
     """(message index or None for the tools block, start, end) of each block the template writes from its first role
-    token on; ValueError where they are not one a message in order (a run of tool messages one block)."""
-    starts = [(begin, _ROLE_TOKENS[marked[begin:end]]) for begin, end in tokenizer.special_spans(marked)
-              if marked[begin:end] in _ROLE_TOKENS]
+    token on (`spans`: the template's special tokens in `marked`); ValueError where they are not one a message in
+    order (a run of tool messages one block)."""
+    starts = [(begin, _ROLE_TOKENS[marked[begin:end]]) for begin, end in spans if marked[begin:end] in _ROLE_TOKENS]
     expected = [(None, "system")] if tools else []
     for i, message in enumerate(messages):
         if not (message["role"] == "tool" and i and messages[i - 1]["role"] == "tool"):

@@ -386,12 +386,10 @@ class GLM4MoeTokenizer(GLM4Tokenizer):
     chat_roles = (*ROLES, "tool")  # its template writes a tool message's result (`<|observation|>`)
 
 
-class GLM4MoeLiteTokenizer(GLM4Tokenizer):
+class GLM4MoeLiteTokenizer(GLM4MoeTokenizer):
     """GLM-4.7-Flash's tokenizer: as GLM-4.5's, with GLM-4.7's chat template form."""
 
     prompt_format = GLM4_MOE_LITE
-    chat_roles = GLM4MoeTokenizer.chat_roles
-    special_token_spaces = False
 
 
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
