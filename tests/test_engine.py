@@ -34,7 +34,8 @@ SAMPLINGS = [SamplingOptions(), SamplingOptions(do_sample=True, top_p=0.8, tempe
 
 
 @pytest.fixture(scope="module", params=[(v, p) for v in ("chatglm", "chatglm2", "chatglm3", "glm4") for p in (None, 3)]
-                + [("glm4-moe-lite", 3)],  # GLM-4.7-Flash: each head's prefix in place of zero latents
+                + [("glm4-moe-lite", 3),  # GLM-4.7-Flash: each head's prefix in place of zero latents
+                   ("glm5", 3)],  # GLM-5: the same, and the indexer's keys in the latents' cache entries
                 ids=lambda param: f"{param[0]}{'-prefix' if param[1] else ''}")
 def tiny(request, tmp_path_factory):
     name, prefix = request.param

@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = sorted(registry.VERSIONS)
 TUNINGS = ("full", "lora", "ptuning")
 # Two processes train every version fully, and LoRA and P-tuning on one version of each kind of layer: ChatGLM-6B's
-# GLMBlock, transformers' dense GLM layer (GLM-4) and the latent-attention mixture of experts (GLM-4.7-Flash).
-SHARDED = [(name, "full") for name in VERSIONS] + [(name, tuning) for name in ("chatglm", "glm4", "glm4-moe-lite")
+# GLMBlock, transformers' dense GLM layer (GLM-4), the latent-attention mixture of experts (GLM-4.7-Flash) and its
+# sparse-attention one (GLM-5).
+SHARDED = [(name, "full") for name in VERSIONS] + [(name, tuning)
+                                                   for name in ("chatglm", "glm4", "glm4-moe-lite", "glm5")
                                                    for tuning in ("lora", "ptuning")]
 STEPS = 2
 

@@ -29,7 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from jinja2 import TemplateError
 from transformers import (DynamicCache, Glm4Config, Glm4ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
-                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, PreTrainedTokenizerFast)
+                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM, GlmMoeDsaConfig,
+                          GlmMoeDsaForCausalLM, PreTrainedTokenizerFast)
 
 from chatglm_tune import from_pretrained
 from chatglm_tune.data.batches import encode_record, prompt_ids
@@ -41,7 +42,8 @@ from chatglm_tune.models.glm.latent_attention import ABSORBED_MAX_QUERIES
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE
 from chatglm_tune.runtime.checkpoint import CheckpointError
 from chatglm_tune.models.glm.modeling import (Glm4ForCausalLMWithPrefix, Glm4MoeForCausalLMWithPrefix,
-                                              Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix)
+                                              Glm4MoeLiteForCausalLMWithPrefix, GlmForCausalLMWithPrefix,
+                                              GlmMoeDsaForCausalLMWithPrefix)
 from chatglm_tune.data.records import SPORecord
 from chatglm_tune.options import EncodingOptions
 from test_versions import assert_record_text_is_data
@@ -51,7 +53,8 @@ CORPUS = ["故障现象：发动机水温高，风扇始终是低速转动。", 
 ARCHITECTURES = {"glm4-0414": (Glm4Config, Glm4ForCausalLM, Glm4ForCausalLMWithPrefix),
                  "glm-edge": (GlmConfig, GlmForCausalLM, GlmForCausalLMWithPrefix),
                  "glm4-moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeForCausalLMWithPrefix),
-                 "glm4-moe-lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Glm4MoeLiteForCausalLMWithPrefix)}
+                 "glm4-moe-lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Glm4MoeLiteForCausalLMWithPrefix),
+                 "glm5": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, GlmMoeDsaForCausalLMWithPrefix)}
 _ATTENTION = dict(num_key_value_heads=2, head_dim=16, attention_bias=True, partial_rotary_factor=0.5)
 # 6 experts, 2 a token, so that a batch's tokens route to different ones; the experts' first dense layer
 _EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
@@ -59,11 +62,17 @@ _EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=6, num_experts_per_to
 FIELDS = {"glm4-0414": _ATTENTION, "glm-edge": _ATTENTION,
           "glm4-moe": {**_ATTENTION, **_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True},
           "glm4-moe-lite": {**_EXPERTS, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
-                            "qk_nope_head_dim": 8, "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"]}}
+                            "qk_nope_head_dim": 8, "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"]},
+          # GLM-5: 3 layers (a full indexer, one sharing its choice, a full one), each query seeing 4 of its tokens
+          "glm5": {**_EXPERTS, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                   "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk": 4,
+                   "index_head_dim": 16, "index_n_heads": 2, "indexer_types": ["full", "shared", "full"],
+                   "num_hidden_layers": 3}}
 A_QUANTIZED_KEY = {"glm4-0414": "model.layers.0.mlp.gate_up_proj.weight_scale",
                    "glm-edge": "model.layers.0.mlp.gate_up_proj.weight_scale",
                    "glm4-moe": "model.layers.1.mlp.experts.5.down_proj.weight_scale",
-                   "glm4-moe-lite": "model.layers.1.mlp.experts.5.gate_proj.weight_scale"}
+                   "glm4-moe-lite": "model.layers.1.mlp.experts.5.gate_proj.weight_scale",
+                   "glm5": "model.layers.2.mlp.experts.5.gate_proj.weight_scale"}
 NO_INSTRUCTION = EncodingOptions(prompt="")
 
 
@@ -71,9 +80,10 @@ def released(directory, version: str, seed: int = 0):
     """A tiny random model of `version` saved by transformers itself, and its tokenizer, in `directory`."""
     config_class, model_class, _ = ARCHITECTURES[version]
     tokenizer = train_released_bpe(CORPUS, directory, version)
-    config = config_class(vocab_size=len(tokenizer) + 10, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, rope_theta=10000.0, eos_token_id=tokenizer.stop_token_ids,
-                          pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256, **FIELDS[version])
+    fields = {"num_hidden_layers": 2, **FIELDS[version]}
+    config = config_class(vocab_size=len(tokenizer) + 10, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          rope_theta=10000.0, eos_token_id=tokenizer.stop_token_ids,
+                          pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256, **fields)
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
@@ -206,22 +216,30 @@ def test_prefix_zero_length_trained_and_saved(tiny, tmp_path):
         assert torch.equal(again(ids, attention_mask=mask).logits, got)
 
 
-def test_the_prefix_is_the_first_cache_entries_of_transformers_model(tiny):
+def test_the_prefix_is_the_first_cache_entries_of_transformers_model(tiny, monkeypatch):
     """P-tuning v2 as ChatGLM3 / GLM-4 have it: transformers' own model with the prefix's keys and values as the first
     `pre_seq_len` cache entries, the mask `[ones(P), mask]`, the real tokens at positions from 0. GLM-4.7-Flash's
     prefix, each head's keys and values, set to what random cache latents expand into: transformers' model with those
-    latents as the first cache entries."""
+    latents as the first cache entries. GLM-5's likewise, its indexers choosing more tokens than there are (every
+    query sees the prefix, which transformers' indexer would otherwise rank among the tokens)."""
     version, directory, reference, tokenizer = tiny
     tuned = from_pretrained(directory, pre_seq_len=4)
     ids, mask, positions = batch(tokenizer, pad=True)
     with torch.no_grad():
         tuned.prefix_encoder.embedding.weight.normal_(0, 1.0)
         entries = tuned.prefix_key_values(2, torch.float32)
-        if version == "glm4-moe-lite":
+        if version in ("glm4-moe-lite", "glm5"):
             entries = expanded_latents(tuned, reference, rows=2)
-        cache = DynamicCache()
+        cache = DynamicCache(config=reference.config) if version == "glm5" else DynamicCache()
         for layer, (key, value) in enumerate(entries):
             cache.update(key, value, layer)
+            indexer = getattr(reference.model.layers[layer].self_attn, "indexer", None)
+            if indexer is not None:  # the prefix positions' indexer keys: any, all are seen
+                cache.layers[layer].update_indexer(torch.randn(2, 4, indexer.head_dim))
+        for model in (tuned, reference):
+            for layer in model.model.layers:
+                if getattr(layer.self_attn, "indexer", None) is not None:
+                    monkeypatch.setattr(layer.self_attn.indexer, "index_topk", 64)
         want = reference(ids, attention_mask=torch.cat([torch.ones(2, 4, dtype=mask.dtype), mask], 1),
                          position_ids=positions, cache=cache).logits
         got = tuned(ids, attention_mask=mask).logits

@@ -25,7 +25,7 @@ from serving import serve_py, tiny_model
 from test_tiny_glm4 import in_process
 from test_versions import DEV
 
-VERSIONS = ("glm4-moe", "glm4-moe-lite")
+VERSIONS = ("glm4-moe", "glm4-moe-lite", "glm5")
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 
 
@@ -70,6 +70,15 @@ def test_lora_on_the_routed_experts_trains_saves_and_merges(tiny, expert_lora):
     assert isinstance(merged.model.layers[1].mlp.experts.gate_up_proj, nn.Parameter)  # folded back into the 3D weight
 
 
+def sees_every_token(model) -> None:
+    """GLM-5's sparse attention made to choose every token: a query's top-k choice among a tiny model's few tokens
+    flips with INT4's error (a discontinuous change the weights' error does not measure), so the weights are compared
+    with every token seen."""
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "indexer", None) is not None:
+            layer.self_attn.indexer.index_topk = 1 << 20
+
+
 def stored_layout(directory) -> dict[str, tuple[str, list[int]]]:
     """{key: (dtype, shape)} of the tensors in a directory's model.safetensors."""
     with safe_open(directory / "model.safetensors", "pt") as f:
@@ -96,10 +105,14 @@ def test_quantize_py_merges_an_expert_lora_run_into_int_experts_that_infer_py_ru
     base, _ = loading.load_run(loading.resolve_run(directory))
     assert isinstance(quantized.model.layers[1].mlp.experts, QuantizedExperts)
     ids = chat_ids(tokenizer)
+    for model in (quantized, merged, base):  # GLM-5: every query sees every token (`sees_every_token`)
+        sees_every_token(model)
     with torch.no_grad():
         got, want, plain = quantized(ids).logits, merged(ids).logits, base(ids).logits
-    # measured: INT8 0.0024-0.0025, INT4 0.043-0.045 from the merged model; the adapter moves it 1.3 from the base
-    assert (got - want).norm() < {8: 0.01, 4: 0.1}[bits] * want.norm() < (plain - want).norm()
+    # measured: INT8 0.0022-0.0025, INT4 0.043-0.045 from the merged model (GLM-5's 0.41: INT4 on a tiny random model
+    # is 0.23 for GLM-4.7-Flash and GLM-5 alike, and this merged one of GLM-5 lands further); the adapter moves it 26-34
+    tolerance = {8: 0.01, 4: 0.5 if version == "glm5" else 0.1}[bits]
+    assert (got - want).norm() < tolerance * want.norm() < (plain - want).norm()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.7
     in_process("infer.py", "--model", tmp_path / "lora", "--text", "水泵漏油。", "--max-new-tokens", 4, "--threads", 1)
 

@@ -71,7 +71,7 @@ def test_each_request_gets_what_generate_gives_it_alone(tiny, eager_steps, monke
     assert engine._cache.rows == [] and engine._cache.column == 0  # all left: the next rows start at the first column
 
 
-@pytest.mark.parametrize("name", ["glm4-moe", "glm4-moe-lite"])
+@pytest.mark.parametrize("name", ["glm4-moe", "glm4-moe-lite", "glm5"])
 def test_the_moe_glms_serve_on_slots_as_generate_alone(name, tmp_path, eager_steps, monkeypatch):
     """Their experts and GLM-4.7-Flash's latent cache (the latents and shared keys as the layers' keys and values)."""
     torch.manual_seed(0)

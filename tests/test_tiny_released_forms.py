@@ -18,7 +18,8 @@ from test_tiny_glm4 import in_process
 from test_versions import tiny_runs
 
 
-@pytest.mark.parametrize("preset", ["tiny-glm4-0414", "tiny-glm-edge", "tiny-glm4-moe", "tiny-glm47-flash"])
+@pytest.mark.parametrize("preset", ["tiny-glm4-0414", "tiny-glm-edge", "tiny-glm4-moe", "tiny-glm47-flash",
+                                    "tiny-glm5"])
 def test_a_tiny_released_form_trains_then_ptunes_and_lora_tunes_end_to_end(preset, tmp_path):
     version = TINY_PRESETS[preset]
     root = tiny_runs(tmp_path, preset, base_steps=4, run=in_process, dev=False)

@@ -257,3 +257,5 @@ GLM4_MOE_LITE = AgentFormat("glm4-moe-lite", "GLM-4.7-Flash", GLM47_OLLAMA, "glm
 # GLM-4.7: `glm4-moe` (GLM-4.5's architecture) with GLM-4.7-Flash's template form: the format of a `glm4-moe`
 # tokenizer whose chat template has that form (`moe_templates.glm47_form`).
 GLM47 = AgentFormat("glm4-moe", "GLM-4.7", GLM47_OLLAMA, "glm47")
+# GLM-5 (`glm_moe_dsa`) ships GLM-4.7's template form.
+GLM5 = AgentFormat("glm5", "GLM-5", GLM47_OLLAMA, "glm47")

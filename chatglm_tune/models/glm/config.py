@@ -26,14 +26,15 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig
+from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GlmMoeDsaConfig
 
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.prefix import check_prefix_version
 from chatglm_tune.runtime.checkpoint import CheckpointError, read_config_file
 
-FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE)}  # by name
+FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE,
+                               GLM5)}  # by name
 
 ROPE_BASE = 10000.0
 FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only
@@ -46,17 +47,22 @@ QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "
 MOE_QUANTIZABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LATENT_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 LATENT_QUANTIZABLE_LINEARS = (*LATENT_LORA_TARGETS, "o_proj", "gate_proj", "up_proj", "down_proj")
+# GLM-5's sparse attention adds an indexer (`self_attn.indexer.wq_b`, `wk`, `weights_proj`), which stays float: its
+# scores choose which tokens a query sees (a top-k: an INT error could change the choice, not just the output), and
+# transformers keeps its `weights_proj` in float32 whatever the model's dtype; LoRA and INT take the latent
+# projections as GLM-4.7-Flash's.
 
 
 def quantizable_linears(version: str) -> tuple[str, ...]:
     """The Linears INT8 / INT4 swaps in a version's blocks (its routed experts are `quant.experts`' business)."""
-    return {"glm4-moe": MOE_QUANTIZABLE_LINEARS,
-            "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
+    return {"glm4-moe": MOE_QUANTIZABLE_LINEARS, "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS,
+            "glm5": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
 GLM4_VOCAB = 151552
 GLM4_PROMPT_START = "[gMASK]<sop>"  # how GLM-4's chat template begins every prompt (GLM-Edge's does not)
 # The versions whose released form is transformers' own (config.json's `model_type`, transformers' key
 # names), with the transformers class they are: their own directories are written back in that form.
-TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm", "glm4-moe": "glm4_moe", "glm4-moe-lite": "glm4_moe_lite"}
+TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm", "glm4-moe": "glm4_moe", "glm4-moe-lite": "glm4_moe_lite",
+                      "glm5": "glm_moe_dsa"}
 # config.json's model_type -> (architecture, its fields written by `transformers_form`)
 _COMMON_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "hidden_act", "attention_dropout", "max_position_embeddings",
@@ -72,6 +78,10 @@ ARCHITECTURES = {
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", (*_COMMON_FIELDS, *_EXPERT_FIELDS, "kv_lora_rank", "q_lora_rank",
                                                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                                                  "rope_interleave", "mlp_layer_types", "num_nextn_predict_layers")),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", (*_COMMON_FIELDS, *_EXPERT_FIELDS, "kv_lora_rank", "q_lora_rank",
+                                             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "mlp_layer_types",
+                                             "index_topk", "index_head_dim", "index_n_heads", "indexer_types",
+                                             "num_nextn_predict_layers")),
 }
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
@@ -264,8 +274,13 @@ class ChatGLMMoeLiteConfig(_FamilyConfig, Glm4MoeLiteConfig):
     """transformers' `Glm4MoeLiteConfig` (GLM-4.7-Flash), under a class of ours."""
 
 
+class ChatGLMMoeDsaConfig(_FamilyConfig, GlmMoeDsaConfig):
+    """transformers' `GlmMoeDsaConfig` (GLM-5 / 5.1 / 5.2 / 5.3), under a class of ours."""
+
+
 CONFIG_CLASSES = {"glm": ChatGLMFamilyConfig, "glm4": ChatGLMFamilyConfig, "glm4_moe": ChatGLMMoeConfig,
-                  "glm4_moe_lite": ChatGLMMoeLiteConfig}  # by config.json's model_type
+                  "glm4_moe_lite": ChatGLMMoeLiteConfig,
+                  "glm_moe_dsa": ChatGLMMoeDsaConfig}  # by config.json's model_type
 
 
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None,

@@ -43,7 +43,7 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
 from chatglm_tune.data.tokenizing import require_left_padding, vocabulary_path, word_runs
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM47
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM47
 from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
@@ -392,8 +392,14 @@ class GLM4MoeLiteTokenizer(GLM4MoeTokenizer):
     prompt_format = GLM4_MOE_LITE
 
 
+class GLM5Tokenizer(GLM4MoeTokenizer):
+    """GLM-5's tokenizer: as GLM-4.5's, with GLM-4.7's chat template form."""
+
+    prompt_format = GLM5
+
+
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
-                     "glm4-moe": GLM4MoeTokenizer, "glm4-moe-lite": GLM4MoeLiteTokenizer}
+                     "glm4-moe": GLM4MoeTokenizer, "glm4-moe-lite": GLM4MoeLiteTokenizer, "glm5": GLM5Tokenizer}
 
 
 def load_glm4_tokenizer(directory: Path, version: str = "glm4", **kwargs) -> GLM4Tokenizer:
@@ -464,10 +470,11 @@ RELEASED_CHAT_TEMPLATES = {
                  "%}<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
     "glm4-moe": GLM4_MOE_TEMPLATE,
     "glm4-moe-lite": GLM4_MOE_LITE_TEMPLATE,
+    "glm5": GLM4_MOE_LITE_TEMPLATE,
 }
 # The special tokens of each released form after the ranks (the mixture-of-experts versions add theirs to GLM-4's).
 RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),
-                     "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
+                     "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm5": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
 
 
 def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB,

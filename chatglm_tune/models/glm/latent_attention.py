@@ -38,20 +38,21 @@ from chatglm_tune.quant.modules import QuantizedLinear
 ABSORBED_MAX_QUERIES = 8
 
 
-class LatentAttention(Glm4MoeLiteAttention):
-    """`Glm4MoeLiteAttention` with decode steps against the cached latents (the module docstring)."""
+class HeadPrefix:
+    """A P-tuning prefix for latent attention (GLM-4.7-Flash's, GLM-5's sparse one): each head's own keys and values in
+    place of the cache's first P latents (zeros), which the attention's `expand_kv` expands (the module docstring)."""
 
-    # A P-tuning prefix: each head's keys [b or 1, H, P, 192 + 64] (not rotated) and values [b or 1, H, P, 256],
-    # in place of the cache's first P latents (zeros); set by the model (its `prefix_key_values`).
+    # Each head's keys [b or 1, H, P, qk_nope_head_dim + qk_rope_head_dim] (not rotated) and values [b or 1, H, P,
+    # v_head_dim]; set by the model (its `prefix_key_values`).
     head_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None, **kwargs):
-        if not self.absorbs(hidden_states, cache):
-            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        q_pass, q_rot, latent, k_rot = self.absorbed_query(hidden_states, position_embeddings)
-        latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
-        out = self.absorbed_attention(q_pass, q_rot, latent, k_rot, attention_mask)
-        return self.o_proj(out.to(hidden_states.dtype)), None
+    def prefix_length(self) -> int:
+        """P: the prefix's positions at the start of the cache (0 without a prefix)."""
+        return 0 if self.head_prefix is None else self.head_prefix[0].shape[2]
+
+    def cached_key_width(self) -> int:
+        """The width of the second tensor the cache holds a token: the rotated shared key."""
+        return self.qk_rope_head_dim
 
     def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' keys and values of the cached latents, the heads' prefix in place of the first P."""
@@ -72,6 +73,18 @@ class LatentAttention(Glm4MoeLiteAttention):
         if self.training:
             raise ValueError(f"the prefix was made for {keys.shape[0]} rows, this forward has {rows}")
         return keys[:1].expand(rows, -1, -1, -1), values[:1].expand(rows, -1, -1, -1)
+
+
+class LatentAttention(HeadPrefix, Glm4MoeLiteAttention):
+    """`Glm4MoeLiteAttention` with decode steps against the cached latents (the module docstring)."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache=None, **kwargs):
+        if not self.absorbs(hidden_states, cache):
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        q_pass, q_rot, latent, k_rot = self.absorbed_query(hidden_states, position_embeddings)
+        latent, k_rot = cache.update(latent, k_rot, self.layer_idx, kwargs=kwargs)  # [b, 1, L, 512], [b, 1, L, 64]
+        out = self.absorbed_attention(q_pass, q_rot, latent, k_rot, attention_mask)
+        return self.o_proj(out.to(hidden_states.dtype)), None
 
     def absorbs(self, hidden_states: torch.Tensor, cache) -> bool:
         """Whether this forward runs against the cached latents (nothing trained, a few queries, a cache)."""

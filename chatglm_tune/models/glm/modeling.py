@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM
+from transformers import (Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmConfig, GlmForCausalLM,
+                          GlmMoeDsaForCausalLM)
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -58,6 +59,7 @@ from chatglm_tune.models.glm.latent_attention import LatentAttention
 from chatglm_tune.models.glm.latent_layer import use_held_steps
 from chatglm_tune.models.glm.moe_layer import use_grouped_decode
 from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
+from chatglm_tune.models.glm.sparse_attention import SparseAttention
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
 from chatglm_tune.models.prefix import (PREFIX_DROPOUT, PrefixCache, cache_empty, check_prefix_shapes, not_a_model,
@@ -298,7 +300,24 @@ class Glm4MoeForCausalLMWithPrefix(PrefixModel, Glm4MoeForCausalLM):
         use_grouped_decode(self)
 
 
-class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
+class _LatentPrefix:
+    """The P-tuning prefix of latent attention (GLM-4.7-Flash's, GLM-5's): each head's own keys and values, handed to
+    every layer's attention (`latent_attention.HeadPrefix.head_prefix`), zeros in their place in the cache."""
+
+    def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The prefix's cache entries: per layer P zero latents [b, 1, P, kv_lora_rank] and zero shared keys [b, 1, P,
+        the layer's `cached_key_width`], whose place each layer's attention gives its heads' own prefix keys and
+        values, handed to it here (glm/prefix.py)."""
+        pairs = super().prefix_key_values(batch_size, dtype)
+        for layer, pair in zip(self.model.layers, pairs):
+            layer.self_attn.head_prefix = pair
+        shape = (batch_size, 1, self.pre_seq_len)
+        zeros = pairs[0][0].new_zeros
+        return [(zeros(*shape, self.config.kv_lora_rank), zeros(*shape, layer.self_attn.cached_key_width()))
+                for layer in self.model.layers]
+
+
+class Glm4MoeLiteForCausalLMWithPrefix(_LatentPrefix, PrefixModel, Glm4MoeLiteForCausalLM):
     """GLM-4.7-Flash: transformers' `Glm4MoeLiteForCausalLM` (latent attention, experts) with the P-tuning v2 prefix
     as each head's first keys and values (zero latents in its place in the cache); its decode steps attend to the
     cached latents themselves (`latent_attention.LatentAttention`, the same parameters and cache) and run the experts
@@ -314,21 +333,26 @@ class Glm4MoeLiteForCausalLMWithPrefix(PrefixModel, Glm4MoeLiteForCausalLM):
         use_grouped_decode(self)
         use_held_steps(self)
 
-    def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The prefix's cache entries: per layer P zero latents [b, 1, P, kv_lora_rank] and shared keys [b, 1, P,
-        qk_rope_head_dim], whose place each layer's attention gives its heads' own prefix keys and values, handed to
-        it here (`LatentAttention.head_prefix`; glm/prefix.py)."""
-        pairs = super().prefix_key_values(batch_size, dtype)
-        for layer, pair in zip(self.model.layers, pairs):
-            layer.self_attn.head_prefix = pair
-        shape = (batch_size, 1, self.pre_seq_len)
-        zeros = pairs[0][0].new_zeros
-        return [(zeros(*shape, self.config.kv_lora_rank), zeros(*shape, self.config.qk_rope_head_dim)) for _ in pairs]
+
+class GlmMoeDsaForCausalLMWithPrefix(_LatentPrefix, PrefixModel, GlmMoeDsaForCausalLM):
+    """GLM-5 / 5.1 / 5.2 / 5.3: transformers' `GlmMoeDsaForCausalLM` (latent attention with DeepSeek Sparse Attention,
+    experts) with the indexer's keys in the latents' cache entries and the P-tuning v2 prefix as each head's first
+    keys and values, every query seeing all of them (`sparse_attention.SparseAttention`); the experts' decode steps
+    as GLM-4.5's."""
+
+    static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.self_attn.__class__ = SparseAttention
+        use_grouped_decode(self)
 
 
 # by TRANSFORMERS_FORMS' model_type
 MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix,
-                 "glm4_moe": Glm4MoeForCausalLMWithPrefix, "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix}
+                 "glm4_moe": Glm4MoeForCausalLMWithPrefix, "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix,
+                 "glm_moe_dsa": GlmMoeDsaForCausalLMWithPrefix}
 
 
 def model_class(version: str) -> type[PrefixModel]:

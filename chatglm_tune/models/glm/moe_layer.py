@@ -1,6 +1,6 @@
-"""The mixture-of-experts layers of GLM-4.5 / 4.6 / 4.7 (`Glm4MoeMoE`) and GLM-4.7-Flash (`Glm4MoeLiteMoE`) with
-decode steps in two calls of the integer-dot kernel: over INT8 / INT4 experts (`quant.experts.QuantizedExperts`) a
-token's chosen experts and the layer's shared expert (as an expert of weight 1, added last as transformers adds it)
+"""The mixture-of-experts layers of GLM-4.5 / 4.6 / 4.7 (`Glm4MoeMoE`), GLM-4.7-Flash (`Glm4MoeLiteMoE`) and GLM-5
+(`GlmMoeDsaMoE`) with decode steps in two calls of the integer-dot kernel: over INT8 / INT4 experts
+(`quant.experts.QuantizedExperts`) a token's chosen experts and the layer's shared expert (as an expert of weight 1, added last as transformers adds it)
 run their gate and up projections in one grouped call and their down projections in another, the same products bit
 for bit; the router's arithmetic is transformers' own (`route`). Where the layer's experts and router allow it (SiLU,
 one group of experts: every GLM release) the whole step, router included, runs as one C++ call
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
 
 from chatglm_tune.quant.experts import QuantizedExperts
 from chatglm_tune.quant.modules import layouts_epoch, watch_modules
@@ -93,10 +94,15 @@ class MoeLiteLayer(_GroupedDecode, Glm4MoeLiteMoE):
     """GLM-4.7-Flash's layer with grouped decode steps (the module docstring)."""
 
 
+class MoeDsaLayer(_GroupedDecode, GlmMoeDsaMoE):
+    """GLM-5's layer with grouped decode steps (the module docstring)."""
+
+
+_GROUPED = {Glm4MoeMoE: MoeLayer, Glm4MoeLiteMoE: MoeLiteLayer, GlmMoeDsaMoE: MoeDsaLayer}
+
+
 def use_grouped_decode(model: torch.nn.Module) -> None:
     """Give every mixture-of-experts layer of `model` the grouped decode steps, in place (the same parameters)."""
     for module in model.modules():
-        if type(module) is Glm4MoeMoE:
-            module.__class__ = MoeLayer
-        elif type(module) is Glm4MoeLiteMoE:
-            module.__class__ = MoeLiteLayer
+        if type(module) in _GROUPED:
+            module.__class__ = _GROUPED[type(module)]

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from chatglm_tune.models.glm.config import (LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS, LORA_TARGETS,
                                             MOE_QUANTIZABLE_LINEARS, QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS,
-                                            ChatGLMFamilyConfig, ChatGLMMoeConfig, ChatGLMMoeLiteConfig,
+                                            ChatGLMFamilyConfig, ChatGLMMoeConfig, ChatGLMMoeDsaConfig,
+                                            ChatGLMMoeLiteConfig,
                                             GLM4_PROMPT_START, chat_template_of, detect_version, glm_config,
                                             mismatch_hint)
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.version import Version
 from chatglm_tune.options import TINY_CONTEXT, TINY_WORD_PIECES
@@ -126,6 +127,10 @@ TINY_FIELDS = {
     "glm4-moe-lite": {**_TINY_EXPERTS, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
                       "qk_nope_head_dim": 16, "v_head_dim": 16, "rope_interleave": True,
                       "mlp_layer_types": ["dense", "sparse"], "routed_scaling_factor": 1.8, "attention_bias": False},
+    "glm5": {**_TINY_EXPERTS, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+             "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"], "routed_scaling_factor": 2.5,
+             "attention_bias": False, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 8,
+             "indexer_types": ["full", "shared"]},
 }
 
 
@@ -182,6 +187,8 @@ class ReleasedFormVersion(GLM4Version):
         raw.update(config_overrides)
         if "mlp_layer_types" in raw and "mlp_layer_types" not in config_overrides:  # any depth: a dense first layer
             raw["mlp_layer_types"] = ["dense"] + ["sparse"] * (raw["num_hidden_layers"] - 1)
+        if "indexer_types" in raw and "indexer_types" not in config_overrides:  # a full indexer every other layer
+            raw["indexer_types"] = ["shared" if i % 2 else "full" for i in range(raw["num_hidden_layers"])]
         return model_class(self.name)(glm_config(raw, version=self.name, **prefix)), tokenizer
 
 
@@ -193,15 +200,18 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
             ReleasedFormVersion(GLM4_MOE, ChatGLMMoeConfig, quantizable_linears=MOE_QUANTIZABLE_LINEARS,
                                 export_refusals={"ggml": _NO_GGML.format("GLM-4.5")}),
             ReleasedFormVersion(GLM4_MOE_LITE, ChatGLMMoeLiteConfig, LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS,
-                                export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}))
+                                export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}),
+            ReleasedFormVersion(GLM5, ChatGLMMoeDsaConfig, LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS,
+                                export_refusals={"ggml": _NO_GGML.format("GLM-5")}))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 # What the registry reads of this family: config.json's model_type of its versions (the official one, and
 # transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and Glm4MoeLiteForCausalLM), and
 # tokenizer_config.json's tokenizer_class of each version (ours, and the official GLM-4 one).
-MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite")
+MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
                      "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge",
-                     "GLM4MoeTokenizer": "glm4-moe", "GLM4MoeLiteTokenizer": "glm4-moe-lite"}
+                     "GLM4MoeTokenizer": "glm4-moe", "GLM4MoeLiteTokenizer": "glm4-moe-lite",
+                     "GLM5Tokenizer": "glm5"}
 
 
 def _tokenizer_json_version(directory: Path) -> str:
@@ -217,7 +227,7 @@ def _tokenizer_json_version(directory: Path) -> str:
     names the toolkit's class (`GLM4MoeLiteTokenizer`, which a saved tokenizer writes)."""
     raw = _read_json(directory / "config.json")
     version = detect_version(raw, directory) if raw else None
-    if version in ("glm4", "glm4-0414", "glm-edge", "glm4-moe", "glm4-moe-lite"):
+    if version is not None:
         return version
     template = chat_template_of(directory) or ""
     if "<arg_key>" in template:
