@@ -1,11 +1,11 @@
 """The mixture-of-experts layers of GLM-4.5 / 4.6 / 4.7 (`Glm4MoeMoE`), GLM-4.7-Flash (`Glm4MoeLiteMoE`) and GLM-5
 (`GlmMoeDsaMoE`) with decode steps in two calls of the integer-dot kernel: over INT8 / INT4 experts
-(`quant.experts.QuantizedExperts`) a token's chosen experts and the layer's shared expert (as an expert of weight 1, added last as transformers adds it)
-run their gate and up projections in one grouped call and their down projections in another, the same products bit
-for bit; the router's arithmetic is transformers' own (`route`). Where the layer's experts and router allow it (SiLU,
-one group of experts: every GLM release) the whole step, router included, runs as one C++ call
-(`QuantizedExperts.decoder`: the same operations, without ~40 Python-level ones a layer). Prefill, training and float
-experts run transformers' forward.
+(`quant.experts.QuantizedExperts`) a token's chosen experts and the layer's shared expert (as an expert of weight 1,
+added last as transformers adds it) run their gate and up projections in one grouped call and their down projections
+in another, the same products bit for bit; the router's arithmetic is transformers' own (`route`). Where the layer's
+experts and router allow it (SiLU, one group of experts: every GLM release) the whole step, router included, runs as
+one C++ call (`QuantizedExperts.decoder`: the same operations, without ~40 Python-level ones a layer). Prefill,
+training and float experts run transformers' forward.
 """
 
 from __future__ import annotations
