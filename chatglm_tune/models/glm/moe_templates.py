@@ -23,23 +23,23 @@ order.
 
 from __future__ import annotations
 
-# The tools block up to the call format each release spells its own way.
-_TOOLS_INTRO = r"""[gMASK]<sop>
-{%- if tools -%}
-<|system|>
+# The system block of the tools, before and after the loop that writes each one (GLM-5.1 and later write each
+# tool otherwise, `glm5_templates`).
+_TOOLS_HEAD = r"""<|system|>
 # Tools
 
 You may call one or more functions to assist with the user query.
 
 You are provided with function signatures within <tools></tools> XML tags:
 <tools>
-{% for tool in tools %}
-{{ tool | tojson(ensure_ascii=False) }}
-{% endfor %}
-</tools>
+"""
+_TOOLS_TAIL = r"""</tools>
 
 For each function call, output the function name and arguments within the following XML format:
 """
+# The tools block up to the call format each release spells its own way.
+_TOOLS_INTRO = ("[gMASK]<sop>\n{%- if tools -%}\n" + _TOOLS_HEAD
+                + "{% for tool in tools %}\n{{ tool | tojson(ensure_ascii=False) }}\n{% endfor %}\n" + _TOOLS_TAIL)
 _GLM45_CALL_FORMAT = r"""<tool_call>{function-name}
 <arg_key>{arg-key-1}</arg_key>
 <arg_value>{arg-value-1}</arg_value>
