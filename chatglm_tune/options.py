@@ -57,6 +57,7 @@ EXPORT_TYPE = "f16"
 
 
 LOSS_ON = ("all", "last")  # a conversation's assistant turns that carry a loss
+REASONING_EFFORTS = ("low", "high", "max")  # the reasoning-effort lines GLM-5.2 / GLM-5.3-Flash's templates write
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class EncodingOptions:
     official ChatGLM3 / GLM-4 fine-tuning does; "last" on the last one only, the earlier turns context.
     `enable_thinking` / `clear_thinking`: the agent GLMs' chat template flags for a conversation record that sets
     none of its own (None: thinking on exactly where the record holds reasoning; the template's clear_thinking).
+    `reasoning_effort`: the template kwarg of the releases that write a reasoning-effort line (GLM-5.2: "high" or
+    "max"; None: the template's default, max).
     """
 
     prompt: str = "按给定的格式抽取文本信息。\n文本："
@@ -77,8 +80,12 @@ class EncodingOptions:
     loss_on: str = "all"
     enable_thinking: bool | None = None
     clear_thinking: bool | None = None
+    reasoning_effort: str | None = None
 
     def __post_init__(self):
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                             f"not {self.reasoning_effort!r}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
         if self.max_src_len < 2:
@@ -264,17 +271,17 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # --model NAME: a random tiny model of that version
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4", "tiny-glm4-0414": "glm4-0414",
                 "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47": "glm4-moe",
-                "tiny-glm47-flash": "glm4-moe-lite", "tiny-glm5": "glm5"}
+                "tiny-glm47-flash": "glm4-moe-lite", "tiny-glm5": "glm5", "tiny-glm51": "glm5", "tiny-glm52": "glm5"}
 # Presets whose tokenizer carries another version's released chat template: GLM-4.7 is GLM-4.5's architecture with
 # GLM-4.7-Flash's template form.
-TINY_CHAT_TEMPLATES = {"tiny-glm47": "glm4-moe-lite"}
+TINY_CHAT_TEMPLATES = {"tiny-glm47": "glm4-moe-lite", "tiny-glm51": "glm5.1", "tiny-glm52": "glm5.2"}
 TINY_MAX_LAYERS = 64  # --tiny-layers at most: the presets have 2 or 3; a billion asked for memory that never was
 TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight_decay=0.1,
                  max_src_len=160, max_len=240, threads=2)
 # budget_steps of each preset
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
                    "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47": 3200, "tiny-glm47-flash": 3200,
-                   "tiny-glm5": 3200}
+                   "tiny-glm5": 3200, "tiny-glm51": 3200, "tiny-glm52": 3200}
 
 
 # Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and

@@ -28,7 +28,10 @@ from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE
 from chatglm_tune.tuning.training import check_turns
 from test_tiny_glm4 import in_process
 
-PRESETS = {"tiny-glm4-moe": "glm45", "tiny-glm47": "glm47", "tiny-glm47-flash": "glm47"}
+# GLM-5 / 5.1 / 5.2 write the turns as GLM-4.7 does (5.1 and 5.2 write the tools unwrapped, 5.2 a reasoning-effort
+# line first while thinking and `<think></think>` as its empty think block: all outside the trained runs)
+PRESETS = {"tiny-glm4-moe": "glm45", "tiny-glm47": "glm47", "tiny-glm47-flash": "glm47", "tiny-glm5": "glm47",
+           "tiny-glm51": "glm47", "tiny-glm52": "glm47"}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "查天气", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -126,7 +129,7 @@ for item in job["items"]:
             runs.append(run)
             run = []
     runs += [run] if run else []
-    out.append({"ids": ids, "runs": [tokenizer.decode(r) for r in runs],
+    out.append({"ids": ids, "runs": [tokenizer.decode(r) for r in runs], "text": tokenizer.decode(ids),
                 "stop": tokenizer.convert_ids_to_tokens(item["input_ids"][-1])})
 assert not any(name.startswith("chatglm_tune") for name in sys.modules), "the reference imported the toolkit"
 print(json.dumps(out, ensure_ascii=False))
@@ -151,7 +154,7 @@ def flags(record: dict) -> dict:
     """The record's thinking flags as the dry run renders them: its own, thinking on where it reasons otherwise."""
     reasons = any(m.get("reasoning_content") or "</think>" in (m.get("content") or "") for m in record["messages"])
     return {"enable_thinking": record.get("enable_thinking", reasons),
-            **({"clear_thinking": record["clear_thinking"]} if "clear_thinking" in record else {})}
+            **{name: record[name] for name in ("clear_thinking", "reasoning_effort") if name in record}}
 
 
 def reference(run: Path, records: list[dict], rows: list[dict], tmp_path: Path) -> list[dict]:
@@ -244,6 +247,32 @@ def test_fifty_conversations_are_the_templates_ids_trained_where_the_model_write
     covered = {(r.get("enable_thinking"), r.get("clear_thinking"), bool(m.get("tool_calls")), len(
         m.get("tool_calls", ()))) for r in records for m in r["messages"]}
     assert {t for t, *_ in covered} == {True, False, None} and {n for *_, n in covered} >= {0, 1, 2}
+
+
+@pytest.mark.parametrize("effort", [None, "high"])
+def test_glm52_writes_its_reasoning_effort_line_first_while_thinking_and_never_trains_it(effort, tmp_path):
+    """GLM-5.2's template (`tiny-glm52`) writes `<|system|>Reasoning Effort: Max` (or `High` for --reasoning-effort
+    high) before the tools where a conversation thinks, nothing where it does not: the rows are transformers' render
+    with the same kwarg, the line outside every trained run."""
+    records = conversations("glm47", n=12, seed=3)
+    run, rows = dry_run("tiny-glm52", records, tmp_path, *(("--reasoning-effort", effort) if effort else ()))
+    job = [dict(r, **({"reasoning_effort": effort} if effort else {})) for r in records]
+    refs = reference(run, job, rows, tmp_path)
+    written = f"Reasoning Effort: {(effort or 'max').capitalize()}"
+    for record, row, ref in zip(records, rows, refs):
+        assert row["input_ids"][:-1] == ref["ids"]
+        assert (written in ref["text"]) == flags(record)["enable_thinking"]
+        assert ref["runs"] == expected_runs(record, "glm47") and not any(written in run for run in ref["runs"])
+    assert {flags(r)["enable_thinking"] for r in records} == {True, False}
+
+
+def test_reasoning_effort_is_refused_where_a_template_writes_no_such_line(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(conversations("glm47", n=1)[0], ensure_ascii=False) + "\n", encoding="utf-8")
+    import train
+    code = train.main(["--model", "tiny-glm5", "--train-file", str(data), "--output-dir", str(tmp_path / "run"),
+                       "--dry-run", "--reasoning-effort", "high"])
+    assert code != 0 and "writes no reasoning-effort line" in capsys.readouterr().err
 
 
 def test_loss_on_last_trains_the_last_turn_only(tmp_path):

@@ -257,5 +257,6 @@ def test_the_registry_table_and_the_package_description_name_every_version():
     assert listed == set(registry.VERSIONS)
     description = re.search(r'^description = "(.*)"$',
                             (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
-    for shown in ("ChatGLM-6B", "ChatGLM2", "ChatGLM3", "GLM-4", "GLM-4-0414", "GLM-Edge", "GLM-4.5", "GLM-4.7-Flash"):
+    for shown in ("ChatGLM-6B", "ChatGLM2", "ChatGLM3", "GLM-4", "GLM-4-0414", "GLM-Edge", "GLM-4.5", "GLM-4.7-Flash",
+                  "GLM-5"):
         assert shown in description

@@ -16,7 +16,8 @@ from chatglm_tune import cli
 from chatglm_tune.cli.config import CommandParser
 from chatglm_tune.options import (
     BAD_RECORD_MODES, COMPILE_BACKEND, DEFAULT_LR, EVALUATIONS, LOAD_DTYPES, LOSS_ON, METHOD_DEFAULTS, MIXED_PRECISIONS,
-    QUANTIZATION_BITS, SCHEDULES, THREADS_PER_CPU, TINY_DEMO, TINY_DEMO_STEPS, TINY_MAX_LAYERS, TINY_PRESETS, TUNINGS,
+    QUANTIZATION_BITS, REASONING_EFFORTS, SCHEDULES, THREADS_PER_CPU, TINY_DEMO, TINY_DEMO_STEPS, TINY_MAX_LAYERS,
+    TINY_PRESETS, TUNINGS,
     choose_threads, raise_problems, tiny_demo, DataColumns, EncodingOptions, LoraOptions, TrainOptions,
 )
 
@@ -59,6 +60,8 @@ def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
     g("--clear-thinking", action=argparse.BooleanOptionalAction, help="GLM-4.7 / GLM-4.7-Flash: --no-clear-thinking "
       "keeps (and trains) the reasoning of turns before the last user message, which their template drops by default "
       "(default: the base run's, else the template's: dropped)")
+    g("--reasoning-effort", choices=REASONING_EFFORTS, help="GLM-5.2: the reasoning-effort line its chat template "
+      "writes first while thinking (default: the base run's, else the template's: max)")
     g("--dry-run", action="store_true", help="read and check the data, build the tokenizer and every training row, "
       "print the data report and the first example with its trained spans marked, write examples.jsonl (input_ids, "
       "labels) into --output-dir, and stop before any weight is loaded")
@@ -184,7 +187,7 @@ def options_from(args, base_run: dict) -> tuple[TrainOptions, str]:
                 target=tuple(args.lora_target) if args.lora_target else None)
     encoding = part(problems, EncodingOptions,
                     **_resolve(args, ("prompt", "max_src_len", "max_len", "loss_on", "enable_thinking",
-                                      "clear_thinking"),
+                                      "clear_thinking", "reasoning_effort"),
                                {**base_run.get("encoding", {}), **demo}, E))
     options = part(problems, TrainOptions,
         **_resolve(args, ("budget_steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio"), demo, D),

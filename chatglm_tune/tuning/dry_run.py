@@ -75,6 +75,7 @@ def data_report(train_records, dev_records, examples, tokenizer, options: TrainO
         "rows_cut": sum(e.row_truncated for e in examples), "sources_cut": sum(e.source_truncated for e in examples),
         "answers_cut": sum(e.answer_truncated for e in examples), "loss_on": options.encoding.loss_on,
         "enable_thinking": options.encoding.enable_thinking, "clear_thinking": options.encoding.clear_thinking,
+        "reasoning_effort": options.encoding.reasoning_effort,
     }
 
 

@@ -14,6 +14,10 @@ with GLM-4.7's thinking on), or, on a turn before the last user message, the emp
 writes where it drops that turn's reasoning. So reasoning is trained where the template keeps it (the turns after
 the last user message, and every turn with GLM-4.7's `clear_thinking` false) and nowhere else.
 
+GLM-5.2 writes a reasoning-effort line first while thinking is on (`<|system|>Reasoning Effort: Max`, or `High` for
+the template kwarg `reasoning_effort` "high": `glm5_templates.EffortLine`): a leading system block, never trained; the
+run's `reasoning_effort` (`EncodingOptions`) asks for one, and a served chat may set it.
+
 GLM-4.5's form drops the reasoning of earlier turns whatever `clear_thinking` says: clear_thinking false on a
 conversation whose earlier turns reason is refused there, rather than trained as if kept.
 
@@ -28,7 +32,8 @@ from chatglm_tune.data.batches import IGNORE_INDEX, EncodedExample
 from chatglm_tune.data.dialogues import Dialogue, ToolCall, Turn
 from chatglm_tune.data.records import SPORecord
 from chatglm_tune.data.xml_calls import THINK_CLOSE, parse_calls, split_reasoning
-from chatglm_tune.models.glm.formats import GLM45_OLLAMA, GLM47_OLLAMA, TemplateFormat
+from chatglm_tune.models.glm.formats import GLM45_OLLAMA, GLM47_OLLAMA, GLM52_OLLAMA, TemplateFormat
+from chatglm_tune.models.glm.glm5_templates import GLM52_EFFORT, EffortLine
 from chatglm_tune.options import EncodingOptions
 
 _ROLE_TOKENS = {"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
@@ -45,10 +50,13 @@ class AgentFormat(TemplateFormat):
     has_thinking = True
     pairs_answer_last = False  # every conversation is the template's render of the whole of it
 
-    def __init__(self, name: str, title: str, ollama_template: str, call_form: str):
+    def __init__(self, name: str, title: str, ollama_template: str, call_form: str, effort: EffortLine | None = None):
         super().__init__(name, title, ollama_template, None, {"enable_thinking": False})
         self.call_form = call_form
         self.keeps_history_reasoning = call_form == "glm47"
+        self.effort = effort  # the reasoning-effort line the template writes first (GLM-5.2), or None
+        # the chat template's kwargs a chat request may set
+        self.template_flags = ("enable_thinking", "clear_thinking", *(("reasoning_effort",) if effort else ()))
         self._leads: dict = {}
 
     # ----- checks, before a tokenizer exists -----
@@ -86,7 +94,16 @@ class AgentFormat(TemplateFormat):
         if enable is None:
             enable = dialogue is not None and any(t.reasoning for t in dialogue.turns)
         clear = pick("clear_thinking")
-        return {"enable_thinking": enable, **({} if clear is None else {"clear_thinking": clear})}
+        effort = options.reasoning_effort if self.effort is not None else None
+        return {"enable_thinking": enable, **({} if clear is None else {"clear_thinking": clear}),
+                **({} if effort is None else {"reasoning_effort": effort})}
+
+    def leading_blocks(self, flags: dict, tools: list | None) -> int:
+        """The system blocks the template writes before the messages with `flags`: the reasoning-effort line (GLM-5.2,
+        while thinking is on) and the tools."""
+        line = self.effort
+        effort = line is not None and (not line.needs_thinking or flags.get("enable_thinking") is not False)
+        return int(effort) + int(bool(tools))
 
     # ----- prompts and rows -----
 
@@ -109,7 +126,7 @@ class AgentFormat(TemplateFormat):
         messages, tools, owners = template_messages(dialogue, options.prompt, None)
         marked = tokenizer.render_marked(messages, False, tools, **flags)
         spans = tokenizer.special_spans(marked)
-        blocks = _blocks(marked, spans, messages, tools, self.title)
+        blocks = _blocks(marked, spans, messages, self.leading_blocks(flags, tools), self.title)
         special_ends = {end for _, end in spans}
         lead = self.generation_lead(tokenizer, flags)
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
@@ -152,8 +169,6 @@ class AgentFormat(TemplateFormat):
         return max(found)
 
     # ----- a served chat -----
-
-    template_flags = ("enable_thinking", "clear_thinking")  # the chat template's kwargs a chat request may set
 
     def chat_prompt(self, tokenizer, messages: list[dict], tools: list | None, flags: dict) -> list[int]:
         """The ids of a chat request's conversation as the release's chat template renders it whole, its generation
@@ -236,12 +251,13 @@ def _last_user(turns) -> int:
     return max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
 
 
-def _blocks(marked: str, spans: list, messages: list[dict], tools: list | None, title: str) -> list[tuple]:
-    """(message index or None for the tools block, start, end) of each block the template writes from its first role
-    token on (`spans`: the template's special tokens in `marked`); ValueError where they are not one a message in
-    order (a run of tool messages one block)."""
+def _blocks(marked: str, spans: list, messages: list[dict], leading: int, title: str) -> list[tuple]:
+    """(message index or None for a leading system block, start, end) of each block the template writes from its first
+    role token on (`spans`: the template's special tokens in `marked`; `leading`: the system blocks it writes before
+    the messages); ValueError where they are not those and then one a message in order (a run of tool messages one
+    block)."""
     starts = [(begin, _ROLE_TOKENS[marked[begin:end]]) for begin, end in spans if marked[begin:end] in _ROLE_TOKENS]
-    expected = [(None, "system")] if tools else []
+    expected = [(None, "system")] * leading
     for i, message in enumerate(messages):
         if not (message["role"] == "tool" and i and messages[i - 1]["role"] == "tool"):
             expected.append((i, message["role"]))
@@ -257,5 +273,7 @@ GLM4_MOE_LITE = AgentFormat("glm4-moe-lite", "GLM-4.7-Flash", GLM47_OLLAMA, "glm
 # GLM-4.7: `glm4-moe` (GLM-4.5's architecture) with GLM-4.7-Flash's template form: the format of a `glm4-moe`
 # tokenizer whose chat template has that form (`moe_templates.glm47_form`).
 GLM47 = AgentFormat("glm4-moe", "GLM-4.7", GLM47_OLLAMA, "glm47")
-# GLM-5 (`glm_moe_dsa`) ships GLM-4.7's template form.
+# GLM-5 (`glm_moe_dsa`) ships GLM-4.7's template form; GLM-5.1 too (its tools block writes each tool unwrapped, which
+# changes no cut); GLM-5.2 adds the reasoning-effort line and writes `<think></think>` as its empty think block.
 GLM5 = AgentFormat("glm5", "GLM-5", GLM47_OLLAMA, "glm47")
+GLM52 = AgentFormat("glm5", "GLM-5.2", GLM52_OLLAMA, "glm47", effort=GLM52_EFFORT)

@@ -554,3 +554,5 @@ GLM45_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>\n"
                 + "{{ if eq $m.Role \"user\" }}/nothink{{ end }}{{ end }}<|assistant|>\n<think></think>")
 GLM47_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>" + "{{ if eq $m.Role \"assistant\" }}</think>{{ end }}"
                 + _GO_CONTENT + "{{ end }}<|assistant|></think>")
+# GLM-5.2's: GLM-4.7's with its empty think block `<think></think>` (thinking off writes no reasoning-effort line).
+GLM52_OLLAMA = GLM47_OLLAMA.replace("</think>", "<think></think>")

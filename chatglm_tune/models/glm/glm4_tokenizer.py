@@ -43,7 +43,8 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
 from chatglm_tune.data.tokenizing import require_left_padding, vocabulary_path, word_runs
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM47
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM47, GLM52
+from chatglm_tune.models.glm.glm5_templates import GLM51_TEMPLATE, GLM52_TEMPLATE, GLM5_TEMPLATE, writes_effort_line
 from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
@@ -392,10 +393,28 @@ class GLM4MoeLiteTokenizer(GLM4MoeTokenizer):
     prompt_format = GLM4_MOE_LITE
 
 
-class GLM5Tokenizer(GLM4MoeTokenizer):
-    """GLM-5's tokenizer: as GLM-4.5's, with GLM-4.7's chat template form."""
+def glm5_format(chat_template):
+    """The prompt format of a `glm_moe_dsa` tokenizer with `chat_template`: GLM-5.2's where it writes a
+    reasoning-effort line, else GLM-5's (GLM-5, GLM-5.1)."""
+    return GLM52 if writes_effort_line(chat_template) else GLM5
 
-    prompt_format = GLM5
+
+class _Glm5Format:
+    """`GLM5Tokenizer.prompt_format`: `glm5_format` of the tokenizer's chat template, read at each use."""
+
+    def __get__(self, tokenizer, owner=None):
+        return glm5_format(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
+
+
+# The versions whose tokenizer's prompt format follows its chat template's form.
+TEMPLATE_FORMATS = {"glm4-moe": moe_format, "glm5": glm5_format}
+
+
+class GLM5Tokenizer(GLM4MoeTokenizer):
+    """GLM-5 / 5.1 / 5.2's tokenizer: as GLM-4.5's, with the release's chat template, whose form its prompt format
+    follows (`glm5_format`)."""
+
+    prompt_format = _Glm5Format()
 
 
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
@@ -470,7 +489,9 @@ RELEASED_CHAT_TEMPLATES = {
                  "%}<|assistant|>\n{{ item['content'] }}{% endif %}{% endfor %}<|assistant|>"),
     "glm4-moe": GLM4_MOE_TEMPLATE,
     "glm4-moe-lite": GLM4_MOE_LITE_TEMPLATE,
-    "glm5": GLM4_MOE_LITE_TEMPLATE,
+    "glm5": GLM5_TEMPLATE,
+    "glm5.1": GLM51_TEMPLATE,  # not a version: GLM-5.1's template for a `glm5` tokenizer (a preset's)
+    "glm5.2": GLM52_TEMPLATE,
 }
 # The special tokens of each released form after the ranks (the mixture-of-experts versions add theirs to GLM-4's).
 RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),

@@ -361,3 +361,9 @@ GLM52_TEMPLATE = _replaced(_replaced(_replaced(GLM51_TEMPLATE, _BEGIN, _BEGIN + 
                            _GLM47_PROMPT_THINK, _GLM52_PROMPT_THINK)
 GLM53_FLASH_TEMPLATE = (_BEGIN + _GLM53_EFFORT_LINE + _IF_TOOLS + _TOOL_TO_JSON + _GLM53_TOOL_REFERENCES + _GLM5_TOOLS
                         + "{%- endif -%}\n" + _GLM53_MESSAGES + _GLM53_PROMPT)
+
+
+def writes_effort_line(template) -> bool:
+    """Whether a chat template writes a reasoning-effort line (GLM-5.2's, GLM-5.3-Flash's); False for any other
+    template and none."""
+    return isinstance(template, str) and "Reasoning Effort: " in template

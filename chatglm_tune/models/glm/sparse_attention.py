@@ -7,7 +7,7 @@ earlier tokens its layer's indexer scores highest: per query, index score(t) = s
 w_h * relu(q_h . k_t) / sqrt(head_dim) / sqrt(heads), with its own query (from the query latent), one key per
 token (128 wide, normed, rotary on the first 64 dims, interleaved) and weights w from the hidden state; the layers
 marked "shared" (`config.indexer_types`) reuse the previous full layer's choice. transformers keeps the indexer's keys
-in a cache beside the latents (`DynamicIndexedLayer.update_indexer`); here they ride in the same cache entry as the
+in a cache beside the latents (transformers' `DynamicIndexedLayer`); here they ride in the same cache entry as the
 rotated shared key (its value tensor is [b, 1, L, qk_rope_head_dim + index_head_dim] in a layer with an indexer), so
 every cache the toolkit decodes with (grown, sliced, joined, trimmed by rows and columns) holds them without knowing
 of them. The computation is transformers' own, operation for operation (tests compare the logits).

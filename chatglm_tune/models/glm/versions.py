@@ -148,14 +148,15 @@ class ReleasedFormVersion(GLM4Version):
         return TINY_FIELDS[self.name]
 
     def prompt_format_of(self, directory=None, *, chat_template_of: str | None = None):
-        """A `glm4_moe` tokenizer's format follows its chat template's form (GLM-4.5's or GLM-4.7's)."""
-        from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, glm4_config_kwargs, moe_format
+        """A `glm4_moe` tokenizer's format follows its chat template's form (GLM-4.5's or GLM-4.7's), a `glm_moe_dsa`
+        one's too (GLM-5's, or GLM-5.2's with its reasoning-effort line)."""
+        from chatglm_tune.models.glm.glm4_tokenizer import RELEASED_CHAT_TEMPLATES, TEMPLATE_FORMATS, glm4_config_kwargs
 
-        if self.format.name != "glm4-moe":
+        if self.name not in TEMPLATE_FORMATS:
             return self.format
         template = (RELEASED_CHAT_TEMPLATES[chat_template_of or self.name] if directory is None
                     else glm4_config_kwargs(_directory(directory)).get("chat_template"))
-        return moe_format(template)
+        return TEMPLATE_FORMATS[self.name](template)
 
     def train_tokenizer(self, corpus: list[str], directory: Path, *, chat_template_of: str | None = None) -> None:
         """A byte-level BPE of `corpus` (its characters and word pieces) in a `tokenizer.json`, with the
