@@ -18,6 +18,7 @@ import contextlib
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("starlette", reason='the server needs its extra: pip install -e ".[serve]"')
 pytest.importorskip("uvicorn", reason='the server needs its extra: pip install -e ".[serve]"')
@@ -25,13 +26,14 @@ openai = pytest.importorskip("openai", reason="the tests call the server with th
 
 from chatglm_tune.data.dialogues import ToolCall  # noqa: E402
 from chatglm_tune.data.xml_calls import render_calls  # noqa: E402
+from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.runs import loading  # noqa: E402
 from chatglm_tune.serve.protocol import ApiError, parse_call  # noqa: E402
 from chatglm_tune.serve.service import Service  # noqa: E402
-from serving import tiny_model  # noqa: E402
+from serving import TEXTS, tiny_model  # noqa: E402
 from test_serve import serving  # noqa: E402
 
-VERSIONS = ("glm4-moe", "glm4-moe-lite")  # GLM-4.5's form, GLM-4.7-Flash's (GLM-4.7's form)
+VERSIONS = ("glm4-moe", "glm4-moe-lite", "glm5")  # GLM-4.5's form, GLM-4.7-Flash's (GLM-4.7's), GLM-5's
 CONTEXT = 2048  # the tools block outgrows the tiny models' 512 tokens
 TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
@@ -123,7 +125,7 @@ def test_the_prompt_is_the_release_template_on_the_whole_conversation(version, t
         none = turn_of(service, {"messages": messages, "tools": TOOLS, "tool_choice": "none"})
         assert none.prompt == official(messages, tools=None) and none.tools is None
     # the flags reach the template: thinking off changes each prompt, clear_thinking false GLM-4.7's next question
-    assert len(prompts) == 2 * 2 + (version == "glm4-moe-lite")
+    assert len(prompts) == 2 * 2 + (version in ("glm4-moe-lite", "glm5"))
     messages = CONVERSATIONS["next question"]
     turn = turn_of(service, {"messages": messages, "tools": TOOLS, "tool_choice": "none",
                              "response_format": {"type": "json_object"}})
@@ -290,6 +292,33 @@ BAD = [({"chat_template_kwargs": {"reasoning_effort": "high"}}, "chat_template_k
        ({"messages": [{"role": "system", "content": "", "tools": TOOLS}, ASKED[1]]}, "messages[0].tools"),
        ({"messages": [ASKED[1], CALLED, *RESULTS], "tools": TOOLS[1:]}, "messages[1].tool_calls[0].function.name"),
        ({"messages": [ASKED[1], RESULTS[0]], "tools": TOOLS}, "messages[1].role")]
+
+
+def test_glm52_prompts_write_the_reasoning_effort_asked(tmp_path):
+    """GLM-5.2's template served: `chat_template_kwargs.reasoning_effort` ("high", "max") reaches it, the prompt is
+    `apply_chat_template`'s with it (none: Max while thinking, no line with thinking off); another value is a 400."""
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    model, _ = registry.VERSIONS["glm5"].tiny(TEXTS, tmp_path, chat_template_of="glm5.2")
+    model.save_pretrained(tmp_path)
+    source = loading.resolve_run(tmp_path)
+    model, tokenizer = loading.load_run(source)
+    service = Service(model, tokenizer, served="tiny", encoding=source.encoding)
+    fast = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    messages = CONVERSATIONS["next question"]
+    for flags, line in ((None, "Max"), ({"reasoning_effort": "high"}, "High"), ({"reasoning_effort": "max"}, "Max"),
+                        ({"enable_thinking": False, "reasoning_effort": "high"}, None)):
+        turn = turn_of(service, {"messages": messages, "tools": TOOLS,
+                                 **({"chat_template_kwargs": flags} if flags else {})})
+        official = fast.apply_chat_template(templated(messages), tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False, **(flags or {}))
+        assert turn.prompt == list(official)
+        text = fast.decode(turn.prompt)
+        assert (f"Reasoning Effort: {line}" in text if line else "Reasoning Effort" not in text), flags
+    with pytest.raises(ApiError) as err:
+        turn_of(service, {"messages": ASKED, "chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert (err.value.status, err.value.param) == (400, "chat_template_kwargs.reasoning_effort")
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -17,8 +17,8 @@ answer, at any value but their default: `best_of` other than `n`, `presence_pena
   versions' ignores), `tools` (ChatGLM3 / GLM-4 / the agent GLMs; tools, calls and results as training data
   holds them: `check_tool_use`), `tool_choice` ("auto", "none", "required", a named function), `response_format`
   (`text`, `json_object`, `json_schema`: the answer decoded under the schema's grammar, strict or not),
-  `chat_template_kwargs` (the agent GLMs' `enable_thinking` / `clear_thinking`, checked by the service, which
-  knows the version; the other versions ignore it);
+  `chat_template_kwargs` (the agent GLMs' `enable_thinking` / `clear_thinking`, GLM-5.2's `reasoning_effort`,
+  checked by the service, which knows the version; the other versions ignore it);
 - completions: `prompt` (a string, or a list of up to MAX_CHOICES strings: choice p * n + i is prompt p's i-th;
   or token ids, a list or a list of lists: each the whole prompt, no prompt format around it), `echo` (token-id
   prompts: the prompt's text, and with `logprobs` its tokens' log probabilities, before the answer's: what

@@ -435,7 +435,7 @@ class Service:
 
     def _template_flags(self, value) -> dict:
         """`chat_template_kwargs` checked: an object of the template's flags (`AgentFormat.template_flags`), each
-        true or false; {} where none is given."""
+        true or false, and `reasoning_effort` one its template writes (GLM-5.2's); {} where none is given."""
         if value is None:
             return {}
         if not isinstance(value, dict):
@@ -444,7 +444,11 @@ class Service:
             if key not in self.format.template_flags:
                 raise bad(f"chat_template_kwargs.{key}", f"{self.format.title}'s chat template takes "
                                                           f"{', '.join(self.format.template_flags)}, not {key!r}")
-            if not isinstance(flag, bool):
+            if key == "reasoning_effort":
+                if flag not in self.format.effort.values:
+                    raise bad(f"chat_template_kwargs.{key}", f"must be one of {', '.join(self.format.effort.values)}, "
+                                                              f"got {flag!r:.80}")
+            elif not isinstance(flag, bool):
                 raise bad(f"chat_template_kwargs.{key}", f"must be true or false, got {flag!r:.80}")
         return dict(value)
 
