@@ -8,7 +8,7 @@
     glm-edge   GLM-Edge          models/glm         transformers' GlmForCausalLM, its own chat template
     glm4-moe   GLM-4.5/4.6/4.7   models/glm         transformers' Glm4MoeForCausalLM (routed experts), its chat template
     glm4-moe-lite  GLM-4.7-Flash models/glm         transformers' Glm4MoeLiteForCausalLM (latent attention, experts)
-    glm5       GLM-5 to 5.3      models/glm         transformers' GlmMoeDsaForCausalLM (sparse latent attention, experts)
+    glm5       GLM-5 to 5.3      models/glm         transformers' GlmMoeDsaForCausalLM (sparse attention, experts)
 
 A config.json is read by each family's `detect` in turn (all of them say `model_type: chatglm`; the
 fields tell them apart); a tokenizer directory first by its tokenizer_config.json class
