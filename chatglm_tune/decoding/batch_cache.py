@@ -12,7 +12,9 @@ The model gets no mask while nothing is padded (`padded`, kept up to date where 
 recomputed on a decoding step, which only appends a real token to every row). Rows leave with `select`
 (a finished row costs nothing after); `trim` cuts the pad columns every row has on its left (pads left by
 a long row that finished), `merge` joins two batches with the shorter side left-padded after the prefix:
-the engine's continuous batching. The cache is a `GrowingCache` (a decode step writes into room kept at the end of
+the engine's continuous batching; each kind of cache layer is cut and joined as `cache_layers` says (GLM-5.3-Flash's
+linear attention layers hold per-row states, no columns, and take no guesses back: no speculative `verify`). The cache
+is a `GrowingCache` (a decode step writes into room kept at the end of
 each layer's buffers, where transformers' `DynamicCache` concatenates the whole cache again); the methods here
 may replace a layer's tensors, which it then takes into new buffers.
 """
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
+from chatglm_tune.decoding.cache_layers import cut_columns, join_rows, takes_back
 from chatglm_tune.decoding.growing_cache import GrowingCache
 
 
@@ -80,7 +83,11 @@ class BatchCache:
     def verify(self, model, pending: list[int], guesses: list[list[int]]) -> torch.Tensor:
         """Each row's pending token and its guesses in one forward, to check the guesses (speculative decoding):
         the rows are right-padded to the longest (pads masked). The scores after each position [rows, W, V];
-        `accept` then says how many of each row's stay in the cache."""
+        `accept` then says how many of each row's stay in the cache. A cache of recurrent states (linear attention)
+        cannot take tokens back: ValueError."""
+        if not takes_back(self.cache):
+            raise ValueError(f"{type(model).__name__} keeps recurrent states (linear attention) that cannot take back "
+                             "rejected guesses: decode it without speculative drafts")
         width = 1 + max(len(g) for g in guesses)
         device = self.mask.device
         tokens = torch.tensor([[p] + g + [p] * (width - 1 - len(g)) for p, g in zip(pending, guesses)], device=device)
@@ -134,33 +141,22 @@ class BatchCache:
         lead = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())
         if lead == 0:
             return
-        p = self.prefix_len
         for layer in self.cache.layers:
-            layer.keys = torch.cat([layer.keys[..., :p, :], layer.keys[..., p + lead:, :]], dim=-2)
-            layer.values = torch.cat([layer.values[..., :p, :], layer.values[..., p + lead:, :]], dim=-2)
+            cut_columns(layer, self.prefix_len, lead)
         self.mask = self.mask[:, lead:]
         self.padded = not bool(self.mask.all())
 
     def merge(self, other: "BatchCache") -> None:
         """`other`'s rows after these, in this cache: the shorter side left-padded after the prefix."""
         length = max(self.mask.shape[1], other.mask.shape[1])
+        pads = (length - self.mask.shape[1], length - other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            for name in ("keys", "values"):
-                parts = [self._pad_after_prefix(getattr(layer, name), length - mask.shape[1])
-                         for layer, mask in ((mine, self.mask), (theirs, other.mask))]
-                setattr(mine, name, torch.cat(parts, dim=0))
+            join_rows(mine, theirs, pads, self.prefix_len)
         masks = [torch.cat([m.new_zeros(m.shape[0], length - m.shape[1]), m], dim=1) for m in (self.mask, other.mask)]
         self.mask = torch.cat(masks, dim=0)
         if self.next_positions is not None:
             self.next_positions = torch.cat([self.next_positions, other.next_positions], dim=0)
         self.padded = not bool(self.mask.all())
-
-    def _pad_after_prefix(self, states: torch.Tensor, n: int) -> torch.Tensor:
-        if n == 0:
-            return states
-        p = self.prefix_len
-        pad = states.new_zeros(*states.shape[:-2], n, states.shape[-1])
-        return torch.cat([states[..., :p, :], pad, states[..., p:, :]], dim=-2)
 
 
 def _shift_rows(states: torch.Tensor, index: torch.Tensor, p: int) -> torch.Tensor:
