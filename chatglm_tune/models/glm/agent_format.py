@@ -33,7 +33,7 @@ from chatglm_tune.data.dialogues import Dialogue, ToolCall, Turn
 from chatglm_tune.data.records import SPORecord
 from chatglm_tune.data.xml_calls import THINK_CLOSE, parse_calls, split_reasoning
 from chatglm_tune.models.glm.formats import GLM45_OLLAMA, GLM47_OLLAMA, GLM52_OLLAMA, TemplateFormat
-from chatglm_tune.models.glm.glm5_templates import GLM52_EFFORT, EffortLine
+from chatglm_tune.models.glm.glm5_templates import GLM52_EFFORT, GLM53_FLASH_EFFORT, EffortLine
 from chatglm_tune.options import EncodingOptions
 
 _ROLE_TOKENS = {"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
@@ -277,3 +277,5 @@ GLM47 = AgentFormat("glm4-moe", "GLM-4.7", GLM47_OLLAMA, "glm47")
 # changes no cut); GLM-5.2 adds the reasoning-effort line and writes `<think></think>` as its empty think block.
 GLM5 = AgentFormat("glm5", "GLM-5", GLM47_OLLAMA, "glm47")
 GLM52 = AgentFormat("glm5", "GLM-5.2", GLM52_OLLAMA, "glm47", effort=GLM52_EFFORT)
+# GLM-5.3-Flash (`glm5_next`): its own template, GLM-4.7's turns, the reasoning-effort line always written.
+GLM53_FLASH = AgentFormat("glm53-flash", "GLM-5.3-Flash", GLM52_OLLAMA, "glm47", effort=GLM53_FLASH_EFFORT)

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GlmMoeDsaConfig
 
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM53_FLASH
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.prefix import check_prefix_version
 from chatglm_tune.runtime.checkpoint import CheckpointError, read_config_file
 
 FORMATS = {f.name: f for f in (CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE, GLM4_MOE, GLM4_MOE_LITE,
-                               GLM5)}  # by name
+                               GLM5, GLM53_FLASH)}  # by name
 
 ROPE_BASE = 10000.0
 FAMILY_FIELDS = ("multi_query_group_num", "kv_channels")  # ChatGLM2/3 and GLM-4 only

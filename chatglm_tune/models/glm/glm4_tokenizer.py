@@ -43,8 +43,9 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
 from chatglm_tune.data.tokenizing import require_left_padding, vocabulary_path, word_runs
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM47, GLM52
-from chatglm_tune.models.glm.glm5_templates import GLM51_TEMPLATE, GLM52_TEMPLATE, GLM5_TEMPLATE, writes_effort_line
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM47, GLM52, GLM53_FLASH
+from chatglm_tune.models.glm.glm5_templates import (GLM5_TEMPLATE, GLM51_TEMPLATE, GLM52_TEMPLATE, GLM53_FLASH_TEMPLATE,
+                                                    writes_effort_line)
 from chatglm_tune.models.glm.formats import GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.glm.moe_templates import GLM4_MOE_LITE_TEMPLATE, GLM4_MOE_TEMPLATE, MOE_SPECIALS, glm47_form
 from chatglm_tune.models.glm.tokenizer import ROLES, GLMFamilyTokenizer
@@ -417,8 +418,15 @@ class GLM5Tokenizer(GLM4MoeTokenizer):
     prompt_format = _Glm5Format()
 
 
+class GLM53FlashTokenizer(GLM4MoeTokenizer):
+    """GLM-5.3-Flash's tokenizer: as GLM-4.5's (its special tokens in the same order), with its own chat template."""
+
+    prompt_format = GLM53_FLASH
+
+
 TOKENIZER_CLASSES = {"glm4": GLM4Tokenizer, "glm4-0414": GLM40414Tokenizer, "glm-edge": GLMEdgeTokenizer,
-                     "glm4-moe": GLM4MoeTokenizer, "glm4-moe-lite": GLM4MoeLiteTokenizer, "glm5": GLM5Tokenizer}
+                     "glm4-moe": GLM4MoeTokenizer, "glm4-moe-lite": GLM4MoeLiteTokenizer, "glm5": GLM5Tokenizer,
+                     "glm53-flash": GLM53FlashTokenizer}
 
 
 def load_glm4_tokenizer(directory: Path, version: str = "glm4", **kwargs) -> GLM4Tokenizer:
@@ -492,10 +500,12 @@ RELEASED_CHAT_TEMPLATES = {
     "glm5": GLM5_TEMPLATE,
     "glm5.1": GLM51_TEMPLATE,  # not a version: GLM-5.1's template for a `glm5` tokenizer (a preset's)
     "glm5.2": GLM52_TEMPLATE,
+    "glm53-flash": GLM53_FLASH_TEMPLATE,
 }
 # The special tokens of each released form after the ranks (the mixture-of-experts versions add theirs to GLM-4's).
 RELEASED_SPECIALS = {"glm4-moe": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),
-                     "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm5": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
+                     "glm4-moe-lite": (*OFFICIAL_SPECIALS, *MOE_SPECIALS), "glm5": (*OFFICIAL_SPECIALS, *MOE_SPECIALS),
+                     "glm53-flash": (*OFFICIAL_SPECIALS, *MOE_SPECIALS)}
 
 
 def train_released_bpe(texts, output_dir: str | Path, version: str, *, vocab_size: int = TINY_GLM4_VOCAB,
