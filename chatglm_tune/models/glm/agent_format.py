@@ -18,6 +18,10 @@ GLM-5.2 writes a reasoning-effort line first while thinking is on (`<|system|>Re
 the template kwarg `reasoning_effort` "high": `glm5_templates.EffortLine`): a leading system block, never trained; the
 run's `reasoning_effort` (`EncodingOptions`) asks for one, and a served chat may set it.
 
+GLM-5.3-Flash's template has no thinking switch: every generation prompt ends `<|assistant|><think>`, the effort line
+is always written, and earlier turns' reasoning is kept unless `clear_thinking` is true (`thinking_switch` false:
+thinking off is refused, never rendered as if it applied).
+
 GLM-4.5's form drops the reasoning of earlier turns whatever `clear_thinking` says: clear_thinking false on a
 conversation whose earlier turns reason is refused there, rather than trained as if kept.
 
@@ -32,7 +36,8 @@ from chatglm_tune.data.batches import IGNORE_INDEX, EncodedExample
 from chatglm_tune.data.dialogues import Dialogue, ToolCall, Turn
 from chatglm_tune.data.records import SPORecord
 from chatglm_tune.data.xml_calls import THINK_CLOSE, parse_calls, split_reasoning
-from chatglm_tune.models.glm.formats import GLM45_OLLAMA, GLM47_OLLAMA, GLM52_OLLAMA, TemplateFormat
+from chatglm_tune.models.glm.formats import (GLM45_OLLAMA, GLM47_OLLAMA, GLM52_OLLAMA, GLM53_FLASH_OLLAMA,
+                                             TemplateFormat)
 from chatglm_tune.models.glm.glm5_templates import GLM52_EFFORT, GLM53_FLASH_EFFORT, EffortLine
 from chatglm_tune.options import EncodingOptions
 
@@ -50,13 +55,16 @@ class AgentFormat(TemplateFormat):
     has_thinking = True
     pairs_answer_last = False  # every conversation is the template's render of the whole of it
 
-    def __init__(self, name: str, title: str, ollama_template: str, call_form: str, effort: EffortLine | None = None):
+    def __init__(self, name: str, title: str, ollama_template: str, call_form: str, effort: EffortLine | None = None,
+                 thinking_switch: bool = True):
         super().__init__(name, title, ollama_template, None, {"enable_thinking": False})
         self.call_form = call_form
         self.keeps_history_reasoning = call_form == "glm47"
-        self.effort = effort  # the reasoning-effort line the template writes first (GLM-5.2), or None
+        self.effort = effort  # the reasoning-effort line the template writes first (GLM-5.2, GLM-5.3-Flash), or None
+        self.thinking_switch = thinking_switch  # whether the template reads enable_thinking (GLM-5.3-Flash's does not)
         # the chat template's kwargs a chat request may set
-        self.template_flags = ("enable_thinking", "clear_thinking", *(("reasoning_effort",) if effort else ()))
+        self.template_flags = (*(("enable_thinking",) if thinking_switch else ()), "clear_thinking",
+                               *(("reasoning_effort",) if effort else ()))
         self._leads: dict = {}
 
     # ----- checks, before a tokenizer exists -----
@@ -71,6 +79,9 @@ class AgentFormat(TemplateFormat):
         if dialogue.form == "conversations" and any(t.all_calls for t in dialogue.turns):
             raise ValueError("ChatGLM3-6B's tool conversations (tools + conversations) write their tools as a system "
                              f"prompt's text: {self.title} takes tools as OpenAI-style or GLM-4 messages")
+        if not self.thinking_switch and False in (dialogue.enable_thinking, options.enable_thinking):
+            raise ValueError(f"enable_thinking false: {self.title}'s chat template always thinks (it has no thinking "
+                             "switch); leave enable_thinking out")
         flags = self.thinking_kwargs(dialogue, options)
         reasoning = [t for t in dialogue.turns if t.reasoning]
         if reasoning and not flags["enable_thinking"]:
@@ -90,7 +101,7 @@ class AgentFormat(TemplateFormat):
             own = getattr(dialogue, name, None) if dialogue is not None else None
             return own if own is not None else getattr(options, name)
 
-        enable = pick("enable_thinking")
+        enable = pick("enable_thinking") if self.thinking_switch else True
         if enable is None:
             enable = dialogue is not None and any(t.reasoning for t in dialogue.turns)
         clear = pick("clear_thinking")
@@ -185,11 +196,10 @@ class AgentFormat(TemplateFormat):
             raise ValueError(f"{self.title}'s chat template: {err}") from None
         return tokenizer.encode_marked(marked)
 
-    @staticmethod
-    def chat_thinking(flags: dict) -> bool:
-        """Whether the generation prompt rendered with `flags` leaves the model thinking (both forms: unless
-        `enable_thinking` is false)."""
-        return flags.get("enable_thinking") is not False
+    def chat_thinking(self, flags: dict) -> bool:
+        """Whether the generation prompt rendered with `flags` leaves the model thinking: unless `enable_thinking` is
+        false, and always on a template without the switch."""
+        return not self.thinking_switch or flags.get("enable_thinking") is not False
 
     # ----- reading answers -----
 
@@ -278,4 +288,5 @@ GLM47 = AgentFormat("glm4-moe", "GLM-4.7", GLM47_OLLAMA, "glm47")
 GLM5 = AgentFormat("glm5", "GLM-5", GLM47_OLLAMA, "glm47")
 GLM52 = AgentFormat("glm5", "GLM-5.2", GLM52_OLLAMA, "glm47", effort=GLM52_EFFORT)
 # GLM-5.3-Flash (`glm5_next`): its own template, GLM-4.7's turns, the reasoning-effort line always written.
-GLM53_FLASH = AgentFormat("glm53-flash", "GLM-5.3-Flash", GLM52_OLLAMA, "glm47", effort=GLM53_FLASH_EFFORT)
+GLM53_FLASH = AgentFormat("glm53-flash", "GLM-5.3-Flash", GLM53_FLASH_OLLAMA, "glm47", effort=GLM53_FLASH_EFFORT,
+                          thinking_switch=False)

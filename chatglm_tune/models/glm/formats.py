@@ -556,3 +556,8 @@ GLM47_OLLAMA = ("[gMASK]<sop>" + _GO_LOOP + "<|{{ $m.Role }}|>" + "{{ if eq $m.R
                 + _GO_CONTENT + "{{ end }}<|assistant|></think>")
 # GLM-5.2's: GLM-4.7's with its empty think block `<think></think>` (thinking off writes no reasoning-effort line).
 GLM52_OLLAMA = GLM47_OLLAMA.replace("</think>", "<think></think>")
+# GLM-5.3-Flash's, which always thinks: its reasoning-effort line first, earlier answers with an empty think block,
+# the generation prompt opening the reasoning.
+GLM53_FLASH_OLLAMA = ("[gMASK]<sop><|system|>Reasoning Effort: Max" + _GO_LOOP + "<|{{ $m.Role }}|>"
+                      + "{{ if eq $m.Role \"assistant\" }}<think></think>{{ end }}" + _GO_CONTENT
+                      + "{{ end }}<|assistant|><think>")
