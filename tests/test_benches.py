@@ -425,3 +425,102 @@ def test_fewrow_benches_time_both_sides_on_the_same_work(tiny_chatglm3, tmp_path
     for side in ("pytorch", "fewrow"):
         assert set(result[side]["step_ms"]) == {"1", "2"} and set(result[side]["check_ms"]) == {"1", "2", "4", "8"}
     assert set(result["same_tokens"]) == {"1", "2"}
+
+
+# GLM-5 and GLM-5.3-Flash at a tiny shape: 4 layers (GLM-5.3-Flash's default pattern: 3 KDA, then a sparse one;
+# both: 3 dense MLPs, then routed experts), every width small.
+_TINY_NEXT = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+              "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
+              "v_head_dim": 16, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 2, "pad_token_id": 0}
+_TINY = {"glm5": {**_TINY_NEXT, "qk_rope_head_dim": 8},
+         "glm53-flash": {**_TINY_NEXT, "index_kpool": 4, "linear_head_dim": 8, "linear_num_heads": 4, "hc_mult": 2}}
+
+
+def _tiny_row(name):
+    import dataclasses
+
+    from bench.common.accounted_versions import VERSIONS
+
+    version = VERSIONS[name]
+    return dataclasses.replace(version, config={**version.config, **_TINY[name]}, slice_layers=4, slice_overrides={})
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm53-flash"])
+def test_scale_cards_configs_are_transformers_defaults_and_count_parts_as_its_classes_hold_them(name):
+    """The accounted rows' configs are the installed transformers' config defaults field for field; the parameters
+    by part from the config's numbers equal the sums over transformers' class built on the meta device, tiny and at
+    full size (GLM-5 ~744 B, GLM-5.3-Flash ~313 B without the multi-token-prediction layer and vision tower)."""
+    import transformers
+
+    from bench.common.accounted_versions import VERSIONS, text_config
+    from bench.scale.scale_accounting import GB, active_elements, formula_parts, parts
+
+    version = VERSIONS[name]
+    defaults = text_config(version, {})
+    assert {k: getattr(defaults, k) for k in version.config if k != "architectures"} == {
+        k: v for k, v in version.config.items() if k != "architectures"}
+    assert getattr(transformers, version.model_class)  # the class the row builds
+    for row in (_tiny_row(name), version):
+        counted = parts(row, row.config)
+        assert counted == formula_parts(row, row.config) and counted["routed experts"] > 0
+    total, active = sum(counted.values()) / GB, active_elements(version, version.config, counted) / GB
+    assert (700 < total < 800 and 38 < active < 45) if name == "glm5" else (300 < total < 330 and 15 < active < 20)
+
+
+@pytest.mark.parametrize("name", ["glm5", "glm53-flash"])
+def test_scale_cards_measured_copy_is_the_released_layout_and_its_bytes_are_the_accounted_ones(name, tmp_path):
+    """The bench's writer at a tiny shape: the keys and shapes transformers' save_pretrained writes (the release's
+    layout), loaded by transformers' class with none missing or unexpected, the dtypes the accounting assumes (float32
+    where transformers keeps it), the accounted bf16 bytes; a prefill's cache holds the accounted bytes, tensor by
+    tensor; a LoRA step trains the accounted parameters and gives finite gradients."""
+    import transformers
+    from safetensors import safe_open
+
+    from bench.common.accounted_versions import transformers_config
+    from bench.scale import scale_accounting as acc
+    from bench.scale.scale_cards import cache_bytes
+    from bench.scale.scale_slice import lora_step, prefill, released_tensors, write
+
+    torch.manual_seed(0)
+    row = _tiny_row(name)
+    model = getattr(transformers, row.model_class)(transformers_config(row, row.config))
+    model.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.startswith(row.skipped)}
+    assert {key: shape for key, shape, _ in released_tensors(row, row.config)} == saved
+    write(row, tmp_path / "copy", 2, row.config)
+    loaded, info = getattr(transformers, row.model_class).from_pretrained(
+        tmp_path / "copy", dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["unexpected_keys"] and not [k for k in info["missing_keys"] if not k.startswith(row.skipped)]
+    state = loaded.state_dict()
+    assert {k: state[k].dtype == torch.float32 for k, _, _ in acc.tensors(row, row.config)} == {
+        k: fp32 for k, _, fp32 in acc.tensors(row, row.config)}
+    held = sum(t.numel() * t.element_size() for k, t in state.items() if not k.startswith(row.skipped))
+    assert held == sum(acc.weight_bytes(row, row.config, 0).values())
+    measured = prefill(loaded.eval(), 256, 40)
+    assert measured["finite"] and measured["cache_bytes"] == sum(cache_bytes(row, row.config, 40).values())
+    step = lora_step(loaded, row, 256, 24)
+    assert step["finite_grads"] and step["trainable_params"] == acc.lora_elements(row, row.config, row.lora_targets, 8)
+
+
+def test_scale_cards_accounting_follows_the_toolkit_prefix_and_needs_the_fewest_cards():
+    """GLM-5's P-tuning size is the toolkit's latent-attention prefix width (each head's key and value) times
+    pre_seq_len; a KDA layer adds heads x (Dk + Dv) a position; `cards_needed` is the fewest cards that fit (one
+    fewer does not), None where a card's floor (root unit, two gathered layers, activations) does not fit."""
+    from bench.common.accounted_versions import VERSIONS, text_config
+    from bench.scale.scale_accounting import ptuning_elements
+    from bench.scale.scale_cards import USABLE, cards_needed, per_card
+    from chatglm_tune.models.glm.prefix import prefix_width
+
+    glm5 = VERSIONS["glm5"]
+    assert ptuning_elements(glm5, glm5.config, 16) == {
+        "sparse attention": 16 * prefix_width(text_config(glm5, glm5.config)), "linear attention": 0}
+    row = _tiny_row("glm53-flash")
+    only_kda = {**row.config, "layer_types": ["linear_attention"] * 4}
+    assert ptuning_elements(row, only_kda, 16)["linear attention"] == 16 * 4 * 4 * (8 + 8)
+    base, root, layer, trainable, act, capacity = 1000e9, 4e9, 20e9, 3e9, 10e9, 80e9
+    n = cards_needed(base, root, layer, trainable, act, capacity)
+    assert per_card(base, root, layer, trainable, act, n) <= USABLE * capacity
+    assert per_card(base, root, layer, trainable, act, n - 1) > USABLE * capacity
+    assert cards_needed(base, root, layer, trainable, 60e9, capacity) is None

@@ -16,6 +16,9 @@ scale benches is here; scale.py, checkpoint_writer.py, scale_children.py and sca
                                     first 4 layers written as quantize.py's INT4 output; the full size's memory from
                                     the loader's accounting
 
+GLM-5 and GLM-5.3-Flash, which the toolkit does not load yet, are accounted at full size on transformers' own
+classes instead: bench/common/accounted_versions.py's rows, bench/scale/scale_cards.py's bench.
+
 The GLM configs are the official config.json files field for field (the names the toolkit reads:
 chatglm_tune/models/glm/config.py), but `torch_dtype`: "float16" for both, since the bench writes fp16 shards
 (glm-4-9b-chat's own says bfloat16). The tokenizers are the real ones, copied from the shared assets'
