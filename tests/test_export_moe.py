@@ -35,6 +35,9 @@ VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
             "glm5": ("glm-dsa", gguf.MODEL_ARCH.GLM_DSA)}
 TRANSFORMERS_CLASSES = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM",
                         "glm5": "GlmMoeDsaForCausalLM"}
+# the tiny presets' fields changed here: llama.cpp's glm-dsa rotates the indexer's keys and queries by a Hadamard
+# matrix of 64 x 64 or larger, so its key length (the preset's 16) must be a multiple of 64
+TINY_OVERRIDES = {"glm5": {"index_head_dim": 64}}
 # the agent conversations (`test_agent_data.conversations`) in each version's template form
 CONVERSATION_FORMS = {"glm4-moe": "glm45", "glm4-moe-lite": "glm47", "glm5": "glm47"}
 LINES = (ROOT / "data" / "spo_train.jsonl").read_text(encoding="utf-8").splitlines()
@@ -45,13 +48,13 @@ CHATS = [[{"role": "user", "content": "你好 world"}],
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """version -> a random tiny model directory (seed 0; the routers' score corrections random too, so that the
-    `exp_probs_b` they become is checked)."""
+    """version -> a random tiny model directory (seed 0, `TINY_OVERRIDES`; the routers' score corrections random too,
+    so that the `exp_probs_b` they become is checked)."""
     root = tmp_path_factory.mktemp("moe")
     out = {}
     for name in VERSIONS:
         torch.manual_seed(0)
-        model, _ = registry.VERSIONS[name].tiny(TEXTS, root / name)
+        model, _ = registry.VERSIONS[name].tiny(TEXTS, root / name, **TINY_OVERRIDES.get(name, {}))
         with torch.no_grad():
             for module in model.modules():
                 if hasattr(module, "e_score_correction_bias"):
@@ -202,13 +205,13 @@ def test_the_gguf_file_is_llama_cpps_architecture_with_its_tensors_and_hyperpara
     else:
         assert expected["blk.1.attn_k_b.weight"].shape == (8, 32, 16)
         assert expected["blk.1.attn_v_b.weight"].shape == (8, 16, 32)
-    if arch == "glm-dsa":  # the indexer of the full layer 0 (8 heads of 16 dims); the shared layer 1 has none
+    if arch == "glm-dsa":  # the indexer of the full layer 0 (8 heads of 64 dims); the shared layer 1 has none
         types = reader.fields["glm-dsa.attention.indexer.types"]
         assert [gguf.GGUFValueType(t) for t in types.types] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL]
         assert {name: tuple(t.shape) for name, t in expected.items() if ".indexer." in name} == {
-            "blk.0.indexer.attn_q_b.weight": (8 * 16, 48), "blk.0.indexer.attn_k.weight": (16, 128),
-            "blk.0.indexer.proj.weight": (8, 128), "blk.0.indexer.k_norm.weight": (16,),
-            "blk.0.indexer.k_norm.bias": (16,)}
+            "blk.0.indexer.attn_q_b.weight": (8 * 64, 48), "blk.0.indexer.attn_k.weight": (64, 128),
+            "blk.0.indexer.proj.weight": (8, 128), "blk.0.indexer.k_norm.weight": (64,),
+            "blk.0.indexer.k_norm.bias": (64,)}
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
@@ -360,6 +363,18 @@ def post(base: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def as_stored_in_f16(model):
+    """`model` with the weights an f16 file holds in F16 rounded to it: every matrix but the routers and GLM-5's indexer
+    weights, which the file keeps in F32 as it keeps the vectors (`gguf_file.tensor_type`). A near tie of two logits,
+    or of two tokens' indexer scores where GLM-5's sparse attention chooses, can go either way between the float32
+    weights and the file's."""
+    with torch.no_grad():
+        for key, weight in model.named_parameters():
+            if weight.dim() >= 2 and not key.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")):
+                weight.copy_(weight.half().float())
+    return model
+
+
 def toolkit_greedy(model, ids: list[int], new: int, stops) -> list[int]:
     """Greedy ids in float32, the whole sequence recomputed at each step, up to and without a stop id."""
     x = torch.tensor([ids])
@@ -384,7 +399,7 @@ def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_pat
     path = tmp_path / "m-f16.gguf"
     write_gguf(path, source.config, source.tokenizer, source.tensors, "f16", chat_template=source.gguf_chat_template)
     tokenizer, fmt = source.tokenizer, source.version.format
-    model = toolkit_model(tiny[version])
+    model = as_stored_in_f16(toolkit_model(tiny[version]))  # what the file holds, as llama.cpp computes with it
     stops = set(tokenizer.stop_token_ids)
     strings = sample_strings(300)
     prompts = [[{"role": "user", "content": text}] for text in strings[-20:]]

@@ -28,7 +28,8 @@ What each graph reads, and what is written here for it (`moe_layout`, `moe_hyper
   latent), `wk` as attn_k ([key, hidden]), `weights_proj` as proj ([heads, hidden]) and its key's LayerNorm `k_norm`
   as k_norm (weight and bias); its hyperparameters attention.indexer.head_count (`index_n_heads`), key_length
   (`index_head_dim`) and top_k (`index_topk`); the indexer rotates the first `rope.dimension_count` dims of its keys
-  and queries as the attention does;
+  and queries as the attention does. llama.cpp's graph turns the indexer's keys and queries by a Hadamard matrix at
+  least 64 wide, so it runs a key length that is a multiple of 64 (GLM-5's is 128);
 - hyperparameters: expert counts (routed, used per token, shared, groups), the expert FFN width, the leading dense
   layers (`first_k_dense_replace`, or the leading "dense" entries of `mlp_layer_types`, which must all come first),
   sigmoid gating, `routed_scaling_factor` as the weights scale, `norm_topk_prob` as the weights norm.
