@@ -1,12 +1,14 @@
-"""export.py on GLM-4.5 (`glm4-moe`) and GLM-4.7-Flash (`glm4-moe-lite`): the GGUF file in llama.cpp's `glm4moe` /
-`deepseek2` architectures (names, shapes, values and hyperparameters, from the checkpoint's files and from a loaded
-model), the hf directory in the released layout that plain transformers loads with the toolkit's logits, the chat
-templates that render the toolkit's prompts by default; and llama.cpp's own llama-server on the f16 files
-(tokenization and greedy ids against the toolkit), which skips without a llama-server."""
+"""export.py on GLM-4.5 (`glm4-moe`), GLM-4.7-Flash (`glm4-moe-lite`) and GLM-5 (`glm5`): the GGUF file in
+llama.cpp's `glm4moe` / `deepseek2` / `glm-dsa` architectures (names, shapes, values and hyperparameters, from the
+checkpoint's files and from a loaded model), the hf directory in the released layout that plain transformers loads with
+the toolkit's logits and greedy ids, the chat templates that render the toolkit's prompts by default, a LoRA run merged
+into both and a P-tuning run refused; and llama.cpp's own llama-server on the f16 files (tokenization and greedy ids
+against the toolkit), which skips without a llama-server."""
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +18,9 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
 from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
-from serving import TEXTS  # noqa: E402
+from serving import ROOT, TEXTS  # noqa: E402
+
+import export as export_cli  # noqa: E402
 
 from chatglm_tune.export import gguf_moe  # noqa: E402
 from chatglm_tune.export.gguf_file import write_gguf  # noqa: E402
@@ -27,8 +31,16 @@ from chatglm_tune.models import registry  # noqa: E402
 from chatglm_tune.runs import loading  # noqa: E402
 
 VERSIONS = {"glm4-moe": ("glm4moe", gguf.MODEL_ARCH.GLM4_MOE),
-            "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2)}
-TRANSFORMERS_CLASSES = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM"}
+            "glm4-moe-lite": ("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2),
+            "glm5": ("glm-dsa", gguf.MODEL_ARCH.GLM_DSA)}
+TRANSFORMERS_CLASSES = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM",
+                        "glm5": "GlmMoeDsaForCausalLM"}
+# the tiny presets' fields changed here: llama.cpp's glm-dsa rotates the indexer's keys and queries by a Hadamard
+# matrix of 64 x 64 or larger, so its key length (the preset's 16) must be a multiple of 64
+TINY_OVERRIDES = {"glm5": {"index_head_dim": 64}}
+# the agent conversations (`test_agent_data.conversations`) in each version's template form
+CONVERSATION_FORMS = {"glm4-moe": "glm45", "glm4-moe-lite": "glm47", "glm5": "glm47"}
+LINES = (ROOT / "data" / "spo_train.jsonl").read_text(encoding="utf-8").splitlines()
 CHATS = [[{"role": "user", "content": "你好 world"}],
          [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXTS[0]},
           {"role": "assistant", "content": "好的"}, {"role": "user", "content": TEXTS[1]}]]
@@ -36,13 +48,13 @@ CHATS = [[{"role": "user", "content": "你好 world"}],
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """version -> a random tiny model directory (seed 0; the routers' score corrections random too, so that the
-    `exp_probs_b` they become is checked)."""
+    """version -> a random tiny model directory (seed 0, `TINY_OVERRIDES`; the routers' score corrections random too,
+    so that the `exp_probs_b` they become is checked)."""
     root = tmp_path_factory.mktemp("moe")
     out = {}
     for name in VERSIONS:
         torch.manual_seed(0)
-        model, _ = registry.VERSIONS[name].tiny(TEXTS, root / name)
+        model, _ = registry.VERSIONS[name].tiny(TEXTS, root / name, **TINY_OVERRIDES.get(name, {}))
         with torch.no_grad():
             for module in model.modules():
                 if hasattr(module, "e_score_correction_bias"):
@@ -50,6 +62,35 @@ def tiny(tmp_path_factory):
         model.save_pretrained(root / name)
         out[name] = root / name
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    """version -> {"lora": a LoRA run on its tiny model, "ptuning": a P-tuning run on it} (train.py, 2 steps)."""
+    import train as train_cli
+
+    root = tmp_path_factory.mktemp("moe-runs")
+    data = root / "data.jsonl"
+    data.write_text("".join(line + "\n" for line in LINES[:4]), encoding="utf-8")
+    flags = ["--train-file", data, "--max-src-len", 64, "--max-len", 80, "--batch-size", 4, "--threads", 1,
+             "--max-steps", 2]
+    out = {}
+    for version in VERSIONS:
+        out[version] = {}
+        for tuning, extra in (("lora", ["--lr", "3e-2"]), ("ptuning", ["--pre-seq-len", "4"])):
+            out[version][tuning] = root / f"{version}-{tuning}"
+            args = ["--model", tiny[version], "--tuning", tuning, *extra, *flags, "--output-dir", out[version][tuning]]
+            assert train_cli.main([str(a) for a in args]) == 0
+    return out
+
+
+def export(*args) -> int:
+    """export.py's exit status."""
+    try:
+        export_cli.main([str(a) for a in args])
+    except SystemExit as stop:
+        return stop.code
+    return 0
 
 
 def toolkit_model(directory: Path):
@@ -104,11 +145,35 @@ def hyperparameters(config, arch: str) -> dict:
                 "attention.key_length": config.head_dim, "attention.value_length": config.head_dim,
                 "rope.dimension_count": config.head_dim // 2}
     rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
-    return {**common, "vocab_size": config.vocab_size, "attention.head_count_kv": 1,
-            "attention.q_lora_rank": config.q_lora_rank, "attention.kv_lora_rank": rank,
-            "attention.key_length": rank + rope, "attention.value_length": rank,
-            "attention.key_length_mla": config.qk_nope_head_dim + rope,
-            "attention.value_length_mla": config.v_head_dim, "rope.dimension_count": rope}
+    latent = {**common, "vocab_size": config.vocab_size, "attention.head_count_kv": 1,
+              "attention.q_lora_rank": config.q_lora_rank, "attention.kv_lora_rank": rank,
+              "attention.key_length": rank + rope, "attention.value_length": rank,
+              "attention.key_length_mla": config.qk_nope_head_dim + rope,
+              "attention.value_length_mla": config.v_head_dim, "rope.dimension_count": rope}
+    if arch == "deepseek2":
+        return latent
+    return {**latent, "attention.indexer.head_count": config.index_n_heads,
+            "attention.indexer.key_length": config.index_head_dim, "attention.indexer.top_k": config.index_topk,
+            "attention.indexer.types": [kind == "full" for kind in config.indexer_types]}
+
+
+def check_tensors(reader, model, arch: str) -> dict[str, torch.Tensor]:
+    """The f16 file's tensors are the model's (`expected_tensors`, returned), each under a name of gguf-py's list for
+    the architecture, F32 ones exact and the others as f16; norms, biases, routers and GLM-5's indexer weights F32."""
+    arch_enum = VERSIONS[model.config.chatglm_version][1]
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=n) for t in gguf.MODEL_TENSORS[arch_enum] for n in range(2)}
+    expected = expected_tensors(model, arch)
+    tensors_read = {t.name: t for t in reader.tensors}
+    assert set(tensors_read) == set(expected)
+    for name, tensor in tensors_read.items():
+        assert name.rsplit(".", 1)[0] in allowed, name
+        data = np.asarray(tensor.data)
+        assert data.shape == tuple(expected[name].shape), name  # torch order: stacked experts [E, ...]
+        want_values = expected[name].numpy() if data.dtype == np.float32 else expected[name].half().numpy()
+        assert np.array_equal(data, want_values), name
+        if name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight", "indexer.proj.weight")):
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, name
+    return expected
 
 
 @pytest.mark.parametrize("read", ["files", "model"])
@@ -133,24 +198,20 @@ def test_the_gguf_file_is_llama_cpps_architecture_with_its_tensors_and_hyperpara
     assert set(want) <= set(got)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-6), key
-    allowed = {gguf.TENSOR_NAMES[t].format(bid=n) for t in gguf.MODEL_TENSORS[arch_enum] for n in range(2)}
-    expected = expected_tensors(model, arch)
-    tensors_read = {t.name: t for t in reader.tensors}
-    assert set(tensors_read) == set(expected)
-    for name, tensor in tensors_read.items():
-        assert name.rsplit(".", 1)[0] in allowed, name
-        data = np.asarray(tensor.data)
-        assert data.shape == tuple(expected[name].shape), name  # torch order: stacked experts [E, ...]
-        want_values = expected[name].numpy() if data.dtype == np.float32 else expected[name].half().numpy()
-        assert np.array_equal(data, want_values), name
-        if name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight")):
-            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, name
-    if version == "glm4-moe":
+    expected = check_tensors(reader, model, arch)
+    if arch == "glm4moe":
         assert "blk.1.ffn_gate_exps.weight" in expected and expected["blk.1.ffn_gate_exps.weight"].shape == (8, 64, 128)
         assert {"blk.0.attn_q_norm.weight", "blk.0.attn_q.bias", "blk.0.post_attention_norm.weight"} <= set(expected)
     else:
         assert expected["blk.1.attn_k_b.weight"].shape == (8, 32, 16)
         assert expected["blk.1.attn_v_b.weight"].shape == (8, 16, 32)
+    if arch == "glm-dsa":  # the indexer of the full layer 0 (8 heads of 64 dims); the shared layer 1 has none
+        types = reader.fields["glm-dsa.attention.indexer.types"]
+        assert [gguf.GGUFValueType(t) for t in types.types] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL]
+        assert {name: tuple(t.shape) for name, t in expected.items() if ".indexer." in name} == {
+            "blk.0.indexer.attn_q_b.weight": (8 * 64, 48), "blk.0.indexer.attn_k.weight": (64, 128),
+            "blk.0.indexer.proj.weight": (8, 128), "blk.0.indexer.k_norm.weight": (64,),
+            "blk.0.indexer.k_norm.bias": (64,)}
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
@@ -163,6 +224,9 @@ def test_the_q8_0_file_quantizes_the_matrices_alike_from_files_and_model_and_kee
                      for name in ("files", "model"))
     assert files["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert files["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    if "blk.0.indexer.proj.weight" in files:  # GLM-5's indexer weights stay F32, its key projection is quantized
+        assert files["blk.0.indexer.proj.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        assert files["blk.0.indexer.attn_k.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert set(files) == set(loaded)
     for name, tensor in files.items():  # experts stacked one by one into the output = cut out of the fused weight
         assert np.array_equal(np.asarray(tensor.data), np.asarray(loaded[name].data)), name
@@ -184,8 +248,13 @@ def test_the_hf_directory_is_the_released_layout_plain_transformers_loads_with_o
     plain = getattr(transformers, TRANSFORMERS_CLASSES[version]).from_pretrained(out, dtype=torch.float32).eval()
     assert type(plain).__module__.startswith("transformers.")
     ids = torch.tensor([source.tokenizer.encode_text(TEXTS[2])[:24]])
+    toolkit = toolkit_model(tiny[version])
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, toolkit_model(tiny[version])(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(plain(ids).logits, toolkit(ids).logits, atol=1e-5, rtol=0)
+        generated = plain.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    stops = set(source.tokenizer.stop_token_ids)  # generation_config.json's eos ids: generate ends on the first
+    want = toolkit_greedy(toolkit, ids[0].tolist(), NEW_TOKENS, stops)
+    assert generated[:len(want)] == want and (len(want) == NEW_TOKENS or generated[len(want)] in stops)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     fmt, tokenizer = source.version.format, source.tokenizer
     for messages in CHATS:  # thinking off unless asked, as the toolkit prompts
@@ -193,6 +262,43 @@ def test_the_hf_directory_is_the_released_layout_plain_transformers_loads_with_o
             text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **asked)
             want = tokenizer.encode_chat(messages, add_generation_prompt=True, **{**fmt.template_kwargs, **asked})
             assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == want, asked
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_a_lora_run_is_merged_into_the_hf_directory_and_the_gguf_file(runs, tiny, tmp_path, version):
+    import transformers
+
+    run = runs[version]["lora"]
+    assert export(run, tmp_path / "hf", "--format", "hf") == 0
+    assert export(run, tmp_path / "gguf", "--type", "f16") == 0
+    merged, base = toolkit_model(run), toolkit_model(tiny[version])  # the run: its float base + its adapter
+    plain = getattr(transformers, TRANSFORMERS_CLASSES[version]).from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.tensor([loading.load_tokenizer(loading.resolve_run(run)).encode_text(TEXTS[2])[:24]])
+    with torch.no_grad():
+        want = merged(ids).logits
+        assert (want - base(ids).logits).abs().max() > 1e-3  # the adapter changes the model
+        torch.testing.assert_close(plain.eval()(ids).logits, want, atol=1e-5, rtol=0)
+    (path,) = (tmp_path / "gguf").glob("*.gguf")
+    check_tensors(gguf.GGUFReader(path), merged, VERSIONS[version][0])
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_a_ptuning_run_is_refused_in_every_format(runs, tmp_path, capsys, version):
+    for form in ("gguf", "hf"):
+        capsys.readouterr()
+        assert export(runs[version]["ptuning"], tmp_path / form, "--format", form) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("export.py: error: ") and "Traceback" not in err, err
+        assert re.search(r"is a P-tuning run: .*no engine .* takes a KV prefix", err), err
+        assert not (tmp_path / form).exists() or not any((tmp_path / form).iterdir())
+
+
+def test_an_indexer_type_llama_cpp_does_not_know_is_refused(tiny, tmp_path):
+    source = open_export(tiny["glm5"], form="gguf")
+    source.config.indexer_types = ["full", "sliding"]
+    with pytest.raises(ValueError, match=r"indexer_types .*one of full, shared a layer"):
+        write_gguf(tmp_path / "m.gguf", source.config, source.tokenizer, source.tensors, "f16")
+    assert list(tmp_path.iterdir()) == []
 
 
 def with_specials(tokenizer, text: str) -> list[int]:
@@ -257,6 +363,18 @@ def post(base: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def as_stored_in_f16(model):
+    """`model` with the weights an f16 file holds in F16 rounded to it: every matrix but the routers and GLM-5's indexer
+    weights, which the file keeps in F32 as it keeps the vectors (`gguf_file.tensor_type`). A near tie of two logits,
+    or of two tokens' indexer scores where GLM-5's sparse attention chooses, can go either way between the float32
+    weights and the file's."""
+    with torch.no_grad():
+        for key, weight in model.named_parameters():
+            if weight.dim() >= 2 and not key.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")):
+                weight.copy_(weight.half().float())
+    return model
+
+
 def toolkit_greedy(model, ids: list[int], new: int, stops) -> list[int]:
     """Greedy ids in float32, the whole sequence recomputed at each step, up to and without a stop id."""
     x = torch.tensor([ids])
@@ -281,7 +399,7 @@ def test_llama_server_tokenizes_prompts_and_answers_as_the_toolkit(tiny, tmp_pat
     path = tmp_path / "m-f16.gguf"
     write_gguf(path, source.config, source.tokenizer, source.tensors, "f16", chat_template=source.gguf_chat_template)
     tokenizer, fmt = source.tokenizer, source.version.format
-    model = toolkit_model(tiny[version])
+    model = as_stored_in_f16(toolkit_model(tiny[version]))  # what the file holds, as llama.cpp computes with it
     stops = set(tokenizer.stop_token_ids)
     strings = sample_strings(300)
     prompts = [[{"role": "user", "content": text}] for text in strings[-20:]]
@@ -329,7 +447,7 @@ def test_exported_templates_render_agent_conversations_to_the_training_ids(tiny,
                                                                                        **kw)
     gguf_template = environment.from_string(open_export(tiny[version], form="gguf").gguf_chat_template)
     options = EncodingOptions(prompt="", max_src_len=4096, max_len=8192)
-    for i, raw in enumerate(conversations("glm45" if version == "glm4-moe" else "glm47", n=20, seed=3)):
+    for i, raw in enumerate(conversations(CONVERSATION_FORMS[version], n=20, seed=3)):
         want = list(encode_record(parse_record(raw, f"c:{i}"), source.tokenizer, options).input_ids[:-1])
         messages, asked = template_messages(json.loads(json.dumps(raw))), flags(raw)
         ids = hf_tokenizer.apply_chat_template(messages, tools=raw["tools"], tokenize=True, **asked)

@@ -6,10 +6,10 @@
     python export.py CHATGLM6B_RUN OUT_DIR --format ggml --type q4_0   # chatglm.cpp's file (ChatGLM-6B, ChatGLM2/3)
     python export.py MODEL_DIR OUT_DIR --lora ADAPTER             # a base + a peft LoRA adapter, merged
 
-What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not
-exported: P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the
-float source and choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture),
-GLM-4-0414 (`glm4`), GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-4.7-Flash (`deepseek2`); llama.cpp cannot run ChatGLM-6B,
+What is exported: a model directory, a full fine-tuning run, a LoRA run (merged into its float base). Not exported:
+P-tuning runs (their prefix is a KV cache that no engine takes) and INT8/INT4 directories (export the float source and
+choose --type). GGUF holds ChatGLM2/3, GLM-4 and GLM-Edge (llama.cpp's `chatglm` architecture), GLM-4-0414 (`glm4`),
+GLM-4.5 / 4.6 / 4.7 (`glm4moe`), GLM-4.7-Flash (`deepseek2`) and GLM-5 (`glm-dsa`); llama.cpp cannot run ChatGLM-6B,
 whose GGML file chatglm.cpp runs. OUT_DIR must be new or empty, in a directory this process may write (checked before
 any weight is read); the export is written in `.OUT_DIR.partial` beside it and renamed to OUT_DIR when complete: an
 error, Ctrl-C, SIGTERM or SIGUSR1 removes it (exit 130 / 143 / 138 for the signals), OUT_DIR is left as it was and the

@@ -1,11 +1,13 @@
-"""A ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5 or GLM-4.7-Flash model as one GGUF file for llama.cpp and ollama.
+"""A ChatGLM2/3, GLM-4, GLM-4-0414, GLM-Edge, GLM-4.5, GLM-4.7-Flash or GLM-5 model as one GGUF file for llama.cpp /
+ollama.
 
 The architecture is the one llama.cpp's own converter gives the model's transformers class (`ARCHES`):
 `GlmForCausalLM` (ChatGLM2/3, GLM-4, GLM-Edge) is `chatglm`; `Glm4ForCausalLM` (GLM-4-0414, GLM-Z1) is `glm4`,
 the same graph with an RMSNorm after attention and after the MLP, each before its residual add;
-`Glm4MoeForCausalLM` (GLM-4.5 / 4.6 / 4.7) is `glm4moe` and `Glm4MoeLiteForCausalLM` (GLM-4.7-Flash) `deepseek2`,
-whose tensors and hyperparameters export/gguf_moe.py writes (`tensor_layout`; a router stays F32 in every
-`--type`, as llama.cpp keeps it). What the `chatglm` / `glm4` graphs read, and what is written here for them:
+`Glm4MoeForCausalLM` (GLM-4.5 / 4.6 / 4.7) is `glm4moe`, `Glm4MoeLiteForCausalLM` (GLM-4.7-Flash) `deepseek2` and
+`GlmMoeDsaForCausalLM` (GLM-5) `glm-dsa`, whose tensors and hyperparameters export/gguf_moe.py writes
+(`tensor_layout`; a router stays F32 in every `--type`, as llama.cpp keeps it, and so do GLM-5's indexer weights).
+What the `chatglm` / `glm4` graphs read, and what is written here for them:
 - tensors under its names (`models.glm.weights.gguf_name`): from an official checkpoint, q|k|v rows fused into
   `attn_qkv` with its bias and dense_h_to_4h's gate|up rows as `ffn_up`; from one in transformers' own form
   (GLM-4-0414, GLM-Edge), `attn_q` / `attn_k` / `attn_v` apart (as llama.cpp's converter writes them),
@@ -55,7 +57,9 @@ TYPES = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}  # --type
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 SLICE_WEIGHTS = 1 << 22  # weights quantized at a time (16 MB of float32)
-F32_MATRICES = (".ffn_gate_inp.weight",)  # matrices kept in F32 whatever the --type (a router's, as llama.cpp does)
+# matrices kept in F32 whatever the --type: a router's, as llama.cpp does; GLM-5's indexer weights, as transformers
+# computes them (export/gguf_moe.py)
+F32_MATRICES = (".ffn_gate_inp.weight", ".indexer.proj.weight")
 
 
 def tensor_type(name: str, shape: tuple[int, ...], kind: str) -> Q:

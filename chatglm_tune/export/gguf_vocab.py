@@ -9,7 +9,7 @@
   merges, the special tokens after the ranks as control tokens, then padding. The pre-tokenizer is GLM-4's regex
   under the name llama.cpp's converter gives it for the architecture (`PRE_TOKENIZERS`): `chatglm-bpe` in a
   `chatglm` file (GLM-4, GLM-Edge), `glm4` in a `glm4` file (GLM-4-0414) and in the
-  `glm4moe` / `deepseek2` files of GLM-4.5 / GLM-4.7-Flash, which also takes a word that is a
+  `glm4moe` / `deepseek2` / `glm-dsa` files of GLM-4.5 / GLM-4.7-Flash / GLM-5, which also takes a word that is a
   whole token as that token, as the tokenizer.json's BPE does (`ignore_merges`).
 - Special ids: eos, eot = `<|user|>`, eom = `<|observation|>` (llama.cpp ends generation on all three: the
   toolkit's stop ids), unk and pad as the tokenizer has them; no BOS is added (the chat template starts
@@ -26,7 +26,7 @@ from gguf import TokenType
 from chatglm_tune.data.tokenizing import adds_dummy_prefix
 
 # llama.cpp architecture -> its GLM-4 BPE pre-tokenizer
-PRE_TOKENIZERS = {"chatglm": "chatglm-bpe", "glm4": "glm4", "glm4moe": "glm4", "deepseek2": "glm4"}
+PRE_TOKENIZERS = {"chatglm": "chatglm-bpe", "glm4": "glm4", "glm4moe": "glm4", "deepseek2": "glm4", "glm-dsa": "glm4"}
 
 
 def add_vocab(writer: gguf.GGUFWriter, tokenizer, rows: int) -> None:

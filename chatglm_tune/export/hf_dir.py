@@ -2,7 +2,8 @@
 
 ChatGLM2/3, GLM-4 and GLM-Edge become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
 `glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released), GLM-4.5 /
-4.6 / 4.7 its `Glm4MoeForCausalLM` and GLM-4.7-Flash its `Glm4MoeLiteForCausalLM`:
+4.6 / 4.7 its `Glm4MoeForCausalLM`, GLM-4.7-Flash its `Glm4MoeLiteForCausalLM` and GLM-5 its `GlmMoeDsaForCausalLM`
+(the sparse attention's indexer under transformers' keys, `self_attn.indexer.*`, in the layers that have one):
 - config.json in transformers' fields (`config.transformers_form`, without the toolkit's own), plus `rope_theta`
   and `partial_rotary_factor` at the top level, where transformers 4 reads them;
 - generation_config.json: the version's stop ids as `eos_token_id`, the export's sampling (greedy for a train.py

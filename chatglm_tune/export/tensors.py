@@ -6,8 +6,8 @@ keys (q/k/v fused as `query_key_value`); GLM-4-0414 and GLM-Edge, released in tr
 llama.cpp's names (`weights.gguf_name`).
 Both give `shapes()` and the tensors in that order (`__iter__`), and any one tensor by key (`get`), which the
 mixture-of-experts layouts read to stack experts (export/gguf_moe.py).
-- `ModelTensors`: a loaded model's (a LoRA run merged into its base), under its version's layout (GLM-4.5's and
-  GLM-4.7-Flash's routed experts fused, 3D, as transformers holds them).
+- `ModelTensors`: a loaded model's (a LoRA run merged into its base), under its version's layout (GLM-4.5's,
+  GLM-4.7-Flash's and GLM-5's routed experts fused, 3D, as transformers holds them).
 - `CheckpointTensors`: a checkpoint directory read as it lies, each tensor in the file's own dtype: what a model
   directory or a full fine-tuning run needs, without loading the model (the memory of one tensor, not of the
   model); a released checkpoint's experts per expert. `__iter__` reads one weight file at a time; `get` keeps

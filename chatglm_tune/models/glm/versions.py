@@ -194,6 +194,11 @@ class ReleasedFormVersion(GLM4Version):
 
 
 _NO_GGML = "chatglm.cpp's {} file is not written here: use --format gguf (llama.cpp, ollama)"
+# GLM-5.3-Flash's "gguf" refusal (`export_refusals`): transformers' Glm5Next (linear attention layers and
+# hyper-connections beside GLM-5's sparse attention), which gguf-py 0.19 (the `export` extra) has no architecture for.
+_NO_GGUF_GLM53_FLASH = ("GLM-5.3-Flash's llama.cpp architecture (glm5-next: linear attention layers and "
+                        "hyper-connections beside the sparse attention) is not one gguf-py 0.19 knows, so no GGUF "
+                        "file is written here: use --format hf (transformers, vLLM)")
 VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_model_type=3),
             GLM4Version(GLM4, export_refusals={"ggml": _NO_GGML.format("GLM-4")}),
             ReleasedFormVersion(GLM4_0414, export_refusals={"ggml": _NO_GGML.format("GLM-4-0414")}),
