@@ -271,7 +271,8 @@ EVALUATIONS = 5  # dev evaluations over a run, when --eval-every is not given
 # --model NAME: a random tiny model of that version
 TINY_PRESETS = {"tiny": "chatglm", "tiny-chatglm3": "chatglm3", "tiny-glm4": "glm4", "tiny-glm4-0414": "glm4-0414",
                 "tiny-glm-edge": "glm-edge", "tiny-glm4-moe": "glm4-moe", "tiny-glm47": "glm4-moe",
-                "tiny-glm47-flash": "glm4-moe-lite", "tiny-glm5": "glm5", "tiny-glm51": "glm5", "tiny-glm52": "glm5"}
+                "tiny-glm47-flash": "glm4-moe-lite", "tiny-glm5": "glm5", "tiny-glm51": "glm5", "tiny-glm52": "glm5",
+                "tiny-glm53-flash": "glm53-flash"}
 # Presets whose tokenizer carries another version's released chat template: GLM-4.7 is GLM-4.5's architecture with
 # GLM-4.7-Flash's template form.
 TINY_CHAT_TEMPLATES = {"tiny-glm47": "glm4-moe-lite", "tiny-glm51": "glm5.1", "tiny-glm52": "glm5.2"}
@@ -281,7 +282,7 @@ TINY_DEMO = dict(batch_size=16, grad_accum=1, lr=4e-3, warmup_ratio=0.03, weight
 # budget_steps of each preset
 TINY_DEMO_STEPS = {"tiny": 2800, "tiny-chatglm3": 3200, "tiny-glm4": 3200, "tiny-glm4-0414": 3200,
                    "tiny-glm-edge": 3200, "tiny-glm4-moe": 3200, "tiny-glm47": 3200, "tiny-glm47-flash": 3200,
-                   "tiny-glm5": 3200, "tiny-glm51": 3200, "tiny-glm52": 3200}
+                   "tiny-glm5": 3200, "tiny-glm51": 3200, "tiny-glm52": 3200, "tiny-glm53-flash": 3200}
 
 
 # Torch CPU threads a command takes at most, per CPU of the machine: more only take turns on the same cores, and

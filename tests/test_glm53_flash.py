@@ -1,5 +1,5 @@
 """GLM-5.3-Flash (transformers' `glm5_next`) as the toolkit runs it, on tiny random configs in fp32: the text model and
-head (`next_model.Glm5NextForCausalLMWithPrefix`) against transformers' own `Glm5NextForConditionalGeneration` with
+head (`modeling.Glm5NextForCausalLMWithPrefix`) against transformers' own `Glm5NextForConditionalGeneration` with
 the same weights, the P-tuning prefix (next_prefix.py: each head's keys and values in the sparse attention layers, an
 initial recurrent state in the KDA layers), its cache (next_cache.py), left pads, and the toolkit's decoding.
 
@@ -23,7 +23,8 @@ from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.generation import generate
 from chatglm_tune.models.glm.next_cache import HybridCache, KdaStateLayer, PrefixStates, seed_prefix
 from chatglm_tune.models.glm.next_layers import PadKeepingForgetGate, PrefixedLinearAttention, PrefixedSparseAttention
-from chatglm_tune.models.glm.next_model import TEXT_MODEL, VISION_MODEL, Glm5NextForCausalLMWithPrefix
+from chatglm_tune.models.glm.modeling import Glm5NextForCausalLMWithPrefix
+from chatglm_tune.models.glm.next_model import TEXT_MODEL, VISION_MODEL
 from chatglm_tune.models.glm.next_prefix import (layer_widths, next_prefix_formula, next_prefix_width, prefix_parts,
                                                  prefix_state)
 

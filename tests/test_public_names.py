@@ -258,5 +258,5 @@ def test_the_registry_table_and_the_package_description_name_every_version():
     description = re.search(r'^description = "(.*)"$',
                             (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M).group(1)
     for shown in ("ChatGLM-6B", "ChatGLM2", "ChatGLM3", "GLM-4", "GLM-4-0414", "GLM-Edge", "GLM-4.5", "GLM-4.7-Flash",
-                  "GLM-5"):
+                  "GLM-5", "GLM-5.3-Flash"):
         assert shown in description

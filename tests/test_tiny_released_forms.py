@@ -1,5 +1,5 @@
 """The tiny presets of the versions released in transformers' form (`--model tiny-glm4-0414`, `tiny-glm-edge`,
-`tiny-glm4-moe`, `tiny-glm47-flash`),
+`tiny-glm4-moe`, `tiny-glm47-flash`, `tiny-glm5`, `tiny-glm53-flash`),
 end to end and cheaply: train.py `--tuning full` for a few steps, P-tuning v2 and LoRA on that run for 2 steps each
 (`test_versions.tiny_runs`, as for the tiny GLM-4, without a dev file: no generation while training),
 each run read back from its own directory and run by infer.py.
@@ -19,7 +19,7 @@ from test_versions import tiny_runs
 
 
 @pytest.mark.parametrize("preset", ["tiny-glm4-0414", "tiny-glm-edge", "tiny-glm4-moe", "tiny-glm47-flash",
-                                    "tiny-glm5"])
+                                    "tiny-glm5", "tiny-glm53-flash"])
 def test_a_tiny_released_form_trains_then_ptunes_and_lora_tunes_end_to_end(preset, tmp_path):
     version = TINY_PRESETS[preset]
     root = tiny_runs(tmp_path, preset, base_steps=4, run=in_process, dev=False)

@@ -162,16 +162,25 @@ def load(args, source, settings):
         if why:
             raise ValueError(f"--compile: {why}")
         line += "; decode steps compiled on a static cache"
-    print(f"{line}; {speculation_line(settings)}", file=sys.stderr)
+    print(f"{line}; {speculation_line(settings, model)}", file=sys.stderr)
     return model, tokenizer
 
 
-def speculation_line(settings) -> str:
+def speculation_line(settings, model=None) -> str:
+    """What decoding does with guesses; ValueError where --speculative on asks it of a model that cannot take them
+    back (`speculative.refusal`: `auto` then decodes plainly)."""
+    from chatglm_tune.decoding.speculative import refusal
+
     drafts = settings.drafts
     if drafts is None:
         return "speculative decoding off"
     if not settings.sampling.greedy:
         return "speculative decoding off (sampling decodes plainly)"
+    why = None if model is None else refusal(model)
+    if why and not drafts.auto:
+        raise ValueError(f"--speculative on: {why}")
+    if why:
+        return f"speculative decoding off ({why})"
     when = "auto: steps guess where guessing has been faster at their number of rows" if drafts.auto else "on"
     return f"speculative decoding {when} (prompt lookup, up to {drafts.max_draft} guessed tokens checked a forward)"
 

@@ -35,6 +35,7 @@ from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.emitter import Emitter, Row
 from chatglm_tune.decoding.request import FINISH_CANCELLED, FINISH_ERROR, Request
 from chatglm_tune.decoding.scheduler import Scheduler
+from chatglm_tune.decoding.speculative import usable_drafts
 from chatglm_tune.options import ServingOptions
 from chatglm_tune.runtime import crashpoints, heap, openmp
 
@@ -73,6 +74,7 @@ class Engine:
         why = slot_cache.unsupported(model) if options.compiled else None
         if why:
             raise ValueError(f"compiled serving: {why}")
+        usable_drafts(model, options.drafts)  # ValueError where guesses were asked for and the cache cannot take them
         eos = model.config.eos_token_id
         self.scheduler = Scheduler(options)
         self.emitter = Emitter([eos] if isinstance(eos, int) else list(eos), vocab_limit, self.device, options.drafts)

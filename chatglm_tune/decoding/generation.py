@@ -27,7 +27,7 @@ from chatglm_tune.decoding import static_decoding
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens, row_generators
-from chatglm_tune.decoding.speculative import DecodeStats, speculative_steps
+from chatglm_tune.decoding.speculative import DecodeStats, speculative_steps, usable_drafts
 from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions, SamplingOptions
 
 
@@ -153,6 +153,8 @@ def _steps(model, d: _Decoding, max_new_tokens: int, sampling: SamplingOptions, 
         return static_decoding.static_steps(model, d.input_ids, d.mask, max_new_tokens=max_new_tokens,
                                             sampling=sampling, generators=d.generators, stop=d.stop,
                                             fallback=d.fallback, vocab_limit=vocab_limit)
+    if drafts is not None and sampling.greedy:
+        drafts = usable_drafts(model, drafts)  # none where the cache cannot take guesses back and `auto` chose
     if drafts is None or not sampling.greedy:
         return _cached_steps(model, d, max_new_tokens, sampling, vocab_limit)
     stop = [] if d.stop is None else d.stop.tolist()

@@ -14,6 +14,9 @@ between batch sizes.
 The cache (`batch_cache.BatchCache.verify` / `accept`) takes each row's pending token and its guesses, then
 keeps, per row, the pending token and the accepted guesses: rows that kept fewer are shifted right (left
 padded), so the batch stays one left-padded cache. Rows stop on a stop id or the budget as in `generate`.
+A model whose cache holds recurrent states (linear attention: GLM-5.3-Flash's KDA layers; its class says
+`recurrent_cache`) cannot take rejected guesses back out of them: it decodes plainly where speculation was left to
+choose itself (`DraftOptions.auto`), and refuses it where asked for (`usable_drafts`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from chatglm_tune.decoding.adaptive import timed
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.drafting import Drafter
 from chatglm_tune.decoding.sampling import next_tokens
-from chatglm_tune.options import DEFAULT_SAMPLING
+from chatglm_tune.options import DEFAULT_SAMPLING, DraftOptions
 
 
 @dataclass
@@ -49,6 +52,27 @@ class DecodeStats:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def refusal(model) -> str | None:
+    """Why speculative decoding cannot run on `model` (its cache holds recurrent states: the module docstring), or
+    None."""
+    if getattr(model, "recurrent_cache", False):
+        return (f"{type(model).__name__} keeps recurrent states (linear attention) that cannot take rejected guesses "
+                "back: it decodes without speculative drafts")
+    return None
+
+
+def usable_drafts(model, drafts: DraftOptions | Drafter | None) -> DraftOptions | Drafter | None:
+    """`drafts` as `model` decodes with them: None where it cannot speculate (`refusal`) and speculation was to choose
+    itself (`DraftOptions.auto`); ValueError where it was asked for outright."""
+    why = None if drafts is None else refusal(model)
+    if why is None:
+        return drafts
+    options = drafts.options if isinstance(drafts, Drafter) else drafts
+    if options.auto:
+        return None
+    raise ValueError(f"speculative decoding: {why}")
 
 
 def speculative_steps(model, ids: torch.Tensor, mask: torch.Tensor | None, *, stop: Sequence[int], fallback: int,

@@ -2,15 +2,17 @@
 
 ChatGLM2/3, GLM-4 and GLM-Edge become transformers' own `GlmForCausalLM` (`model_type: glm`, as the released
 `glm-4-9b-chat-hf` and GLM-Edge are), GLM-4-0414 its `Glm4ForCausalLM` (`model_type: glm4`, as released), GLM-4.5 /
-4.6 / 4.7 its `Glm4MoeForCausalLM`, GLM-4.7-Flash its `Glm4MoeLiteForCausalLM` and GLM-5 its `GlmMoeDsaForCausalLM`
-(the sparse attention's indexer under transformers' keys, `self_attn.indexer.*`, in the layers that have one):
+4.6 / 4.7 its `Glm4MoeForCausalLM`, GLM-4.7-Flash its `Glm4MoeLiteForCausalLM`, GLM-5 its `GlmMoeDsaForCausalLM`
+(the sparse attention's indexer under transformers' keys, `self_attn.indexer.*`, in the layers that have one) and
+GLM-5.3-Flash its `Glm5NextForConditionalGeneration` (the composite config.json, its vision encoder's config as read:
+the text model's weights, which transformers builds the vision encoder beside, randomly initialised, for text):
 - config.json in transformers' fields (`config.transformers_form`, without the toolkit's own), plus `rope_theta`
   and `partial_rotary_factor` at the top level, where transformers 4 reads them;
 - generation_config.json: the version's stop ids as `eos_token_id`, the export's sampling (greedy for a train.py
   run, the official chat()'s for a model directory: export/answering.py);
 - safetensors under transformers' keys (q/k/v apart, `gate_up_proj` fused), the routed experts of the
-  mixture-of-experts versions one by one as they are released (`experts.released_experts`:
-  `mlp.experts.E.{gate,up,down}_proj.weight`, which transformers fuses as it loads);
+  mixture-of-experts versions one by one as they are released (`mlp.experts.E.{gate,up,down}_proj.weight`, which
+  transformers fuses as it loads), GLM-5.3-Flash's layers under their released names (`next_weights.released_layout`);
 - the tokenizer as `tokenizer.json` (a `PreTrainedTokenizerFast`, left padding, the version's prefix, `[gMASK]` and
   the start token, put first by its post-processor; GLM-Edge has none and its post-processor adds nothing) and
   the version's Jinja chat template in tokenizer_config.json (with a run's instruction and the toolkit's render
@@ -38,7 +40,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from chatglm_tune.data.tokenizing import SPIECE, adds_dummy_prefix, sentencepiece_model_type
 from chatglm_tune.export.answering import engine_fields, template_defaults
 from chatglm_tune.models.glm.config import transformers_form
-from chatglm_tune.models.glm.experts import released_experts
+from chatglm_tune.models.glm.next_weights import released_layout
 from chatglm_tune.options import SamplingOptions
 from chatglm_tune.runtime import checkpoint
 
@@ -66,7 +68,7 @@ def write_hf(out: Path, model, tokenizer, *, max_shard_bytes: int = 2 << 30, cha
 
 def _write_glm(out: Path, model, tokenizer, max_shard_bytes: int, progress: Callable[[int, int], None],
                chat_template: str, sampling: SamplingOptions) -> None:
-    state = released_experts(model.state_dict())  # transformers' own keys (a P-tuning prefix never reaches export)
+    state = released_layout(model.state_dict())  # as released (a P-tuning prefix never reaches export)
     checkpoint.save_state_dict(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
     config = transformers_form(model.config, next(iter(state.values())).dtype, toolkit_fields=False)
     _write_json(out / "config.json", config)

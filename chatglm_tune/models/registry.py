@@ -9,6 +9,7 @@
     glm4-moe   GLM-4.5/4.6/4.7   models/glm         transformers' Glm4MoeForCausalLM (routed experts), its chat template
     glm4-moe-lite  GLM-4.7-Flash models/glm         transformers' Glm4MoeLiteForCausalLM (latent attention, experts)
     glm5       GLM-5 to 5.3      models/glm         transformers' GlmMoeDsaForCausalLM (sparse attention, experts)
+    glm53-flash  GLM-5.3-Flash   models/glm         transformers' glm5_next text model (KDA linear + sparse attention)
 
 A config.json is read by each family's `detect` in turn (all of them say `model_type: chatglm`; the
 fields tell them apart); a tokenizer directory first by its tokenizer_config.json class

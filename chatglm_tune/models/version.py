@@ -3,9 +3,10 @@
 A `Version` holds its prompt format (`format`, a `batches.PromptFormat`: prompts, answers, stop ids, chat)
 and says as data what the rest of the package needs: the Linears LoRA targets (`lora_targets`) and quantization
 swaps (`quantizable_linears`), where the P-tuning prefix encoder lives (`prefix_module`), what export.py
-cannot write it as (`export_refusals`) and whether its transformers directory is transformers' own (`hf_native`). It
-loads its model and tokenizer from a directory and builds the random tiny model of the from-scratch demos. The registry
-(`models/registry.py`) maps names and directories to versions; the families never import it.
+cannot write it as (`export_refusals`), whether its transformers directory is transformers' own (`hf_native`) and
+whether it trains on packed rows (`packing_refusal`). It loads its model and tokenizer from a directory and builds the
+random tiny model of the from-scratch demos. The registry (`models/registry.py`) maps names and directories to
+versions; the families never import it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Version:
     # official layout, which this toolkit and the official remote code load.
     hf_native: bool = True
     layers_field: str = "num_layers"  # the config field of its number of decoder layers (a tiny model's depth)
+    # train.py --packing: why this version cannot train on packed rows (several examples a row), None where it can
+    packing_refusal: str | None = None
 
     @property
     def name(self) -> str:

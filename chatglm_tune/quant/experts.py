@@ -12,6 +12,9 @@ that step with its router in C++ (one call a layer instead of Python's many smal
 A prompt's tokens without gradients run every chosen expert on its rows in two calls too (`grouped_rows`,
 `int8dot_cpu.matmul_groups`), bit for bit as expert by expert; that saves a short prompt's call overheads, while a
 long one's time is the kernel's own work. Figures for both: bench/results/kernel-notes.md.
+Experts whose SwiGLU clamps its inputs (GLM-5.3-Flash's `swiglu_limit`: the gate at most L, the up projection within
+[-L, L], before `silu(gate) * up`) clamp them alike on every Python path (`QuantizedExperts.glu`); the C++ step has no
+clamp, so such a layer's decode steps run in Python (`decoder` gives none).
 """
 
 from __future__ import annotations
@@ -30,27 +33,36 @@ _SILU = (nn.SiLU, SiLUActivation)  # transformers' "silu" (`ACT2FN`): `F.silu`, 
 
 
 class QuantizedExpert(nn.Module):
-    """One expert's SwiGLU: `down(act(gate(x)) * up(x))` over INT weights."""
+    """One expert's SwiGLU: `down(glu(gate(x), up(x)))` over INT weights (`glu`: `QuantizedExperts.glu`)."""
 
     def __init__(self, gate_proj: QuantizedLinear, up_proj: QuantizedLinear, down_proj: QuantizedLinear):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def forward(self, x: Tensor, act) -> Tensor:
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, glu) -> Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
 
 class QuantizedExperts(nn.Module):
     """E `QuantizedExpert`s (children "0" .. "E-1") with the routed experts' forward: (hidden [T, H], top_k_index
     [T, k], top_k_weights [T, k]) -> [T, H], the weighted sum of each token's chosen experts (an index of E,
-    transformers' mark of a dropped choice, counts for nothing)."""
+    transformers' mark of a dropped choice, counts for nothing). `swiglu_limit`: the clamp of the SwiGLU's inputs
+    (None: none; the module docstring)."""
 
-    def __init__(self, experts: list[QuantizedExpert], act_fn):
+    def __init__(self, experts: list[QuantizedExpert], act_fn, swiglu_limit: float | None = None):
         super().__init__()
         self.num_experts = len(experts)
         for index, expert in enumerate(experts):
             self.add_module(str(index), expert)
         self.act_fn = act_fn
+        self.swiglu_limit = swiglu_limit
+
+    def glu(self, gate: Tensor, up: Tensor) -> Tensor:
+        """`act(gate) * up`, the inputs clamped first where the experts clamp them (`swiglu_limit`)."""
+        limit = self.swiglu_limit
+        if limit is None:
+            return self.act_fn(gate) * up
+        return self.act_fn(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
     def expert(self, index: int) -> QuantizedExpert:
         return self._modules[str(index)]
@@ -67,7 +79,7 @@ class QuantizedExperts(nn.Module):
                                    dtype=experts.down_proj.dtype)
 
         return cls([QuantizedExpert(layer(hidden, inner), layer(hidden, inner), layer(inner, hidden))
-                    for _ in range(count)], experts.act_fn)
+                    for _ in range(count)], *_activation(experts))
 
     @classmethod
     def from_fused(cls, experts: nn.Module, bits: int, group_size: int = 0) -> QuantizedExperts:
@@ -81,7 +93,7 @@ class QuantizedExperts(nn.Module):
             return QuantizedLinear.from_linear(linear, bits, group_size)
 
         return cls([QuantizedExpert(layer(gate_up[e, :inner]), layer(gate_up[e, inner:]), layer(down[e]))
-                    for e in range(gate_up.shape[0])], experts.act_fn)
+                    for e in range(gate_up.shape[0])], *_activation(experts))
 
     def prepare_kernels(self) -> None:
         """Build every expert's integer-dot layout now (in the weights' own bytes), where that kernel runs: an expert
@@ -111,7 +123,7 @@ class QuantizedExperts(nn.Module):
         if hidden_states.shape[0] == 1:  # a decode step: its k experts in expert order, as the grouped sum adds them
             for expert, weight in sorted(zip(top_k_index[0].tolist(), top_k_weights[0])):
                 if expert < self.num_experts:
-                    out += (self.expert(expert)(hidden_states, self.act_fn) * weight).to(out.dtype)
+                    out += (self.expert(expert)(hidden_states, self.glu) * weight).to(out.dtype)
             return out
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
@@ -124,7 +136,7 @@ class QuantizedExperts(nn.Module):
             if count:
                 pairs = order[start : start + count]
                 tokens = pairs // top_k_index.shape[-1]
-                y = self.expert(expert)(hidden_states[tokens], self.act_fn)
+                y = self.expert(expert)(hidden_states[tokens], self.glu)
                 weights = top_k_weights.reshape(-1)[pairs, None]
                 out.index_add_(0, tokens, (y * weights).to(out.dtype))
             start += count
@@ -157,7 +169,7 @@ class QuantizedExperts(nn.Module):
         gates, ups = [expert.gate_proj for expert in experts], [expert.up_proj for expert in experts]
         rows = x[tokens]
         gate_up = _grouped_rows_matmul(rows, starts * 2, sizes * 2, gates + ups).view(2, len(tokens), -1)
-        down = _grouped_rows_matmul(self.act_fn(gate_up[0]) * gate_up[1], starts, sizes,
+        down = _grouped_rows_matmul(self.glu(gate_up[0], gate_up[1]), starts, sizes,
                                     [expert.down_proj for expert in experts])
         weights = top_k_weights.reshape(-1)[pairs, None]
         return torch.zeros_like(x).index_add_(0, tokens, (down * weights).to(x.dtype))
@@ -179,7 +191,7 @@ class QuantizedExperts(nn.Module):
             return None
         gate_up = _grouped_matmul(x.expand(len(projections), *x.shape), projections)
         gate_up = gate_up.view(len(experts), 2, x.shape[0], -1)
-        down = _grouped_matmul(self.act_fn(gate_up[:, 0]) * gate_up[:, 1], downs)
+        down = _grouped_matmul(self.glu(gate_up[:, 0], gate_up[:, 1]), downs)
         scale = weights[[i for _, i in chosen]]
         if shared is not None:
             scale = torch.cat([scale, scale.new_ones(1)])
@@ -191,12 +203,12 @@ class QuantizedExperts(nn.Module):
         """This layer's decode step held in C++ (`int8dot_cpu.moe_decoder`: `.step(x)`, x [1, H]) with its `router`
         (transformers' GLM router: one group of experts) and `shared` expert (`takes_as_expert`), the same arithmetic
         as `decode_step` after `moe_layer.route`, bit for bit; None where it cannot run (an adapter wraps a layer, an
-        activation other than SiLU, a layer off the grouped kernel). It holds the layers' layouts as they are now:
-        valid while `modules.layouts_epoch()` stays the same."""
+        activation other than SiLU, clamped inputs: `swiglu_limit`, a layer off the grouped kernel). It holds the
+        layers' layouts as they are now: valid while `modules.layouts_epoch()` stays the same."""
         modules = [self.expert(e) for e in range(self.num_experts)] + ([shared] if shared is not None else [])
         layers = [getattr(module, name) for module in modules for name in _PROJECTIONS]
-        if not (type(self.act_fn) in _SILU and all(type(layer) is QuantizedLinear and layer.grouped_kernel_runs()
-                                                      for layer in layers)):
+        if not (type(self.act_fn) in _SILU and self.swiglu_limit is None
+                and all(type(layer) is QuantizedLinear and layer.grouped_kernel_runs() for layer in layers)):
             return None
         return int8dot_cpu.moe_decoder(*_int8dot_weights(layers), self.num_experts, router.weight,
                                        router.e_score_correction_bias, router.top_k, router.norm_topk_prob,
@@ -213,11 +225,20 @@ class QuantizedExperts(nn.Module):
                    for layer, ref in pairs)
 
 
+def _activation(experts: nn.Module) -> tuple:
+    """(activation, swiglu_limit) of transformers' 3D experts: their `act_fn` (GLM-5.3-Flash's have none: their gate is
+    `F.silu`, as `nn.SiLU` computes it) and the clamp of their SwiGLU's inputs (None: none)."""
+    return getattr(experts, "act_fn", None) or nn.SiLU(), getattr(experts, "swiglu_limit", None)
+
+
 def dense_decoder(mlp: nn.Module):
     """A dense SwiGLU MLP's decode step held in C++ as the mixture-of-experts step with no routed experts and `mlp`
     the shared one (`.step(x)`, x [1, H]): gate and up in one grouped call, down in another, the same bits as its
-    forward; None where it cannot run (not SiLU, a layer that is not INT on the grouped kernel)."""
+    forward; None where it cannot run (not SiLU, clamped inputs: `swiglu_limit`, a layer that is not INT on the grouped
+    kernel)."""
     layers = [getattr(mlp, name, None) for name in _PROJECTIONS]
+    if getattr(mlp, "swiglu_limit", None) is not None:
+        return None
     if not (type(getattr(mlp, "act_fn", None)) in _SILU and all(type(layer) is QuantizedLinear
                                                                  and layer.grouped_kernel_runs() for layer in layers)
             and len({layer.bits for layer in layers}) == 1):

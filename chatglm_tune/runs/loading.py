@@ -170,10 +170,17 @@ def load_for_inference(source: ModelSource, *, device: str = "auto", dtype: str 
 CONTEXT_FIELDS = ("max_sequence_length", "seq_length", "max_position_embeddings")
 
 
+def text_fields(raw: dict) -> dict:
+    """A config.json dict's fields of its text model: a composite one's `text_config` (transformers' form of a model
+    with a vision encoder beside it: GLM-5.3-Flash's), with the top level's beside them; else the dict itself."""
+    text = raw.get("text_config")
+    return {**raw, **text} if isinstance(text, dict) else raw
+
+
 def context_length(config) -> int | None:
-    """Prompt + answer tokens a model was built for, from its config (a loaded one, or config.json's dict); None where
-    it names none."""
-    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    """Prompt + answer tokens a model was built for, from its config (a loaded one, or config.json's dict: its text
+    model's, `text_fields`); None where it names none."""
+    get = text_fields(config).get if isinstance(config, dict) else lambda name: getattr(config, name, None)
     return next((int(get(name)) for name in CONTEXT_FIELDS if get(name)), None)
 
 

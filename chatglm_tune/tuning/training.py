@@ -35,7 +35,7 @@ from chatglm_tune.evaluation.callmetrics import record_tools
 from chatglm_tune.models import registry
 from chatglm_tune.options import (EVALUATIONS, METHOD_DEFAULTS, TINY_CHAT_TEMPLATES, TINY_CONTEXT, TINY_PRESETS,
                                   EncodingOptions, TrainOptions, raise_problems)
-from chatglm_tune.runs.loading import context_length
+from chatglm_tune.runs.loading import context_length, text_fields
 from chatglm_tune.runtime.checkpoint import open_safetensors, read_config_file
 from chatglm_tune.runtime.stopping import Stopped, StopRequest, signal_name
 
@@ -160,17 +160,20 @@ def _schedule_factor(kind: str, warmup: int, total: int, step: int) -> float:
 
 def check_fit(model_arg: str, base: Path | None, options: TrainOptions, records) -> None:
     """ValueError, before anything is loaded or written, where the run cannot go on `model_arg` (a tiny preset, or the
-    model directory `base`): a record whose turns the version's prompt format has no form for (`check_turns`), a
-    P-tuning prefix longer than the model's context (config.json's), or a LoRA rank above its hidden size (an adapter's
-    rank is at most the width of the Linears it adapts; `--lora-r 1000000000` asked for half a terabyte)."""
+    model directory `base`): a record whose turns the version's prompt format has no form for (`check_turns`), packed
+    rows for a version that takes none (`Version.packing_refusal`), a P-tuning prefix longer than the model's context
+    (config.json's), or a LoRA rank above its hidden size (an adapter's rank is at most the width of the Linears it
+    adapts; `--lora-r 1000000000` asked for half a terabyte)."""
     version = registry.VERSIONS[TINY_PRESETS[model_arg]] if model_arg in TINY_PRESETS else registry.of_directory(base)
+    if options.packing and version.packing_refusal:
+        raise ValueError(f"--packing: {version.packing_refusal}")
     prompt_format = version.prompt_format_of(base, chat_template_of=TINY_CHAT_TEMPLATES.get(model_arg))
     check_thinking(prompt_format, options.encoding, records)
     for record in records:
         check_turns(prompt_format, record, options.encoding)
     if base is None:
         return
-    config = read_config_file(base)
+    config = text_fields(read_config_file(base))
     problems = []
     context = context_length(config)
     if options.tuning == "ptuning" and context and options.pre_seq_len > context:

@@ -1,6 +1,14 @@
 """ChatGLM2-6B / ChatGLM3-6B / GLM-4-9B config.json <-> transformers' `GlmConfig`, and which version a config is
-(GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash too, whose config.json is transformers' own:
-`transformers_form`).
+(GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash, GLM-5 and GLM-5.3-Flash too, whose config.json is
+transformers' own: `transformers_form`).
+
+GLM-5.3-Flash's config.json is transformers' composite `glm5_next` (`Glm5NextForConditionalGeneration`: a
+`text_config` and a `vision_config`, the image and video token ids beside them); the toolkit runs its text model
+(`ChatGLMNextConfig`, transformers' `Glm5NextTextConfig`), read from `text_config` (or, as transformers reads a
+text-only checkpoint, from the top level), the toolkit's own fields (`chatglm_version`, P-tuning, INT format) at the
+top level. What the composite holds beside the text model is kept as `config.composite_fields` and written back as
+read, so a saved or exported directory is still the composite transformers builds `Glm5NextForConditionalGeneration`
+from (a tiny preset's holds a small `vision_config` of its own for that).
 
 The official `configuration_chatglm.py` of all three names its fields Megatron-style (`num_layers`,
 `padded_vocab_size`, `kv_channels`, `multi_query_group_num`, `ffn_hidden_size`, `layernorm_epsilon`,
@@ -27,6 +35,7 @@ from pathlib import Path
 
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GlmMoeDsaConfig
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM53_FLASH
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
@@ -51,18 +60,29 @@ LATENT_QUANTIZABLE_LINEARS = (*LATENT_LORA_TARGETS, "o_proj", "gate_proj", "up_p
 # scores choose which tokens a query sees (a top-k: an INT error could change the choice, not just the output), and
 # transformers keeps its `weights_proj` in float32 whatever the model's dtype; LoRA and INT take the latent
 # projections as GLM-4.7-Flash's.
+# GLM-5.3-Flash: LoRA takes the attention projections of both kinds of layer (the sparse layers' latent ones, the KDA
+# layers' q / k / v), INT those, the output projections and the MLPs' and shared experts' gate / up / down (the routed
+# experts: `quant.experts`). What stays float, and why: the indexer (GLM-5's reason: its scores choose the tokens); the
+# KDA layers' forget gate (`forget_gate.f_a_proj` / `f_b_proj`, `A_log`, `dt_bias`: the per-channel decay, which an
+# error compounds over every later token of the recurrence), `b_proj` (the write strength beta, a few outputs a
+# head), `g_a_proj` / `g_b_proj` (the output gate's low-rank pair, small) and the short convolution (`conv1d`, a few
+# taps a channel); the hyper-connections' mixing (`attn_hc` / `ffn_hc`: small, and Sinkhorn-normalised, transformers
+# keeps their bias and scale in float32); the router and the norms, as in every version.
+NEXT_LORA_TARGETS = (*LATENT_LORA_TARGETS, "q_proj", "k_proj", "v_proj")
+NEXT_QUANTIZABLE_LINEARS = (*NEXT_LORA_TARGETS, "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantizable_linears(version: str) -> tuple[str, ...]:
     """The Linears INT8 / INT4 swaps in a version's blocks (its routed experts are `quant.experts`' business)."""
     return {"glm4-moe": MOE_QUANTIZABLE_LINEARS, "glm4-moe-lite": LATENT_QUANTIZABLE_LINEARS,
-            "glm5": LATENT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
+            "glm5": LATENT_QUANTIZABLE_LINEARS,
+            "glm53-flash": NEXT_QUANTIZABLE_LINEARS}.get(version, QUANTIZABLE_LINEARS)
 GLM4_VOCAB = 151552
 GLM4_PROMPT_START = "[gMASK]<sop>"  # how GLM-4's chat template begins every prompt (GLM-Edge's does not)
 # The versions whose released form is transformers' own (config.json's `model_type`, transformers' key
 # names), with the transformers class they are: their own directories are written back in that form.
 TRANSFORMERS_FORMS = {"glm4-0414": "glm4", "glm-edge": "glm", "glm4-moe": "glm4_moe", "glm4-moe-lite": "glm4_moe_lite",
-                      "glm5": "glm_moe_dsa"}
+                      "glm5": "glm_moe_dsa", "glm53-flash": "glm5_next"}
 # config.json's model_type -> (architecture, its fields written by `transformers_form`)
 _COMMON_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "hidden_act", "attention_dropout", "max_position_embeddings",
@@ -82,7 +102,23 @@ ARCHITECTURES = {
                                              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "mlp_layer_types",
                                              "index_topk", "index_head_dim", "index_n_heads", "indexer_types",
                                              "num_nextn_predict_layers")),
+    # the fields of its `text_config` (the composite's own: `composite_fields`)
+    "glm5_next": ("Glm5NextForConditionalGeneration", (*_COMMON_FIELDS, *_EXPERT_FIELDS, "kv_lora_rank", "q_lora_rank",
+                                                       "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                                       "mlp_layer_types", "layer_types", "index_topk", "index_head_dim",
+                                                       "index_n_heads", "indexer_types", "index_kpool",
+                                                       "index_kpool_always_select_tail", "swiglu_limit",
+                                                       "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+                                                       "linear_lower_bound", "hc_mult", "hc_eps", "hc_sinkhorn_iters",
+                                                       "router_aux_loss_coef", "initializer_range")),
 }
+# The composite forms: config.json's model_type -> its `text_config`'s (the model the toolkit runs)
+COMPOSITE = {"glm5_next": "glm5_next_text"}
+# The fields of a composite config.json beside `text_config` that a text-only (flat) one may hold at the top level too
+_COMPOSITE_ONLY = ("vision_config", "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                   "video_start_token_id", "video_end_token_id")
+# The toolkit's fields of a transformers-form config.json, at its top level (`transformers_form`)
+TOOLKIT_FIELDS = ("chatglm_version", "pre_seq_len", "prefix_projection", "quantization_bit", "quantization_group_size")
 _REQUIRED = object()  # no default: a config.json without the field is refused
 # The fields that map one to one, as (official config.json name, `GlmConfig` name, default when config.json
 # lacks it), read by `glm_config` and written back by `official_config` in this order.
@@ -278,9 +314,18 @@ class ChatGLMMoeDsaConfig(_FamilyConfig, GlmMoeDsaConfig):
     """transformers' `GlmMoeDsaConfig` (GLM-5 / 5.1 / 5.2 / 5.3), under a class of ours."""
 
 
+class ChatGLMNextConfig(_FamilyConfig, Glm5NextTextConfig):
+    """transformers' `Glm5NextTextConfig` (GLM-5.3-Flash's text model, read from its composite config.json: the
+    module docstring), under a class of ours."""
+
+    # The release ships a multi-token-prediction layer past the last, which its config names nowhere (transformers skips
+    # its keys): `experts.is_prediction_layer` skips it too.
+    prediction_layer_past_last = True
+
+
 CONFIG_CLASSES = {"glm": ChatGLMFamilyConfig, "glm4": ChatGLMFamilyConfig, "glm4_moe": ChatGLMMoeConfig,
-                  "glm4_moe_lite": ChatGLMMoeLiteConfig,
-                  "glm_moe_dsa": ChatGLMMoeDsaConfig}  # by config.json's model_type
+                  "glm4_moe_lite": ChatGLMMoeLiteConfig, "glm_moe_dsa": ChatGLMMoeDsaConfig,
+                  "glm5_next": ChatGLMNextConfig}  # by config.json's model_type
 
 
 def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None,
@@ -322,7 +367,9 @@ def glm_config(raw: dict, *, version: str, pre_seq_len: int | None = None,
 def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projection: bool | None) -> GlmConfig:
     """transformers' own form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge, the mixture-of-experts versions): its fields
     as they are, plus our P-tuning settings. (`Glm4Config` holds the same fields as `GlmConfig`: one config class
-    serves both.)"""
+    serves both.) A composite one (GLM-5.3-Flash's) as its text model (`text_fields`)."""
+    if raw.get("model_type") in COMPOSITE:
+        raw = text_fields(raw)
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "model_type")}
     fields["pre_seq_len"] = fields.get("pre_seq_len") if pre_seq_len is None else pre_seq_len
     fields["prefix_projection"] = bool(fields.get("prefix_projection", False) if prefix_projection is None
@@ -338,20 +385,42 @@ def _hf_config(raw: dict, version: str, pre_seq_len: int | None, prefix_projecti
     return config
 
 
+def text_fields(raw: dict) -> dict:
+    """A composite config.json (`COMPOSITE`) as its text model's flat fields: `text_config`'s (or, without one, the top
+    level's, as transformers reads a text-only checkpoint), the toolkit's top-level fields, and the composite's other
+    fields as `composite_fields` (the module docstring)."""
+    if isinstance(raw.get("text_config"), dict):
+        others = {k: v for k, v in raw.items() if k not in ("text_config", "architectures", "model_type", "dtype",
+                                                             "torch_dtype", "transformers_version",
+                                                             "tie_word_embeddings", *TOOLKIT_FIELDS)}
+        text = {**raw["text_config"], **{k: raw[k] for k in TOOLKIT_FIELDS if k in raw}}
+    else:
+        others = {k: raw[k] for k in _COMPOSITE_ONLY if k in raw}
+        text = {k: v for k, v in raw.items() if k not in _COMPOSITE_ONLY}
+    return {**text, "model_type": raw["model_type"], "composite_fields": others}
+
+
 def transformers_form(config: GlmConfig, dtype: torch.dtype | None = None, *, toolkit_fields: bool = True) -> dict:
     """config.json in transformers' own form: `GlmForCausalLM` (`model_type: glm`), or the class of the version's
     `TRANSFORMERS_FORMS` (`ARCHITECTURES`); `rope_theta` and `partial_rotary_factor` also at the top level, where
-    transformers 4 reads them. `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share `model_type:
-    glm`), P-tuning settings and INT format where set; without them, what any transformers reads (export)."""
+    transformers 4 reads them; a composite form (GLM-5.3-Flash's) with the fields in its `text_config`, the others as
+    read (`composite_fields`). `toolkit_fields`: our `chatglm_version` (GLM-Edge and glm-4-9b-chat-hf share
+    `model_type: glm`), P-tuning settings and INT format where set, at the top level; without them, what any
+    transformers reads (export)."""
     model_type = TRANSFORMERS_FORMS.get(config.chatglm_version, "glm")
     architecture, fields = ARCHITECTURES[model_type]
-    rope = dict(config.rope_parameters)
-    out = {"architectures": [architecture], "model_type": model_type,
-           **{k: getattr(config, k) for k in fields if hasattr(config, k)}, "eos_token_id": config.eos_token_id,
-           "tie_word_embeddings": False,
-           "rope_parameters": rope, "rope_theta": rope["rope_theta"], "use_cache": True}
-    if "partial_rotary_factor" in rope or model_type in ("glm", "glm4"):
-        out["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.5)
+    own = {**{k: getattr(config, k) for k in fields if hasattr(config, k)}, "eos_token_id": config.eos_token_id,
+           "tie_word_embeddings": False}
+    if model_type in COMPOSITE:
+        out = {"architectures": [architecture], "model_type": model_type, **(config.composite_fields or {}),
+               "text_config": {"model_type": COMPOSITE[model_type], **own, "use_cache": True},
+               "tie_word_embeddings": False}
+    else:
+        rope = dict(config.rope_parameters)
+        out = {"architectures": [architecture], "model_type": model_type, **own, "rope_parameters": rope,
+               "rope_theta": rope["rope_theta"], "use_cache": True}
+        if "partial_rotary_factor" in rope or model_type in ("glm", "glm4"):
+            out["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.5)
     if dtype is not None:
         out["dtype"] = str(dtype).removeprefix("torch.")
     if not toolkit_fields:

@@ -1,14 +1,15 @@
-"""The routed experts of GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash: their released layout, one Linear each, against
-transformers' 3D weights.
+"""The routed experts of GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash, GLM-5 and GLM-5.3-Flash: their released layout, one Linear
+each, against transformers' 3D weights.
 
 Released checkpoints hold expert e of layer n as `model.layers.n.mlp.experts.e.{gate,up,down}_proj.weight`
-([I, H], [I, H], [H, I]); transformers' `Glm4MoeForCausalLM` / `Glm4MoeLiteForCausalLM` hold them fused:
+([I, H], [I, H], [H, I]; GLM-5.3-Flash's under `model.language_model.layers.n`); transformers' classes hold them fused:
 `mlp.experts.gate_up_proj` [E, 2I, H] (the gate's rows first) and `mlp.experts.down_proj` [E, H, I]. Loading fills
 the 3D weights slice by slice as the files are read (`ExpertAssembler`: no per-expert copy is kept), saving splits
 them back (`released_experts`). An INT model holds its experts per expert already (`quant.experts`), under the
 released keys: a checkpoint's fused weights are split into those (`released_experts`) and quantized as they are read.
 
-The multi-token-prediction layer the releases ship after the last layer (`num_nextn_predict_layers`) is not part of
+The multi-token-prediction layer the releases ship after the last layer (`num_nextn_predict_layers`; GLM-5.3-Flash's
+config has no such field, and transformers skips the layer past its last, `shared_head` included) is not part of
 transformers' classes: it is not loaded (`is_prediction_layer`), as transformers itself skips it.
 """
 
@@ -21,14 +22,17 @@ from torch import nn
 
 from chatglm_tune.runtime.checkpoint import CheckpointError
 
-EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYERS = r"model\.(?:language_model\.)?layers"  # a trunk's layers: `model.layers`, GLM-5.3-Flash's in its text model
+EXPERT_KEY = re.compile(rf"^({_LAYERS}\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER_KEY = re.compile(rf"^{_LAYERS}\.(\d+)\.")
 
 
 def is_prediction_layer(key: str, config) -> bool:
-    """Whether `key` is a weight of a multi-token-prediction layer (layer index past the model's last layer)."""
+    """Whether `key` is a weight of a multi-token-prediction layer (layer index past the model's last layer, where the
+    config says it has one: `num_nextn_predict_layers`, or a `prediction_layer_past_last` class of config)."""
     match = _LAYER_KEY.match(key)
-    return bool(match and getattr(config, "num_nextn_predict_layers", 0) and int(match[1]) >= config.num_hidden_layers)
+    shipped = getattr(config, "num_nextn_predict_layers", 0) or getattr(config, "prediction_layer_past_last", False)
+    return bool(match and shipped and int(match[1]) >= config.num_hidden_layers)
 
 
 def released_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -51,14 +52,17 @@ from chatglm_tune.models.glm.attention import ATTENTION
 from chatglm_tune.models.loss import causal_lm_loss
 from chatglm_tune.runtime import checkpoint, heap
 from chatglm_tune.runtime.checkpoint import CheckpointError
-from chatglm_tune.models.glm.config import (ARCHITECTURES, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
+from chatglm_tune.models.glm.config import (ARCHITECTURES, FORMATS, TRANSFORMERS_FORMS, check_prefix_config, glm_config,
                                             official_config, quantizable_linears, read_version, stored_format,
                                             transformers_form)
 from chatglm_tune.models.glm.experts import ExpertAssembler, is_prediction_layer, released_experts
 from chatglm_tune.models.glm.latent_attention import LatentAttention
 from chatglm_tune.models.glm.latent_layer import use_held_steps
 from chatglm_tune.models.glm.moe_layer import use_grouped_decode
-from chatglm_tune.models.glm.prefix import cache_entry, prefix_encoder, prefix_formula, prefix_width
+from chatglm_tune.models.glm.next_model import Glm5NextTextForCausalLM, NextPrefix
+from chatglm_tune.models.glm.next_weights import VISION_KEYS, ConvAssembler, released_layout, transformers_name
+from chatglm_tune.models.glm.prefix import (cache_entry, positions_from_mask, prefix_encoder, prefix_formula,
+                                            prefix_width, reentrant_checkpointing)
 from chatglm_tune.models.glm.sparse_attention import SparseAttention
 from chatglm_tune.models.glm.weights import (OFFICIAL_PREFIX_ENCODER, PREFIX_ENCODER, qkv_rows, to_official,
                                              to_transformers)
@@ -81,19 +85,6 @@ def packed_mask(segment_ids: torch.Tensor, prefix: int) -> torch.Tensor:
     if prefix:
         seen = torch.cat([seen.new_ones(seen.shape[0], s, prefix), seen], dim=-1)
     return seen[:, None]
-
-
-def positions_from_mask(attention_mask: torch.Tensor, past: int, length: int) -> torch.Tensor:
-    """Position ids [b, length] of the newest `length` tokens: cumsum(mask) - 1, 0 on (left) pads.
-
-    attention_mask: [b, past + length], 1 = token, over the real tokens only (no prefix columns).
-    """
-    if attention_mask.shape[-1] != past + length:
-        raise ValueError(
-            f"attention_mask covers {attention_mask.shape[-1]} tokens; expected the {past} cached + {length} new "
-            "(the mask of the whole sequence so far, without prefix columns)"
-        )
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
 
 
 class PrefixModel(Chat):
@@ -165,7 +156,7 @@ class PrefixModel(Chat):
         if checkpointing:
             if cache is not None:
                 raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
-            if self.pre_seq_len and any(_reentrant(layer) for layer in self.model.layers):
+            if self.pre_seq_len and any(reentrant_checkpointing(layer) for layer in self.model.layers):
                 # Reentrant checkpointing only differentiates its positional inputs: the prefix, held in
                 # the cache, would be backpropagated once per layer through one shared graph.
                 raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the "
@@ -349,10 +340,15 @@ class GlmMoeDsaForCausalLMWithPrefix(_LatentPrefix, PrefixModel, GlmMoeDsaForCau
         use_grouped_decode(self)
 
 
+class Glm5NextForCausalLMWithPrefix(NextPrefix, PrefixModel, Glm5NextTextForCausalLM):
+    """GLM-5.3-Flash: transformers' `glm5_next` text model and head under the released keys, with the P-tuning v2
+    prefix in both kinds of its layers, its hybrid cache and left pads that change no row (`next_model.NextPrefix`)."""
+
+
 # by TRANSFORMERS_FORMS' model_type
 MODEL_CLASSES = {"glm": GlmForCausalLMWithPrefix, "glm4": Glm4ForCausalLMWithPrefix,
                  "glm4_moe": Glm4MoeForCausalLMWithPrefix, "glm4_moe_lite": Glm4MoeLiteForCausalLMWithPrefix,
-                 "glm_moe_dsa": GlmMoeDsaForCausalLMWithPrefix}
+                 "glm_moe_dsa": GlmMoeDsaForCausalLMWithPrefix, "glm5_next": Glm5NextForCausalLMWithPrefix}
 
 
 def model_class(version: str) -> type[PrefixModel]:
@@ -408,9 +404,14 @@ def load_glm(
     dtype = checkpoint.resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
     model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
     expected = {**dict(model.named_parameters()), **_persistent_buffers(model)}
-    experts = ExpertAssembler(model, expected, dtype)  # released experts may span files
+    # released experts and convolutions (GLM-5.3-Flash's) in parts, which may span files
+    assemblers = (ExpertAssembler(model, expected, dtype), ConvAssembler(model, expected, dtype))
+    vision: list[str] = []  # the keys of a released vision encoder (GLM-5.3-Flash's), not loaded
     for file in checkpoint.weight_files(path):
-        _read_file(model, file, raw, expected, quantized, dtype, experts)
+        _read_file(model, file, raw, expected, quantized, dtype, assemblers, vision)
+    if vision:
+        print(f"note: {path}: its vision encoder ({VISION_KEYS}*, {len(vision)} tensors) is not loaded: the toolkit "
+              f"runs {FORMATS[version].title}'s text model", file=sys.stderr)
     not_prefix = [k for k in expected if not k.startswith(PREFIX_ENCODER)]
     if not_prefix:
         if only_prefix_weights(path, OFFICIAL_PREFIX_ENCODER):
@@ -419,15 +420,16 @@ def load_glm(
         raise CheckpointError(f"{path}: missing weights: {shown}{_sandwich_hint(not_prefix, raw)}")
     if expected:  # a fresh prefix encoder, initialised as the official one is
         model.prefix_encoder = prefix_encoder(config)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was built on the meta device
+    if hasattr(model.model, "rotary_emb"):  # its buffer was built on the meta device (GLM-5.3-Flash has no rotary dims)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     config.dtype = dtype
     return model.to(device).eval()
 
 
 def _read_file(model: PrefixModel, file, raw: dict, expected: dict, quantized: dict, dtype: torch.dtype,
-               experts: ExpertAssembler) -> None:
+               assemblers: tuple, vision: list[str]) -> None:
     """Place every tensor of one weight file into `model` (`_place`; `expected` loses what is placed), official
-    keys mapped to transformers' (q/k/v split by rows), released experts into their fused weights."""
+    keys mapped to transformers' (q/k/v split by rows), released ones too (`_released_pairs`)."""
     config = model.config
     official_keys = raw.get("model_type") not in ARCHITECTURES  # else transformers' own key names
     rows = qkv_rows(config) if official_keys else None
@@ -445,15 +447,29 @@ def _read_file(model: PrefixModel, file, raw: dict, expected: dict, quantized: d
             raise CheckpointError(f"{file}: unexpected key {key} (not a weight of a ChatGLM2/3 / GLM-4 model)")
         if not official_keys:
             _check_architecture(key, file, raw)
-            if is_prediction_layer(key, config) or experts.take(key, tensor, file):
-                pairs = []
-            elif key not in expected:  # fused 3D experts, for a model holding them one by one (INT)
-                pairs = list(released_experts(dict(pairs)).items())
+            pairs = _released_pairs(key, tensor, pairs, config, expected, assemblers, vision, file)
         for name, part in pairs:
             _place(model, name, part, file, key, expected, quantized, dtype, pages, raw)
         pages.release(tensor)
         del tensor, pairs
     pages.close()
+
+
+def _released_pairs(key: str, tensor: torch.Tensor, pairs: list, config, expected: dict, assemblers: tuple,
+                    vision: list[str], file) -> list:
+    """(model name, tensor) of a key in transformers' released form: none for a multi-token-prediction layer
+    (`is_prediction_layer`), a vision encoder's tensor (listed in `vision`) or a part an assembler takes (a released
+    expert into its fused weight, GLM-5.3-Flash's convolution parts into one); GLM-5.3-Flash's released names as
+    transformers names the modules (`next_weights.transformers_name`); fused 3D experts split for a model holding them
+    one by one (INT)."""
+    if key.startswith(VISION_KEYS):
+        vision.append(key)
+        return []
+    name = transformers_name(key)
+    if is_prediction_layer(name, config) or any(assembler.take(name, tensor, file) for assembler in assemblers):
+        return []
+    pairs = [(transformers_name(k), t) for k, t in pairs]
+    return list(released_experts(dict(pairs)).items()) if name not in expected else pairs
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -480,7 +496,9 @@ def _empty_model(config: GlmConfig, path, bits: int, group_size: int, stored: bo
     quantized = {} if stored else {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if int8_embedding:
         int8_embedding_and_head(model, empty_init=True, dtype=int8_embedding)
-        quantized.update({"model.embed_tokens": model.model.embed_tokens, "lm_head": model.lm_head})
+        names = {id(module): name for name, module in model.named_modules()}  # GLM-5.3-Flash's: in its text model
+        quantized.update({names[id(layer)]: layer
+                          for layer in (model.get_input_embeddings(), model.get_output_embeddings())})
     return model, quantized
 
 
@@ -611,7 +629,7 @@ def save_official(
     if model.config.chatglm_version in TRANSFORMERS_FORMS:  # released in transformers' form: written back in it
         # the prefix under its official key, as every P-tuning checkpoint of the family holds it
         written = {(OFFICIAL_PREFIX_ENCODER + k.removeprefix(PREFIX_ENCODER) if k.startswith(PREFIX_ENCODER) else k): v
-                   for k, v in released_experts(state).items()}
+                   for k, v in released_layout(state).items()}
         config = transformers_form(model.config, trunk)
     else:
         written, config = to_official(state), official_config(model.config, trunk)
@@ -626,11 +644,6 @@ def _castable(key: str, tensor: torch.Tensor) -> bool:
     """Whether `save_official(dtype=...)` casts this tensor: floating trunk weights, never the prefix
     encoder (float32) nor the quantization scales (fp16 by the official format)."""
     return tensor.is_floating_point() and not key.startswith(PREFIX_ENCODER) and not key.endswith(".weight_scale")
-
-
-def _reentrant(layer: nn.Module) -> bool:
-    func = getattr(layer, "_gradient_checkpointing_func", None)
-    return bool(getattr(func, "keywords", {}).get("use_reentrant", False))
 
 
 def _unexpected(file, key: str, name: str, config) -> str:

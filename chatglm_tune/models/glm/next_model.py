@@ -8,9 +8,10 @@ recurrence, no key/value cache); `hc_mult` residual streams mixed at every block
 before the final norm; dense MLPs in the first layers, routed and shared experts after. Positions play no part
 (no rotary dims anywhere). `Glm5NextTextForCausalLM` is that text model and head alone, its modules named as in
 `Glm5NextForConditionalGeneration` (`model.language_model.*`, `lm_head.weight`): its logits for text are
-transformers' own. `Glm5NextForCausalLMWithPrefix` adds the toolkit's `PrefixModel` (the P-tuning prefix of
-next_prefix.py, in the sparse layers as next_layers.py puts it and in the KDA layers as their initial state, the
-cache of next_cache.py) and left pads that change no row.
+transformers' own. `NextPrefix` is what the toolkit's model of it (`modeling.Glm5NextForCausalLMWithPrefix`: this
+mixin, `modeling.PrefixModel`, the text LM) adds: the P-tuning prefix of next_prefix.py, in the sparse layers as
+next_layers.py puts it and in the KDA layers as their initial state, the cache of next_cache.py, and left pads that
+change no row.
 
 Its forward keeps `PrefixModel`'s contract: attention_mask [b, past + s] over the real tokens (1 = token, 0 = left
 pad; the model reads its last s columns: earlier tokens' validity is in the cache); positions derived from it
@@ -30,10 +31,10 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.glm5_next.modeling_glm5_next import (Glm5NextPreTrainedModel, Glm5NextTextLinearAttention,
                                                               Glm5NextTextModel)
 
-from chatglm_tune.models.glm.modeling import PrefixModel, _reentrant, positions_from_mask
 from chatglm_tune.models.glm.next_cache import HybridCache, PrefixStates, adopt, cached_entries, seed_prefix
 from chatglm_tune.models.glm.next_layers import PadKeepingForgetGate, PrefixedLinearAttention, PrefixedSparseAttention
-from chatglm_tune.models.glm.next_prefix import next_prefix_encoder, prefix_parts, prefix_state
+from chatglm_tune.models.glm.next_prefix import prefix_parts, prefix_state
+from chatglm_tune.models.glm.prefix import positions_from_mask, reentrant_checkpointing
 from chatglm_tune.models.loss import causal_lm_loss
 from chatglm_tune.models.prefix import cache_empty
 
@@ -78,8 +79,15 @@ class Glm5NextTextForCausalLM(Glm5NextPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        """The text model's embedding replaced (the trunk's `embed_tokens` only reads it)."""
+        self.model.language_model.embed_tokens = value
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
@@ -97,22 +105,18 @@ class Glm5NextTextForCausalLM(Glm5NextPreTrainedModel, GenerationMixin):
                                       attentions=out.attentions)
 
 
-class Glm5NextForCausalLMWithPrefix(PrefixModel, Glm5NextTextForCausalLM):
-    """GLM-5.3-Flash with the P-tuning v2 prefix (the module docstring), in the toolkit's `PrefixModel`. Decodes on its
-    own cache (`next_cache.HybridCache`; an empty cache made without a config is given its layers), never a static
-    one."""
+class NextPrefix:
+    """GLM-5.3-Flash's P-tuning v2 prefix, cache and forward (the module docstring), mixed in before `PrefixModel`
+    (`modeling.Glm5NextForCausalLMWithPrefix`). Decodes on its own cache (`next_cache.HybridCache`; an empty cache
+    made without a config is given its layers), never a static one."""
 
     static_cache = False  # recurrent states and an indexer cache: no `StaticCache` form (decoding.static_decoding)
+    # Its cache holds per-row recurrent states, which tokens written into it cannot be taken back from (no speculative
+    # decoding: `decoding.speculative`)
+    recurrent_cache = True
 
     def __init__(self, config):
-        # PrefixModel would build the family's encoder, whose width (every layer a latent attention layer) is not this
-        # model's: it is built here instead.
-        pre_seq_len = getattr(config, "pre_seq_len", None)
-        config.pre_seq_len = None
-        try:
-            super().__init__(config)
-        finally:
-            config.pre_seq_len = pre_seq_len
+        super().__init__(config)  # the prefix encoder at this model's width (glm/prefix.py hands it to next_prefix)
         for layer in self.model.layers:
             attention = layer.self_attn
             if isinstance(attention, Glm5NextTextLinearAttention):
@@ -120,7 +124,6 @@ class Glm5NextForCausalLMWithPrefix(PrefixModel, Glm5NextTextForCausalLM):
                 attention.forget_gate.__class__ = PadKeepingForgetGate
             else:
                 attention.__class__ = PrefixedSparseAttention
-        self.prefix_encoder = next_prefix_encoder(config) if pre_seq_len else None
 
     def prefix_key_values(self, batch_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) of the prefix (`next_prefix.prefix_parts`: a KDA layer's virtual keys and values
@@ -196,7 +199,7 @@ class Glm5NextForCausalLMWithPrefix(PrefixModel, Glm5NextTextForCausalLM):
             return self.config.use_cache if use_cache is None else use_cache
         if cache is not None:
             raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
-        if self.pre_seq_len and any(_reentrant(layer) for layer in layers):
+        if self.pre_seq_len and any(reentrant_checkpointing(layer) for layer in layers):
             raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
         return False
 

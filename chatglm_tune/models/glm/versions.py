@@ -1,9 +1,10 @@
-"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash as the rest of
-the toolkit sees them (`models.version.Version`): one model (`modeling.py`: transformers' GlmForCausalLM, or
-Glm4ForCausalLM, Glm4MoeForCausalLM or Glm4MoeLiteForCausalLM for the later ones, with the P-tuning prefix;
-`experts.py`: the routed experts' released layout), a prompt format each (`formats.py`), two tokenizers
-(SentencePiece for ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in `glm4_tokenizer.py`, which the later
-versions ship as a `tokenizer.json`); and how their files are recognised (`detect`, `detect_tokenizer`).
+"""ChatGLM2-6B, ChatGLM3-6B, GLM-4-9B, GLM-4-0414, GLM-Edge, GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash, GLM-5 and
+GLM-5.3-Flash as the rest of the toolkit sees them (`models.version.Version`): one model (`modeling.py`: transformers'
+GlmForCausalLM, or Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM or GlmMoeDsaForCausalLM for the later
+ones, GLM-5.3-Flash's text model as `next_model.py` runs it, with the P-tuning prefix; `experts.py`: the routed
+experts' released layout), a prompt format each (`formats.py`, `agent_format.py`), two tokenizers (SentencePiece for
+ChatGLM2/3 in `sp_tokenizer.py`, GLM-4's byte-level BPE in `glm4_tokenizer.py`, which the later versions ship as a
+`tokenizer.json`); and how their files are recognised (`detect`, `detect_tokenizer`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatglm_tune.models.glm.config import (LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS, LORA_TARGETS,
-                                            MOE_QUANTIZABLE_LINEARS, QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS,
-                                            ChatGLMFamilyConfig, ChatGLMMoeConfig, ChatGLMMoeDsaConfig,
-                                            ChatGLMMoeLiteConfig,
-                                            GLM4_PROMPT_START, chat_template_of, detect_version, glm_config,
-                                            mismatch_hint)
-from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5
+                                            MOE_QUANTIZABLE_LINEARS, NEXT_LORA_TARGETS, NEXT_QUANTIZABLE_LINEARS,
+                                            QUANTIZABLE_LINEARS, TRANSFORMERS_FORMS, ChatGLMFamilyConfig,
+                                            ChatGLMMoeConfig, ChatGLMMoeDsaConfig, ChatGLMMoeLiteConfig,
+                                            ChatGLMNextConfig, GLM4_PROMPT_START, chat_template_of, detect_version,
+                                            glm_config, mismatch_hint)
+from chatglm_tune.models.glm.agent_format import GLM4_MOE, GLM4_MOE_LITE, GLM5, GLM53_FLASH
 from chatglm_tune.models.glm.formats import CHATGLM2, CHATGLM3, GLM4, GLM4_0414, GLM_EDGE
 from chatglm_tune.models.version import Version
 from chatglm_tune.options import TINY_CONTEXT, TINY_WORD_PIECES
@@ -131,7 +132,20 @@ TINY_FIELDS = {
              "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"], "routed_scaling_factor": 2.5,
              "attention_bias": False, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 8,
              "indexer_types": ["full", "shared"]},
+    # GLM-5.3-Flash: 4 layers, three KDA linear attention (8 heads of 16) and a sparse one (latent attention without
+    # rotary dims, an indexer of 8 heads picking 8 tokens in pools of 4), 4 residual streams; the experts as above; a
+    # small vision encoder in its composite config.json (transformers builds the whole class from it: `TINY_VISION`)
+    "glm53-flash": {**{k: v for k, v in _TINY_EXPERTS.items() if k != "num_nextn_predict_layers"},
+                    "num_hidden_layers": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 0,
+                    "qk_nope_head_dim": 16, "v_head_dim": 16, "routed_scaling_factor": 2.5, "attention_bias": False,
+                    "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
+                    "mlp_layer_types": ["dense"] + ["sparse"] * 3, "indexer_types": ["full"] * 4, "index_topk": 8,
+                    "index_head_dim": 16, "index_n_heads": 8, "index_kpool": 4, "linear_head_dim": 16,
+                    "linear_num_heads": 8, "hc_mult": 4, "hc_sinkhorn_iters": 4},
 }
+# GLM-5.3-Flash's tiny vision encoder: one block; its output as wide as the tiny text model (128)
+TINY_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 128,
+               "projection_intermediate_size": 32, "patch_size": 2, "image_size": 8}
 
 
 @dataclass(frozen=True)
@@ -186,11 +200,41 @@ class ReleasedFormVersion(GLM4Version):
             raise ValueError(f"{self.title}'s config has no field {', '.join(unknown)} (transformers' names: "
                              f"{', '.join(sorted(raw))})")
         raw.update(config_overrides)
-        if "mlp_layer_types" in raw and "mlp_layer_types" not in config_overrides:  # any depth: a dense first layer
-            raw["mlp_layer_types"] = ["dense"] + ["sparse"] * (raw["num_hidden_layers"] - 1)
-        if "indexer_types" in raw and "indexer_types" not in config_overrides:  # a full indexer every other layer
-            raw["indexer_types"] = ["shared" if i % 2 else "full" for i in range(raw["num_hidden_layers"])]
+        raw.update({k: v for k, v in self.layer_plan(raw["num_hidden_layers"]).items() if k not in config_overrides})
         return model_class(self.name)(glm_config(raw, version=self.name, **prefix)), tokenizer
+
+    def layer_plan(self, layers: int) -> dict:
+        """The per-layer fields of a tiny model `layers` deep (those `tiny_fields` has): a dense first MLP layer, then
+        experts; GLM-5's full indexer every other layer (the others share its choice)."""
+        plan = {}
+        if "mlp_layer_types" in self.tiny_fields:
+            plan["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+        if "indexer_types" in self.tiny_fields:
+            plan["indexer_types"] = ["shared" if i % 2 else "full" for i in range(layers)]
+        return plan
+
+
+@dataclass(frozen=True)
+class NextVersion(ReleasedFormVersion):
+    """GLM-5.3-Flash (`next_model.Glm5NextForCausalLMWithPrefix`: its text model), released as transformers' composite
+    `glm5_next` (`config.COMPOSITE`)."""
+
+    def layer_plan(self, layers: int) -> dict:
+        """As released: every fourth layer sparse attention, the others KDA linear attention, and the last layer sparse
+        at any depth (a tiny model of fewer than 4 layers has one too); every sparse layer runs its own indexer."""
+        plan = super().layer_plan(layers)
+        plan["layer_types"] = ["indexed_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention"
+                               for i in range(layers)]
+        plan["indexer_types"] = ["full"] * layers
+        return plan
+
+    def tiny(self, corpus: list[str], directory: Path, *, context: int = TINY_CONTEXT, chat_template_of=None,
+             **config_overrides):
+        """`ReleasedFormVersion.tiny`, its composite config.json holding `TINY_VISION` beside the text model."""
+        model, tokenizer = super().tiny(corpus, directory, context=context, chat_template_of=chat_template_of,
+                                        **config_overrides)
+        model.config.composite_fields = {"vision_config": dict(TINY_VISION)}
+        return model, tokenizer
 
 
 _NO_GGML = "chatglm.cpp's {} file is not written here: use --format gguf (llama.cpp, ollama)"
@@ -208,16 +252,25 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
             ReleasedFormVersion(GLM4_MOE_LITE, ChatGLMMoeLiteConfig, LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS,
                                 export_refusals={"ggml": _NO_GGML.format("GLM-4.7-Flash")}),
             ReleasedFormVersion(GLM5, ChatGLMMoeDsaConfig, LATENT_LORA_TARGETS, LATENT_QUANTIZABLE_LINEARS,
-                                export_refusals={"ggml": _NO_GGML.format("GLM-5")}))
+                                export_refusals={"ggml": _NO_GGML.format("GLM-5")}),
+            NextVersion(GLM53_FLASH, ChatGLMNextConfig, NEXT_LORA_TARGETS, NEXT_QUANTIZABLE_LINEARS,
+                        export_refusals={"ggml": "chatglm.cpp has no GLM-5.3-Flash file: use --format hf",
+                                         "gguf": "GLM-5.3-Flash has no GGUF architecture in llama.cpp yet (its KDA "
+                                                 "linear attention and hyper-connections have no mainline support): "
+                                                 "use --format hf"},
+                        packing_refusal="GLM-5.3-Flash trains on one example a row: its KDA linear attention layers "
+                                        "would carry one example's recurrent state into the next of a packed row "
+                                        "(train without --packing)"))
 detect = detect_version  # what the registry asks: the version of a config.json dict, or None
 # What the registry reads of this family: config.json's model_type of its versions (the official one, and
-# transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM and Glm4MoeLiteForCausalLM), and
-# tokenizer_config.json's tokenizer_class of each version (ours, and the official GLM-4 one).
-MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+# transformers' GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, Glm4MoeLiteForCausalLM, GlmMoeDsaForCausalLM and
+# Glm5NextForConditionalGeneration), and tokenizer_config.json's tokenizer_class of each version (ours, and the official
+# GLM-4 one).
+MODEL_TYPES = ("chatglm", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next")
 TOKENIZER_CLASSES = {"ChatGLM2Tokenizer": "chatglm2", "ChatGLM3Tokenizer": "chatglm3", "GLM4Tokenizer": "glm4",
                      "ChatGLM4Tokenizer": "glm4", "GLM40414Tokenizer": "glm4-0414", "GLMEdgeTokenizer": "glm-edge",
                      "GLM4MoeTokenizer": "glm4-moe", "GLM4MoeLiteTokenizer": "glm4-moe-lite",
-                     "GLM5Tokenizer": "glm5"}
+                     "GLM5Tokenizer": "glm5", "GLM53FlashTokenizer": "glm53-flash"}
 
 
 def _tokenizer_json_version(directory: Path) -> str:
