@@ -1,9 +1,9 @@
 """The continuous-batching engine: every request gets the tokens `generate` gives its prompt alone.
 
-On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash with one): requests of
-different prompt lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while others run, more than
-the batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's whole); rows
-leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
+On tiny random models of every version, with and without a P-tuning prefix (GLM-4.7-Flash, GLM-5 and GLM-5.3-Flash
+with one): requests of different prompt lengths, budgets, stop ids and sampling (greedy, and seeded top-p) arrive while
+others run, more than the batch holds; prompts longer than the prefill budget are prefilled in chunks (ChatGLM-6B's
+whole); rows leave at different steps (their padding columns are cut). Also: a cancelled request leaves at the next
 step and the others go on unchanged; the queue refuses beyond `max_queue`; a closed engine admits nothing.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from chatglm_tune.data.batches import SpecialIds
 from chatglm_tune.data.records import SPORecord
-from chatglm_tune.decoding import emitter
+from chatglm_tune.decoding import emitter, speculative
 from chatglm_tune.decoding.batch_cache import BatchCache
 from chatglm_tune.decoding.engine import Engine, padding_groups
 from chatglm_tune.decoding.generation import generate
@@ -35,7 +35,8 @@ SAMPLINGS = [SamplingOptions(), SamplingOptions(do_sample=True, top_p=0.8, tempe
 
 @pytest.fixture(scope="module", params=[(v, p) for v in ("chatglm", "chatglm2", "chatglm3", "glm4") for p in (None, 3)]
                 + [("glm4-moe-lite", 3),  # GLM-4.7-Flash: each head's prefix in place of zero latents
-                   ("glm5", 3)],  # GLM-5: the same, and the indexer's keys in the latents' cache entries
+                   ("glm5", 3),  # GLM-5: the same, and the indexer's keys in the latents' cache entries
+                   ("glm53-flash", 3)],  # GLM-5.3-Flash: KDA layers' recurrent states beside sparse layers' entries
                 ids=lambda param: f"{param[0]}{'-prefix' if param[1] else ''}")
 def tiny(request, tmp_path_factory):
     name, prefix = request.param
@@ -81,8 +82,14 @@ def run_until_idle(engine: Engine, arrivals: dict[int, list[Request]], limit: in
 @pytest.mark.parametrize("guesses", ["lookup", "wrong", "off"])
 def test_each_request_gets_what_generate_gives_it_alone(tiny, guesses, monkeypatch):
     """Greedy requests guess their next tokens (speculative decoding) from their own tokens, or
-    guess wrong (random ids: rows keep different numbers of tokens), or do not guess: the same tokens."""
+    guess wrong (random ids: rows keep different numbers of tokens), or do not guess: the same tokens. A model whose
+    cache cannot take guesses back (GLM-5.3-Flash's recurrent states) refuses guesses asked of the engine."""
     model, tokenizer = tiny
+    if guesses != "off" and speculative.refusal(model):
+        with pytest.raises(ValueError, match="cannot take rejected guesses back"):
+            Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer),
+                   options=ServingOptions(drafts=DraftOptions()))
+        return
     checks = spy_on_checks(monkeypatch)
     if guesses == "wrong":
         draw = random.Random(0)

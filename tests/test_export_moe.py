@@ -3,7 +3,9 @@ llama.cpp's `glm4moe` / `deepseek2` / `glm-dsa` architectures (names, shapes, va
 checkpoint's files and from a loaded model), the hf directory in the released layout that plain transformers loads with
 the toolkit's logits and greedy ids, the chat templates that render the toolkit's prompts by default, a LoRA run merged
 into both and a P-tuning run refused; and llama.cpp's own llama-server on the f16 files (tokenization and greedy ids
-against the toolkit), which skips without a llama-server."""
+against the toolkit), which skips without a llama-server. GLM-5.3-Flash (`glm53-flash`): its hf directory
+(transformers' composite `Glm5NextForConditionalGeneration`) decodes as the toolkit does; GGUF and GGML, which no engine
+has for it, are refused with the reason before anything is written."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pip install -e ".[export]"')
 from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
-from serving import ROOT, TEXTS  # noqa: E402
+from serving import ROOT, TEXTS, tiny_model  # noqa: E402
 
 import export as export_cli  # noqa: E402
 
@@ -456,3 +458,46 @@ def test_exported_templates_render_agent_conversations_to_the_training_ids(tiny,
                   **{k: v for k, v in asked.items() if k == "clear_thinking"}}
         text = gguf_template.render(messages=messages, tools=raw["tools"], add_generation_prompt=False, **server)
         assert with_specials(source.tokenizer, text) == want, raw
+
+
+@pytest.fixture(scope="module")
+def glm53_flash(tmp_path_factory) -> Path:
+    return tiny_model("glm53-flash", tmp_path_factory.mktemp("glm53-flash"))
+
+
+def test_glm53_flash_exports_an_hf_directory_plain_transformers_decodes_as_the_toolkit(glm53_flash, tmp_path):
+    """The composite config.json (its vision encoder's config as the tiny model holds it), the text model's tensors
+    under their released names (no vision encoder: transformers initialises one, which text never reaches), and
+    transformers' greedy ids those of the toolkit's `generate`, left pads included."""
+    import transformers
+    from safetensors import safe_open
+
+    from chatglm_tune.decoding.generation import generate
+
+    out = tmp_path / "hf"
+    assert export(glm53_flash, out, "--format", "hf") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Glm5NextForConditionalGeneration"] and "chatglm_version" not in config
+    assert config["vision_config"]["depth"] == 1 and config["text_config"]["layer_types"][-1] == "indexed_attention"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.language_model.layers.0.self_attn.q_conv1d.weight" in keys
+    assert not any(k.startswith("model.visual.") for k in keys)
+    plain = transformers.Glm5NextForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    ours = toolkit_model(glm53_flash)
+    tokenizer = registry.VERSIONS["glm53-flash"].load_tokenizer(glm53_flash)
+    ids = torch.tensor([tokenizer.encode_text(TEXTS[i] + TEXTS[i + 1])[:20] for i in (2, 4)])
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = tokenizer.pad_token_id, 0
+    with torch.no_grad():
+        theirs = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                eos_token_id=None, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+    assert generate(ours, ids, mask, max_new_tokens=8, eos_token_id=None) == theirs.tolist()
+
+
+@pytest.mark.parametrize("form", ["gguf", "ggml"])
+def test_glm53_flash_is_refused_as_gguf_and_ggml_with_the_reason(glm53_flash, tmp_path, capsys, form):
+    assert export(glm53_flash, tmp_path / form, "--format", form) == 2
+    err = capsys.readouterr().err
+    assert "--format hf" in err and ("llama.cpp" in err if form == "gguf" else "chatglm.cpp" in err)
+    assert not (tmp_path / form).exists()

@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = sorted(registry.VERSIONS)
 TUNINGS = ("full", "lora", "ptuning")
 # Two processes train every version fully, and LoRA and P-tuning on one version of each kind of layer: ChatGLM-6B's
-# GLMBlock, transformers' dense GLM layer (GLM-4), the latent-attention mixture of experts (GLM-4.7-Flash) and its
-# sparse-attention one (GLM-5).
+# GLMBlock, transformers' dense GLM layer (GLM-4), the latent-attention mixture of experts (GLM-4.7-Flash), its
+# sparse-attention one (GLM-5) and the hybrid of KDA linear and sparse attention (GLM-5.3-Flash).
 SHARDED = [(name, "full") for name in VERSIONS] + [(name, tuning)
-                                                   for name in ("chatglm", "glm4", "glm4-moe-lite", "glm5")
+                                                   for name in ("chatglm", "glm4", "glm4-moe-lite", "glm5",
+                                                                "glm53-flash")
                                                    for tuning in ("lora", "ptuning")]
 STEPS = 2
 

@@ -385,3 +385,40 @@ def test_a_train_run_directory_is_enough(train_runs, tuning, tmp_path):
         infer_main(["--model", train_runs / "full", flag, run, "--input", train_runs / "dev.jsonl",
                     "--output", flagged])
         assert flagged.read_bytes() == out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def glm53_flash(tmp_path_factory):
+    """A tiny random GLM-5.3-Flash (KDA linear attention and sparse attention) and 8 records."""
+    from serving import tiny_model
+
+    root = tmp_path_factory.mktemp("glm53-flash")
+    tiny_model("glm53-flash", root / "model")
+    (root / "input.jsonl").write_text("\n".join(DEV.read_text(encoding="utf-8").splitlines()[:8]) + "\n",
+                                      encoding="utf-8")
+    return root
+
+
+def test_glm53_flash_infers_in_batches_resumes_and_decodes_without_guesses(glm53_flash, tmp_path, capsys):
+    """Left-padded batches give each record its rows alone; `--resume` finishes a cut file as the whole run wrote it;
+    speculation left to choose itself (the default `auto`) stays off, its recurrent states taking no guesses back, and
+    asked for outright (`--speculative`) is refused with the reason, as `--compile` is (no static cache)."""
+    def run(output, *extra):
+        infer_main(["--model", glm53_flash / "model", "--input", glm53_flash / "input.jsonl", "--output", output,
+                    "--max-new-tokens", 6, "--threads", 1, *extra])
+        return output.read_text(encoding="utf-8")
+
+    batched = run(tmp_path / "batched.jsonl", "--batch-size", 3)
+    assert "speculative decoding off (Glm5NextForCausalLMWithPrefix keeps recurrent states" in capsys.readouterr().err
+    assert json.loads((tmp_path / "batched.jsonl.summary.json").read_text())["records"] == 8
+    assert run(tmp_path / "alone.jsonl", "--batch-size", 1, "--no-speculative") == batched
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(batched.splitlines(keepends=True)[:3]), encoding="utf-8")
+    (tmp_path / "cut.jsonl.model.json").write_bytes((tmp_path / "batched.jsonl.model.json").read_bytes())
+    assert run(cut, "--batch-size", 3, "--resume") == batched
+    capsys.readouterr()
+    for flag, reason in (("--speculative", "--speculative on: .* cannot take rejected guesses back"),
+                         ("--compile", "--compile: compiled decoding needs a model that decodes on a static cache")):
+        with pytest.raises(SystemExit) as stop:
+            run(tmp_path / f"{flag[2:]}.jsonl", flag)
+        assert stop.value.code == 2 and re.search(reason, capsys.readouterr().err), flag

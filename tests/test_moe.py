@@ -482,15 +482,26 @@ def test_a_decode_step_runs_the_held_layers_without_their_module_calls(tmp_path_
             scores.append(model(scores[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1])
     assert torch.equal(torch.stack(scores), held)
 
-def test_serve_answers_a_chat(tiny, tmp_path):
+def test_serve_answers_a_chat_whole_and_streamed(tiny, tmp_path):
+    """A greedy chat answered whole, then streamed: the stream's content deltas are the whole answer's content."""
     version, directory = tiny
     body = {"messages": [{"role": "user", "content": "水泵漏油。"}], "max_tokens": 6, "temperature": 0}
+
+    def post(payload: dict):
+        return urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions",
+                                                             data=json.dumps(payload).encode(),
+                                                             headers={"Content-Type": "application/json"}), timeout=60)
+
     with serve_py(directory, tmp_path / "serve.log") as (_, base):
-        request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with post(body) as response:
             answer = json.loads(response.read())
+        with post({**body, "stream": True}) as response:
+            events = [line[len(b"data: "):].strip() for line in response if line.startswith(b"data: ")]
     assert answer["choices"][0]["message"]["role"] == "assistant" and answer["usage"]["completion_tokens"] >= 1
+    assert events[-1] == b"[DONE]"
+    deltas = [json.loads(event)["choices"][0]["delta"] for event in events[:-1]]
+    streamed = "".join(delta.get("content") or "" for delta in deltas)
+    assert streamed == (answer["choices"][0]["message"]["content"] or "")
 
 
 @pytest.mark.parametrize("prefix", (0, 4))

@@ -3,7 +3,7 @@ slots (`slot_cache.SlotCache`), each step one compiled function. Every request g
 prompt alone, while requests join and leave, the live columns move right (a prompt longer than the column every row
 writes next), left (columns only rows that left used) and the buffers grow. The step runs eagerly in most tests (the
 same function: compiling takes tens of seconds on two cores), compiled for real in one. Models that keep a cache of
-their own, and speculative drafts, are refused with a reason.
+their own (ChatGLM-6B, GLM-5.3-Flash), and speculative drafts, are refused with a reason.
 """
 
 from __future__ import annotations
@@ -133,3 +133,16 @@ def test_chatglm6b_and_drafts_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         serve_cli.parse_args(["--model", str(tmp_path), "--compile", "--speculative"])
     assert serve_cli.parse_args(["--model", str(tmp_path), "--compile"]).options.compiled
+
+
+def test_glm53_flash_is_refused_compiled_serving_with_the_reason(tmp_path):
+    """GLM-5.3-Flash's cache (recurrent states beside sparse layers' entries) has no static form: compiled serving and
+    compiled decoding say so; it serves eagerly."""
+    torch.manual_seed(0)
+    model, tokenizer = registry.VERSIONS["glm53-flash"].tiny(TEXTS, tmp_path)
+    with pytest.raises(ValueError, match="compiled serving: compiled decoding needs a model that decodes on a static "
+                                         "cache .Glm5NextForCausalLMWithPrefix keeps its own cache form"):
+        Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=ServingOptions(compiled=True))
+    with pytest.raises(ValueError, match="static cache"):
+        generate(model, torch.tensor([prompts_of(tokenizer, 1)[0]]), max_new_tokens=2, compiled=True)
+    assert Engine(model, SpecialIds.of(tokenizer), vocab_limit=len(tokenizer), options=ServingOptions()).idle
