@@ -31,7 +31,7 @@ OBJECTS = {"self", "cls", "model", "config", "tokenizer", "args", "run_args", "t
            "pytorch_model", "tokenizer_config", "stream_options", "general", "embedding", "module", "page", "settings",
            "encoding", "family", "linear", "options", "request", "ice_text", "infer", "train", "quantize",
            "exp_probs_b", "trainer_spec", "modeling_chatglm", "tokenization_chatglm", "configuration_chatglm",
-           "finetune", "finetune_hf"}
+           "finetune", "finetune_hf", "lm_head", "self_attn", "attn_hc", "conv1d"}
 # Short names of outside modules and classes the docstrings use.
 ALIASES = {"aten": "torch.ops.aten", "nn": "torch.nn", "F": "torch.nn.functional",
            "AutoConfig": "transformers.AutoConfig"}

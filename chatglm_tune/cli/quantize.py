@@ -62,8 +62,9 @@ def check_args(args, source) -> bool:
     import json
 
     from chatglm_tune.export.destination import check_destination
+    from chatglm_tune.runs.loading import text_fields
 
-    config = json.loads((source.base / "config.json").read_text())
+    config = text_fields(json.loads((source.base / "config.json").read_text()))  # a composite one's text model
     problems = []
     if config.get("quantization_bit"):
         problems.append(f"{source.base} is already INT{config['quantization_bit']}: quantize its half/float source "

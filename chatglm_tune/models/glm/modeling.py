@@ -14,8 +14,9 @@ MLP, each before its residual add. Their official implementation is transformers
   gives the official numbers without the tokenizer's `position_ids`);
 - `load_glm`: official checkpoints (sharded .bin / safetensors, official keys, weights.py) and
   transformers' form (glm-4-9b-chat-hf, GLM-4-0414, GLM-Edge: its class picked by config.json, weights that do
-  not fit it refused), built on the meta device and filled tensor by tensor (no second copy,
-  no pickle, no trust_remote_code);
+  not fit it refused; the later versions' released layouts: experts one by one, GLM-5.3-Flash's text model with its
+  released names, next_weights.py, its vision encoder skipped with a note), built on the meta device and filled
+  tensor by tensor (no second copy, no pickle, no trust_remote_code);
 - INT8/INT4 weight-only quantization of the attention and MLP Linears (`config.QUANTIZABLE_LINEARS`:
   q/k/v, o_proj, gate_up_proj, down_proj as `quant.modules.QuantizedLinear`), in the official ChatGLM2
   layout of its fused Linears (`query_key_value` / `dense` / `dense_h_to_4h` / `dense_4h_to_h`: int8

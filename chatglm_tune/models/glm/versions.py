@@ -216,7 +216,7 @@ class ReleasedFormVersion(GLM4Version):
 
 @dataclass(frozen=True)
 class NextVersion(ReleasedFormVersion):
-    """GLM-5.3-Flash (`next_model.Glm5NextForCausalLMWithPrefix`: its text model), released as transformers' composite
+    """GLM-5.3-Flash (`modeling.Glm5NextForCausalLMWithPrefix`: its text model), released as transformers' composite
     `glm5_next` (`config.COMPOSITE`)."""
 
     def layer_plan(self, layers: int) -> dict:
