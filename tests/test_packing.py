@@ -1,5 +1,7 @@
 """Packed training rows (`--packing`): several examples a row, none seeing another, each with the positions it has
-alone, so the loss and its gradients equal those of the same examples in rows of their own, for every version."""
+alone, so the loss and its gradients equal those of the same examples in rows of their own, for every version that
+takes them; a version that takes none (GLM-5.3-Flash: its recurrent states would run from one example into the next)
+says why, and its model refuses them."""
 
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from chatglm_tune.tuning.training import set_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = sorted(registry.VERSIONS)
+PACKED = [name for name in VERSIONS if registry.VERSIONS[name].packing_refusal is None]  # the versions that pack
 
 
 def test_pack_fills_rows_longest_first_and_keeps_every_row_once():
@@ -51,7 +54,7 @@ def loss_and_grads(model, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", VERSIONS)
+@pytest.mark.parametrize("name", PACKED)
 @pytest.mark.parametrize("tuning", ["full", "ptuning", "lora"])
 def test_packed_rows_give_the_loss_and_gradients_of_separate_rows(models, name, tuning):
     version = registry.VERSIONS[name]
@@ -71,6 +74,18 @@ def test_packed_rows_give_the_loss_and_gradients_of_separate_rows(models, name, 
     assert grads.keys() == expect.keys() and grads
     for key in grads:
         torch.testing.assert_close(grads[key], expect[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_version_that_takes_no_packed_rows_refuses_them(models):
+    refusing = [name for name in VERSIONS if name not in PACKED]
+    assert refusing == ["glm53-flash"]
+    for name in refusing:
+        version = registry.VERSIONS[name]
+        assert "recurrent state" in version.packing_refusal
+        rows = examples(version.load_tokenizer(models[name]))
+        packed = collate_packed([rows[:2]], SpecialIds.of(version.load_tokenizer(models[name])))
+        with pytest.raises(ValueError, match="packed rows"):
+            version.load_model(models[name])(**packed)
 
 
 def test_train_py_packs_when_asked_and_says_so(models, tmp_path, capsys):

@@ -82,3 +82,23 @@ def test_glm53_flash_refuses_packed_rows_with_the_reason(tmp_path, capsys):
     assert code == 2
     assert "--packing: GLM-5.3-Flash trains on one example a row" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("layers", [1, 2, 6])
+def test_the_tiny_glm53_flash_plans_its_layers_at_any_depth(tmp_path, layers):
+    """`--tiny-layers N`: every fourth layer sparse attention as released, and the last at any depth, the others KDA;
+    a dense first MLP, experts after; every sparse layer its own indexer. The model runs a batch."""
+    import torch
+
+    from chatglm_tune.models.glm.next_prefix import LINEAR
+
+    model, tokenizer = registry.VERSIONS["glm53-flash"].tiny([DEV.read_text(encoding="utf-8")[:2000]], tmp_path,
+                                                              num_hidden_layers=layers)
+    config = model.config
+    sparse = [i for i, kind in enumerate(config.layer_types) if kind != LINEAR]
+    assert len(config.layer_types) == len(config.mlp_layer_types) == len(config.indexer_types) == layers
+    assert sparse == sorted({i for i in range(layers) if i % 4 == 3} | {layers - 1})
+    assert config.mlp_layer_types == ["dense"] + ["sparse"] * (layers - 1) and set(config.indexer_types) == {"full"}
+    ids = torch.tensor([tokenizer.encode_text("水泵漏油。发动机异响。")])
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(ids).logits).all()
