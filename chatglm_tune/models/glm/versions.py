@@ -255,9 +255,7 @@ VERSIONS = (GLMVersion(CHATGLM2, ggml_model_type=2), GLMVersion(CHATGLM3, ggml_m
                                 export_refusals={"ggml": _NO_GGML.format("GLM-5")}),
             NextVersion(GLM53_FLASH, ChatGLMNextConfig, NEXT_LORA_TARGETS, NEXT_QUANTIZABLE_LINEARS,
                         export_refusals={"ggml": "chatglm.cpp has no GLM-5.3-Flash file: use --format hf",
-                                         "gguf": "GLM-5.3-Flash has no GGUF architecture in llama.cpp yet (its KDA "
-                                                 "linear attention and hyper-connections have no mainline support): "
-                                                 "use --format hf"},
+                                         "gguf": _NO_GGUF_GLM53_FLASH},
                         packing_refusal="GLM-5.3-Flash trains on one example a row: its KDA linear attention layers "
                                         "would carry one example's recurrent state into the next of a packed row "
                                         "(train without --packing)"))
