@@ -31,7 +31,7 @@ from test_tiny_glm4 import in_process
 # GLM-5 / 5.1 / 5.2 write the turns as GLM-4.7 does (5.1 and 5.2 write the tools unwrapped, 5.2 a reasoning-effort
 # line first while thinking and `<think></think>` as its empty think block: all outside the trained runs)
 PRESETS = {"tiny-glm4-moe": "glm45", "tiny-glm47": "glm47", "tiny-glm47-flash": "glm47", "tiny-glm5": "glm47",
-           "tiny-glm51": "glm47", "tiny-glm52": "glm47"}
+           "tiny-glm51": "glm47", "tiny-glm52": "glm47", "tiny-glm53-flash": "glm53"}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "查天气", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -100,14 +100,30 @@ def conversation(rng: random.Random) -> dict:
 
 
 def conversations(form: str, n: int = 50, seed: int = 0) -> list[dict]:
-    """`n` conversations; GLM-4.5's form gets no clear_thinking false where earlier turns reason (refused there)."""
+    """`n` conversations; GLM-4.5's form gets no clear_thinking false where earlier turns reason (refused there);
+    GLM-5.3-Flash's no enable_thinking false (its template always thinks), and call ids unique in a conversation (its
+    template orders a run of results by them)."""
     rng, out = random.Random(seed), []
     while len(out) < n:
         record = conversation(rng)
         if form == "glm45" and record.get("clear_thinking") is False:
             record["clear_thinking"] = True
+        if form == "glm53":
+            record.pop("enable_thinking", None)
+            _number_calls(record["messages"])
         out.append(record)
     return out
+
+
+def _number_calls(messages: list[dict]) -> None:
+    """Each call's id and its result's `tool_call_id` made c0, c1, ... in order."""
+    count, ids = 0, []
+    for message in messages:
+        for call in message.get("tool_calls", ()):
+            call["id"], count = f"c{count}", count + 1
+            ids.append(call["id"])
+        if message["role"] == "tool":
+            message["tool_call_id"] = ids.pop(0)
 
 
 # ----- the reference: transformers alone, in a process of its own -----
@@ -186,7 +202,7 @@ def _value(v) -> str:
 def _written(form: str, reasoning: str, content: str, calls: list, kept: bool, after_user: bool,
              thinking: bool) -> str:
     """The trained text of one assistant turn, less the role token after it."""
-    if form == "glm47":
+    if form in ("glm47", "glm53"):  # GLM-5.3-Flash writes the turns as GLM-4.7 does
         calls_text = "".join(f"<tool_call>{name}" + "".join(f"<arg_key>{k}</arg_key><arg_value>{_value(v)}</arg_value>"
                                                             for k, v in args.items()) + "</tool_call>"
                              for name, args in calls)
@@ -202,7 +218,7 @@ def _written(form: str, reasoning: str, content: str, calls: list, kept: bool, a
 
 def expected_runs(record: dict, form: str, loss_on: str = "all") -> list[str]:
     messages, flag = record["messages"], flags(record)
-    thinking = flag["enable_thinking"]
+    thinking = flag["enable_thinking"] or form == "glm53"  # GLM-5.3-Flash's template always thinks
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     role_of = {"tool": "<|observation|>", "user": "<|user|>", "assistant": "<|assistant|>", "system": "<|system|>"}
     runs = []
@@ -211,7 +227,8 @@ def expected_runs(record: dict, form: str, loss_on: str = "all") -> list[str]:
                 (loss_on == "last" and i != len(messages) - 1):
             continue
         reasoning, content, calls = _parts(message)
-        kept = bool(reasoning) and (i > last_user or (form == "glm47" and flag.get("clear_thinking") is False))
+        kept = bool(reasoning) and (i > last_user or (form == "glm47" and flag.get("clear_thinking") is False)
+                                    or (form == "glm53" and flag.get("clear_thinking") is not True))
         after = role_of[messages[i + 1]["role"]] if i + 1 < len(messages) else \
             ("<|observation|>" if calls else "<|user|>")
         runs.append(_written(form, reasoning, content, calls, kept, i > last_user, thinking) + after)
@@ -246,7 +263,8 @@ def test_fifty_conversations_are_the_templates_ids_trained_where_the_model_write
         assert ref["runs"] == expected_runs(record, form), record
     covered = {(r.get("enable_thinking"), r.get("clear_thinking"), bool(m.get("tool_calls")), len(
         m.get("tool_calls", ()))) for r in records for m in r["messages"]}
-    assert {t for t, *_ in covered} == {True, False, None} and {n for *_, n in covered} >= {0, 1, 2}
+    thinking = {None} if form == "glm53" else {True, False, None}  # GLM-5.3-Flash's template always thinks
+    assert {t for t, *_ in covered} == thinking and {n for *_, n in covered} >= {0, 1, 2}
 
 
 @pytest.mark.parametrize("effort", [None, "high"])

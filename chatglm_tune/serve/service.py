@@ -428,10 +428,10 @@ class Service:
         stop = tuple(self.format.stop_ids(self.tokenizer))
         if call.json_schema is None:
             return AgentTurn(prompt, self.tokenizer, stop, self.format.chat_thinking(flags), tools)
-        lead = self.format.text_answer_lead(self.tokenizer)  # what the template writes before content, thinking off
+        # what the template writes before content, thinking off (GLM-5.3-Flash, which always thinks: `</think>`)
         answer = self._grammar(grammar.lark([("", grammar.json_rule(call.json_schema))]), "response_format")
-        return AgentTurn(prompt + (self.tokenizer.encode_text(lead) if lead else []), self.tokenizer, stop, False,
-                         None, answer, json_answer=True)
+        return AgentTurn(prompt + self.format.answer_lead_ids(self.tokenizer), self.tokenizer, stop, False, None,
+                         answer, json_answer=True)
 
     def _template_flags(self, value) -> dict:
         """`chat_template_kwargs` checked: an object of the template's flags (`AgentFormat.template_flags`), each

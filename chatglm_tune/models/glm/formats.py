@@ -469,13 +469,22 @@ class TemplateFormat(GLM4Format):
         return ids + [tokenizer.get_command("<|assistant|>")] if generation_prompt else ids
 
     def answer_ids(self, tokenizer, answer: str, options: EncodingOptions) -> tuple[list[int], bool]:
-        ids = tokenizer.encode_text(self.answer_lead_text(tokenizer) + answer)
+        ids = self.answer_lead_ids(tokenizer, answer)
         room = options.answer_budget - 1
         return ids[:room] + [self.end_id(tokenizer)], len(ids) > room
 
     def text_answer_lead(self, tokenizer) -> str:
         """`answer_lead_text`: what the template writes before an assistant message's content."""
         return self.answer_lead_text(tokenizer)
+
+    def answer_lead_ids(self, tokenizer, answer: str = "") -> list[int]:
+        """The ids of `answer_lead_text` then `answer`: the lead's special tokens (GLM-5.3-Flash's `</think>`, its
+        generation prompt opening the reasoning) as the template's ids, the text after the last of them and the
+        answer as one run of text."""
+        lead = self.answer_lead_text(tokenizer)
+        spans = tokenizer.special_spans(lead)
+        cut = spans[-1][1] if spans else 0
+        return (tokenizer.encode_marked(lead[:cut]) if cut else []) + tokenizer.encode_text(lead[cut:] + answer)
 
     def answer_lead_text(self, tokenizer) -> str:
         """What the template writes after its generation prompt and before an assistant message's content

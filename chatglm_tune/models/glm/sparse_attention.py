@@ -23,7 +23,9 @@ The choice is `torch.topk`'s, as transformers makes it, ties included: where sco
 indexer's heads can all score a key 0 through their relu), which tied tokens `topk` returns depends on where they lie
 in memory, so a row left-padded in a batch may then attend to other tokens than alone, in transformers as here. With
 GLM-5's 32 indexer heads such ties are rare; the tiny preset has 8 heads (with 4, a served row met one within 20
-tokens).
+tokens). Near ties go the same way: a forward of several queries (a speculative verification) rounds the scores
+otherwise than one-token steps, and a top-k that is discontinuous may then choose another token at the k-th place
+(one of 2048 at full size, a small change; one of a tiny model's 8, often a different answer token).
 """
 
 from __future__ import annotations
