@@ -285,6 +285,22 @@ def expanded_latents(tuned, reference, rows: int) -> list[tuple[torch.Tensor, to
     return entries
 
 
+@pytest.mark.parametrize("tiny", ["glm5", "glm53-flash"], indirect=True)
+def test_a_bfloat16_load_keeps_in_float32_what_transformers_keeps(tiny):
+    """GLM-5's indexer head weights and routers, GLM-5.3-Flash's KDA convolution and decay, hyper-connection base and
+    scale and routers: float32 as in transformers' own bfloat16 load, every other weight bfloat16; it decodes."""
+    version, directory, _, tokenizer = tiny
+    ours = from_pretrained(directory, dtype=torch.bfloat16)
+    theirs = ARCHITECTURES[version][1].from_pretrained(directory, dtype=torch.bfloat16)
+    mine = {name: p.dtype for name, p in ours.named_parameters() if not name.startswith("prefix_encoder")}
+    kept = {name: p.dtype for name, p in theirs.named_parameters() if name in mine}
+    assert len(kept) == len(mine) and kept == mine
+    assert torch.float32 in set(mine.values()) and torch.bfloat16 in set(mine.values())
+    ids, mask, _ = batch(tokenizer, pad=True)
+    new = generate(ours, ids, mask, max_new_tokens=4, eos_token_id=None)
+    assert all(len(row) == 4 for row in new)
+
+
 def test_saving_writes_transformers_form_back(tiny, tmp_path):
     version, directory, reference, tokenizer = tiny
     ids, mask, positions = batch(tokenizer, pad=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -333,6 +334,7 @@ class GlmMoeDsaForCausalLMWithPrefix(_LatentPrefix, PrefixModel, GlmMoeDsaForCau
     as GLM-4.5's."""
 
     static_cache = True  # decodes on transformers' StaticCache (decoding.static_decoding)
+    keeps_float32 = True  # `_kept_float32`: the indexer's head weights, the routers
 
     def __init__(self, config):
         super().__init__(config)
@@ -344,6 +346,8 @@ class GlmMoeDsaForCausalLMWithPrefix(_LatentPrefix, PrefixModel, GlmMoeDsaForCau
 class Glm5NextForCausalLMWithPrefix(NextPrefix, PrefixModel, Glm5NextTextForCausalLM):
     """GLM-5.3-Flash: transformers' `glm5_next` text model and head under the released keys, with the P-tuning v2
     prefix in both kinds of its layers, its hybrid cache and left pads that change no row (`next_model.NextPrefix`)."""
+
+    keeps_float32 = True  # `_kept_float32`: the KDA convolution and decay, hyper-connections, routers
 
 
 # by TRANSFORMERS_FORMS' model_type
@@ -406,7 +410,8 @@ def load_glm(
     model, quantized = _empty_model(config, path, bits, group_size, stored, dtype if quantize_embedding else None)
     expected = {**dict(model.named_parameters()), **_persistent_buffers(model)}
     # released experts and convolutions (GLM-5.3-Flash's) in parts, which may span files
-    assemblers = (ExpertAssembler(model, expected, dtype), ConvAssembler(model, expected, dtype))
+    conv_dtype = torch.float32 if _kept_float32(model, "conv1d.weight", dtype) else dtype  # GLM-5.3-Flash's
+    assemblers = (ExpertAssembler(model, expected, dtype), ConvAssembler(model, expected, conv_dtype))
     vision: list[str] = []  # the keys of a released vision encoder (GLM-5.3-Flash's), not loaded
     for file in checkpoint.weight_files(path):
         _read_file(model, file, raw, expected, quantized, dtype, assemblers, vision)
@@ -547,12 +552,25 @@ def _place(model, name: str, part: torch.Tensor, file, key: str, expected: dict,
                   "ones packed [out, in/2])" if attr == "weight" and not target.is_floating_point() else "")
         raise CheckpointError(f"{file}: {key} gives {name} of shape {list(part.shape)}, the model expects "
                               f"{list(target.shape)}{layout}; does config.json match these weights?")
-    value = checkpoint.copy_out(name, part, dtype, pages, prefix_key=PREFIX_ENCODER)
+    value = checkpoint.copy_out(name, part, torch.float32 if _kept_float32(model, name, dtype) else dtype, pages,
+                                prefix_key=PREFIX_ENCODER)
     module = model.get_submodule(owner)
     if attr in module._buffers:  # a router's score correction
         module._buffers[attr] = value
     else:
         module._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+
+
+def _kept_float32(model: nn.Module, name: str, dtype: torch.dtype) -> bool:
+    """Whether the weight `name` loads in float32 rather than `dtype`: where the model's class says so
+    (`keeps_float32`: GLM-5, GLM-5.3-Flash), the modules transformers' own loading keeps in float32: in float16 and
+    bfloat16 its `_keep_in_fp32_modules_strict` (the routers; GLM-5.3-Flash's KDA convolution and decay, its
+    hyper-connections' base and scale), in float16 its `_keep_in_fp32_modules` too (GLM-5's indexer head weights)."""
+    if not getattr(model, "keeps_float32", False) or dtype == torch.float32:
+        return False
+    kept = [*(getattr(model, "_keep_in_fp32_modules_strict", None) or ()),
+            *((model._keep_in_fp32_modules or ()) if dtype == torch.float16 else ())]
+    return any(re.search(rf"(^|\.){re.escape(module)}(\.|$)", name) for module in kept)
 
 
 def _quantize_into(layer: QuantizedLinear | QuantizedEmbedding, name: str, part: torch.Tensor, file, key: str,
