@@ -1,8 +1,9 @@
 """The commands on the tiny presets of the GLMs of late 2026 (`tiny-glm5`: GLM-5's sparse attention;
-`tiny-glm53-flash`: GLM-5.3-Flash's linear attention beside it), besides what the shared version tests run on them (train full / P-tuning with projection / LoRA and infer: test_tiny_released_forms;
-LoRA on the experts, quantize 8 / 4 and infer on it, served chat: test_moe; served agent chat and streams:
-test_serve_agent; export: test_export_moe): a training run stopped and resumed, P-tuning without projection, and
-infer.py over a file in batches, stopped and resumed to the file an uninterrupted run writes."""
+`tiny-glm53-flash`: GLM-5.3-Flash's linear attention beside it), besides what the shared version tests run on them
+(train full / P-tuning with projection / LoRA and infer: test_tiny_released_forms; LoRA on the experts, quantize 8 / 4
+and infer on it, served chat: test_moe; served agent chat and streams: test_serve_agent; export: test_export_moe): a
+training run stopped and resumed, P-tuning without projection, and infer.py over a file in batches, stopped and
+resumed to the file an uninterrupted run writes."""
 
 import json
 import shutil
