@@ -30,37 +30,12 @@ import torch
 from transformers.models.glm5_next.modeling_glm5_next import (Glm5NextTextAttention, Glm5NextTextForgetGate,
                                                               Glm5NextTextLinearAttention)
 
+from chatglm_tune.models.glm.latent_attention import HeadPrefix
 
-class PrefixedSparseAttention(Glm5NextTextAttention):
-    """`Glm5NextTextAttention` with each head's prefix keys and values in place of the cache's first P latents, visible
-    to every query (module docstring)."""
 
-    # keys [b or 1, heads, P, qk_nope_head_dim + qk_rope_head_dim], values [b or 1, heads, P, v_head_dim], not rotated;
-    # set by the model (its `prefix_states`)
-    head_prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def prefix_length(self) -> int:
-        return 0 if self.head_prefix is None else self.head_prefix[0].shape[2]
-
-    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' keys and values of the cached latents, the heads' prefix in place of the first P."""
-        if self.head_prefix is None:
-            return super().expand_kv(kv_nope, k_rot)
-        keys, values = self.prefix_rows(kv_nope.shape[0])
-        p = keys.shape[2]
-        own_keys, own_values = super().expand_kv(kv_nope[:, :, p:], k_rot[:, :, p:])
-        return (torch.cat([keys.to(own_keys.dtype), own_keys], dim=2),
-                torch.cat([values.to(own_values.dtype), own_values], dim=2))
-
-    def prefix_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`head_prefix` for a batch of `rows`: as made, or its first row for each where decoding dropped or joined
-        rows since (no dropout outside training: every row's prefix is the same)."""
-        keys, values = self.head_prefix
-        if keys.shape[0] == rows:
-            return keys, values
-        if self.training:
-            raise ValueError(f"the prefix was made for {keys.shape[0]} rows, this forward has {rows}")
-        return keys[:1].expand(rows, -1, -1, -1), values[:1].expand(rows, -1, -1, -1)
+class PrefixedSparseAttention(HeadPrefix, Glm5NextTextAttention):
+    """`Glm5NextTextAttention` with each head's prefix keys and values in place of the cache's first P latents
+    (`latent_attention.HeadPrefix`, set by the model's `prefix_states`), visible to every query (module docstring)."""
 
     def build_attention_mask_from_topk(self, topk_indices: torch.Tensor, query_states: torch.Tensor,
                                        kv_length: int) -> torch.Tensor:
