@@ -134,8 +134,8 @@ def test_greedy_ids_equal_transformers_generate(plan):
 @torch.no_grad()
 def test_a_zero_length_prefix_is_none_and_a_zero_prefix_leaves_the_kda_layers_as_they_are(plan):
     """pre_seq_len 0 is no prefix. A prefix of zeros gives every KDA layer the zero state, what it starts from without
-    a prefix: the first layer (KDA) computes exactly the same; the sparse layers' zero keys still take attention
-    weight (the logits differ)."""
+    a prefix: the first layer (KDA) computes the same (to the rounding of the zero state's terms, which differs between
+    instruction sets); the sparse layers' zero keys still take attention weight (the logits differ)."""
     ids, mask = prompts(pad=True)
     plain = ours(plan)
     want = plain(ids, attention_mask=mask, output_hidden_states=True)
@@ -146,7 +146,7 @@ def test_a_zero_length_prefix_is_none_and_a_zero_prefix_leaves_the_kda_layers_as
     assert all(s is None or not s.any() for s in states) and any(s is not None for s in states)
     got = zero(ids, attention_mask=mask, output_hidden_states=True)
     assert isinstance(zero.model.layers[0].self_attn, PrefixedLinearAttention)
-    assert torch.equal(got.hidden_states[1], want.hidden_states[1])
+    assert (got.hidden_states[1] - want.hidden_states[1]).abs().max() < 1e-6  # the zero state's terms: rounding
     assert (got.logits - want.logits)[mask.bool()].abs().max() > 1e-4
 
 
