@@ -97,8 +97,9 @@ GLM5_NOTES = (
     "no-rotary key 192, value 256), a lightning indexer in every layer (32 heads of 128, top 2048 tokens), vocabulary "
     "154880. The multi-token-prediction layer the release ships (`model.layers.78.*`) is not counted.",
     "Measured copy: the first 3 layers (all dense, every attention part at full size) in the release's layout, random "
-    "bf16 weights, loaded by transformers' `GlmMoeDsaForCausalLM`; a routed-expert layer (19.3 GB of bf16 experts) "
-    "does not fit beside them on this 24 GiB machine, and its weights are exact in the accounting anyway.",
+    "bf16 weights, loaded by the toolkit (`GlmMoeDsaForCausalLM` on transformers' modules); a routed-expert layer "
+    "(19.3 GB of bf16 experts) does not fit beside them on this 24 GiB machine, and its weights are exact in the "
+    "accounting anyway. Through transformers' own class beside other jobs: prefill peak 9.17 GB, LoRA step 14.59 GB.",
 )
 GLM53_NOTES = (
     "Config (`bench/common/accounted_versions.py`): transformers' `Glm5NextTextConfig()` defaults, GLM-5.3-Flash's "
@@ -108,12 +109,14 @@ GLM53_NOTES = (
     "rotary dims (query latent 1536, key/value latent 512, key 256, value 256), an indexer of 32 heads of 128 over "
     "pools of 16 tokens (top 2048 tokens); 4 hyper-connection streams; vocabulary 154880. The multi-token-prediction "
     "layer (`layers.45.*`, `shared_head`) and the vision tower (`model.visual.*`) are not counted.",
-    "Measured copy: the first 4 layers (3 KDA, 1 sparse) in the release's layout, random bf16 weights, loaded by "
-    "transformers' `Glm5NextForConditionalGeneration` (text only: a 1-block, 32-wide stand-in vision tower that "
-    "nothing runs through); layer 3's MLP is the dense one of the first layers, not its 288 routed experts (14.5 GB of "
+    "Measured copy: the first 4 layers (3 KDA, 1 sparse) in the release's layout, random bf16 weights, loaded by the "
+    "toolkit (its text model on transformers' modules; the config's 1-block, 32-wide stand-in vision tower not "
+    "loaded); layer 3's MLP is the dense one of the first layers, not its 288 routed experts (14.5 GB of "
     "bf16 experts, which do not fit beside the rest on this 24 GiB machine and are exact in the accounting anyway). "
     "Its prefill is 1024 tokens and its LoRA step 512 (GLM-5's: 4096 and 4096): transformers' reference KDA on a CPU "
-    "holds 2 MiB of float32 a token in each of its chunk intermediates ([chunks x 64 x 64 x 128] a head).",
+    "holds 2 MiB of float32 a token in each of its chunk intermediates ([chunks x 64 x 64 x 128] a head). Through "
+    "transformers' own class beside other jobs: prefill peak 9.7 GB, LoRA step 13.1 GB (the toolkit's prefill holds "
+    "2.4 GB more: not yet traced).",
 )
 
 VERSIONS = {

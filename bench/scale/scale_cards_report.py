@@ -20,6 +20,9 @@ FLOAT_KEPT = {  # why a part stays float under INT8 / INT4 (scale_accounting.py'
 }
 
 
+QUIET_LOAD = 1.5  # a 1-minute load average below this before the measure: the bench's own write step, no other job
+
+
 def _gb(x: float, spec: str = ".2f") -> str:
     return format(x / GB, spec)
 
@@ -112,9 +115,11 @@ def measured_lines(results: dict, version: AccountedVersion) -> list[str]:
     weights, accounted = m["weights_bytes"], sum(a["slice"]["weights_bytes"].values())
     kernels = sum(activation_bytes(version, cfg, m["lora"]["tokens"]).values())
     busy = m["load_average"][0]
-    lines += ["", f"Measured {m['when']} beside other jobs on the 2 cores (load average {busy}): the seconds are "
-              "void, the memory is not. transformers' reference PyTorch paths (no flash-linear-attention or DSA "
-              "kernels on a CPU), bf16, 1 thread; the bf16 weights stay mapped from the files (RSS once read).", "",
+    where = (f"on a quiet machine (load average {busy} before it)" if busy < QUIET_LOAD else
+             f"beside other jobs on the 2 cores (load average {busy}): the seconds are void, the memory is not")
+    lines += ["", f"Measured {m['when']} {where}. The toolkit's loader of the released layout (`from_pretrained`), "
+              "on transformers' modules and their reference PyTorch paths (no flash-linear-attention or DSA kernels "
+              "on a CPU), bf16, 1 thread; each weight copied out of its file as it is read.", "",
               "| row | measured | accounted |", "|---|---|---|",
               f"| weights held | {_gb(weights)} GB | {_gb(accounted)} GB |",
               f"| prefill of {m['prefill']['tokens']} tokens: cache | {m['prefill']['cache_bytes'] / 1e6:.2f} MB | "

@@ -12,9 +12,9 @@ A_log, the routers' score-correction biases and the hyper-connections' bases zer
 else N(0, 0.02) from a generator seeded by its key (bench/common/checkpoint_writer.py's `make_tensor`), one shard in
 memory at a time.
 
-`measure` (a fresh process; the bench takes its peak RSS from outside): `from_pretrained(dir, dtype=bfloat16)` of
-the row's transformers class (its reference PyTorch paths: no flash-linear-attention or DSA kernels here; the bf16
-weights stay mapped from the files, in RSS as `RssFile` once read, the float32 ones copied), then
+`measure` (a fresh process; the bench takes its peak RSS from outside): the toolkit's `from_pretrained(dir,
+dtype=bfloat16)` of the released layout (the model on transformers' modules, their reference PyTorch paths: no
+flash-linear-attention or DSA kernels here; what transformers keeps in float32 read as float32), then
 1. a prefill of `--prefill-tokens` random ids with a cache (no gradients, the last position's logits only): its
    peak RSS (the window's own, `measure.PeakRSS`) and the cache's bytes, tensor by tensor;
 2. one LoRA step (the toolkit's `apply_lora` with `LoraOptions()` on the row's attention targets, gradient
@@ -123,9 +123,10 @@ def cache_of(output):
 
 
 def load(version: AccountedVersion, directory: Path):
-    import transformers
+    """The toolkit's loader of the released layout (what train.py and infer.py read it with), in bfloat16."""
+    from chatglm_tune import from_pretrained
 
-    return getattr(transformers, version.model_class).from_pretrained(directory, dtype=torch.bfloat16)
+    return from_pretrained(directory, dtype=torch.bfloat16)
 
 
 def prefill(model, vocab: int, tokens: int) -> dict:

@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (GlmMoeDsaAttention, apply_rotary_pos_emb_interleave,
                                                                   eager_attention_forward)
@@ -92,8 +91,8 @@ class SparseAttention(HeadPrefix, GlmMoeDsaAttention):
         """The positions [b, s, k] each query attends to: the indexer's top `index_topk` real tokens (scored as
         transformers' indexer scores them, `mask` [b, s, L] hiding as it does), after the P prefix positions."""
         indexer = self.indexer
-        scores = torch.matmul(query.float(), keys.transpose(-1, -2).float().unsqueeze(1))
-        scores = F.relu(scores * indexer.softmax_scale)
+        scores = torch.matmul(query.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # [b, s, heads, L]
+        scores.mul_(indexer.softmax_scale).relu_()  # in place: at 4K tokens each copy is 2 GB
         weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
         index_scores = torch.matmul((weights * indexer.n_heads ** -0.5).unsqueeze(-2), scores).squeeze(-2)
         if mask.dtype == torch.bool:
