@@ -278,6 +278,7 @@ def test_a_random_models_stream_is_well_formed(served):
 
 
 BAD = [({"chat_template_kwargs": {"reasoning_effort": "high"}}, "chat_template_kwargs.reasoning_effort"),
+       ({"reasoning_effort": "high"}, "reasoning_effort"),  # no reasoning-effort line in these templates
        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
        ({"chat_template_kwargs": {"clear_thinking": None}}, "chat_template_kwargs.clear_thinking"),
        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
@@ -319,6 +320,15 @@ def test_glm52_prompts_write_the_reasoning_effort_asked(tmp_path):
     with pytest.raises(ApiError) as err:
         turn_of(service, {"messages": ASKED, "chat_template_kwargs": {"reasoning_effort": "low"}})
     assert (err.value.status, err.value.param) == (400, "chat_template_kwargs.reasoning_effort")
+    # OpenAI's own top-level parameter asks the same
+    asked = {"messages": messages, "tools": TOOLS}
+    high = turn_of(service, {**asked, "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert turn_of(service, {**asked, "reasoning_effort": "high"}).prompt == high.prompt
+    for body in ({"reasoning_effort": "low"},
+                 {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "max"}}):
+        with pytest.raises(ApiError) as err:
+            turn_of(service, {"messages": ASKED, **body})
+        assert (err.value.status, err.value.param) == (400, "reasoning_effort"), body
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -342,10 +352,14 @@ def test_bad_chat_template_kwargs_over_http(served):
 
 
 def test_other_versions_ignore_reasoning_content_and_template_kwargs(tmp_path):
-    """GLM-4-9B's prompt is what it was: an assistant's reasoning_content and chat_template_kwargs change nothing."""
+    """GLM-4-9B's prompt is what it was: an assistant's reasoning_content and chat_template_kwargs change nothing; a
+    top-level reasoning_effort, which it has no line for, is a 400."""
     model, tokenizer = loading.load_run(loading.resolve_run(tiny_model("glm4", tmp_path / "glm4")))
     service = Service(model, tokenizer, served="tiny")
     plain = [ASKED[1], {"role": "assistant", "content": "好"}, ASKED[1]]
     reasoned = [ASKED[1], {**plain[1], "reasoning_content": "想一想"}, ASKED[1]]
     assert turn_of(service, {"messages": reasoned, "chat_template_kwargs": {"enable_thinking": True}}).prompt == \
            turn_of(service, {"messages": plain}).prompt
+    with pytest.raises(ApiError) as err:  # a reasoning effort it cannot write is said, not dropped
+        turn_of(service, {"messages": plain, "reasoning_effort": "high"})
+    assert (err.value.status, err.value.param) == (400, "reasoning_effort")

@@ -81,6 +81,7 @@ class Call:
     tool_name: str | None = None
     json_schema: dict | None = None  # chat: the JSON schema the answer keeps to (`response_format`), None for text
     template_kwargs: object = None  # chat: `chat_template_kwargs` as sent (the agent GLMs' service checks it)
+    reasoning_effort: object = None  # chat: OpenAI's `reasoning_effort` as sent (the service checks it)
     prompts: tuple[str, ...] = ()  # completions: texts, each inside the run's prompt format
     prompt_ids: tuple[tuple[int, ...], ...] = ()  # completions: or token ids, each the whole prompt
     echo: bool = False  # completions of token ids: the prompt comes back before the answer (with its logprobs)
@@ -128,6 +129,7 @@ def parse_call(body: object, *, kind: str, served: str, defaults: SamplingOption
         fields["tool_choice"], fields["tool_name"] = _tool_choice(body.get("tool_choice"))
         fields["json_schema"] = _response_schema(body.get("response_format"))
         fields["template_kwargs"] = body.get("chat_template_kwargs")
+        fields["reasoning_effort"] = body.get("reasoning_effort")
         if fields["json_schema"] is not None and fields["tools"] and fields["tool_choice"] != "none":
             raise bad("response_format", "a JSON answer and tools at once: leave one out (or tool_choice \"none\")")
     elif kind == "completion":

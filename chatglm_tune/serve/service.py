@@ -361,6 +361,7 @@ class Service:
         400 on bad messages. An assistant's `reasoning_content` is read by the agent GLMs alone."""
         if self.format.has_thinking:
             return self._agent_turn(call)
+        self._effort(call, {})  # a reasoning_effort is refused: these versions write no such line
         messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in call.messages]
         tools = call.tools if call.tool_choice != "none" else None  # "none": the tools are not offered
         called = self._called_tool(call)
@@ -408,7 +409,7 @@ class Service:
     def _agent_turn(self, call: Call) -> "AgentTurn":
         """The agent GLMs' turn (module docstring): the whole conversation through the release's chat template;
         400 naming the parameter it cannot take."""
-        flags = self._template_flags(call.template_kwargs)
+        flags = self._effort(call, self._template_flags(call.template_kwargs))
         if call.tool_choice in ("required", "function"):
             raise bad("tool_choice", f"a forced call (\"required\" or a named function) is not supported for "
                                      f"{self.format.title} yet (its XML calls are not decoded under a grammar here): "
@@ -432,6 +433,24 @@ class Service:
         answer = self._grammar(grammar.lark([("", grammar.json_rule(call.json_schema))]), "response_format")
         return AgentTurn(prompt + self.format.answer_lead_ids(self.tokenizer), self.tokenizer, stop, False, None,
                          answer, json_answer=True)
+
+    def _effort(self, call: Call, flags: dict) -> dict:
+        """`flags` with OpenAI's top-level `reasoning_effort` as the template's kwarg, where the template writes a
+        reasoning-effort line (GLM-5.2, GLM-5.3-Flash) and the value is one of its efforts; 400 naming
+        `reasoning_effort` otherwise, or where `chat_template_kwargs.reasoning_effort` says another."""
+        effort = call.reasoning_effort
+        if effort is None:
+            return flags
+        line = getattr(self.format, "effort", None)
+        if line is None:
+            raise bad("reasoning_effort", f"{self.format.title}'s chat template writes no reasoning-effort line "
+                                          "(GLM-5.2's and GLM-5.3-Flash's do): leave reasoning_effort out")
+        if effort not in line.values:
+            raise bad("reasoning_effort", f"must be one of {', '.join(line.values)}, got {effort!r:.80}")
+        if flags.get("reasoning_effort", effort) != effort:
+            raise bad("reasoning_effort", f"{effort!r} where chat_template_kwargs.reasoning_effort says "
+                                          f"{flags['reasoning_effort']!r}: leave one out")
+        return {**flags, "reasoning_effort": effort}
 
     def _template_flags(self, value) -> dict:
         """`chat_template_kwargs` checked: an object of the template's flags (`AgentFormat.template_flags`), each
