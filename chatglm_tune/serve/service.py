@@ -437,7 +437,7 @@ class Service:
     def _effort(self, call: Call, flags: dict) -> dict:
         """`flags` with OpenAI's top-level `reasoning_effort` as the template's kwarg, where the template writes a
         reasoning-effort line (GLM-5.2, GLM-5.3-Flash) and the value is one of its efforts; 400 naming
-        `reasoning_effort` otherwise, or where `chat_template_kwargs.reasoning_effort` says another."""
+        `reasoning_effort` otherwise, or where the reasoning_effort of `chat_template_kwargs` says another."""
         effort = call.reasoning_effort
         if effort is None:
             return flags
