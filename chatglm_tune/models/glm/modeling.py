@@ -154,17 +154,7 @@ class PrefixModel(Chat):
         """
         ref = input_ids if input_ids is not None else inputs_embeds
         b, s = ref.shape[:2]
-        checkpointing = self.training and any(layer.gradient_checkpointing for layer in self.model.layers)
-        if checkpointing:
-            if cache is not None:
-                raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
-            if self.pre_seq_len and any(reentrant_checkpointing(layer) for layer in self.model.layers):
-                # Reentrant checkpointing only differentiates its positional inputs: the prefix, held in
-                # the cache, would be backpropagated once per layer through one shared graph.
-                raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the "
-                                 "default)")
-            use_cache = False
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = self._use_cache(cache, use_cache)
         keep_cache = True
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
@@ -191,16 +181,34 @@ class PrefixModel(Chat):
             position_ids = torch.arange(past, past + s, device=ref.device).expand(b, s)
         inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
                       inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        if labels is None:
-            out = super().forward(**inputs, logits_to_keep=logits_to_keep)
-        else:  # the output layer on the labelled positions only, in chunks (loss.causal_lm_loss)
-            trunk = self.model(**inputs)
-            out = CausalLMOutputWithPast(loss=causal_lm_loss(self.lm_head, trunk.last_hidden_state, labels),
-                                         cache=trunk.cache, hidden_states=trunk.hidden_states,
-                                         attentions=trunk.attentions)
+        out = self._outputs(inputs, labels, logits_to_keep, super().forward)
         if not keep_cache or not use_cache:
             out.cache = None
         return out
+
+    def _use_cache(self, cache: Cache | None, use_cache: bool | None) -> bool:
+        """Whether the forward keeps a cache: as asked (default: the config's), never under gradient checkpointing in
+        training, which takes none (the prefix is made in the forward) and only the non-reentrant kind with a prefix:
+        reentrant checkpointing only differentiates its positional inputs, and the prefix, held in the cache, would be
+        backpropagated once per layer through one shared graph."""
+        layers = self.model.layers
+        if not (self.training and any(layer.gradient_checkpointing for layer in layers)):
+            return self.config.use_cache if use_cache is None else use_cache
+        if cache is not None:
+            raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
+        if self.pre_seq_len and any(reentrant_checkpointing(layer) for layer in layers):
+            raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
+        return False
+
+    def _outputs(self, inputs: dict, labels: torch.LongTensor | None, logits_to_keep, logits_forward):
+        """The forward's output for the trunk's `inputs`: `logits_forward` (the transformers class's forward) without
+        labels; with them the loss, the output layer run on the labelled positions only, in chunks
+        (`loss.causal_lm_loss`), and no logits."""
+        if labels is None:
+            return logits_forward(**inputs, logits_to_keep=logits_to_keep)
+        trunk = self.model(**inputs)
+        return CausalLMOutputWithPast(loss=causal_lm_loss(self.lm_head, trunk.last_hidden_state, labels),
+                                      cache=trunk.cache, hidden_states=trunk.hidden_states, attentions=trunk.attentions)
 
     def prompt_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """None: the forward derives positions from the attention mask (what a decoding loop asks first)."""

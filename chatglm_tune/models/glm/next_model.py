@@ -22,6 +22,8 @@ one example's state into the next.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -34,8 +36,7 @@ from transformers.models.glm5_next.modeling_glm5_next import (Glm5NextPreTrained
 from chatglm_tune.models.glm.next_cache import HybridCache, PrefixStates, adopt, cached_entries, seed_prefix
 from chatglm_tune.models.glm.next_layers import PadKeepingForgetGate, PrefixedLinearAttention, PrefixedSparseAttention
 from chatglm_tune.models.glm.next_prefix import prefix_parts, prefix_state
-from chatglm_tune.models.glm.prefix import positions_from_mask, reentrant_checkpointing
-from chatglm_tune.models.loss import causal_lm_loss
+from chatglm_tune.models.glm.prefix import positions_from_mask
 from chatglm_tune.models.prefix import cache_empty
 
 # The text model's keys in the released model (the vision encoder's are under "model.visual.")
@@ -179,29 +180,10 @@ class NextPrefix:
                             else torch.arange(past, past + s, device=ref.device).expand(b, s))
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                       inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        if labels is None:
-            out = Glm5NextTextForCausalLM.forward(self, **inputs, logits_to_keep=logits_to_keep)
-        else:  # the output layer on the labelled positions only, in chunks (loss.causal_lm_loss)
-            trunk = self.model(**inputs)
-            out = CausalLMOutputWithPast(loss=causal_lm_loss(self.lm_head, trunk.last_hidden_state, labels),
-                                         cache=trunk.cache, hidden_states=trunk.hidden_states,
-                                         attentions=trunk.attentions)
+        out = self._outputs(inputs, labels, logits_to_keep, functools.partial(Glm5NextTextForCausalLM.forward, self))
         if not keep:
             out.cache = None
         return out
-
-    def _use_cache(self, cache: Cache | None, use_cache: bool | None) -> bool:
-        """Whether the forward keeps a cache: as asked (default: the config's), never under gradient checkpointing in
-        training, which takes none (the prefix is made in the forward) and only the non-reentrant kind with a prefix
-        (the reentrant kind differentiates positional inputs only, and the prefix is none)."""
-        layers = self.model.layers
-        if not (self.training and any(layer.gradient_checkpointing for layer in layers)):
-            return self.config.use_cache if use_cache is None else use_cache
-        if cache is not None:
-            raise ValueError("gradient checkpointing in training takes no cache (the prefix is built here)")
-        if self.pre_seq_len and any(reentrant_checkpointing(layer) for layer in layers):
-            raise ValueError("P-tuning needs non-reentrant gradient checkpointing (use_reentrant=False, the default)")
-        return False
 
     def _cache_with_prefix(self, cache: Cache | None, use_cache: bool, rows: int) -> tuple[Cache | None, bool]:
         """(the cache the layers get, whether the forward returns it): the given one (its layers made where it has
