@@ -90,6 +90,7 @@ class PromptFormat:
     tool_arguments_form: str | None = None  # how a call's arguments are written: "json" (GLM-4), "python" (ChatGLM3)
     declared_calls_only: bool = False  # a call's first line must name a declared tool (GLM-4), else any (ChatGLM3)
     has_thinking: bool = False  # its chat template takes enable_thinking / clear_thinking (the agent GLMs)
+    effort = None  # the reasoning-effort line its chat template writes (GLM-5.2, GLM-5.3-Flash): its `values`, or None
     stream_lookahead: int = 0  # characters a stream holds back: the post-processing of the last ones may change
     # The chat as engines outside the toolkit write it (export.py): a Jinja chat template (GGUF metadata, a
     # transformers tokenizer_config.json), ollama's Go template (INSTRUCTION marks where a run's instruction
@@ -97,6 +98,17 @@ class PromptFormat:
     jinja_template: str = ""
     ollama_template: str = ""
     stop_texts: tuple[str, ...] = ()
+
+    def effort_problem(self, effort) -> str | None:
+        """Why `effort` cannot be the template's `reasoning_effort` (a template without the line, or an effort it does
+        not write), None where it can (or none is asked)."""
+        if effort is None:
+            return None
+        if self.effort is None:
+            return f"{self.title}'s chat template writes no reasoning-effort line (GLM-5.2's and GLM-5.3-Flash's do)"
+        if effort not in self.effort.values:
+            return f"{self.title}'s chat template takes {', '.join(self.effort.values)}, not {effort!r:.80}"
+        return None
 
     def prompt_ids(self, tokenizer, record: SPORecord, options: EncodingOptions) -> tuple[list[int], bool]:
         """(the prompt of a record, whether its text was cut to fit `options`)."""

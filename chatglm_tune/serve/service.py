@@ -441,12 +441,9 @@ class Service:
         effort = call.reasoning_effort
         if effort is None:
             return flags
-        line = getattr(self.format, "effort", None)
-        if line is None:
-            raise bad("reasoning_effort", f"{self.format.title}'s chat template writes no reasoning-effort line "
-                                          "(GLM-5.2's and GLM-5.3-Flash's do): leave reasoning_effort out")
-        if effort not in line.values:
-            raise bad("reasoning_effort", f"must be one of {', '.join(line.values)}, got {effort!r:.80}")
+        why = self.format.effort_problem(effort)
+        if why:
+            raise bad("reasoning_effort", why)
         if flags.get("reasoning_effort", effort) != effort:
             raise bad("reasoning_effort", f"{effort!r} where chat_template_kwargs.reasoning_effort says "
                                           f"{flags['reasoning_effort']!r}: leave one out")
@@ -464,9 +461,9 @@ class Service:
                 raise bad(f"chat_template_kwargs.{key}", f"{self.format.title}'s chat template takes "
                                                           f"{', '.join(self.format.template_flags)}, not {key!r}")
             if key == "reasoning_effort":
-                if flag not in self.format.effort.values:
-                    raise bad(f"chat_template_kwargs.{key}", f"must be one of {', '.join(self.format.effort.values)}, "
-                                                              f"got {flag!r:.80}")
+                why = self.format.effort_problem(flag) if flag is not None else "must name an effort, not null"
+                if why:
+                    raise bad(f"chat_template_kwargs.{key}", why)
             elif not isinstance(flag, bool):
                 raise bad(f"chat_template_kwargs.{key}", f"must be true or false, got {flag!r:.80}")
         return dict(value)

@@ -214,12 +214,9 @@ def check_thinking(prompt_format, encoding: EncodingOptions, records) -> None:
         what = f"--{given[0].replace('_', '-')}" if given else f"{own.source}'s enable_thinking / clear_thinking"
         raise ValueError(f"{what}: {prompt_format.title}'s chat has no thinking (GLM-4.5 / 4.6 / 4.7 and "
                          "GLM-4.7-Flash have)")
-    effort = encoding.reasoning_effort
-    line = getattr(prompt_format, "effort", None)
-    if effort is not None and (line is None or effort not in line.values):
-        raise ValueError(f"--reasoning-effort {effort}: {prompt_format.title}'s chat template "
-                         + (f"takes {', '.join(line.values)}" if line else "writes no reasoning-effort line "
-                            "(GLM-5.2's does)"))
+    why = prompt_format.effort_problem(encoding.reasoning_effort)
+    if why:
+        raise ValueError(f"--reasoning-effort {encoding.reasoning_effort}: {why}")
     if given and not any(r.dialogue is not None for r in records):
         raise ValueError(f"--{given[0].replace('_', '-')} applies to conversation records; these are not (their "
                          "prompts are rendered with thinking off)")
