@@ -32,7 +32,6 @@ from torch import nn
 from transformers.models.glm5_next.modeling_glm5_next import recurrent_kimi_delta_attention
 
 from chatglm_tune.models.prefix import PrefixEncoder
-from chatglm_tune.quant import cpu_matmul
 
 LINEAR = "linear_attention"  # `config.layer_types`' name of a KDA layer (the others are sparse attention)
 
@@ -72,14 +71,6 @@ def next_prefix_formula(config) -> str:
     return (f"linear_layers * linear_num_heads * 2 * linear_head_dim + sparse_layers * heads * (qk_nope_head_dim + "
             f"qk_rope_head_dim + v_head_dim) = {linear} * {c.linear_num_heads} * 2 * {c.linear_head_dim} + {sparse} * "
             f"{c.num_attention_heads} * ({c.qk_nope_head_dim} + {c.qk_rope_head_dim} + {c.v_head_dim})")
-
-
-def next_prefix_encoder(config) -> PrefixEncoder:
-    """The family's encoder at this model's width (its projection starts from an embedding of width W)."""
-    width = next_prefix_width(config)
-    projection = bool(getattr(config, "prefix_projection", False))
-    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, projection, embedding_dim=width)
-    return cpu_matmul.adopt(encoder)
 
 
 def prefix_parts(encoder: PrefixEncoder, dropout: nn.Module, config, batch_size: int,

@@ -82,12 +82,10 @@ def prefix_formula(config) -> str:
 
 
 def prefix_encoder(config) -> PrefixEncoder:
-    """The encoder of this family: its projection starts from an embedding of width W (ChatGLM-6B's from hidden)."""
-    if hybrid(config):
-        return next_prefix.next_prefix_encoder(config)
-    width = prefix_width(config)
-    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, bool(config.prefix_projection),
-                            embedding_dim=width)
+    """The encoder of this family: its projection starts from an embedding of width W (ChatGLM-6B's from hidden; a
+    `hybrid` config's W: `prefix_width`)."""
+    width, projection = prefix_width(config), bool(getattr(config, "prefix_projection", False))
+    encoder = PrefixEncoder(config.pre_seq_len, width, config.hidden_size, projection, embedding_dim=width)
     return cpu_matmul.adopt(encoder)  # as the model's own Linears
 
 
