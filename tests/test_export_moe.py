@@ -22,7 +22,7 @@ gguf = pytest.importorskip("gguf", reason='the export extra is not installed: pi
 from bench.serve.serve_servers import LLAMA_SERVER_BUILD, find_llama_server, llama_server  # noqa: E402
 from serving import ROOT, TEXTS, tiny_model  # noqa: E402
 
-import export as export_cli  # noqa: E402
+from test_export import export  # noqa: E402  (export.py's exit status)
 
 from chatglm_tune.export import gguf_moe  # noqa: E402
 from chatglm_tune.export.gguf_file import write_gguf  # noqa: E402
@@ -84,15 +84,6 @@ def runs(tiny, tmp_path_factory):
             args = ["--model", tiny[version], "--tuning", tuning, *extra, *flags, "--output-dir", out[version][tuning]]
             assert train_cli.main([str(a) for a in args]) == 0
     return out
-
-
-def export(*args) -> int:
-    """export.py's exit status."""
-    try:
-        export_cli.main([str(a) for a in args])
-    except SystemExit as stop:
-        return stop.code
-    return 0
 
 
 def toolkit_model(directory: Path):
